@@ -1,0 +1,3 @@
+from snugkv.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,15 @@
+"""Shared test setup: the `cuda` marker skips cleanly on machines without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip_cuda = pytest.mark.skip(reason="needs a CUDA GPU (run scripts/gpu_check.sh on the device)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip_cuda)
