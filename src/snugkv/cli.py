@@ -1,0 +1,45 @@
+"""The `snugkv` command: one subcommand per module in `snugkv.commands`.
+
+Each command module defines `register(subparsers)`, which adds its parser and sets
+`func=run` where `run(args) -> int` does the work. Imports stay lazy so `snugkv --help`
+is instant and a CPU machine never imports CUDA-only code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+COMMANDS = ("demo", "generate", "chat", "serve", "memory", "bench")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="snugkv", description=__doc__.splitlines()[0])
+    parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMANDS:
+        try:
+            module = importlib.import_module(f"snugkv.commands.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"snugkv.commands.{name}":
+                raise
+            continue
+        module.register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+    )
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    return int(args.func(args) or 0)

@@ -1,0 +1,1 @@
+"""Subcommands of the `snugkv` CLI; each module defines `register(subparsers)`."""
