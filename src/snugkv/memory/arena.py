@@ -1,0 +1,212 @@
+"""The KV arena: one reserved virtual range, named buffers inside it, commit watermarks.
+
+The arena owns the address range and the physical extensions behind it. It never decides how
+much to commit: pools ask for a byte count per buffer, sizing decides the token count. Buffers
+sit at granularity-aligned offsets; each buffer is backed from its start up to a watermark, one
+driver extension per growth step. Tensors handed out are zero-copy views that keep the arena
+alive; `close()` refuses while any view lives, so the range is never unmapped under a tensor.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from snugkv.memory.layout import BufferLayout
+from snugkv.memory.views import byte_view, typed_view
+from snugkv.memory.vmm import GIB, KIB, CommitError, Extension, VirtualMemory
+
+logger = logging.getLogger(__name__)
+
+
+class ArenaClosedError(RuntimeError):
+    """The arena was closed; its buffers can no longer be used."""
+
+
+@dataclass(slots=True)
+class ArenaBuffer:
+    """One buffer placed in the arena: `reserved_bytes` of address space at `offset`."""
+
+    layout: BufferLayout
+    max_num_tokens: int
+    offset: int
+    reserved_bytes: int
+    extensions: list[Extension] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.layout.name
+
+    @property
+    def committed_bytes(self) -> int:
+        return sum(extension.size_bytes for extension in self.extensions)
+
+
+class KvArena:
+    """A reserved virtual range holding KV buffers, backed on demand through `vmm`."""
+
+    def __init__(self, vmm: VirtualMemory, reserved_bytes: int, label: str = "kv") -> None:
+        if reserved_bytes <= 0:
+            raise ValueError(f"reserved_bytes must be positive, got {reserved_bytes}")
+        self.vmm = vmm
+        self.label = label
+        self.reserved_bytes = vmm.align_up(reserved_bytes)
+        self.base_address = vmm.reserve(self.reserved_bytes)
+        self._buffers: dict[str, ArenaBuffer] = {}
+        self._cursor_bytes = 0
+        self._live_views = 0
+        self._views_lock = threading.Lock()
+        self._closed = False
+        logger.info(
+            "%s arena: reserved_va=%.2f GiB granularity=%d KiB device=%s (virtual, not physical)",
+            label,
+            self.reserved_bytes / GIB,
+            vmm.granularity_bytes // KIB,
+            vmm.device,
+        )
+
+    @property
+    def device(self) -> torch.device:
+        return self.vmm.device
+
+    @property
+    def buffers(self) -> list[ArenaBuffer]:
+        return list(self._buffers.values())
+
+    @property
+    def placed_bytes(self) -> int:
+        return self._cursor_bytes
+
+    @property
+    def committed_bytes(self) -> int:
+        return sum(buffer.committed_bytes for buffer in self._buffers.values())
+
+    @property
+    def live_views(self) -> int:
+        return self._live_views
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ArenaClosedError(f"{self.label} arena is closed")
+
+    def add_buffer(self, layout: BufferLayout, max_num_tokens: int) -> ArenaBuffer:
+        """Place a buffer big enough for `max_num_tokens` usable tokens; nothing is backed."""
+        self._check_open()
+        if layout.name in self._buffers:
+            raise ValueError(f"{self.label} arena already has a buffer named {layout.name!r}")
+        size_bytes = self.vmm.align_up(layout.bytes_for_tokens(max_num_tokens))
+        if self._cursor_bytes + size_bytes > self.reserved_bytes:
+            raise ValueError(
+                f"{self.label} arena: buffer {layout.name!r} needs {size_bytes / GIB:.3f} GiB but only "
+                f"{(self.reserved_bytes - self._cursor_bytes) / GIB:.3f} GiB of the reserved range is left; "
+                "reserve a larger range or ask for fewer tokens"
+            )
+        buffer = ArenaBuffer(layout, max_num_tokens, self._cursor_bytes, size_bytes)
+        self._buffers[layout.name] = buffer
+        self._cursor_bytes += size_bytes
+        return buffer
+
+    def view(self, buffer: ArenaBuffer) -> torch.Tensor:
+        """The buffer as a tensor of its upper-bound shape; only committed bytes may be touched."""
+        self._check_open()
+        with self._views_lock:
+            self._live_views += 1
+        raw = byte_view(
+            self.base_address + buffer.offset,
+            buffer.reserved_bytes,
+            self.device,
+            owner=self,
+            on_release=self._view_released,
+        )
+        layout = buffer.layout
+        shape = layout.shape_for_tokens(buffer.max_num_tokens)
+        return typed_view(raw[: layout.bytes_for_tokens(buffer.max_num_tokens)], layout.dtype, shape)
+
+    def _view_released(self) -> None:
+        with self._views_lock:
+            self._live_views -= 1
+
+    def commit(self, targets: dict[str, int]) -> int:
+        """Back each named buffer up to its target byte count (rounded up to a granule).
+
+        Growing adds one extension per buffer; shrinking drops extensions from the top (the
+        one that straddles the new end is replaced by a smaller one, losing its contents).
+        All or nothing: if any commit fails, every extension made by this call is released
+        and the `CommitError` propagates. Returns the bytes newly committed.
+        """
+        self._check_open()
+        plans = [
+            (self._buffers[name], self._target_bytes(self._buffers[name], size))
+            for name, size in targets.items()
+        ]
+        self._synchronize()
+        for buffer, target in plans:
+            if target < buffer.committed_bytes:
+                self._shrink(buffer, target)
+        added: list[tuple[ArenaBuffer, Extension]] = []
+        try:
+            for buffer, target in plans:
+                start = buffer.committed_bytes
+                if target > start:
+                    extension = self.vmm.commit(self.base_address + buffer.offset + start, target - start)
+                    buffer.extensions.append(extension)
+                    added.append((buffer, extension))
+        except CommitError:
+            for buffer, extension in reversed(added):
+                buffer.extensions.remove(extension)
+                self.vmm.decommit(extension)
+            raise
+        return sum(extension.size_bytes for _, extension in added)
+
+    def _target_bytes(self, buffer: ArenaBuffer, size_bytes: int) -> int:
+        if size_bytes < 0:
+            raise ValueError(f"{buffer.name}: cannot back a negative byte count ({size_bytes})")
+        if size_bytes > buffer.reserved_bytes:
+            raise ValueError(
+                f"{buffer.name}: {size_bytes} bytes exceed the {buffer.reserved_bytes} reserved for it "
+                f"(upper bound {buffer.max_num_tokens} tokens)"
+            )
+        return self.vmm.align_up(size_bytes)
+
+    def _shrink(self, buffer: ArenaBuffer, target: int) -> None:
+        while buffer.extensions and buffer.committed_bytes > target:
+            top = buffer.extensions.pop()
+            self.vmm.decommit(top)
+            kept = target - buffer.committed_bytes
+            if kept > 0:
+                buffer.extensions.append(self.vmm.commit(top.address, kept))
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def close(self) -> None:
+        """Decommit every extension and release the range; idempotent.
+
+        Refuses while views are alive: drop every tensor from `view()` (and the pools holding
+        them) first.
+        """
+        if self._closed:
+            return
+        if self._live_views:
+            raise RuntimeError(
+                f"{self.label} arena still has {self._live_views} live tensor view(s); "
+                "release the KV pools and their tensors before closing it"
+            )
+        self._synchronize()
+        for buffer in reversed(list(self._buffers.values())):
+            while buffer.extensions:
+                self.vmm.decommit(buffer.extensions.pop())
+        self.vmm.release(self.base_address, self.reserved_bytes)
+        self._closed = True
+
+    def __del__(self) -> None:
+        # Only reachable when no view holds the arena; a failure here must not raise at exit.
+        try:
+            if not self._closed and not self._live_views:
+                self.close()
+        except Exception:
+            pass

@@ -1,0 +1,257 @@
+"""KV pools: the buffers that hold K/V per slot, laid out in a `KvArena`.
+
+A pool is created in one of two modes:
+- `post-capture`: buffers are virtual addresses only, sized for an upper bound of tokens.
+  `ensure_prefix()` backs the dummy page before graph capture; `finalize_backing(n)` backs
+  exactly what n tokens need once sizing has measured free memory.
+- `static`: every byte is backed at creation (the classic approach, and the fallback).
+
+A pool owns where KV lives; it never decides how many tokens fit (sizing does) nor which
+slots are used (allocators do). Subclasses describe their buffers as `BufferLayout`s in
+token groups (SWA has two: full and window); everything else is shared here.
+"""
+
+from __future__ import annotations
+
+import logging
+from enum import StrEnum
+
+import torch
+
+from snugkv.memory.arena import ArenaBuffer, KvArena
+from snugkv.memory.layout import BufferLayout, KVLayout, parse_kv_dtype
+from snugkv.memory.vmm import GIB, create_vmm
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_GROUP = "full"
+
+
+class PoolMode(StrEnum):
+    POST_CAPTURE = "post-capture"
+    STATIC = "static"
+
+
+class KVPool:
+    """Shared machinery of every pool: placement, views, backing, byte math.
+
+    Subclasses call `_place(layouts_by_group)` from their constructor and may override
+    `tokens_per_group` when groups hold different token counts.
+    """
+
+    def __init__(
+        self,
+        *,
+        dtype: torch.dtype | str,
+        page_size: int,
+        layout: KVLayout | str,
+        max_num_tokens: int,
+        device: torch.device | str,
+        mode: PoolMode | str,
+        arena: KvArena | None,
+    ) -> None:
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        if max_num_tokens < page_size:
+            raise ValueError(f"max_num_tokens={max_num_tokens} is below one page ({page_size} tokens)")
+        self.dtype = parse_kv_dtype(dtype)
+        self.page_size = page_size
+        self.layout = KVLayout(layout)
+        self.device = torch.device(device)
+        self.mode = PoolMode(mode)
+        self.max_num_tokens = max_num_tokens // page_size * page_size
+        self._arena = arena
+        self._buffers: dict[str, list[ArenaBuffer]] = {}
+        self.capacity_tokens = 0
+
+    # -- construction -------------------------------------------------------------------
+    def _place(self, layouts_by_group: dict[str, list[BufferLayout]]) -> dict[str, torch.Tensor]:
+        """Lay the buffers out in the arena (made here if none was given) and return views."""
+        upper = self.tokens_per_group(self.max_num_tokens)
+        if self._arena is None:
+            vmm = create_vmm(self.device)
+            need = sum(
+                vmm.align_up(layout.bytes_for_tokens(upper[group]))
+                for group, layouts in layouts_by_group.items()
+                for layout in layouts
+            )
+            self._arena = KvArena(vmm, need, label=type(self).__name__)
+        views: dict[str, torch.Tensor] = {}
+        for group, layouts in layouts_by_group.items():
+            placed = [self._arena.add_buffer(layout, upper[group]) for layout in layouts]
+            self._buffers[group] = placed
+            views.update({buffer.name: self._arena.view(buffer) for buffer in placed})
+        if self.mode is PoolMode.STATIC:
+            self._back(self.max_num_tokens)
+            self._log("KV Cache is allocated.")
+        else:
+            self._log("KV Cache VA upper bound.")
+        return views
+
+    def _log(self, prefix: str) -> None:
+        tokens = self.tokens_per_group(self.max_num_tokens)
+        for group, buffers in self._buffers.items():
+            sizes = {}
+            for buffer in buffers:
+                kind = buffer.name.split(".")[-1]
+                sizes[kind] = sizes.get(kind, 0) + buffer.layout.bytes_for_tokens(tokens[group])
+            sized = ", ".join(f"{kind.upper()} size: {size / GIB:.2f} GB" for kind, size in sizes.items())
+            where = f" [{group}]" if len(self._buffers) > 1 else ""
+            logger.info("%s%s dtype: %s, #tokens: %d, %s", prefix, where, self.dtype, tokens[group], sized)
+
+    # -- byte math ----------------------------------------------------------------------
+    def tokens_per_group(self, num_tokens: int) -> dict[str, int]:
+        """Usable tokens each buffer group holds when the pool holds `num_tokens`."""
+        return {DEFAULT_GROUP: num_tokens}
+
+    def bytes_for_tokens(self, num_tokens: int) -> int:
+        """Bytes the backend commits (granule-aligned per buffer) for `num_tokens`."""
+        return sum(self._targets(num_tokens).values())
+
+    def _targets(self, num_tokens: int) -> dict[str, int]:
+        arena = self.arena
+        tokens = self.tokens_per_group(num_tokens)
+        return {
+            buffer.name: arena.vmm.align_up(buffer.layout.bytes_for_tokens(tokens[group]))
+            for group, buffers in self._buffers.items()
+            for buffer in buffers
+        }
+
+    @property
+    def bytes_per_token(self) -> float:
+        """Average bytes one more token costs across all buffers (sub-pools in their ratio)."""
+        probe = self.page_size * 1_000_000
+        return sum(
+            buffer.layout.slot_bytes * tokens / probe
+            for group, tokens in self.tokens_per_group(probe).items()
+            for buffer in self._buffers[group]
+        )
+
+    def max_tokens_within(self, budget_bytes: int) -> int:
+        """The most tokens (a page multiple, <= the upper bound) whose backing fits the budget."""
+        low, high = 0, self.max_num_tokens // self.page_size
+        if self.bytes_for_tokens(0) > budget_bytes:
+            return 0
+        while low < high:
+            mid = (low + high + 1) // 2
+            if self.bytes_for_tokens(mid * self.page_size) <= budget_bytes:
+                low = mid
+            else:
+                high = mid - 1
+        return low * self.page_size
+
+    # -- backing ------------------------------------------------------------------------
+    @property
+    def arena(self) -> KvArena:
+        if self._arena is None:
+            raise RuntimeError(f"{type(self).__name__} has not placed its buffers yet")
+        return self._arena
+
+    @property
+    def committed_bytes(self) -> int:
+        return sum(buffer.committed_bytes for buffers in self._buffers.values() for buffer in buffers)
+
+    @property
+    def reserved_bytes(self) -> int:
+        return sum(buffer.reserved_bytes for buffers in self._buffers.values() for buffer in buffers)
+
+    def _back(self, num_tokens: int) -> None:
+        self.arena.commit(self._targets(num_tokens))
+        self.capacity_tokens = num_tokens
+
+    def ensure_prefix(self) -> None:
+        """Back the dummy page of every buffer (what graph capture and padded rows touch)."""
+        if self.committed_bytes < self.bytes_for_tokens(0):
+            self.arena.commit(self._targets(0))
+
+    def finalize_backing(self, num_tokens: int) -> int:
+        """Back exactly what `num_tokens` usable tokens need; returns the page-aligned count.
+
+        Raises `CommitError` (with nothing newly mapped) when the memory is not there.
+        """
+        if num_tokens < 0 or num_tokens > self.max_num_tokens:
+            raise ValueError(
+                f"cannot back {num_tokens} tokens: the pool's upper bound is {self.max_num_tokens} "
+                f"(reserved {self.reserved_bytes / GIB:.2f} GiB of address space)"
+            )
+        num_tokens = num_tokens // self.page_size * self.page_size
+        self._back(num_tokens)
+        return num_tokens
+
+    def close(self) -> None:
+        """Drop this pool's views and release the arena when the pool made it."""
+        self._drop_views()
+        if self._arena is not None and self._arena.label == type(self).__name__:
+            self._arena.close()
+
+    def _drop_views(self) -> None:
+        raise NotImplementedError
+
+    # -- writes -------------------------------------------------------------------------
+    def _store(self, buffer: torch.Tensor, loc: torch.Tensor, values: torch.Tensor) -> None:
+        """Write `values [n, heads, dim]` into slots `loc` of a buffer in this pool's layout."""
+        values = values.to(self.dtype)
+        if self.dtype.itemsize == 1:  # index_put on fp8 is not implemented everywhere
+            buffer, values = buffer.view(torch.uint8), values.view(torch.uint8)
+        if self.layout is KVLayout.PAGE_MAJOR:
+            buffer[loc // self.page_size, :, loc % self.page_size] = values
+        else:
+            buffer[loc] = values
+
+
+class MHAKVPool(KVPool):
+    """Separate K and V buffers per layer (multi-head and grouped-query attention)."""
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype | str,
+        page_size: int,
+        layout: KVLayout | str,
+        max_num_tokens: int,
+        device: torch.device | str,
+        mode: PoolMode | str = PoolMode.STATIC,
+        arena: KvArena | None = None,
+        v_head_dim: int | None = None,
+    ) -> None:
+        super().__init__(
+            dtype=dtype,
+            page_size=page_size,
+            layout=layout,
+            max_num_tokens=max_num_tokens,
+            device=device,
+            mode=mode,
+            arena=arena,
+        )
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.v_head_dim = v_head_dim or head_dim
+        self.layer_ids = list(range(num_layers))
+        layouts = []
+        for layer in self.layer_ids:
+            layouts.append(
+                BufferLayout(f"layer{layer}.k", self.dtype, (num_kv_heads, head_dim), page_size, self.layout)
+            )
+            layouts.append(
+                BufferLayout(
+                    f"layer{layer}.v", self.dtype, (num_kv_heads, self.v_head_dim), page_size, self.layout
+                )
+            )
+        views = self._place({DEFAULT_GROUP: layouts})
+        self.k_buffers = {layer: views[f"layer{layer}.k"] for layer in self.layer_ids}
+        self.v_buffers = {layer: views[f"layer{layer}.v"] for layer in self.layer_ids}
+
+    def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k_buffers[layer_id], self.v_buffers[layer_id]
+
+    def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self._store(self.k_buffers[layer_id], loc, k)
+        self._store(self.v_buffers[layer_id], loc, v)
+
+    def _drop_views(self) -> None:
+        self.k_buffers.clear()
+        self.v_buffers.clear()

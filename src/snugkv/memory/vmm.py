@@ -1,0 +1,114 @@
+"""The virtual-memory interface every backend implements, and the choice of backend.
+
+A backend reserves address space without physical memory, commits (backs) spans of it,
+decommits them and releases the range. One `commit` creates exactly one backing
+extension: callers grow a buffer by committing the next span in one call, never in
+granule-sized loops. This module must never import a CUDA library at import time:
+importing snugkv on a CPU machine always works.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+GIB = 1 << 30
+MIB = 1 << 20
+KIB = 1 << 10
+
+
+class VmmError(RuntimeError):
+    """A virtual-memory call failed; the message names the call and the code."""
+
+
+class VmmUnavailable(VmmError):
+    """This machine cannot do virtual memory management (no driver, no VMM support)."""
+
+
+class CommitError(VmmError):
+    """Backing a span failed (typically out of physical memory); nothing was left mapped."""
+
+
+@dataclass(frozen=True, slots=True)
+class Extension:
+    """One committed span: `[address, address + size_bytes)`, backed by one handle."""
+
+    address: int
+    size_bytes: int
+    handle: object
+
+
+class VirtualMemory(ABC):
+    """Reserve / commit / decommit / release over one device's address space.
+
+    Contract: `reserve` returns a granularity-aligned address and costs no physical memory.
+    `commit` backs `[address, address + size)` with one new extension or raises
+    `CommitError` having rolled back everything it created. `decommit` returns an extension's
+    physical memory; the addresses stay reserved. `release` frees a reserved range; the caller
+    must have decommitted every extension in it first.
+    """
+
+    name: str
+    device: torch.device
+
+    @property
+    @abstractmethod
+    def granularity_bytes(self) -> int:
+        """Commit offsets and sizes must be multiples of this."""
+
+    @abstractmethod
+    def reserve(self, size_bytes: int) -> int: ...
+
+    @abstractmethod
+    def commit(self, address: int, size_bytes: int) -> Extension: ...
+
+    @abstractmethod
+    def decommit(self, extension: Extension) -> None: ...
+
+    @abstractmethod
+    def release(self, address: int, size_bytes: int) -> None: ...
+
+    @abstractmethod
+    def mem_get_info(self) -> tuple[int, int]:
+        """(free, total) physical bytes of the device this backend commits on."""
+
+    def align_up(self, size_bytes: int) -> int:
+        granule = self.granularity_bytes
+        return -(-size_bytes // granule) * granule
+
+
+def cuda_vmm_status(device: torch.device | None = None) -> tuple[bool, str]:
+    """Whether CUDA VMM works on `device`, and a sentence saying why not."""
+    if not torch.cuda.is_available():
+        return False, "no CUDA device is visible"
+    try:
+        from snugkv.memory.vmm_cuda import probe_vmm_support
+    except ImportError as exc:  # cuda-bindings missing or broken
+        return False, f"cuda.bindings is not importable ({exc}); install cuda-bindings"
+    return probe_vmm_support(device or torch.device("cuda", torch.cuda.current_device()))
+
+
+def create_vmm(device: torch.device | str, **host_options: int) -> VirtualMemory:
+    """The backend for `device`: CUDA VMM on a GPU, the mmap backend on CPU.
+
+    Raises `VmmUnavailable` with the reason when a GPU cannot do VMM, so the caller can
+    fall back to static sizing and say so.
+    """
+    device = torch.device(device)
+    if device.type == "cpu":
+        from snugkv.memory.vmm_host import HostVmm
+
+        return HostVmm(**host_options)
+    if device.type != "cuda":
+        raise VmmUnavailable(f"no virtual-memory backend for device type {device.type!r}")
+    ok, reason = cuda_vmm_status(device)
+    if not ok:
+        raise VmmUnavailable(reason)
+    from snugkv.memory.vmm_cuda import CudaVmm
+
+    return CudaVmm(device)
