@@ -61,6 +61,7 @@ class KVPool:
         self.mode = PoolMode(mode)
         self.max_num_tokens = max_num_tokens // page_size * page_size
         self._arena = arena
+        self._owns_arena = arena is None
         self._buffers: dict[str, list[ArenaBuffer]] = {}
         self.capacity_tokens = 0
 
@@ -179,9 +180,9 @@ class KVPool:
         return num_tokens
 
     def close(self) -> None:
-        """Drop this pool's views and release the arena when the pool made it."""
+        """Drop this pool's views; release the arena too when the pool made it."""
         self._drop_views()
-        if self._arena is not None and self._arena.label == type(self).__name__:
+        if self._owns_arena and self._arena is not None:
             self._arena.close()
 
     def _drop_views(self) -> None:

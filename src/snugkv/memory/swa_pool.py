@@ -67,10 +67,13 @@ class SWAKVPool(KVPool):
         groups[DEFAULT_GROUP].append(
             BufferLayout("full_to_swa.map", torch.int64, (), page_size, KVLayout.TOKEN_MAJOR)
         )
+        self.full_to_swa: torch.Tensor | None = None
         views = self._place(groups)
         self.k_buffers = {layer: views[f"layer{layer}.k"] for layer in range(num_layers)}
         self.v_buffers = {layer: views[f"layer{layer}.v"] for layer in range(num_layers)}
         self.full_to_swa = views["full_to_swa.map"]
+        if self.committed_bytes:  # static mode backed it inside _place
+            self._reset_dummy_mapping()
 
     def tokens_per_group(self, num_tokens: int) -> dict[str, int]:
         swa_tokens = int(num_tokens * self.swa_full_tokens_ratio) // self.page_size * self.page_size
@@ -90,12 +93,14 @@ class SWAKVPool(KVPool):
 
     def _reset_dummy_mapping(self) -> None:
         # Dummy-page slots map to themselves so padded rows read and write window page 0.
-        self.full_to_swa[: self.page_size].copy_(torch.arange(self.page_size, device=self.device))
+        if self.full_to_swa is not None:
+            self.full_to_swa[: self.page_size].copy_(torch.arange(self.page_size, device=self.device))
 
     def is_swa_layer(self, layer_id: int) -> bool:
         return layer_id in self.swa_layer_ids
 
     def translate_loc(self, layer_id: int, loc: torch.Tensor) -> torch.Tensor:
+        assert self.full_to_swa is not None, "pool is closed"
         return self.full_to_swa[loc] if layer_id in self.swa_layer_ids else loc
 
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,4 +114,4 @@ class SWAKVPool(KVPool):
     def _drop_views(self) -> None:
         self.k_buffers.clear()
         self.v_buffers.clear()
-        del self.full_to_swa
+        self.full_to_swa = None

@@ -1,0 +1,34 @@
+# snugkv: `make demo` runs the engine on the embedded default model, `make test` the CPU suite.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test lint gpu-check clean
+
+setup: $(STAMP)
+
+# torch is installed first and on its own: on a CPU machine `torch==2.13.0` is the CPU wheel;
+# a bare requirement would pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "torch==2.13.0"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+demo: setup
+	$(VENV)/bin/snugkv demo
+
+test: setup
+	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/ruff format --check src tests
+
+gpu-check:
+	bash scripts/gpu_check.sh
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

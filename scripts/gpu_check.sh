@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Every GPU test and benchmark, in one call on the device. Results go to $OUT (or ./gpu-out).
+#   device run:  bash scripts/gpu_check.sh
+# Uses the machine's python3 (torch with CUDA); installs nothing that needs a network.
+set -uo pipefail
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+STEPS=${STEPS:-"env tests bench_vmm"}
+status=0
+step() { echo "=== $1 ($(date +%T))"; }
+
+for s in $STEPS; do
+  case $s in
+    env)
+      step env
+      nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv | tee "$OUT/env.txt"
+      python3 -c "import torch, triton, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/env.txt"
+      ;;
+    tests)
+      step "cuda tests"
+      python3 -m pytest -q -m cuda -p no:cacheprovider ${PYTEST_ARGS:-} tests 2>&1 | tee "$OUT/cuda_tests.txt" || status=1
+      ;;
+    bench_vmm)
+      step "bench vmm"
+      python3 -m snugkv bench vmm --out "$OUT" 2>&1 | grep -v INFO || status=1
+      ;;
+    *)
+      python3 -m snugkv bench "$s" --out "$OUT" 2>&1 | grep -v INFO || status=1
+      ;;
+  esac
+done
+echo "=== done status=$status"
+exit $status

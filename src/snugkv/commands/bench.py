@@ -1,0 +1,21 @@
+"""`snugkv bench NAME`: run one benchmark, print its table, optionally save it (--out DIR)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+BENCHMARKS = {
+    "vmm": "snugkv.bench.vmm",
+}
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("bench", help="run a benchmark and print its table")
+    names = parser.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
+    for name, module_name in BENCHMARKS.items():
+        module = importlib.import_module(module_name)
+        sub = names.add_parser(name, help=(module.__doc__ or "").splitlines()[0])
+        sub.add_argument("--out", default=None, help="directory for NAME.json and NAME.md")
+        module.add_arguments(sub)
+        sub.set_defaults(func=module.run)

@@ -1,0 +1,117 @@
+"""Arena placement, watermarks, all-or-nothing commits and safe closing."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from snugkv.memory.arena import ArenaClosedError, KvArena
+from snugkv.memory.layout import BufferLayout, KVLayout
+from snugkv.memory.vmm import MIB, CommitError
+from snugkv.memory.vmm_host import HostVmm
+
+
+def make_arena(capacity_bytes: int | None = None) -> KvArena:
+    return KvArena(
+        HostVmm(granularity_bytes=2 * MIB, capacity_bytes=capacity_bytes), 1024 * MIB, label="test"
+    )
+
+
+def k_layout(name: str = "k") -> BufferLayout:
+    return BufferLayout(name, torch.float16, (4, 64), page_size=1, layout=KVLayout.TOKEN_MAJOR)
+
+
+def test_buffers_sit_at_granularity_aligned_offsets():
+    arena = make_arena()
+    first = arena.add_buffer(k_layout("a"), 1000)
+    second = arena.add_buffer(k_layout("b"), 1000)
+    assert first.offset == 0
+    assert second.offset % (2 * MIB) == 0 and second.offset >= first.reserved_bytes
+
+
+def test_commit_grows_with_one_extension_and_shrinks_back():
+    arena = make_arena()
+    buffer = arena.add_buffer(k_layout(), 100_000)
+    arena.commit({"k": 3 * MIB})
+    assert buffer.committed_bytes == 4 * MIB and len(buffer.extensions) == 1
+    arena.commit({"k": 20 * MIB})
+    assert buffer.committed_bytes == 20 * MIB and len(buffer.extensions) == 2
+    arena.commit({"k": 6 * MIB})
+    assert buffer.committed_bytes == 6 * MIB
+    assert arena.vmm.committed_bytes == 6 * MIB
+
+
+def test_failed_commit_rolls_back_every_buffer_of_the_call():
+    arena = make_arena(capacity_bytes=10 * MIB)
+    arena.add_buffer(k_layout("a"), 100_000)
+    arena.add_buffer(k_layout("b"), 100_000)
+    arena.commit({"a": 2 * MIB, "b": 2 * MIB})
+    with pytest.raises(CommitError):
+        arena.commit({"a": 6 * MIB, "b": 6 * MIB})
+    assert [b.committed_bytes for b in arena.buffers] == [2 * MIB, 2 * MIB]
+    arena.commit({"a": 4 * MIB, "b": 4 * MIB})  # still usable afterwards
+    assert arena.committed_bytes == 8 * MIB
+
+
+def test_view_covers_the_upper_bound_and_writes_land_in_committed_memory():
+    arena = make_arena()
+    buffer = arena.add_buffer(k_layout(), 10_000)
+    arena.commit({"k": buffer.layout.bytes_for_tokens(100)})
+    view = arena.view(buffer)
+    assert view.shape == (10_001, 4, 64)
+    view[:101] = 1.5
+    assert view[100].float().mean().item() == 1.5
+
+
+def test_close_refuses_while_a_view_lives_then_succeeds():
+    arena = make_arena()
+    buffer = arena.add_buffer(k_layout(), 1000)
+    arena.commit({"k": 1})
+    view = arena.view(buffer)
+    sliced = view[10:20]
+    del view
+    with pytest.raises(RuntimeError, match="live tensor view"):
+        arena.close()
+    del sliced
+    gc.collect()
+    arena.close()
+    arena.close()  # idempotent
+    assert arena.vmm.committed_bytes == 0
+    with pytest.raises(ArenaClosedError):
+        arena.add_buffer(k_layout("late"), 10)
+
+
+def test_a_view_keeps_its_arena_alive():
+    buffer_holder = {}
+
+    def make_view() -> torch.Tensor:
+        arena = make_arena()
+        buffer = arena.add_buffer(k_layout(), 1000)
+        arena.commit({"k": buffer.layout.bytes_for_tokens(1000)})
+        buffer_holder["arena"] = id(arena)
+        return arena.view(buffer)
+
+    view = make_view()  # the arena's last Python reference is gone here
+    gc.collect()
+    view.fill_(2.0)  # would crash if the range had been unmapped
+    assert view.float().sum().item() == 2.0 * view.numel()
+
+
+def test_two_arenas_do_not_interfere():
+    one, two = make_arena(), make_arena()
+    view_one = one.view(one.add_buffer(k_layout(), 1000))
+    view_two = two.view(two.add_buffer(k_layout(), 1000))
+    one.commit({"k": 1 * MIB})
+    two.commit({"k": 1 * MIB})
+    view_one[0] = 1.0
+    view_two[0] = 2.0
+    assert view_one[0, 0, 0].item() == 1.0 and view_two[0, 0, 0].item() == 2.0
+    assert view_one.data_ptr() != view_two.data_ptr()
+
+
+def test_buffer_larger_than_the_reserved_range_is_refused_with_sizes():
+    arena = KvArena(HostVmm(), 1 * MIB, label="small")
+    with pytest.raises(ValueError, match="reserve a larger range"):
+        arena.add_buffer(k_layout(), 1_000_000)

@@ -1,0 +1,157 @@
+"""CUDA VMM on a real GPU (run on the device by scripts/gpu_check.sh; skipped on CPU)."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from snugkv.memory.arena import KvArena
+from snugkv.memory.kv_pool import MHAKVPool
+from snugkv.memory.vmm import GIB, MIB, CommitError, create_vmm
+
+pytestmark = pytest.mark.cuda
+
+
+def free_bytes() -> int:
+    torch.cuda.synchronize()
+    return torch.cuda.mem_get_info()[0]
+
+
+@pytest.fixture
+def vmm():
+    return create_vmm("cuda")
+
+
+def test_cuda_backend_reports_a_2mib_class_granularity(vmm):
+    assert vmm.name == "cuda"
+    assert vmm.granularity_bytes >= 2 * MIB and vmm.granularity_bytes % (2 * MIB) == 0
+
+
+def test_reserving_256_gib_leaves_free_memory_unchanged(vmm):
+    before = free_bytes()
+    base = vmm.reserve(256 * GIB)
+    assert abs(before - free_bytes()) <= 2 * MIB
+    vmm.release(base, 256 * GIB)
+
+
+def make_pool(vmm, mode: str, layout: str = "nhd", page_size: int = 1) -> MHAKVPool:
+    arena = KvArena(vmm, 256 * GIB, label="cuda-test")
+    return MHAKVPool(
+        num_layers=32,
+        num_kv_heads=8,
+        head_dim=128,
+        dtype="bfloat16",
+        page_size=page_size,
+        layout=layout,
+        max_num_tokens=400_000,
+        device="cuda",
+        mode=mode,
+        arena=arena,
+    )
+
+
+def test_va_only_pool_costs_nothing_and_finalize_costs_exactly_what_it_backs(vmm):
+    before = free_bytes()
+    pool = make_pool(vmm, "post-capture")
+    assert abs(before - free_bytes()) <= 2 * MIB  # 400k tokens x 32 layers = 52 GB of VA, no memory
+    pool.ensure_prefix()
+    buffers = 64
+    prefix = free_bytes()
+    assert before - prefix <= buffers * vmm.granularity_bytes + 2 * MIB
+    tokens = pool.finalize_backing(100_000)
+    expected = pool.committed_bytes - buffers * vmm.granularity_bytes
+    dropped = prefix - free_bytes()
+    assert abs(dropped - expected) <= buffers * vmm.granularity_bytes
+    exact = buffers * (100_000 + 1) * 8 * 128 * 2  # every buffer: usable tokens + the dummy slot
+    assert 0 <= pool.committed_bytes - exact < buffers * vmm.granularity_bytes
+    assert tokens == 100_000
+    pool.close()
+    pool.arena.close()
+
+
+@pytest.mark.parametrize(("layout", "page_size"), [("nhd", 1), ("hnd", 16)])
+def test_graph_captured_on_the_dummy_page_writes_a_high_slot_after_finalize(vmm, layout, page_size):
+    pool = make_pool(vmm, "post-capture", layout, page_size)
+    pool.ensure_prefix()
+    loc = torch.zeros(1, dtype=torch.int64, device="cuda")
+    k = torch.randn(1, 8, 128, device="cuda", dtype=torch.bfloat16)
+    pool.set_kv(5, loc, k, k)  # warm-up touches the dummy slot only
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph):
+        pool.set_kv(5, loc, k * 2, k * 3)
+    torch.cuda.synchronize()
+    tokens = pool.finalize_backing(300_000)
+    high = tokens + page_size - 1
+    loc.fill_(high)
+    graph.replay()
+    torch.cuda.synchronize()
+    key, value = pool.get_kv_buffer(5)
+    stored_k = key[high] if layout == "nhd" else key[high // page_size, :, high % page_size]
+    stored_v = value[high] if layout == "nhd" else value[high // page_size, :, high % page_size]
+    assert torch.equal(stored_k, (k * 2)[0]) and torch.equal(stored_v, (k * 3)[0])
+    del key, value, stored_k, stored_v, graph
+    pool.close()
+    pool.arena.close()
+
+
+def test_commit_beyond_the_gpu_rolls_back_and_the_arena_stays_usable(vmm):
+    arena = KvArena(vmm, 512 * GIB, label="oom-test")
+    pool = MHAKVPool(
+        num_layers=2,
+        num_kv_heads=8,
+        head_dim=128,
+        dtype="bfloat16",
+        page_size=1,
+        layout="nhd",
+        max_num_tokens=100_000_000,
+        device="cuda",
+        mode="post-capture",
+        arena=arena,
+    )
+    pool.ensure_prefix()
+    before = free_bytes()
+    with pytest.raises(CommitError, match="cuMemCreate"):
+        pool.finalize_backing(90_000_000)  # ~370 GB: more than any single GPU has
+    assert abs(free_bytes() - before) <= 2 * MIB
+    assert pool.finalize_backing(100_000) == 100_000
+    k = torch.ones(1, 8, 128, device="cuda", dtype=torch.bfloat16)
+    pool.set_kv(1, torch.tensor([100_000], device="cuda"), k, k)
+    assert pool.get_kv_buffer(1)[0][100_000].float().sum().item() == 8 * 128
+    pool.close()
+    pool.arena.close()
+
+
+def test_closing_the_pool_returns_all_memory(vmm):
+    before = free_bytes()
+    pool = make_pool(vmm, "static")
+    assert before - free_bytes() > 40 * GIB
+    pool.close()
+    pool.arena.close()
+    gc.collect()
+    assert abs(before - free_bytes()) <= 4 * MIB
+
+
+def test_fp8_pool_on_gpu_round_trips_e4m3_values(vmm):
+    arena = KvArena(vmm, 8 * GIB, label="fp8")
+    pool = MHAKVPool(
+        num_layers=1,
+        num_kv_heads=2,
+        head_dim=4,
+        dtype="fp8_e4m3",
+        page_size=16,
+        layout="hnd",
+        max_num_tokens=1024,
+        device="cuda",
+        mode="static",
+        arena=arena,
+    )
+    values = torch.tensor([[0.5, -1.0, 2.0, 448.0]] * 2, device="cuda").unsqueeze(0)
+    pool.set_kv(0, torch.tensor([40], device="cuda"), values, values)
+    assert torch.equal(pool.get_kv_buffer(0)[0][2, :, 8].float(), values[0])
+    pool.close()
+    pool.arena.close()
