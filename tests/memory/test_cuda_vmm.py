@@ -102,7 +102,7 @@ def test_graph_captured_on_the_dummy_page_writes_a_high_slot_after_finalize(vmm,
 def test_commit_beyond_the_gpu_rolls_back_and_the_arena_stays_usable(vmm):
     arena = KvArena(vmm, 512 * GIB, label="oom-test")
     pool = MHAKVPool(
-        num_layers=2,
+        num_layers=1,
         num_kv_heads=8,
         head_dim=128,
         dtype="bfloat16",
@@ -120,8 +120,8 @@ def test_commit_beyond_the_gpu_rolls_back_and_the_arena_stays_usable(vmm):
     assert abs(free_bytes() - before) <= 2 * MIB
     assert pool.finalize_backing(100_000) == 100_000
     k = torch.ones(1, 8, 128, device="cuda", dtype=torch.bfloat16)
-    pool.set_kv(1, torch.tensor([100_000], device="cuda"), k, k)
-    assert pool.get_kv_buffer(1)[0][100_000].float().sum().item() == 8 * 128
+    pool.set_kv(0, torch.tensor([100_000], device="cuda"), k, k)
+    assert pool.get_kv_buffer(0)[0][100_000].float().sum().item() == 8 * 128
     pool.close()
     pool.arena.close()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import subprocess
 import time
@@ -22,6 +23,9 @@ def environment() -> dict[str, Any]:
         if torch.cuda.is_available()
         else platform.processor() or "cpu",
     }
+    env["commit"] = os.environ.get("SNUGKV_COMMIT", "")
+    if env["commit"]:
+        return env
     try:
         env["commit"] = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5, check=False
