@@ -1,0 +1,80 @@
+"""Reading memory: free bytes (MIN over ranks) and the peak of an eager step.
+
+This is the only module that asks a device how much memory is free. On CUDA it synchronizes
+and empties torch's caching allocator first, so cached-but-unused blocks count as free. With a
+process group, every rank gets the MIN over all ranks, so all commit the same token count.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from snugkv.memory.vmm import VirtualMemory
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class FreeMemory:
+    """Free bytes on this rank and the MIN over every rank (equal with one rank)."""
+
+    local_bytes: int
+    min_bytes: int
+    per_rank_bytes: tuple[int, ...]
+    total_bytes: int
+
+
+def settle(device: torch.device) -> None:
+    """Finish queued work and hand cached allocator blocks back to the device."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+def measure_free(vmm: VirtualMemory, group: dist.ProcessGroup | None = None) -> FreeMemory:
+    """Free memory now, agreed over `group` (a CPU/gloo group) by taking the MIN."""
+    settle(vmm.device)
+    free, total = vmm.mem_get_info()
+    per_rank: tuple[int, ...] = (free,)
+    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+        gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(gathered, torch.tensor([free], dtype=torch.int64), group=group)
+        per_rank = tuple(int(value.item()) for value in gathered)
+    return FreeMemory(free, min(per_rank), per_rank, total)
+
+
+def agree_min(value: int, group: dist.ProcessGroup | None = None) -> int:
+    """MIN of an integer over `group` (identity without a group)."""
+    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return value
+    tensor = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=group)
+    return int(tensor.item())
+
+
+def measure_peak_bytes(device: torch.device, step: Callable[[], object]) -> int:
+    """Bytes an eager `step` needs beyond what was allocated before it (its activation peak).
+
+    CUDA: torch's peak-allocation counter around the step, plus the growth of reserved
+    memory (fragmentation the allocator really keeps). CPU: 0, since activations come from
+    general RAM, not from the KV budget.
+    """
+    if device.type != "cuda":
+        step()
+        return 0
+    settle(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base_allocated = torch.cuda.memory_allocated(device)
+    base_reserved = torch.cuda.memory_reserved(device)
+    step()
+    torch.cuda.synchronize(device)
+    peak_allocated = torch.cuda.max_memory_allocated(device) - base_allocated
+    peak_reserved = torch.cuda.max_memory_reserved(device) - base_reserved
+    return max(peak_allocated, peak_reserved, 0)
