@@ -1,0 +1,58 @@
+"""Sampling parameters of one request, validated with messages that say what to change."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_TOP_K = 1 << 20
+
+
+class InvalidRequest(ValueError):
+    """A request the engine cannot run; the message is shown to the client as is."""
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to pick the next tokens and when to stop.
+
+    `temperature == 0` means greedy. `top_k == 0` means no top-k cut. `seed` makes sampling
+    reproducible per request. `stop` strings are matched on the decoded text and are not part of
+    the output; `stop_token_ids` end generation after that token. `ignore_eos` keeps generating
+    past the end-of-sequence token (benchmarks).
+    """
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top alternatives to return per token (0: only the chosen)
+    extra: dict[str, object] = field(default_factory=dict, compare=False)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def validate(self, max_context_tokens: int | None = None) -> None:
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise InvalidRequest(f"max_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        if max_context_tokens is not None and self.max_new_tokens > max_context_tokens:
+            raise InvalidRequest(
+                f"max_tokens={self.max_new_tokens} exceeds the model's context of {max_context_tokens} tokens; "
+                "ask for fewer tokens"
+            )
+        if not 0.0 <= self.temperature <= 100.0:
+            raise InvalidRequest(f"temperature must be between 0 and 100, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.top_k <= MAX_TOP_K:
+            raise InvalidRequest(f"top_k must be 0 (disabled) or a positive integer, got {self.top_k}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise InvalidRequest(f"seed must be a non-negative 64-bit integer, got {self.seed}")
+        if len(self.stop) > 16 or any(not isinstance(s, str) or not s for s in self.stop):
+            raise InvalidRequest("stop must be at most 16 non-empty strings")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise InvalidRequest(f"logprobs must be between 0 and 20, got {self.logprobs}")
