@@ -1,0 +1,1 @@
+"""Scheduling: continuous batching over the model runner, with a prefix cache."""
