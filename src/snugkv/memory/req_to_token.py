@@ -1,0 +1,87 @@
+"""The request-to-token table: the first level of the mapping request -> token slots -> KV data.
+
+This module owns the table `req_to_token[req_idx, position] = slot` (int32,
+`[max_requests + 1, max_context_len]`) and which of its rows are handed out. Row 0 is the padding
+row used by padded decode rows: it is never handed out, never written, and stays all zeros (the
+dummy slot). The module never allocates or frees KV slots; that is the slot allocator's job.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import torch
+
+
+class ReqToTokenPool:
+    """Rows of the request-to-token table, handed out lowest first.
+
+    `cap_requests(n)` hides rows above n from `alloc` (used when the KV pool turned out smaller
+    than `max_requests` implies); rows above n that are in use stay valid until freed.
+    """
+
+    def __init__(self, max_requests: int, max_context_len: int, device: torch.device | str = "cpu") -> None:
+        if max_requests < 1 or max_context_len < 1:
+            raise ValueError(
+                f"max_requests and max_context_len must be >= 1, got {max_requests} and {max_context_len}"
+            )
+        self.max_requests = max_requests
+        self.max_context_len = max_context_len
+        self.device = torch.device(device)
+        self.req_to_token = torch.zeros(
+            (max_requests + 1, max_context_len), dtype=torch.int32, device=self.device
+        )
+        self._free_rows = list(range(1, max_requests + 1))  # sorted ascending
+        self._in_use = [False] * (max_requests + 1)
+        self._cap = max_requests
+
+    @property
+    def request_cap(self) -> int:
+        """Rows 1..request_cap may be handed out."""
+        return self._cap
+
+    @property
+    def available_requests(self) -> int:
+        return bisect.bisect_right(self._free_rows, self._cap)
+
+    def alloc(self) -> int | None:
+        """The lowest free row at or below the cap, or None when there is none."""
+        if not self._free_rows or self._free_rows[0] > self._cap:
+            return None
+        row = self._free_rows.pop(0)
+        self._in_use[row] = True
+        return row
+
+    def free(self, req_idx: int) -> None:
+        self._check_in_use(req_idx, "free")
+        self._in_use[req_idx] = False
+        bisect.insort(self._free_rows, req_idx)
+
+    def cap_requests(self, max_requests: int) -> None:
+        """Hand out only rows 1..max_requests from now on (0 <= max_requests <= the table's)."""
+        if not 0 <= max_requests <= self.max_requests:
+            raise ValueError(
+                f"cap_requests takes 0..{self.max_requests} (the table's row count), got {max_requests}"
+            )
+        self._cap = max_requests
+
+    def write(self, req_idx: int, start: int, slots: torch.Tensor) -> None:
+        """Store `slots` at positions `start .. start + len(slots) - 1` of row `req_idx`."""
+        self._check_in_use(req_idx, "write")
+        slots = slots.reshape(-1)
+        end = start + slots.numel()
+        if start < 0 or end > self.max_context_len:
+            raise ValueError(
+                f"write to request row {req_idx} covers positions {start}..{end - 1}, outside the "
+                f"table's 0..{self.max_context_len - 1}; raise max_context_len or shorten the request"
+            )
+        self.req_to_token[req_idx, start:end] = slots.to(device=self.device, dtype=torch.int32)
+
+    def _check_in_use(self, req_idx: int, action: str) -> None:
+        if req_idx == 0:
+            raise ValueError(f"cannot {action} row 0: it is the padding row and is never handed out")
+        if not 0 < req_idx <= self.max_requests:
+            raise ValueError(f"cannot {action} row {req_idx}: rows are 1..{self.max_requests}")
+        if not self._in_use[req_idx]:
+            what = "double free of" if action == "free" else "cannot write to free"
+            raise ValueError(f"{what} request row {req_idx}: it is not allocated")
