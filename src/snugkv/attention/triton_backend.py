@@ -1,0 +1,107 @@
+"""Triton paged attention behind the `AttentionBackend` interface (the GPU path).
+
+Decode rows go to the split-KV decode kernel, every other batch to the extend kernel, which
+reads the cached prefix through the request-to-token table and the new tokens from q/k/v
+directly. SWA window layers pass the pool's `full_to_swa` table as `kv_slot_map`, so the
+kernels translate slots on the device. Nothing here syncs with the host on a decode batch:
+the decode workspace is allocated per batch shape (inside the graph's pool when captured).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from snugkv.attention.base import AttentionBackend
+from snugkv.attention.triton_decode import decode_attention, decode_workspace
+from snugkv.attention.triton_extend import extend_attention
+
+if TYPE_CHECKING:
+    from snugkv.layers.attention import PagedAttention
+    from snugkv.runner.forward_batch import ForwardBatch
+
+
+class TritonAttentionBackend(AttentionBackend):
+    name = "triton"
+
+    def __init__(self, num_kv_splits: int = 8) -> None:
+        self.num_kv_splits = num_kv_splits
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        max_extend_len = None
+        if not forward_batch.is_decode and forward_batch.extend_lens_cpu is not None:
+            max_extend_len = max(forward_batch.extend_lens_cpu)
+        forward_batch.attn_metadata = {"max_extend_len": max_extend_len, "workspace": {}}
+
+    def _slot_map(self, layer: PagedAttention, forward_batch: ForwardBatch) -> torch.Tensor | None:
+        pool = forward_batch.kv_pool
+        is_swa_layer = getattr(pool, "is_swa_layer", None)
+        if is_swa_layer is not None and is_swa_layer(layer.layer_id):
+            return pool.full_to_swa
+        return None
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        layer: PagedAttention,
+        forward_batch: ForwardBatch,
+    ) -> torch.Tensor:
+        pool = forward_batch.kv_pool
+        if forward_batch.attn_metadata is None:
+            self.init_forward_metadata(forward_batch)
+        if k is not None:
+            pool.set_kv(layer.layer_id, forward_batch.out_cache_loc, k, v)
+        k_buffer, v_buffer = pool.get_kv_buffer(layer.layer_id)
+        slot_map = self._slot_map(layer, forward_batch)
+        out = torch.empty((q.shape[0], layer.num_heads, layer.v_head_dim), dtype=q.dtype, device=q.device)
+        common = dict(
+            sm_scale=layer.scaling,
+            page_size=pool.page_size,
+            layout=str(pool.layout),
+            sliding_window=layer.sliding_window,
+            kv_slot_map=slot_map,
+        )
+        if forward_batch.is_decode:
+            partial_out, partial_lse = self._workspace(forward_batch, layer, q.device)
+            return decode_attention(
+                q,
+                k_buffer,
+                v_buffer,
+                out,
+                forward_batch.req_to_token,
+                forward_batch.req_pool_indices,
+                forward_batch.seq_lens,
+                num_kv_splits=self.num_kv_splits,
+                partial_out=partial_out,
+                partial_lse=partial_lse,
+                **common,
+            )
+        if k is None or v is None:
+            raise ValueError("the Triton extend kernel reads new K/V from the call: pass k and v, not None")
+        return extend_attention(
+            q,
+            k,
+            v,
+            out,
+            k_buffer,
+            v_buffer,
+            forward_batch.req_to_token,
+            forward_batch.req_pool_indices,
+            forward_batch.prefix_lens,
+            forward_batch.extend_lens,
+            forward_batch.extend_start_loc,
+            max_extend_len=forward_batch.attn_metadata["max_extend_len"],
+            **common,
+        )
+
+    def _workspace(
+        self, forward_batch: ForwardBatch, layer: PagedAttention, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (forward_batch.batch_size, layer.num_heads, layer.v_head_dim)
+        cache = forward_batch.attn_metadata["workspace"]
+        if key not in cache:
+            cache[key] = decode_workspace(*key, self.num_kv_splits, device)
+        return cache[key]
