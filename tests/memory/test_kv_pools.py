@@ -220,3 +220,26 @@ def test_closing_a_pool_releases_its_own_arena():
     assert vmm.committed_bytes > 0
     pool.close()
     assert vmm.committed_bytes == 0
+
+
+def test_static_pool_over_plain_memory_needs_no_vmm():
+    from snugkv.memory.vmm_plain import PlainMemory
+
+    arena = KvArena(PlainMemory("cpu"), 64 * MIB, label="plain")
+    pool = MHAKVPool(
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=8,
+        dtype="bfloat16",
+        page_size=4,
+        layout="hnd",
+        max_num_tokens=256,
+        device="cpu",
+        mode="static",
+        arena=arena,
+    )
+    values = torch.randn(2, 2, 8)
+    pool.set_kv(1, torch.tensor([4, 259]), values, values)
+    k, _ = pool.get_kv_buffer(1)
+    assert torch.equal(k[64, :, 3], values[1].bfloat16())
+    assert pool.capacity_tokens == 256

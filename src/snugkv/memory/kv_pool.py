@@ -20,7 +20,8 @@ import torch
 
 from snugkv.memory.arena import ArenaBuffer, KvArena
 from snugkv.memory.layout import BufferLayout, KVLayout, parse_kv_dtype
-from snugkv.memory.vmm import GIB, create_vmm
+from snugkv.memory.vmm import GIB, VirtualMemory, create_vmm
+from snugkv.memory.vmm_plain import PlainMemory
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ class KVPool:
         """Lay the buffers out in the arena (made here if none was given) and return views."""
         upper = self.tokens_per_group(self.max_num_tokens)
         if self._arena is None:
-            vmm = create_vmm(self.device)
+            vmm = self._default_memory()
             need = sum(
                 vmm.align_up(layout.bytes_for_tokens(upper[group]))
                 for group, layouts in layouts_by_group.items()
@@ -88,6 +89,13 @@ class KVPool:
         else:
             self._log("KV Cache VA upper bound.")
         return views
+
+    def _default_memory(self) -> VirtualMemory:
+        """Static pools on a GPU take plain allocations (as classic engines do, and where VMM is
+        missing); post-capture pools and every CPU pool use the device's VMM backend."""
+        if self.mode is PoolMode.STATIC and self.device.type == "cuda":
+            return PlainMemory(self.device)
+        return create_vmm(self.device)
 
     def _log(self, prefix: str) -> None:
         tokens = self.tokens_per_group(self.max_num_tokens)
