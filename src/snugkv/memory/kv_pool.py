@@ -50,6 +50,7 @@ class KVPool:
         device: torch.device | str,
         mode: PoolMode | str,
         arena: KvArena | None,
+        memory: VirtualMemory | None = None,
     ) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
@@ -63,6 +64,7 @@ class KVPool:
         self.max_num_tokens = max_num_tokens // page_size * page_size
         self._arena = arena
         self._owns_arena = arena is None
+        self._memory = memory
         self._buffers: dict[str, list[ArenaBuffer]] = {}
         self.capacity_tokens = 0
 
@@ -71,7 +73,7 @@ class KVPool:
         """Lay the buffers out in the arena (made here if none was given) and return views."""
         upper = self.tokens_per_group(self.max_num_tokens)
         if self._arena is None:
-            vmm = self._default_memory()
+            vmm = self._memory or self._default_memory()
             need = sum(
                 vmm.align_up(layout.bytes_for_tokens(upper[group]))
                 for group, layouts in layouts_by_group.items()
@@ -225,6 +227,7 @@ class MHAKVPool(KVPool):
         mode: PoolMode | str = PoolMode.STATIC,
         arena: KvArena | None = None,
         v_head_dim: int | None = None,
+        memory: VirtualMemory | None = None,
     ) -> None:
         super().__init__(
             dtype=dtype,
@@ -234,6 +237,7 @@ class MHAKVPool(KVPool):
             device=device,
             mode=mode,
             arena=arena,
+            memory=memory,
         )
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads

@@ -12,6 +12,7 @@ import torch
 from snugkv.memory.arena import KvArena
 from snugkv.memory.kv_pool import DEFAULT_GROUP, KVPool, PoolMode
 from snugkv.memory.layout import BufferLayout, KVLayout
+from snugkv.memory.vmm import VirtualMemory
 
 
 class MLAKVPool(KVPool):
@@ -28,6 +29,7 @@ class MLAKVPool(KVPool):
         device: torch.device | str,
         mode: PoolMode | str = PoolMode.STATIC,
         arena: KvArena | None = None,
+        memory: VirtualMemory | None = None,
     ) -> None:
         super().__init__(
             dtype=dtype,
@@ -37,6 +39,7 @@ class MLAKVPool(KVPool):
             device=device,
             mode=mode,
             arena=arena,
+            memory=memory,
         )
         self.num_layers = num_layers
         self.kv_lora_rank = kv_lora_rank

@@ -14,6 +14,7 @@ import torch
 from snugkv.memory.arena import KvArena
 from snugkv.memory.kv_pool import DEFAULT_GROUP, KVPool, PoolMode
 from snugkv.memory.layout import BufferLayout, KVLayout
+from snugkv.memory.vmm import VirtualMemory
 
 SWA_GROUP = "swa"
 
@@ -35,6 +36,7 @@ class SWAKVPool(KVPool):
         mode: PoolMode | str = PoolMode.STATIC,
         arena: KvArena | None = None,
         v_head_dim: int | None = None,
+        memory: VirtualMemory | None = None,
     ) -> None:
         if not 0 < swa_full_tokens_ratio <= 1:
             raise ValueError(f"swa_full_tokens_ratio must be in (0, 1], got {swa_full_tokens_ratio}")
@@ -46,6 +48,7 @@ class SWAKVPool(KVPool):
             device=device,
             mode=mode,
             arena=arena,
+            memory=memory,
         )
         self.swa_full_tokens_ratio = swa_full_tokens_ratio
         self.num_layers = num_layers
