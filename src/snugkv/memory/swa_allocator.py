@@ -65,6 +65,11 @@ class SWAAllocator:
         return self._page_size
 
     @property
+    def capacity_tokens(self) -> int:
+        """Tokens a request may hold at once: every token needs a full slot, and a window slot while in it."""
+        return min(self.full_capacity_tokens, self.swa_capacity_tokens)
+
+    @property
     def full_capacity_tokens(self) -> int:
         return self._full.capacity_tokens
 
