@@ -1,0 +1,120 @@
+"""The FastAPI app: routes, wired to an `EngineClient` and nothing else.
+
+Routes:
+    POST /v1/completions, POST /v1/chat/completions   generation, JSON or server-sent events
+    GET  /v1/models, /v1/models/{id}                   the one served model
+    GET  /health                                       200 when the engine is healthy, else 503 (no key)
+    GET  /server_info, /get_server_info                the engine's sizing, ledger and arguments
+    GET  /metrics                                      Prometheus text
+
+Request checking lives in `prepare`, running on the engine in `serving`, response shapes in
+`formats`, the key and body limit in `middleware`. The app keeps no per-request state of its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.responses import Response
+
+import snugkv
+from snugkv.server.engine_protocol import EngineClient
+from snugkv.server.errors import NOT_FOUND, SERVER_ERROR, APIError, install_error_handlers
+from snugkv.server.formats import ChatFormat, CompletionFormat, ResponseFormat
+from snugkv.server.metrics import ServerMetrics
+from snugkv.server.middleware import BearerAuthMiddleware, BodySizeLimitMiddleware
+from snugkv.server.prepare import PreparedRequest, parse_body, prepare_chat, prepare_completion
+from snugkv.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from snugkv.server.serving import EventStreamResponse, collect_response, stream_events
+
+logger = logging.getLogger(__name__)
+
+
+def create_app(
+    engine: EngineClient,
+    *,
+    api_key: str | None,
+    max_body_bytes: int,
+    served_model_name: str,
+    metrics: ServerMetrics | None = None,
+) -> FastAPI:
+    """An app serving `engine` as `served_model_name`; pass `metrics` to share it with the engine."""
+    metrics = metrics if metrics is not None else ServerMetrics()
+    app = FastAPI(title="snugkv", version=snugkv.__version__, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.engine = engine
+    app.state.metrics = metrics
+    install_error_handlers(app)
+    # Starlette runs the middleware added last first: the key is checked before the body is read.
+    app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=max_body_bytes)
+    if api_key:
+        app.add_middleware(BearerAuthMiddleware, api_key=api_key)
+    created = int(time.time())
+
+    def model_card() -> ModelCard:
+        return ModelCard(id=served_model_name, created=created, max_model_len=engine.max_context_tokens)
+
+    async def run(prepared: PreparedRequest, request: Request, response_format: ResponseFormat) -> Response:
+        if prepared.stream:
+            return EventStreamResponse(stream_events(prepared, engine, metrics, request, response_format))
+        return await collect_response(prepared, engine, metrics, request, response_format)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body = parse_body(await request.body(), CompletionRequest)
+        return await run(prepare_completion(body, engine, served_model_name), request, CompletionFormat())
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body = parse_body(await request.body(), ChatCompletionRequest)
+        return await run(prepare_chat(body, engine, served_model_name), request, ChatFormat())
+
+    @app.get("/v1/models")
+    async def list_models() -> ModelList:
+        return ModelList(data=[model_card()])
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str) -> ModelCard:
+        if model_id != served_model_name:
+            raise APIError(
+                404,
+                f"The model '{model_id}' does not exist here; this server serves '{served_model_name}'.",
+                type=NOT_FOUND,
+                param="model",
+                code="model_not_found",
+            )
+        return model_card()
+
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            healthy = bool(engine.check_health())
+        except Exception:
+            logger.exception("The engine's health check raised")
+            healthy = False
+        if healthy:
+            return JSONResponse({"status": "ok"})
+        raise APIError(503, "The engine is not healthy; see the server log.", type=SERVER_ERROR)
+
+    async def server_info() -> Any:
+        info = jsonable_encoder(engine.server_info())
+        return {"served_model_name": served_model_name, "version": snugkv.__version__, **info}
+
+    app.add_api_route("/server_info", server_info, methods=["GET"])
+    app.add_api_route("/get_server_info", server_info, methods=["GET"])
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        report = getattr(engine, "metrics_snapshot", None) or engine.server_info
+        try:
+            metrics.update_from_snapshot(report())
+        except Exception:
+            logger.exception("Reading the engine's metrics failed; serving the server-side ones")
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app

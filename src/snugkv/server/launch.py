@@ -1,0 +1,98 @@
+"""Running an app under uvicorn until Ctrl-C, then shutting down in order.
+
+`serve` binds the socket itself (so a busy port fails with a clear message before anything
+starts, and port 0 picks a free one), announces the address, runs uvicorn, and on Ctrl-C or
+SIGTERM lets uvicorn finish in-flight requests for a bounded time before calling `on_shutdown`
+(where the engine releases its pools). `on_shutdown` runs however serving ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import socket
+import threading
+from collections.abc import Callable, Iterator
+
+import uvicorn
+from fastapi import FastAPI
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+GRACEFUL_SHUTDOWN_S = 10
+
+
+def serve(
+    app: FastAPI,
+    *,
+    host: str = DEFAULT_HOST,
+    port: int = DEFAULT_PORT,
+    on_shutdown: Callable[[], None] | None = None,
+    on_listening: Callable[[str], None] | None = None,
+    log_level: str = "info",
+    graceful_shutdown_s: int = GRACEFUL_SHUTDOWN_S,
+) -> None:
+    """Serve `app` on host:port until interrupted; `on_listening(url)` runs once the socket is bound."""
+    try:
+        config = uvicorn.Config(
+            app, log_level=log_level, timeout_graceful_shutdown=graceful_shutdown_s, lifespan="off"
+        )
+        server = uvicorn.Server(config)
+        sock = bind_socket(host, port)
+        url = _url(host, sock.getsockname()[1])
+        with sock, _signals_stop(server):
+            logger.info("snugkv is serving on %s (Ctrl-C to stop)", url)
+            if on_listening is not None:
+                on_listening(url)
+            server.run(sockets=[sock])
+        logger.info("Stopped serving on %s", url)
+    finally:
+        if on_shutdown is not None:
+            on_shutdown()
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise OSError(
+            exc.errno, f"cannot listen on {host}:{port} ({exc.strerror}); choose another --port"
+        ) from exc
+    return sock
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+@contextlib.contextmanager
+def _signals_stop(server: uvicorn.Server) -> Iterator[None]:
+    """Ctrl-C and SIGTERM ask `server` to stop, also in the moments uvicorn is not listening for them.
+
+    uvicorn installs its own handlers only while it runs, and re-raises the signal that stopped it
+    once it is done; with the default handlers that would be a KeyboardInterrupt, or for SIGTERM
+    the end of the process before `on_shutdown` ran. Around uvicorn, a signal sets `should_exit`
+    instead: before start-up uvicorn then stops at once, after shutdown it is a no-op.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def request_exit(signum: int, _frame: object) -> None:
+        logger.debug("%s: stopping", signal.Signals(signum).name)
+        server.should_exit = True
+
+    previous = {sig: signal.signal(sig, request_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,172 @@
+"""Prometheus metrics of one server: what the engine holds and how fast requests move.
+
+The server measures what it sees on every request stream: time to first token, time per output
+token, generated tokens (and a tokens/s gauge over a sliding window), prompt and cached tokens and
+finished requests by finish reason. The engine reports what only it knows (KV usage, running and
+queued requests, prefix-cache hit rate) either by calling the `set_*` methods or through a
+`metrics_snapshot()` dict the server reads at scrape time (see `SNAPSHOT_KEYS`).
+
+Each `ServerMetrics` owns its own registry, so several apps in one process never collide. Nothing
+here blocks or reaches the engine by itself.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+PREFIX = "snugkv"
+THROUGHPUT_WINDOW_S = 10.0
+
+TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0)
+E2E_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+# Keys the server reads from the engine's `metrics_snapshot()` (or `server_info()`), with the
+# setter each one feeds. Missing keys leave the gauge as it was.
+SNAPSHOT_KEYS = {
+    "kv_cache_usage": "set_kv_cache_usage",  # fraction of KV token slots in use, 0..1
+    "num_running_requests": "set_num_running_requests",
+    "num_queued_requests": "set_num_queued_requests",
+    "prefix_cache_hit_rate": "set_prefix_cache_hit_rate",  # cached / prompt tokens, 0..1
+}
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.kv_cache_usage = Gauge(
+            f"{PREFIX}_kv_cache_usage_ratio", "Fraction of KV slots in use", registry=r
+        )
+        self.running = Gauge(f"{PREFIX}_num_requests_running", "Requests the engine is running", registry=r)
+        self.queued = Gauge(f"{PREFIX}_num_requests_waiting", "Requests queued in the engine", registry=r)
+        self.prefix_hit_rate = Gauge(
+            f"{PREFIX}_prefix_cache_hit_rate",
+            "Prompt tokens served from the prefix cache (fraction)",
+            registry=r,
+        )
+        self.tokens_per_s = Gauge(
+            f"{PREFIX}_generation_tokens_per_second",
+            f"Generated tokens per second over the last {THROUGHPUT_WINDOW_S:.0f} s",
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            f"{PREFIX}_http_requests_in_flight", "Generation requests being served", registry=r
+        )
+        self.generated_tokens = Counter(f"{PREFIX}_generation_tokens", "Generated tokens", registry=r)
+        self.prompt_tokens = Counter(
+            f"{PREFIX}_prompt_tokens", "Prompt tokens of finished requests", registry=r
+        )
+        self.cached_prompt_tokens = Counter(
+            f"{PREFIX}_cached_prompt_tokens", "Prompt tokens found in the prefix cache", registry=r
+        )
+        self.finished = Counter(
+            f"{PREFIX}_requests_finished", "Finished requests by finish reason", ["finish_reason"], registry=r
+        )
+        self.ttft = Histogram(
+            f"{PREFIX}_time_to_first_token_seconds", "Time to first token", buckets=TTFT_BUCKETS_S, registry=r
+        )
+        self.tpot = Histogram(
+            f"{PREFIX}_time_per_output_token_seconds",
+            "Time per output token after the first",
+            buckets=TPOT_BUCKETS_S,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            f"{PREFIX}_e2e_request_latency_seconds", "Request latency", buckets=E2E_BUCKETS_S, registry=r
+        )
+        self._engine_reports_hit_rate = False
+        self._lock = threading.Lock()
+        self._recent_tokens: collections.deque[tuple[float, int]] = collections.deque()
+        self._prompt_tokens_sum = 0
+        self._cached_tokens_sum = 0
+
+    # What the engine reports.
+    def set_kv_cache_usage(self, fraction: float) -> None:
+        self.kv_cache_usage.set(fraction)
+
+    def set_num_running_requests(self, count: int) -> None:
+        self.running.set(count)
+
+    def set_num_queued_requests(self, count: int) -> None:
+        self.queued.set(count)
+
+    def set_prefix_cache_hit_rate(self, fraction: float) -> None:
+        self._engine_reports_hit_rate = True
+        self.prefix_hit_rate.set(fraction)
+
+    def update_from_snapshot(self, snapshot: Mapping[str, object]) -> None:
+        for key, setter in SNAPSHOT_KEYS.items():
+            value = snapshot.get(key)
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                getattr(self, setter)(value)
+
+    # What the server measures on each request stream.
+    def track(self) -> RequestTracker:
+        return RequestTracker(self, started_s=time.perf_counter())
+
+    def record_generated_tokens(self, count: int) -> None:
+        if count <= 0:
+            return
+        self.generated_tokens.inc(count)
+        with self._lock:
+            self._recent_tokens.append((time.perf_counter(), count))
+
+    def record_finished(self, reason: str, *, prompt_tokens: int, cached_tokens: int) -> None:
+        self.finished.labels(finish_reason=reason).inc()
+        self.prompt_tokens.inc(prompt_tokens)
+        self.cached_prompt_tokens.inc(cached_tokens)
+        with self._lock:
+            self._prompt_tokens_sum += prompt_tokens
+            self._cached_tokens_sum += cached_tokens
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition, with the derived gauges brought up to date."""
+        now_s = time.perf_counter()
+        with self._lock:
+            while self._recent_tokens and self._recent_tokens[0][0] < now_s - THROUGHPUT_WINDOW_S:
+                self._recent_tokens.popleft()
+            recent = sum(count for _, count in self._recent_tokens)
+            prompt, cached = self._prompt_tokens_sum, self._cached_tokens_sum
+        self.tokens_per_s.set(recent / THROUGHPUT_WINDOW_S)
+        if not self._engine_reports_hit_rate:
+            self.prefix_hit_rate.set(cached / prompt if prompt else 0.0)
+        return generate_latest(self.registry)
+
+
+@dataclass(slots=True)
+class RequestTracker:
+    """Timing of one engine request (one choice), from submission to its last token."""
+
+    metrics: ServerMetrics
+    started_s: float
+    first_token_s: float | None = None
+    last_token_s: float | None = None
+    tokens: int = 0
+    done: bool = False
+
+    def on_tokens(self, count: int) -> None:
+        if count <= 0:
+            return
+        now_s = time.perf_counter()
+        if self.first_token_s is None:
+            self.first_token_s = now_s
+            self.metrics.ttft.observe(now_s - self.started_s)
+        self.last_token_s = now_s
+        self.tokens += count
+        self.metrics.record_generated_tokens(count)
+
+    def on_finish(self, reason: str, *, prompt_tokens: int = 0, cached_tokens: int = 0) -> None:
+        if self.done:
+            return
+        self.done = True
+        self.metrics.record_finished(reason, prompt_tokens=prompt_tokens, cached_tokens=cached_tokens)
+        self.metrics.e2e.observe(time.perf_counter() - self.started_s)
+        if self.first_token_s is not None and self.last_token_s is not None and self.tokens > 1:
+            self.metrics.tpot.observe((self.last_token_s - self.first_token_s) / (self.tokens - 1))

@@ -1,0 +1,311 @@
+"""From a parsed OpenAI request to the `GenerateInput`s the engine runs.
+
+Owns everything that can reject a request before the engine sees it: the model name, options this
+server does not support, sampling values (through `SamplingParams.validate`), prompt shapes, the
+chat template and the context limit. Each rejection is an `APIError` whose message says what to
+change. One request fans out into `n` engine requests per prompt, each with its own rid and seed.
+Never calls `generate`; never holds state between requests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from snugkv.sampling_params import InvalidRequest, SamplingParams
+from snugkv.server.engine_protocol import EngineClient, GenerateInput
+from snugkv.server.errors import APIError, bad_request, from_validation_error
+from snugkv.server.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
+
+MAX_CHOICES = 128  # n times the number of prompts
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the room left
+SEED_MODULUS = 2**63
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+JSON_KINDS = {
+    list: "array",
+    str: "string",
+    int: "number",
+    float: "number",
+    bool: "boolean",
+    type(None): "null",
+}
+
+RequestModel = TypeVar("RequestModel", bound=BaseModel)
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedRequest:
+    """One HTTP request, ready to run: choice `i` is `inputs[i]`, from prompt `prompt_of_choice[i]`."""
+
+    request_id: str
+    created: int
+    model: str
+    inputs: list[GenerateInput]
+    prompt_of_choice: list[int]
+    prompt_tokens: list[int]
+    stream: bool
+    include_usage: bool
+    logprobs: bool
+
+
+def parse_body(raw: bytes, model: type[RequestModel]) -> RequestModel:
+    if not raw.strip():
+        raise bad_request("The request body is empty; send a JSON object.")
+    try:
+        data = json.loads(raw.decode("utf-8-sig"))
+    except UnicodeDecodeError:
+        raise bad_request("The request body is not UTF-8 text; send a UTF-8 encoded JSON object.") from None
+    except json.JSONDecodeError as exc:
+        raise bad_request(
+            f"The request body is not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno}); "
+            "send a JSON object."
+        ) from None
+    if not isinstance(data, dict):
+        kind = JSON_KINDS.get(type(data), type(data).__name__)
+        raise bad_request(f"The request body must be a JSON object, not a JSON {kind}.")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+
+
+def prepare_completion(
+    body: CompletionRequest, engine: EngineClient, served_model_name: str
+) -> PreparedRequest:
+    _check_common(body, served_model_name)
+    if body.echo:
+        raise bad_request("echo is not supported; remove it or set it to false.", param="echo")
+    if body.suffix:
+        raise bad_request("suffix is not supported; remove it.", param="suffix")
+    if body.best_of is not None and body.best_of != body.n:
+        raise bad_request("best_of is not supported; remove it or set it equal to n.", param="best_of")
+    max_tokens = body.max_tokens if body.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
+    sampling = _sampling(body, max_tokens, body.logprobs, engine.max_context_tokens)
+    prompts = [_completion_prompt_ids(prompt, engine.tokenizer) for prompt in _split_prompts(body.prompt)]
+    for index, ids in enumerate(prompts):
+        name = "prompt" if len(prompts) == 1 else f"prompt[{index}]"
+        _check_token_ids(ids, engine.tokenizer, name)
+        _check_fits(
+            len(ids), sampling.max_new_tokens, engine.max_context_tokens, what=f"The {name}", param="prompt"
+        )
+    return _fan_out("cmpl", body, served_model_name, prompts, sampling, logprobs=body.logprobs is not None)
+
+
+def prepare_chat(
+    body: ChatCompletionRequest, engine: EngineClient, served_model_name: str
+) -> PreparedRequest:
+    _check_common(body, served_model_name)
+    if body.tools:
+        raise bad_request("tools are not supported by this server; remove them.", param="tools")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise bad_request("top_logprobs needs logprobs set to true.", param="top_logprobs")
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    sampling = _sampling(body, max_tokens, top_logprobs, engine.max_context_tokens)
+    ids = _chat_prompt_ids(body, engine.tokenizer)
+    context = engine.max_context_tokens
+    if max_tokens is None:
+        if len(ids) >= context:
+            raise bad_request(
+                f"The messages take {len(ids)} tokens, which leaves no room to answer in the model's context "
+                f"of {context} tokens; shorten the messages.",
+                param="messages",
+                code="context_length_exceeded",
+            )
+        sampling = dataclasses.replace(sampling, max_new_tokens=context - len(ids))
+    _check_fits(len(ids), sampling.max_new_tokens, context, what="The messages", param="messages")
+    return _fan_out("chatcmpl", body, served_model_name, [ids], sampling, logprobs=body.logprobs)
+
+
+def _check_common(body: GenerationRequest, served_model_name: str) -> None:
+    if body.model is not None and body.model != served_model_name:
+        raise APIError(
+            404,
+            f"The model '{body.model}' does not exist here; this server serves '{served_model_name}' "
+            "(see GET /v1/models).",
+            param="model",
+            code="model_not_found",
+        )
+    if not 1 <= body.n <= MAX_CHOICES:
+        raise bad_request(f"n must be between 1 and {MAX_CHOICES}, got {body.n}.", param="n")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(body, name):
+            raise bad_request(f"{name} is not supported; remove it or set it to 0.", param=name)
+    if body.logit_bias:
+        raise bad_request("logit_bias is not supported; remove it.", param="logit_bias")
+
+
+def _sampling(
+    body: GenerationRequest, max_tokens: int | None, logprobs: int | None, context: int
+) -> SamplingParams:
+    """Sampling values checked against the engine's rules; `max_tokens=None` is settled later."""
+    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    top_k = body.top_k if body.top_k is not None else 0
+    sampling = SamplingParams(
+        max_new_tokens=max_tokens if max_tokens is not None else 1,
+        temperature=body.temperature if body.temperature is not None else 1.0,
+        top_p=body.top_p if body.top_p is not None else 1.0,
+        top_k=0 if top_k == -1 else top_k,  # -1 disables top-k in vLLM's dialect
+        seed=body.seed,
+        stop=stop,
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        ignore_eos=body.ignore_eos,
+        logprobs=logprobs,
+    )
+    try:
+        sampling.validate(context)
+    except InvalidRequest as exc:
+        message = str(exc)
+        field = re.match(r"[a-z_]+", message)
+        param = field.group(0) if field and field.group(0) in type(body).model_fields else None
+        raise bad_request(f"{message}.", param=param) from None
+    return sampling
+
+
+def _split_prompts(prompt: str | list[Any]) -> list[str | list[int]]:
+    if isinstance(prompt, str) or isinstance(prompt[0], int):
+        return [prompt]
+    return list(prompt)
+
+
+def _completion_prompt_ids(prompt: str | list[int], tokenizer: Any) -> list[int]:
+    return list(prompt) if isinstance(prompt, list) else list(tokenizer.encode(prompt))
+
+
+def _check_token_ids(ids: list[int], tokenizer: Any, param: str) -> None:
+    if not ids:
+        raise bad_request(f"The {param} is empty; send at least one token.", param="prompt")
+    vocab_size = _vocab_size(tokenizer)
+    bad = next((t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)), None)
+    if bad is not None:
+        bound = f"0 to {vocab_size - 1}" if vocab_size is not None else "non-negative"
+        raise bad_request(
+            f"Token id {bad} in the {param} is out of range; ids must be {bound}.", param="prompt"
+        )
+
+
+def _vocab_size(tokenizer: Any) -> int | None:
+    try:
+        return len(tokenizer)
+    except TypeError:
+        size = getattr(tokenizer, "vocab_size", None)
+        return size if isinstance(size, int) else None
+
+
+def _check_fits(prompt_tokens: int, max_new_tokens: int, context: int, *, what: str, param: str) -> None:
+    needed = prompt_tokens + max_new_tokens
+    if needed <= context:
+        return
+    over = needed - context
+    if prompt_tokens >= context:
+        message = (
+            f"{what} takes {prompt_tokens} tokens, {prompt_tokens - context + 1} more than fit in the model's "
+            f"context of {context} tokens with room for one new token; shorten it."
+        )
+    else:
+        message = (
+            f"{what} takes {prompt_tokens} tokens and max_tokens is {max_new_tokens}: {needed} tokens, "
+            f"{over} over the model's context of {context}; shorten the prompt or lower max_tokens "
+            f"to at most {context - prompt_tokens}."
+        )
+    raise bad_request(message, param=param, code="context_length_exceeded")
+
+
+def _chat_prompt_ids(body: ChatCompletionRequest, tokenizer: Any) -> list[int]:
+    if not body.messages:
+        raise bad_request("messages is empty; send at least one message.", param="messages")
+    messages = [_template_message(index, message) for index, message in enumerate(body.messages)]
+    try:
+        if hasattr(tokenizer, "apply_chat_template"):
+            encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        else:  # snugkv.models.tokenizer.Tokenizer wraps the transformers one
+            encoded = tokenizer.encode_chat(messages, add_generation_prompt=True)
+    except Exception as exc:  # template errors come as jinja2, ValueError or TypeError
+        raise bad_request(
+            f"The model's chat template rejected these messages ({exc}); check the roles and their order.",
+            param="messages",
+        ) from None
+    ids = _token_ids(encoded)
+    if not ids:
+        raise bad_request("The messages render to an empty prompt; send some content.", param="messages")
+    return ids
+
+
+def _template_message(index: int, message: Any) -> dict[str, str]:
+    if message.role not in CHAT_ROLES:
+        raise bad_request(
+            f"messages[{index}].role is '{message.role}'; use one of {', '.join(CHAT_ROLES)}.",
+            param=f"messages[{index}].role",
+        )
+    role = "system" if message.role == "developer" else message.role
+    content = message.content
+    if isinstance(content, list):
+        texts = []
+        for part_index, part in enumerate(content):
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad_request(
+                    f"messages[{index}].content[{part_index}] has type {part.get('type')!r}; "
+                    'only {"type": "text", "text": ...} parts are supported.',
+                    param=f"messages[{index}].content",
+                )
+            texts.append(part["text"])
+        content = "\n".join(texts)
+    return {"role": role, "content": content or ""}
+
+
+def _token_ids(encoded: Any) -> list[int]:
+    """`apply_chat_template(tokenize=True)` gives a list in transformers 4 and a mapping in 5."""
+    if isinstance(encoded, Mapping) or hasattr(encoded, "input_ids"):
+        encoded = encoded["input_ids"]
+    ids = list(encoded)
+    if ids and isinstance(ids[0], Sequence):
+        ids = list(ids[0])
+    return [int(t) for t in ids]
+
+
+def _fan_out(
+    kind: str,
+    body: GenerationRequest,
+    model: str,
+    prompts: list[list[int]],
+    sampling: SamplingParams,
+    *,
+    logprobs: bool,
+) -> PreparedRequest:
+    if len(prompts) * body.n > MAX_CHOICES:
+        raise bad_request(
+            f"{len(prompts)} prompts times n={body.n} is {len(prompts) * body.n} completions, more than "
+            f"{MAX_CHOICES}; send fewer prompts or a smaller n.",
+            param="n",
+        )
+    request_id = f"{kind}-{uuid.uuid4().hex}"
+    inputs, prompt_of_choice = [], []
+    for prompt_index, ids in enumerate(prompts):
+        for _ in range(body.n):
+            choice = len(inputs)
+            seed = None if sampling.seed is None else (sampling.seed + choice) % SEED_MODULUS
+            choice_sampling = dataclasses.replace(sampling, seed=seed)
+            inputs.append(
+                GenerateInput(rid=f"{request_id}-{choice}", input_ids=ids, sampling=choice_sampling)
+            )
+            prompt_of_choice.append(prompt_index)
+    return PreparedRequest(
+        request_id=request_id,
+        created=int(time.time()),
+        model=model,
+        inputs=inputs,
+        prompt_of_choice=prompt_of_choice,
+        prompt_tokens=[len(ids) for ids in prompts],
+        stream=body.stream,
+        include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        logprobs=logprobs,
+    )

@@ -1,0 +1,217 @@
+"""Running a prepared request on the engine and answering in the OpenAI format.
+
+`FanOut` runs one engine stream per choice and yields their outputs as they arrive. Whatever way
+the HTTP request ends (finished, engine error, client gone, server shutting down), `FanOut.close`
+aborts every engine request that has not finished, synchronously, so its KV slots are freed at
+once and no cancellation can skip it. `stream_events` answers as server-sent events;
+`collect_response` answers with one JSON body and watches for the client leaving meanwhile.
+This module never validates input (see `prepare`) and never touches engine internals.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import cast
+
+from pydantic import BaseModel
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from snugkv.sampling_params import InvalidRequest
+from snugkv.server.engine_protocol import EngineClient, GenerateInput, GenerateOutput
+from snugkv.server.errors import SERVER_ERROR, APIError
+from snugkv.server.formats import ChoiceState, ResponseFormat, usage_of
+from snugkv.server.metrics import RequestTracker, ServerMetrics
+from snugkv.server.prepare import PreparedRequest
+
+logger = logging.getLogger(__name__)
+
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the answer
+_STREAM_END = object()
+
+
+class FanOut:
+    """The engine streams of one HTTP request's choices, merged in arrival order."""
+
+    def __init__(self, engine: EngineClient, inputs: list[GenerateInput], metrics: ServerMetrics) -> None:
+        self._engine = engine
+        self._metrics = metrics
+        self._queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue()
+        self._unfinished = {gi.rid: index for index, gi in enumerate(inputs)}
+        self._inputs = inputs
+        self._trackers: list[RequestTracker] = [metrics.track() for _ in inputs]
+        self._open_streams = len(inputs)
+        self._closed = False
+        metrics.in_flight.inc()
+        self._tasks = [asyncio.create_task(self._pump(index, gi)) for index, gi in enumerate(inputs)]
+
+    async def _pump(self, index: int, request: GenerateInput) -> None:
+        stream = None
+        try:
+            stream = self._engine.generate(request)
+            async for output in stream:
+                self._queue.put_nowait((index, output))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._queue.put_nowait((index, exc))
+        finally:
+            aclose = getattr(stream, "aclose", None) if stream is not None else None
+            if aclose is not None:
+                try:
+                    await aclose()
+                except Exception:
+                    logger.exception("Closing the engine stream of %s failed", request.rid)
+            self._queue.put_nowait((index, _STREAM_END))
+
+    def __aiter__(self) -> FanOut:
+        return self
+
+    async def __anext__(self) -> tuple[int, GenerateOutput]:
+        while self._open_streams:
+            index, item = await self._queue.get()
+            rid = self._inputs[index].rid
+            if item is _STREAM_END:
+                self._open_streams -= 1
+                if rid in self._unfinished:
+                    raise APIError(500, f"The engine ended {rid} without finishing it.", type=SERVER_ERROR)
+                continue
+            if isinstance(item, InvalidRequest):
+                raise APIError(400, str(item))
+            if isinstance(item, BaseException):
+                logger.error("The engine failed on %s", rid, exc_info=item)
+                raise APIError(500, f"The engine failed on this request ({item}).", type=SERVER_ERROR)
+            output = cast(GenerateOutput, item)
+            self._record(index, output)
+            if output.error is not None:
+                raise APIError(
+                    500,
+                    f"The engine failed on this request: {output.error}",
+                    type=SERVER_ERROR,
+                    code="engine_error",
+                )
+            return index, output
+        raise StopAsyncIteration
+
+    def _record(self, index: int, output: GenerateOutput) -> None:
+        tracker = self._trackers[index]
+        tracker.on_tokens(len(output.token_ids))
+        if output.finished or output.error is not None:
+            self._unfinished.pop(output.rid, None)
+            tracker.on_finish(
+                output.finish_reason or ("error" if output.error else "stop"),
+                prompt_tokens=output.prompt_tokens or len(self._inputs[index].input_ids),
+                cached_tokens=output.cached_tokens,
+            )
+
+    def close(self) -> None:
+        """Abort what has not finished and stop the pumps; synchronous so no cancellation skips it."""
+        if self._closed:
+            return
+        self._closed = True
+        for rid, index in list(self._unfinished.items()):
+            try:
+                self._engine.abort(rid)
+            except Exception:
+                logger.exception("Aborting %s failed", rid)
+            self._trackers[index].on_finish("abort", prompt_tokens=len(self._inputs[index].input_ids))
+        self._unfinished.clear()
+        for task in self._tasks:
+            task.cancel()
+        self._metrics.in_flight.dec()
+
+
+def _sse(payload: BaseModel) -> str:
+    return f"data: {payload.model_dump_json()}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+async def stream_events(
+    prepared: PreparedRequest,
+    engine: EngineClient,
+    metrics: ServerMetrics,
+    request: Request,
+    response_format: ResponseFormat,
+) -> AsyncIterator[str]:
+    fan_out = FanOut(engine, prepared.inputs, metrics)
+    choices = [ChoiceState(prompt_tokens=prepared.prompt_tokens[p]) for p in prepared.prompt_of_choice]
+    try:
+        for chunk in response_format.opening(prepared):
+            yield _sse(chunk)
+        try:
+            async for index, output in fan_out:
+                state = choices[index]
+                state.absorb(output)
+                chunk = response_format.delta(prepared, index, output, state)
+                if chunk is not None:
+                    yield _sse(chunk)
+                if await request.is_disconnected():
+                    return
+        except APIError as exc:
+            yield f"data: {json.dumps(exc.body())}\n\n"
+            yield SSE_DONE
+            return
+        if prepared.include_usage:
+            yield _sse(response_format.usage_chunk(prepared, usage_of(prepared, choices)))
+        yield SSE_DONE
+    finally:
+        fan_out.close()
+
+
+async def collect_response(
+    prepared: PreparedRequest,
+    engine: EngineClient,
+    metrics: ServerMetrics,
+    request: Request,
+    response_format: ResponseFormat,
+) -> Response:
+    fan_out = FanOut(engine, prepared.inputs, metrics)
+    choices = [ChoiceState(prompt_tokens=prepared.prompt_tokens[p]) for p in prepared.prompt_of_choice]
+
+    async def run() -> None:
+        async for index, output in fan_out:
+            choices[index].absorb(output)
+
+    work = asyncio.ensure_future(run())
+    client_gone = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({work, client_gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():
+            logger.info("Client left before %s finished; aborted it", prepared.request_id)
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        work.result()
+    finally:
+        fan_out.close()
+        work.cancel()
+        client_gone.cancel()
+    body = response_format.response(prepared, choices).model_dump_json()
+    return Response(content=body, media_type="application/json")
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class EventStreamResponse(StreamingResponse):
+    """Server-sent events whose generator is always closed, even when the client vanishes mid-send."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncIterator[str]) -> None:
+        super().__init__(events, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._events = events
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            aclose = getattr(self._events, "aclose", None)
+            if aclose is not None:
+                await aclose()

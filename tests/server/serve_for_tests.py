@@ -1,0 +1,96 @@
+"""The server process the tests drive: `python -m tests.server.serve_for_tests --engine fake|real`.
+
+`build_engine` is the one place that decides which engine runs behind the HTTP server; switch the
+tests to the real engine by filling in its `real` branch and setting SNUGKV_TEST_ENGINE=real.
+Prints `LISTENING <url>` once the socket is bound and `SHUTDOWN COMPLETE` after `on_shutdown`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from snugkv.server.app import create_app
+from snugkv.server.launch import serve
+
+LISTENING = "LISTENING"
+SHUTDOWN_COMPLETE = "SHUTDOWN COMPLETE"
+
+
+def build_engine(args: argparse.Namespace) -> tuple[Any, Callable[[], None]]:
+    """The engine behind the server and what to call when the server stops."""
+    if args.engine == "fake":
+        from tests.server.fake_engine import FakeEngine
+
+        tokenizer = None
+        if args.tokenizer_gguf:
+            from pathlib import Path
+
+            from snugkv.models.loader import ModelSource
+            from snugkv.models.tokenizer import load_tokenizer
+
+            tokenizer = load_tokenizer(ModelSource(Path(args.tokenizer_gguf), "gguf")).hf
+        engine = FakeEngine(tokenizer=tokenizer, max_context_tokens=args.max_context_tokens)
+        return engine, lambda: None
+    raise SystemExit(
+        "--engine real is not wired yet: build the snugkv engine here (default model, CPU) and return it "
+        "with its shutdown function"
+    )
+
+
+def exit_when_orphaned() -> None:
+    """Stop cleanly if the test run that started this server dies without stopping it."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="orphan-watch", daemon=True).start()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--engine", choices=("fake", "real"), default="fake")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    parser.add_argument("--served-model-name", default="snugkv-test-model")
+    parser.add_argument("--max-context-tokens", type=int, default=512, help="fake engine only")
+    parser.add_argument("--tokenizer-gguf", default=None, help="fake engine only: use this GGUF's tokenizer")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    exit_when_orphaned()
+    engine, shutdown_engine = build_engine(args)
+    app = create_app(
+        engine,
+        api_key=args.api_key,
+        max_body_bytes=args.max_body_bytes,
+        served_model_name=args.served_model_name,
+    )
+
+    def on_shutdown() -> None:
+        shutdown_engine()
+        print(SHUTDOWN_COMPLETE, flush=True)
+
+    serve(
+        app,
+        host="127.0.0.1",
+        port=args.port,
+        on_listening=lambda url: print(f"{LISTENING} {url}", flush=True),
+        on_shutdown=on_shutdown,
+        log_level="warning",
+        graceful_shutdown_s=5,
+    )
+
+
+if __name__ == "__main__":
+    main()

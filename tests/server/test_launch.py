@@ -1,0 +1,100 @@
+"""Start-up and shutdown: Ctrl-C stops a busy server cleanly and runs `on_shutdown`."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from snugkv.server.app import create_app
+from snugkv.server.launch import bind_socket, serve
+from tests.server.conftest import start_server
+from tests.server.fake_engine import FakeEngine
+from tests.server.serve_for_tests import SHUTDOWN_COMPLETE
+
+WATCHDOG_S = 15.0
+
+
+def test_ctrl_c_with_a_stream_in_flight_exits_zero_after_on_shutdown(tmp_path: Path) -> None:
+    server = start_server(tmp_path)
+    streaming = threading.Event()
+    lines: list[str] = []
+
+    def stream() -> None:
+        body = {"prompt": "busy", "max_tokens": 300, "ignore_eos": True, "stream": True}
+        try:
+            with server.client() as http, http.stream("POST", "/v1/completions", json=body) as response:
+                for line in response.iter_lines():
+                    lines.append(line)
+                    streaming.set()
+        except httpx.HTTPError as exc:  # a stream cut at the graceful-shutdown deadline is fine
+            lines.append(f"error: {exc}")
+        finally:
+            streaming.set()
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    assert streaming.wait(timeout=30)
+    exit_code = server.stop(timeout_s=30)
+    reader.join(timeout=30)
+    assert not reader.is_alive(), "the client hung after the server stopped"
+    assert exit_code == 0, server.log()
+    assert SHUTDOWN_COMPLETE in server.log()
+    assert "Traceback" not in server.log(), server.log()
+    assert "data: [DONE]" in lines or lines[-1].startswith("error"), lines[-3:]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_before_uvicorn_starts_still_stops_and_runs_on_shutdown(signum: int) -> None:
+    app = create_app(FakeEngine(), api_key=None, max_body_bytes=1024, served_model_name="m")
+    events: list[str] = []
+
+    def on_listening(url: str) -> None:
+        events.append("listening")
+        signal.raise_signal(signum)  # lands before uvicorn installs its own handlers
+
+    # If the early signal were lost the server would run on; a second one, which uvicorn does
+    # catch, ends it so the test fails instead of hanging the suite.
+    watchdog = threading.Timer(WATCHDOG_S, lambda: os.kill(os.getpid(), signal.SIGINT))
+    watchdog.start()
+    started_s = time.monotonic()
+    try:
+        serve(
+            app,
+            port=0,
+            on_listening=on_listening,
+            on_shutdown=lambda: events.append("shutdown"),
+            log_level="error",
+        )
+    finally:
+        watchdog.cancel()
+    assert time.monotonic() - started_s < WATCHDOG_S, "the signal before start-up was lost"
+    assert events == ["listening", "shutdown"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, "the previous handler is back"
+
+
+def test_a_busy_port_fails_with_a_message_naming_it() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(OSError, match=f"127.0.0.1:{port}.*choose another --port"):
+            bind_socket("127.0.0.1", port)
+
+
+def test_health_is_503_while_the_engine_is_unhealthy() -> None:
+    engine = FakeEngine()
+    app = create_app(engine, api_key=None, max_body_bytes=1024, served_model_name="m")
+    with TestClient(app) as client:
+        assert client.get("/health").status_code == 200
+        engine.healthy = False
+        response = client.get("/health")
+        assert response.status_code == 503
+        assert response.json()["error"]["type"] == "server_error"
