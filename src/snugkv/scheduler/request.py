@@ -1,0 +1,67 @@
+"""A request inside the scheduler: its tokens, its slots, its stop conditions, its text.
+
+Slot ownership along the request's row of the request-to-token table:
+`[0, prefix_len)` are prefix-cache slots (locked through `prefix_node`), `[prefix_len, kv_len)`
+are slots the request allocated itself. `kv_len` tokens have KV in the pool; the last sampled
+token never does until the next step computes it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from snugkv.sampling_params import SamplingParams
+from snugkv.scheduler.radix_cache import TreeNode
+
+
+@dataclass(eq=False)
+class Request:
+    rid: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    output_ids: list[int] = field(default_factory=list)
+    req_pool_idx: int | None = None
+    prefix_node: TreeNode | None = None
+    prefix_len: int = 0
+    kv_len: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
+    generator: torch.Generator | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    aborted: bool = False
+    retractions: int = 0
+    arrival_s: float = field(default_factory=time.monotonic)
+    first_token_s: float | None = None
+    # incremental detokenization
+    text: str = ""
+    sent_text_len: int = 0
+    sent_token_len: int = 0
+    prefix_offset: int = 0
+    read_offset: int = 0
+    logprobs: list[Any] = field(default_factory=list)
+    sent_logprobs_len: int = 0
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def pending_len(self) -> int:
+        """Tokens whose KV the next forward must compute."""
+        return self.num_tokens - self.kv_len
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def is_admitted(self) -> bool:
+        return self.req_pool_idx is not None

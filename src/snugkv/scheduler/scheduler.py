@@ -1,0 +1,364 @@
+"""Continuous batching over one model runner.
+
+Every step either prefills (new requests and chunks of long prompts, up to a token budget) or
+decodes every running request by one token (through the decode CUDA graphs). New requests join
+at every step. Memory: admission only takes what is free after evicting the prefix cache, keeps
+one page per running request in reserve, and when decode still runs short, the newest request
+is retracted (its KV goes to the prefix cache, it waits to be recomputed) — never a crash, never
+a dropped request. After any workload every slot is back: `check_slot_accounting()`.
+
+The scheduler runs on one thread (the engine's loop); it never blocks on I/O. Outputs leave
+through the `on_output` callback.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from snugkv.runner.forward_batch import BatchRow
+from snugkv.runner.model_runner import ModelRunner
+from snugkv.sampling_params import InvalidRequest, SamplingParams
+from snugkv.scheduler.detokenizer import detokenize, find_stop
+from snugkv.scheduler.radix_cache import RadixCache
+from snugkv.scheduler.request import Request
+from snugkv.server.engine_protocol import GenerateOutput, TokenLogprob
+
+logger = logging.getLogger(__name__)
+
+OutputCallback = Callable[[Request, GenerateOutput], None]
+
+
+class SlotAccountingError(RuntimeError):
+    """free + cached + held by requests != capacity: a slot leaked or was handed out twice."""
+
+
+class Scheduler:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        *,
+        tokenizer: Any = None,
+        eos_token_ids: Iterable[int] = (),
+        max_running_requests: int,
+        chunked_prefill_size: int,
+        enable_prefix_cache: bool = True,
+        on_output: OutputCallback | None = None,
+    ) -> None:
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_running_requests = max_running_requests
+        self.chunked_prefill_size = chunked_prefill_size
+        self.page_size = runner.allocator.page_size
+        self.context_length = runner.max_context_len
+        self.cache = RadixCache(runner.allocator, enabled=enable_prefix_cache)
+        self.on_output = on_output
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_retractions = 0
+        self.generated_tokens = 0
+
+    # -- intake -----------------------------------------------------------------------
+    def add_request(self, rid: str, prompt_ids: list[int], sampling: SamplingParams) -> Request:
+        """Queue a request; raises `InvalidRequest` (nothing queued) when it cannot run."""
+        if not prompt_ids:
+            raise InvalidRequest("the prompt is empty; send at least one token")
+        if rid in self.requests:
+            raise InvalidRequest(f"request id {rid!r} is already in use")
+        sampling.validate(self.context_length)
+        if len(prompt_ids) + 1 > self.context_length:
+            raise InvalidRequest(
+                f"the prompt has {len(prompt_ids)} tokens but the context holds {self.context_length} "
+                "(prompt plus at least one new token); shorten the prompt"
+            )
+        capacity = self.runner.allocator.capacity_tokens
+        if len(prompt_ids) + self.page_size > capacity:
+            raise InvalidRequest(
+                f"the prompt needs {len(prompt_ids)} KV slots but the whole KV cache holds {capacity}; "
+                "shorten the prompt"
+            )
+        request = Request(rid, list(prompt_ids), sampling)
+        if sampling.seed is not None and not sampling.greedy:
+            request.generator = torch.Generator(device=self.runner.device).manual_seed(sampling.seed)
+        self.requests[rid] = request
+        self.waiting.append(request)
+        return request
+
+    def abort(self, rid: str) -> None:
+        """Mark a request aborted; its slots are freed at the start of the next step. Idempotent."""
+        request = self.requests.get(rid)
+        if request is not None:
+            request.aborted = True
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step -----------------------------------------------------------------------
+    def step(self) -> None:
+        self._drop_aborted()
+        rows, batch, slots = self._schedule_prefill()
+        if not rows and self.running:
+            rows, batch, slots = self._schedule_decode()
+        if rows:
+            self._run(rows, batch, slots)
+
+    def _drop_aborted(self) -> None:
+        for queue in (self.waiting, self.running):
+            for request in [r for r in queue if r.aborted]:
+                queue.remove(request)
+                self._finish(request, "abort")
+
+    def _schedule_prefill(self) -> tuple[list[BatchRow], list[Request], torch.Tensor | None]:
+        budget = self.chunked_prefill_size
+        rows: list[BatchRow] = []
+        batch: list[Request] = []
+        slot_parts: list[torch.Tensor] = []
+        reserve = len(self.running) * self.page_size
+        while self.waiting and budget > 0 and len(self.running) + len(batch) < self.max_running_requests:
+            request = self.waiting[0]
+            newly_admitted = not request.is_admitted
+            if newly_admitted and not self._admit(request):
+                break
+            chunk = min(request.pending_len, budget)
+            if not self._make_room(chunk + self.page_size + reserve):
+                if newly_admitted:
+                    self._release(request)
+                break
+            end = request.kv_len + chunk
+            row = BatchRow(
+                request.req_pool_idx,
+                request.kv_len,
+                request.all_ids[request.kv_len : end],
+                need_logits=end == request.num_tokens,
+            )
+            slots = self.runner.allocate_slots([row])
+            if slots is None:
+                if newly_admitted:
+                    self._release(request)
+                break
+            self.waiting.popleft()
+            slot_parts.append(slots)
+            rows.append(row)
+            batch.append(request)
+            budget -= chunk
+            reserve += self.page_size
+        return rows, batch, torch.cat(slot_parts) if slot_parts else None
+
+    def _admit(self, request: Request) -> bool:
+        """Give `request` a table row and its cached prefix (at least one token left to compute)."""
+        row = self.runner.req_to_token_pool.alloc()
+        if row is None:
+            return False
+        match = self.cache.match_prefix(request.all_ids[:-1], count_stats=request.retractions == 0)
+        request.req_pool_idx = row
+        if match.num_tokens:
+            self.cache.lock(match.node)
+            request.prefix_node = match.node
+            self.runner.req_to_token_pool.write(row, 0, match.slots.to(self.runner.device))
+        request.prefix_len = request.kv_len = match.num_tokens
+        if request.retractions == 0:
+            request.cached_tokens = match.num_tokens
+        return True
+
+    def _make_room(self, num_tokens: int) -> bool:
+        allocator = self.runner.allocator
+        if allocator.available_tokens < num_tokens:
+            self.cache.evict(num_tokens - allocator.available_tokens)
+        return allocator.available_tokens >= num_tokens
+
+    def _schedule_decode(self) -> tuple[list[BatchRow], list[Request], torch.Tensor | None]:
+        while self.running:
+            rows = [BatchRow(r.req_pool_idx, r.kv_len, [r.all_ids[-1]]) for r in self.running]
+            self._make_room(len(rows) * self.page_size)
+            slots = self.runner.allocate_slots(rows)
+            if slots is not None:
+                return rows, list(self.running), slots
+            self._retract(max(self.running, key=lambda r: r.arrival_s))
+        return [], [], None
+
+    def _retract(self, request: Request) -> None:
+        """Free a running request's KV (to the prefix cache) and queue it to be recomputed."""
+        self.running.remove(request)
+        self._release(request)
+        request.retractions += 1
+        self.num_retractions += 1
+        self.waiting.appendleft(request)
+        logger.warning(
+            "KV cache full: retracted request %s (%d tokens); it will be recomputed",
+            request.rid,
+            request.num_tokens,
+        )
+
+    # -- running a batch --------------------------------------------------------------
+    def _run(self, rows: list[BatchRow], batch: list[Request], slots: torch.Tensor | None) -> None:
+        logits = self.runner.forward(rows, slots)
+        sampling_rows = [(row, request) for row, request in zip(rows, batch) if row.need_logits]
+        tokens = (
+            self.runner.sample(
+                logits, [r.sampling for _, r in sampling_rows], [r.generator for _, r in sampling_rows]
+            )
+            if sampling_rows
+            else []
+        )
+        logprobs = self._logprobs(logits, sampling_rows, tokens)
+        sampled = iter(zip(tokens, logprobs))
+        now = time.monotonic()
+        for row, request in zip(rows, batch):
+            request.kv_len += len(row.token_ids)
+            if not row.need_logits:
+                self.waiting.appendleft(request)  # the rest of its prompt comes next step
+                continue
+            token, logprob = next(sampled)
+            request.output_ids.append(int(token))
+            if logprob is not None:
+                request.logprobs.append(logprob)
+            request.first_token_s = request.first_token_s or now
+            self.generated_tokens += 1
+            reason = self._stop_reason(request)
+            if request in self.running:
+                if reason:
+                    self.running.remove(request)
+            elif not reason:
+                self.running.append(request)
+            if reason:
+                self._finish(request, reason)
+            else:
+                self._emit(request)
+
+    def _logprobs(
+        self, logits: torch.Tensor, rows: list[tuple[BatchRow, Request]], tokens: list[int]
+    ) -> list[TokenLogprob | None]:
+        wanted = [i for i, (_, request) in enumerate(rows) if request.sampling.logprobs is not None]
+        result: list[TokenLogprob | None] = [None] * len(rows)
+        if not wanted:
+            return result
+        log_probs = torch.log_softmax(logits[wanted].float(), dim=-1).cpu()
+        for position, index in enumerate(wanted):
+            request, token = rows[index][1], tokens[index]
+            top_n = request.sampling.logprobs or 0
+            top = torch.topk(log_probs[position], top_n) if top_n else None
+            result[index] = TokenLogprob(
+                token_id=int(token),
+                token=self._piece(token),
+                logprob=float(log_probs[position, token]),
+                top=[(self._piece(int(t)), float(v)) for v, t in zip(top.values, top.indices)]
+                if top is not None
+                else [],
+            )
+        return result
+
+    def _piece(self, token: int) -> str:
+        return self.tokenizer.decode([token]) if self.tokenizer is not None else str(token)
+
+    def _stop_reason(self, request: Request) -> str | None:
+        token = request.output_ids[-1]
+        sampling = request.sampling
+        if (token in self.eos_token_ids and not sampling.ignore_eos) or token in sampling.stop_token_ids:
+            return "stop"
+        if sampling.stop:
+            searched = len(request.text)
+            detokenize(self.tokenizer, request)
+            index = find_stop(request.text, sampling.stop, searched)
+            if index is not None:
+                request.text = request.text[:index]
+                return "stop"
+        if len(request.output_ids) >= sampling.max_new_tokens or request.num_tokens >= self.context_length:
+            return "length"
+        return None
+
+    # -- leaving ------------------------------------------------------------------------
+    def _release(self, request: Request) -> None:
+        """Give a request's slots back: computed KV to the prefix cache, the rest to the allocator."""
+        row = request.req_pool_idx
+        if row is None:
+            return
+        table = self.runner.req_to_token_pool.req_to_token
+        slots = table[row, : request.kv_len].to("cpu", torch.int64)
+        usable = request.kv_len // self.page_size * self.page_size
+        existing = self.cache.insert(request.all_ids[: request.kv_len], slots) if self.cache.enabled else 0
+        owned_duplicates = slots[request.prefix_len : max(existing, request.prefix_len)]
+        tail = slots[max(usable if self.cache.enabled else request.prefix_len, request.prefix_len) :]
+        for part in (owned_duplicates, tail):
+            if part.numel():
+                self.runner.allocator.free(part)
+        if request.prefix_node is not None:
+            self.cache.unlock(request.prefix_node)
+        self.runner.req_to_token_pool.free(row)
+        request.req_pool_idx, request.prefix_node = None, None
+        request.prefix_len = request.kv_len = 0
+
+    def _finish(self, request: Request, reason: str) -> None:
+        self._release(request)
+        request.finish_reason = reason
+        self._emit(request)
+        self.requests.pop(request.rid, None)
+
+    def _emit(self, request: Request) -> None:
+        if self.on_output is None:
+            return
+        finished = request.finished
+        if request.sampling.stop and not finished:
+            holdback = max(len(s) for s in request.sampling.stop) - 1
+            visible = len(request.text) - holdback
+        else:
+            if self.tokenizer is not None and not (request.sampling.stop and finished):
+                detokenize(self.tokenizer, request, final=finished)
+            visible = len(request.text)
+        output = GenerateOutput(
+            rid=request.rid,
+            token_ids=request.output_ids[request.sent_token_len :],
+            text=request.text[request.sent_text_len : max(visible, request.sent_text_len)],
+            finished=finished,
+            finish_reason=request.finish_reason,  # type: ignore[arg-type]
+            prompt_tokens=len(request.prompt_ids),
+            completion_tokens=len(request.output_ids),
+            cached_tokens=request.cached_tokens,
+            logprobs=request.logprobs[request.sent_logprobs_len :],
+            error=request.error,
+        )
+        request.sent_token_len = len(request.output_ids)
+        request.sent_text_len = max(visible, request.sent_text_len)
+        request.sent_logprobs_len = len(request.logprobs)
+        self.on_output(request, output)
+
+    # -- checks and stats ---------------------------------------------------------------
+    def held_tokens(self) -> int:
+        """Slots held by admitted requests themselves (not the cache), in whole pages."""
+        page = self.page_size
+        return sum(
+            -(-r.kv_len // page) * page - r.prefix_len
+            for r in [*self.waiting, *self.running]
+            if r.is_admitted
+        )
+
+    def check_slot_accounting(self) -> None:
+        allocator = self.runner.allocator
+        held = self.held_tokens()
+        total = allocator.available_tokens + self.cache.cached_tokens + held
+        if total != allocator.capacity_tokens:
+            raise SlotAccountingError(
+                f"free {allocator.available_tokens} + cached {self.cache.cached_tokens} + held {held} = {total} "
+                f"!= capacity {allocator.capacity_tokens}"
+            )
+        allocator.check_integrity()
+
+    def stats(self) -> dict[str, Any]:
+        allocator = self.runner.allocator
+        capacity = max(allocator.capacity_tokens, 1)
+        return {
+            "kv_cache_usage": 1 - allocator.available_tokens / capacity,
+            "num_running_requests": len(self.running),
+            "num_queued_requests": len(self.waiting),
+            "prefix_cache_hit_rate": self.cache.hit_rate,
+            "prefix_cache_tokens": self.cache.cached_tokens,
+            "num_retractions": self.num_retractions,
+            "generated_tokens": self.generated_tokens,
+        }
