@@ -92,7 +92,7 @@ class StartupReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "kv_sizing": str(self.mode),
+            "sizing_mode": str(self.mode),
             "max_total_num_tokens": self.max_total_num_tokens,
             "max_running_requests": self.max_running_requests,
             "sizing_ms": round(self.sizing_ms, 3),
@@ -154,7 +154,7 @@ class Engine:
             return int(self.args.host_kv_gib * GIB)
         from snugkv.memory.vmm_host import _available_ram_bytes
 
-        return min(4 * GIB, _available_ram_bytes() // 4)
+        return min(GIB, _available_ram_bytes() // 4)
 
     def _device_mem_info(self) -> tuple[int, int]:
         if self.device.type == "cuda":

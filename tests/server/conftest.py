@@ -1,6 +1,6 @@
 """A real server process on 127.0.0.1 for the server tests, started once per session.
 
-The engine behind it is chosen by SNUGKV_TEST_ENGINE (`fake` by default; see
+The engine behind it is chosen by SNUGKV_TEST_ENGINE (`real` by default: SmolLM2 on CPU; see
 `serve_for_tests.build_engine`). Tests talk to it only over HTTP.
 """
 
@@ -20,7 +20,7 @@ import pytest
 
 from tests.server.serve_for_tests import LISTENING, SHUTDOWN_COMPLETE
 
-ENGINE = os.environ.get("SNUGKV_TEST_ENGINE", "fake")
+ENGINE = os.environ.get("SNUGKV_TEST_ENGINE", "real")
 API_KEY = "snugkv-test-key"
 MAX_BODY_BYTES = 256 * 1024
 START_TIMEOUT_S = 120.0

@@ -1,7 +1,7 @@
 """The server process the tests drive: `python -m tests.server.serve_for_tests --engine fake|real`.
 
-`build_engine` is the one place that decides which engine runs behind the HTTP server; switch the
-tests to the real engine by filling in its `real` branch and setting SNUGKV_TEST_ENGINE=real.
+`build_engine` is the one place that decides which engine runs behind the HTTP server: the real
+engine (default, SmolLM2 on CPU) or the fake one (SNUGKV_TEST_ENGINE=fake, for failure injection).
 Prints `LISTENING <url>` once the socket is bound and `SHUTDOWN COMPLETE` after `on_shutdown`.
 """
 
@@ -38,10 +38,34 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, Callable[[], None]]:
             tokenizer = load_tokenizer(ModelSource(Path(args.tokenizer_gguf), "gguf")).hf
         engine = FakeEngine(tokenizer=tokenizer, max_context_tokens=args.max_context_tokens)
         return engine, lambda: None
-    raise SystemExit(
-        "--engine real is not wired yet: build the snugkv engine here (default model, CPU) and return it "
-        "with its shutdown function"
+    from snugkv.commands.serve import build_async_engine
+
+    engine_args = argparse.Namespace(
+        model=args.model,
+        load_format="auto",
+        dtype=None,
+        device="cpu",
+        kv_dtype=None,
+        page_size=4,
+        kv_layout="nhd",
+        attention_backend=None,
+        kv_sizing=None,
+        max_total_tokens=4096,
+        max_running_requests=48,
+        context_length=args.max_context_tokens,
+        chunked_prefill_size=256,
+        cuda_graph_max_bs=None,
+        disable_cuda_graph=True,
+        gpu_memory_utilization=0.9,
+        mem_fraction_static=None,
+        headroom_margin_mib=0,
+        host_kv_gib=0.25,
+        seed=0,
+        served_model_name=args.served_model_name,
+        disable_prefix_cache=False,
     )
+    engine, _ = build_async_engine(engine_args)
+    return engine, engine.stop
 
 
 def exit_when_orphaned() -> None:
@@ -63,7 +87,8 @@ def main() -> None:
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--max-body-bytes", type=int, default=1 << 20)
     parser.add_argument("--served-model-name", default="snugkv-test-model")
-    parser.add_argument("--max-context-tokens", type=int, default=512, help="fake engine only")
+    parser.add_argument("--max-context-tokens", type=int, default=512)
+    parser.add_argument("--model", default=None, help="real engine only (default: the embedded SmolLM2)")
     parser.add_argument("--tokenizer-gguf", default=None, help="fake engine only: use this GGUF's tokenizer")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -87,6 +112,7 @@ def main() -> None:
         port=args.port,
         on_listening=lambda url: print(f"{LISTENING} {url}", flush=True),
         on_shutdown=on_shutdown,
+        on_stop_requested=getattr(engine, "abort_all", None),
         log_level="warning",
         graceful_shutdown_s=5,
     )

@@ -132,3 +132,19 @@ def test_an_engine_error_fails_only_its_own_request(server: ServerProcess, clien
     neighbour.join()
     assert healthy_result["response"].status_code == 200
     assert client.get("/health").status_code == 200
+
+
+@pytest.mark.skipif(ENGINE != "real", reason="slot accounting is the real engine's")
+def test_after_the_workload_every_slot_is_back_and_the_server_still_answers(
+    server: ServerProcess, client: httpx.Client
+) -> None:
+    def idle_accounting() -> dict | None:
+        info = client.get("/server_info").json()
+        accounting = info["slot_accounting_when_idle"]
+        return accounting if info["stats"]["num_running_requests"] == 0 and accounting["checked"] else None
+
+    accounting = wait_for(idle_accounting, timeout_s=60)
+    assert accounting["ok"], accounting["detail"]
+    assert accounting["free_tokens"] + accounting["cached_tokens"] == accounting["capacity_tokens"]
+    response = client.post("/v1/completions", json={"prompt": "Still here?", "max_tokens": 4})
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] >= 1

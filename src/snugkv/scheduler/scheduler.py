@@ -329,6 +329,17 @@ class Scheduler:
         request.sent_logprobs_len = len(request.logprobs)
         self.on_output(request, output)
 
+    def fail_all(self, message: str) -> None:
+        """End every request with `message` (after a step failed) and give back their slots."""
+        for queue in (self.waiting, self.running):
+            while queue:
+                request = queue.pop()
+                request.error = message
+                try:
+                    self._finish(request, "error")
+                except Exception:
+                    logger.exception("could not release request %s after a failed step", request.rid)
+
     # -- checks and stats ---------------------------------------------------------------
     def held_tokens(self) -> int:
         """Slots held by admitted requests themselves (not the cache), in whole pages."""

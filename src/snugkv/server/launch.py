@@ -32,6 +32,7 @@ def serve(
     port: int = DEFAULT_PORT,
     on_shutdown: Callable[[], None] | None = None,
     on_listening: Callable[[str], None] | None = None,
+    on_stop_requested: Callable[[], None] | None = None,
     log_level: str = "info",
     graceful_shutdown_s: int = GRACEFUL_SHUTDOWN_S,
 ) -> None:
@@ -40,7 +41,7 @@ def serve(
         config = uvicorn.Config(
             app, log_level=log_level, timeout_graceful_shutdown=graceful_shutdown_s, lifespan="off"
         )
-        server = uvicorn.Server(config)
+        server = _Server(config, on_stop_requested)
         sock = bind_socket(host, port)
         url = _url(host, sock.getsockname()[1])
         with sock, _signals_stop(server):
@@ -52,6 +53,20 @@ def serve(
     finally:
         if on_shutdown is not None:
             on_shutdown()
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, telling the engine first when a signal asks it to stop, so in-flight
+    streams end properly (finish_reason "abort") before the graceful-shutdown deadline."""
+
+    def __init__(self, config: uvicorn.Config, on_stop_requested: Callable[[], None] | None) -> None:
+        super().__init__(config)
+        self._on_stop_requested = on_stop_requested
+
+    def handle_exit(self, sig: int, frame: object) -> None:
+        if self._on_stop_requested is not None and not self.should_exit:
+            self._on_stop_requested()
+        super().handle_exit(sig, frame)  # type: ignore[arg-type]
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -86,9 +101,9 @@ def _signals_stop(server: uvicorn.Server) -> Iterator[None]:
         yield
         return
 
-    def request_exit(signum: int, _frame: object) -> None:
+    def request_exit(signum: int, frame: object) -> None:
         logger.debug("%s: stopping", signal.Signals(signum).name)
-        server.should_exit = True
+        server.handle_exit(signum, frame)  # type: ignore[arg-type]
 
     previous = {sig: signal.signal(sig, request_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:

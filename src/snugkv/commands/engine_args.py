@@ -1,0 +1,84 @@
+"""Command-line flags for the engine, shared by serve, memory, chat and the benchmarks."""
+
+from __future__ import annotations
+
+import argparse
+
+from snugkv.engine import EngineArgs
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    group.add_argument(
+        "--model",
+        default=None,
+        help="HF model directory, .gguf file or config.json (default: SmolLM2-135M-Instruct)",
+    )
+    group.add_argument(
+        "--load-format",
+        default="auto",
+        choices=("auto", "safetensors", "gguf", "dummy"),
+        help="how to read the weights; dummy = random weights of the config's shape",
+    )
+    group.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 (GPU default), float16")
+    group.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if present)")
+    group.add_argument(
+        "--kv-dtype",
+        default=None,
+        help="KV cache dtype: float16, bfloat16, float32, fp8_e4m3 (default: the model's)",
+    )
+    group.add_argument(
+        "--page-size", type=int, default=None, help="KV page size in tokens (default: 16 on GPU, 1 on CPU)"
+    )
+    group.add_argument(
+        "--kv-layout", default="nhd", choices=("nhd", "hnd"), help="token-major (nhd) or page-major (hnd)"
+    )
+    group.add_argument(
+        "--attention-backend",
+        default=None,
+        choices=("torch", "triton"),
+        help="default: triton on GPU, torch on CPU",
+    )
+    group.add_argument(
+        "--kv-sizing",
+        default=None,
+        choices=("post-capture", "profiled", "static-fraction"),
+        help="how the KV cache is sized (default: post-capture; profiled where VMM is unavailable)",
+    )
+    group.add_argument("--max-total-tokens", type=int, default=None, help="cap on KV cache tokens")
+    group.add_argument(
+        "--max-running-requests", type=int, default=None, help="default: 256 on GPU, 16 on CPU"
+    )
+    group.add_argument("--context-length", type=int, default=None, help="default: the model's max positions")
+    group.add_argument(
+        "--chunked-prefill-size",
+        type=int,
+        default=None,
+        help="prefill tokens per step (default: 8192 GPU, 512 CPU)",
+    )
+    group.add_argument(
+        "--cuda-graph-max-bs", type=int, default=None, help="largest decode graph batch (default: 256)"
+    )
+    group.add_argument("--disable-cuda-graph", action="store_true", help="run decode eagerly")
+    group.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="--kv-sizing profiled only")
+    group.add_argument(
+        "--mem-fraction-static", type=float, default=None, help="--kv-sizing static-fraction only"
+    )
+    group.add_argument(
+        "--headroom-margin-mib",
+        type=int,
+        default=256,
+        help="safety margin on top of the measured activation peak",
+    )
+    group.add_argument(
+        "--host-kv-gib",
+        type=float,
+        default=None,
+        help="CPU: RAM for the KV cache (default: 25%% of free RAM, at most 1)",
+    )
+    group.add_argument("--seed", type=int, default=0, help="seed for random (dummy) weights")
+
+
+def engine_args_from(namespace: argparse.Namespace) -> EngineArgs:
+    fields = EngineArgs.__dataclass_fields__
+    return EngineArgs(**{name: getattr(namespace, name) for name in fields if hasattr(namespace, name)})

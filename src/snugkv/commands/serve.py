@@ -1,0 +1,75 @@
+"""`snugkv serve`: the OpenAI-compatible server over the engine (default: SmolLM2 on CPU)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from snugkv.commands.engine_args import add_engine_arguments, engine_args_from
+
+logger = logging.getLogger(__name__)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    add_engine_arguments(parser)
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0 picks a free one)")
+    parser.add_argument(
+        "--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but /health)"
+    )
+    parser.add_argument(
+        "--served-model-name", default=None, help="model name in the API (default: from the model)"
+    )
+    parser.add_argument(
+        "--max-body-bytes", type=int, default=4 << 20, help="largest request body (default: 4 MiB)"
+    )
+    parser.add_argument("--disable-prefix-cache", action="store_true", help="turn the radix prefix cache off")
+    parser.set_defaults(func=run)
+
+
+def build_async_engine(args: argparse.Namespace, metrics=None):
+    """Engine + scheduler thread for `args`; returns (async engine, served model name)."""
+    from snugkv.engine import Engine
+    from snugkv.models.tokenizer import TokenizerUnavailable, load_tokenizer
+    from snugkv.scheduler.async_engine import AsyncEngine
+
+    engine = Engine(engine_args_from(args))
+    try:
+        tokenizer = load_tokenizer(engine.loaded.source, engine.config.eos_token_ids)
+    except TokenizerUnavailable as exc:
+        logger.warning("%s", exc)
+        tokenizer = None
+    name = args.served_model_name or engine.loaded.source.path.stem
+    async_engine = AsyncEngine(
+        engine,
+        tokenizer=tokenizer,
+        model_name=name,
+        metrics=metrics,
+        enable_prefix_cache=not args.disable_prefix_cache,
+    )
+    return async_engine, name
+
+
+def run(args: argparse.Namespace) -> int:
+    from snugkv.server.app import create_app
+    from snugkv.server.launch import serve
+    from snugkv.server.metrics import ServerMetrics
+
+    metrics = ServerMetrics()
+    async_engine, name = build_async_engine(args, metrics)
+    app = create_app(
+        async_engine,
+        api_key=args.api_key,
+        max_body_bytes=args.max_body_bytes,
+        served_model_name=name,
+        metrics=metrics,
+    )
+    serve(
+        app,
+        host=args.host,
+        port=args.port,
+        on_shutdown=async_engine.stop,
+        on_stop_requested=async_engine.abort_all,
+    )
+    return 0

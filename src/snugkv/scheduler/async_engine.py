@@ -1,0 +1,202 @@
+"""The engine as the server sees it: a scheduler thread behind an asyncio interface.
+
+`AsyncEngine` implements `EngineClient`. Requests and aborts cross into the scheduler thread
+through a queue; outputs come back through `loop.call_soon_threadsafe` into one asyncio queue
+per request. A failure inside a step ends the requests of that step with an error and the
+engine goes on; it never takes the server down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+from collections import deque
+from collections.abc import AsyncIterator
+from typing import Any
+
+from snugkv.engine import Engine
+from snugkv.sampling_params import InvalidRequest
+from snugkv.scheduler.request import Request
+from snugkv.scheduler.scheduler import Scheduler
+from snugkv.server.engine_protocol import GenerateInput, GenerateOutput
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncEngine:
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        tokenizer: Any,
+        model_name: str,
+        metrics: Any = None,
+        enable_prefix_cache: bool = True,
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_context_tokens = engine.context_length
+        self.metrics = metrics
+        self.scheduler = Scheduler(
+            engine.runner,
+            tokenizer=tokenizer,
+            eos_token_ids=engine.config.eos_token_ids,
+            max_running_requests=engine.report.max_running_requests,
+            chunked_prefill_size=engine.args.chunked_prefill_size,
+            enable_prefix_cache=enable_prefix_cache,
+            on_output=self._on_output,
+        )
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[GenerateOutput]]] = {}
+        self._wake = threading.Event()
+        self._stopped = threading.Event()
+        self.aborted_rids: deque[str] = deque(maxlen=4096)
+        self.step_errors = 0
+        self._accounting_checked = False
+        self.slot_accounting: dict[str, Any] = {"checked": False}
+        self._thread = threading.Thread(target=self._loop, name="snugkv-scheduler", daemon=True)
+        self._thread.start()
+
+    # -- EngineClient -------------------------------------------------------------------
+    async def generate(self, request: GenerateInput) -> AsyncIterator[GenerateOutput]:
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[GenerateOutput] = asyncio.Queue()
+        self._inbox.put(("add", (request, loop, outputs)))
+        self._wake.set()
+        finished = False
+        try:
+            while not finished:
+                output = await outputs.get()
+                finished = output.finished
+                yield output
+        finally:
+            if not finished:
+                self.abort(request.rid)
+
+    def abort(self, rid: str) -> None:
+        self.aborted_rids.append(rid)
+        self._inbox.put(("abort", rid))
+        self._wake.set()
+
+    def abort_all(self) -> None:
+        """End every request in flight with finish_reason "abort" (the server is stopping)."""
+        self._inbox.put(("abort_all", None))
+        self._wake.set()
+
+    def check_health(self) -> bool:
+        return self._thread.is_alive() and not self._stopped.is_set()
+
+    def metrics_snapshot(self) -> dict[str, Any]:
+        return self.scheduler.stats()
+
+    def server_info(self) -> dict[str, Any]:
+        args = self.engine.args
+        return {
+            "model": self.model_name,
+            **self.engine.report.to_dict(),
+            "page_size": args.page_size,
+            "kv_layout": args.kv_layout,
+            "kv_dtype": str(self.engine.kv_dtype),
+            "attention_backend": args.attention_backend,
+            "context_length": self.max_context_tokens,
+            "chunked_prefill_size": args.chunked_prefill_size,
+            "cuda_graph_max_bs": 0 if args.disable_cuda_graph else args.cuda_graph_max_bs,
+            "device": str(self.engine.device),
+            "stats": self.scheduler.stats(),
+            "step_errors": self.step_errors,
+            "aborted_rids": list(self.aborted_rids),
+            "slot_accounting_when_idle": self.slot_accounting,
+        }
+
+    # -- scheduler thread ---------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stopped.is_set():
+            self._drain_inbox()
+            if not self.scheduler.has_work:
+                self._check_accounting_when_idle()
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            self._accounting_checked = False
+            try:
+                self.scheduler.step()
+            except Exception as exc:  # one bad step must not take the engine down
+                self.step_errors += 1
+                logger.exception("scheduler step failed; ending the requests it held")
+                self.scheduler.fail_all(f"internal error while generating: {type(exc).__name__}: {exc}")
+            if self.metrics is not None:
+                self.metrics.update_from_snapshot(self.scheduler.stats())
+
+    def _check_accounting_when_idle(self) -> None:
+        """With nothing in flight, every slot must be free or in the prefix cache."""
+        if self._accounting_checked:
+            return
+        self._accounting_checked = True
+        allocator = self.scheduler.runner.allocator
+        try:
+            self.scheduler.check_slot_accounting()
+            ok, detail = True, "free + cached == capacity"
+        except Exception as exc:
+            ok, detail = False, str(exc)
+            logger.error("slot accounting failed: %s", exc)
+        self.slot_accounting = {
+            "checked": True,
+            "ok": ok,
+            "detail": detail,
+            "free_tokens": allocator.available_tokens,
+            "cached_tokens": self.scheduler.cache.cached_tokens,
+            "capacity_tokens": allocator.capacity_tokens,
+        }
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "abort":
+                self.scheduler.abort(payload)
+                continue
+            if kind == "abort_all":
+                for rid in list(self.scheduler.requests):
+                    self.scheduler.abort(rid)
+                continue
+            request, loop, outputs = payload
+            self._streams[request.rid] = (loop, outputs)
+            try:
+                self.scheduler.add_request(request.rid, request.input_ids, request.sampling)
+            except InvalidRequest as exc:
+                self._streams.pop(request.rid, None)
+                loop.call_soon_threadsafe(
+                    outputs.put_nowait,
+                    GenerateOutput(
+                        rid=request.rid,
+                        token_ids=[],
+                        text="",
+                        finished=True,
+                        finish_reason="error",
+                        prompt_tokens=len(request.input_ids),
+                        error=str(exc),
+                    ),
+                )
+
+    def _on_output(self, request: Request, output: GenerateOutput) -> None:
+        stream = self._streams.get(request.rid)
+        if stream is None:
+            return
+        loop, outputs = stream
+        if output.finished:
+            self._streams.pop(request.rid, None)
+        with contextlib.suppress(RuntimeError):  # the client's loop is gone (server shutting down)
+            loop.call_soon_threadsafe(outputs.put_nowait, output)
+
+    def stop(self) -> None:
+        """Stop the scheduler thread, then release graphs, pools and the arena."""
+        self._stopped.set()
+        self._wake.set()
+        self._thread.join(timeout=30)
+        self.engine.close()
