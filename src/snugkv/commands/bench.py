@@ -7,6 +7,7 @@ import importlib
 
 BENCHMARKS = {
     "vmm": "snugkv.bench.vmm",
+    "capacity": "snugkv.bench.capacity",
 }
 
 
