@@ -8,6 +8,7 @@ import importlib
 BENCHMARKS = {
     "vmm": "snugkv.bench.vmm",
     "capacity": "snugkv.bench.capacity",
+    "decode": "snugkv.bench.decode",
 }
 
 

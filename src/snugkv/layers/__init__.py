@@ -1,0 +1,1 @@
+"""Small model building blocks: norms, rotary embeddings, activations, the attention op, sampling."""

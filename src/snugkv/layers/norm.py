@@ -1,0 +1,25 @@
+"""RMSNorm, computed in float32 and cast back the way Hugging Face Llama does it."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    dummy_weight_value = 1.0  # what random-weight loading puts in the scale (identity)
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        input_dtype = x.dtype
+        x32 = x.to(torch.float32)
+        variance = x32.pow(2).mean(-1, keepdim=True)
+        # Normalising in fp32 and scaling in the input dtype keeps bf16 outputs identical to the reference.
+        return self.weight * (x32 * torch.rsqrt(variance + self.eps)).to(input_dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"

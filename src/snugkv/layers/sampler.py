@@ -1,0 +1,93 @@
+"""Sampling the next token from float32 logits: greedy, temperature, top-k, top-p, per-request seeds.
+
+Sampled rows use the exponential race: `argmax(probs / E)` with `E ~ Exp(1)` i.i.d. per token
+draws exactly from `probs`, needs no normalisation after top-k/top-p masking and no host sync.
+A request with a seed owns a `torch.Generator` (made by `SamplingParams.make_generator`) that
+draws its noise, so its tokens do not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How one request picks tokens and when it stops.
+
+    `temperature == 0` is greedy. `top_k <= 0` and `top_p == 1` disable those filters.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    max_new_tokens: int = 128
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def make_generator(self, device: torch.device) -> torch.Generator | None:
+        if self.seed is None or self.greedy:
+            return None
+        return torch.Generator(device=device).manual_seed(self.seed)
+
+
+class Sampler:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None] | None = None,
+    ) -> torch.Tensor:
+        """Next token ids `[B]` (int64) for logits `[B, vocab]`."""
+        if logits.shape[0] != len(params):
+            raise ValueError(f"{logits.shape[0]} logit rows but {len(params)} sampling params")
+        greedy_tokens = torch.argmax(logits, dim=-1)
+        if all(p.greedy for p in params):
+            return greedy_tokens
+        device, vocab = logits.device, logits.shape[-1]
+        temperatures = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
+        scaled = logits.float() / temperatures[:, None]
+        top_ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+        if any(k < vocab for k in top_ks):
+            scaled = _top_k_filter(scaled, torch.tensor(top_ks, device=device))
+        probs = torch.softmax(scaled, dim=-1)
+        if any(p.top_p < 1 for p in params):
+            probs = _top_p_filter(probs, torch.tensor([p.top_p for p in params], device=device))
+        noise = torch.empty_like(probs).exponential_()
+        for row, generator in enumerate(generators or ()):
+            if generator is not None:
+                noise[row] = torch.empty(vocab, device=device).exponential_(generator=generator)
+        sampled = torch.argmax(probs / noise, dim=-1)
+        greedy = torch.tensor([p.greedy for p in params], device=device)
+        return torch.where(greedy, greedy_tokens, sampled)
+
+
+def _top_k_filter(logits: torch.Tensor, top_ks: torch.Tensor) -> torch.Tensor:
+    """Keep each row's `top_ks[row]` largest logits (ties at the threshold are kept)."""
+    sorted_logits = torch.sort(logits, dim=-1, descending=True).values
+    thresholds = sorted_logits.gather(1, (top_ks - 1)[:, None])
+    return logits.masked_fill(logits < thresholds, float("-inf"))
+
+
+def _top_p_filter(probs: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose mass reaches `top_ps[row]` (at least one)."""
+    sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+    sorted_probs = sorted_probs.masked_fill(mass_before >= top_ps[:, None], 0.0)
+    return torch.zeros_like(probs).scatter_(1, order, sorted_probs)

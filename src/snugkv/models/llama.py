@@ -1,0 +1,181 @@
+"""The Llama decoder, and the family members that differ from it only by switches.
+
+Llama 2/3 and Mistral use it as is (Mistral through its per-layer sliding windows), Qwen2 adds a
+bias to q/k/v (qwen2.py), Qwen3 adds an RMSNorm over each q/k head before rotary (qwen3.py).
+Module names mirror Hugging Face's so checkpoints load by name; q/k/v and gate/up are merged
+into one matmul each and filled slice by slice at load time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from snugkv.layers.activation import GatedActivation
+from snugkv.layers.attention import PagedAttention
+from snugkv.layers.norm import RMSNorm
+from snugkv.layers.rotary import RotaryEmbedding
+from snugkv.models.config import ModelConfig
+from snugkv.models.weights import StackedParam, load_named_tensors
+from snugkv.runner.forward_batch import ForwardBatch
+
+STACKED_PARAMS = (
+    StackedParam("q_proj", "qkv_proj", 0),
+    StackedParam("k_proj", "qkv_proj", 1),
+    StackedParam("v_proj", "qkv_proj", 2),
+    StackedParam("gate_proj", "gate_up_proj", 0),
+    StackedParam("up_proj", "gate_up_proj", 1),
+)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.act = GatedActivation(config.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_id: int,
+        rotary_emb: RotaryEmbedding,
+        *,
+        qkv_bias: bool,
+        o_bias: bool,
+        qk_norm: bool,
+    ) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.rotary_emb = rotary_emb
+        self.attn = PagedAttention(
+            layer_id,
+            config.num_heads,
+            config.num_kv_heads,
+            config.head_dim,
+            sliding_window=config.sliding_windows[layer_id],
+        )
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q, k, v, forward_batch)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self, config: ModelConfig, layer_id: int, rotary_emb: RotaryEmbedding, **attn_switches: bool
+    ) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, layer_id, rotary_emb, **attn_switches)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), forward_batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding, **attn_switches: bool) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, rotary_emb, **attn_switches) for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(positions, x, forward_batch)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    """`forward` returns the final hidden states `[T, hidden]`; `compute_logits` projects rows of them.
+
+    Subclasses change the switches below; everything else is shared.
+    """
+
+    qkv_bias: bool | None = None  # None: follow config.attention_bias
+    o_bias: bool | None = None
+    qk_norm = False
+
+    def __init__(self, config: ModelConfig, *, max_position: int | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.max_position = max_position or config.max_position_embeddings
+        rotary_emb = RotaryEmbedding(
+            config.head_dim,
+            config.rope_parameters,
+            self.max_position,
+            max_position_embeddings=config.max_position_embeddings,
+        )
+        switches = {
+            "qkv_bias": config.attention_bias if self.qkv_bias is None else self.qkv_bias,
+            "o_bias": config.attention_bias if self.o_bias is None else self.o_bias,
+            "qk_norm": self.qk_norm,
+        }
+        self.model = LlamaModel(config, rotary_emb, **switches)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the LM head when the config says so (again after `to_empty`)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, forward_batch)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits `[n, vocab]` for hidden rows `[n, hidden]`."""
+        return self.lm_head(hidden).float()
+
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], *, source: str = "checkpoint"
+    ) -> None:
+        config = self.config
+        kv_rows = config.num_kv_heads * config.head_dim
+        ignore = ["rotary_emb.inv_freq"]
+        if config.tie_word_embeddings:
+            ignore.append("lm_head.weight")
+        load_named_tensors(
+            self,
+            weights,
+            stacked=STACKED_PARAMS,
+            shard_sizes={
+                "qkv_proj": (config.num_heads * config.head_dim, kv_rows, kv_rows),
+                "gate_up_proj": (config.intermediate_size, config.intermediate_size),
+            },
+            ignore=ignore,
+            source=source,
+        )

@@ -1,0 +1,272 @@
+"""Turning a `--model` argument into a model with weights on a device.
+
+Accepted sources:
+- nothing: the embedded default (SmolLM2-135M-Instruct GGUF, fetched once; default_model.py);
+- a Hugging Face model directory: config.json plus model.safetensors or sharded
+  model-0000x-of-0000y.safetensors (with or without the index file);
+- a .gguf file (or a directory holding exactly one);
+- with `load_format="dummy"`: any of the above, or a bare config.json, for random weights.
+
+The model is built on the meta device in the target dtype, materialised on the target device
+and filled from the checkpoint; every parameter must be covered (snugkv.models.weights).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from snugkv.models.config import ConfigError, ModelConfig
+from snugkv.models.gguf_loader import GGUFError, config_from_gguf, is_gguf_file, iter_gguf_tensors, open_gguf
+from snugkv.models.registry import UnsupportedArchitectureError, get_model_class, supported_architectures
+from snugkv.models.weights import WeightLoadError, init_dummy_weights
+
+logger = logging.getLogger(__name__)
+
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+_WHAT_TO_PASS = (
+    "pass a Hugging Face model directory (config.json + *.safetensors), a .gguf file, "
+    "or no --model for the default SmolLM2-135M-Instruct"
+)
+
+
+class ModelLoadError(ValueError):
+    """The model argument does not name something snugkv can load; the message says what to pass."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSource:
+    """Where a model comes from: `kind` is "hf" (a directory), "gguf" (a file) or "config" (config.json)."""
+
+    path: Path
+    kind: Literal["hf", "gguf", "config"]
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    model: nn.Module
+    config: ModelConfig
+    source: ModelSource
+    dtype: torch.dtype
+    device: torch.device
+    load_seconds: float
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None or str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """`auto`/None: float32 on CPU, bfloat16 on GPU."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype is None or dtype == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; use auto, float32, bfloat16 or float16")
+    return _DTYPES[dtype]
+
+
+def resolve_model_source(model: str | Path | None, load_format: str = "auto") -> ModelSource:
+    """Decide what `model` is, with an error that says what to pass instead when it is nothing usable."""
+    if load_format not in LOAD_FORMATS:
+        raise ModelLoadError(f"load format {load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
+    if model is None:
+        from snugkv.models.default_model import default_model_path
+
+        return ModelSource(default_model_path(), "gguf")
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"{model}: no such file or directory; {_WHAT_TO_PASS}")
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return ModelSource(path, "hf")
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ModelSource(ggufs[0], "gguf")
+        found = "several .gguf files: pass one of them" if ggufs else "no config.json"
+        raise ModelLoadError(f"{path} is a directory with {found}; {_WHAT_TO_PASS}")
+    if is_gguf_file(path):
+        return ModelSource(path, "gguf")
+    if path.suffix == ".json":
+        if load_format == "dummy":
+            return ModelSource(path, "config")
+        raise ModelLoadError(
+            f"{path} is a config, not weights: pass the directory that holds it with its "
+            "*.safetensors, or add --load-format dummy for random weights"
+        )
+    if path.suffix == ".safetensors":
+        raise ModelLoadError(
+            f"{path} is a single weights file: pass its directory, which must hold config.json"
+        )
+    with open(path, "rb") as handle:
+        head = handle.read(8)
+    raise ModelLoadError(
+        f"{path} is not a model: it is neither a GGUF file (those start with b'GGUF'; this one starts "
+        f"with {head!r}) nor a model directory; {_WHAT_TO_PASS}"
+    )
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        with open(path) as handle:
+            data = json.load(handle)
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path} does not hold a JSON object")
+    return data
+
+
+def read_model_config(source: ModelSource) -> ModelConfig:
+    """The ModelConfig of a source, eos ids from generation_config.json merged in."""
+    try:
+        if source.kind == "gguf":
+            return ModelConfig.from_hf(config_from_gguf(open_gguf(source.path)))
+        config_path = source.path if source.kind == "config" else source.path / "config.json"
+        hf = _read_json(config_path)
+        for architecture in hf.get("architectures") or []:
+            if architecture not in supported_architectures():
+                raise ModelLoadError(
+                    f"{config_path} describes a {architecture}, which snugkv does not run; "
+                    f"supported: {', '.join(supported_architectures())}"
+                )
+        config = ModelConfig.from_hf(hf)
+        generation = config_path.parent / "generation_config.json"
+        if generation.is_file():
+            eos = _read_json(generation).get("eos_token_id")
+            if eos is not None:
+                config = config.with_eos_token_ids((eos,) if isinstance(eos, int) else tuple(eos))
+        return config
+    except (ConfigError, GGUFError) as exc:
+        raise ModelLoadError(str(exc)) from exc
+
+
+def safetensors_files(directory: Path) -> list[Path]:
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(_read_json(index).get("weight_map", {}).values()))
+        missing = [name for name in names if not (directory / name).is_file()]
+        if missing:
+            raise ModelLoadError(f"{directory} is missing shard(s) listed in its index: {', '.join(missing)}")
+        return [directory / name for name in names]
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        if any(directory.glob("*.bin")) or any(directory.glob("*.pt")):
+            raise ModelLoadError(
+                f"{directory} holds PyTorch pickle weights (*.bin); snugkv reads safetensors only: "
+                "re-save with save_pretrained(..., safe_serialization=True), or use --load-format dummy"
+            )
+        raise ModelLoadError(
+            f"{directory} has config.json but no *.safetensors weights; add --load-format dummy for random weights"
+        )
+    return files
+
+
+def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as handle:
+            for name in handle.keys():  # noqa: SIM118 (safe_open is not a Mapping)
+                yield name, handle.get_tensor(name)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def build_model(
+    config: ModelConfig, dtype: torch.dtype, device: torch.device, *, max_position: int | None = None
+) -> nn.Module:
+    """An uninitialised model of `config`'s architecture on `device` (weights not loaded)."""
+    try:
+        model_class = get_model_class(config.architecture)
+    except UnsupportedArchitectureError as exc:
+        raise ModelLoadError(str(exc)) from exc
+    with torch.device("meta"), _default_dtype(dtype):
+        model = model_class(config, max_position=max_position)
+    model = model.to_empty(device=device)
+    tie_weights = getattr(model, "tie_weights", None)
+    if tie_weights is not None:  # materialising gives each module its own tensor
+        tie_weights()
+    for module in model.modules():
+        init_buffers = getattr(module, "init_buffers", None)
+        if init_buffers is not None:
+            init_buffers()
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def load_model(
+    model: str | Path | None = None,
+    *,
+    load_format: str = "auto",
+    dtype: str | torch.dtype | None = None,
+    device: str | torch.device | None = None,
+    seed: int = 0,
+    max_position: int | None = None,
+) -> LoadedModel:
+    """Load `model` (see the module docstring) in `dtype` on `device`.
+
+    `max_position` bounds the rotary cache (default: the config's max_position_embeddings).
+    """
+    started = time.perf_counter()
+    source = resolve_model_source(model, load_format)
+    if load_format == "gguf" and source.kind != "gguf":
+        raise ModelLoadError(f"--load-format gguf needs a .gguf file, got the directory {source.path}")
+    if load_format == "safetensors" and source.kind != "hf":
+        raise ModelLoadError(f"--load-format safetensors needs a model directory, got {source.path}")
+    device_ = resolve_device(device)
+    dtype_ = resolve_dtype(dtype, device_)
+    config = read_model_config(source)
+    net = build_model(config, dtype_, device_, max_position=max_position)
+    try:
+        if load_format == "dummy":
+            init_dummy_weights(net, seed=seed, std=float(config.hf.get("initializer_range") or 0.02))
+        elif source.kind == "gguf":
+            gguf = open_gguf(source.path)
+            net.load_weights(iter_gguf_tensors(gguf, dict(config.hf)), source=str(source.path))
+        else:
+            net.load_weights(iter_safetensors(safetensors_files(source.path)), source=str(source.path))
+    except (WeightLoadError, GGUFError) as exc:
+        raise ModelLoadError(str(exc)) from exc
+    seconds = time.perf_counter() - started
+    logger.info(
+        "Loaded %s (%s, %s) from %s in %.1f s%s",
+        config.architecture,
+        dtype_,
+        device_,
+        source.path,
+        seconds,
+        " with random weights" if load_format == "dummy" else "",
+    )
+    return LoadedModel(net, config, source, dtype_, device_, seconds)

@@ -1,0 +1,43 @@
+"""Architecture registry: Hugging Face architecture name -> model class.
+
+Entries are `"module:Class"` strings imported on first use. A new architecture adds one line
+here (or calls `register_architecture`) and one file under models/. A model class takes
+`(config: ModelConfig, *, max_position: int | None)` and provides `forward(input_ids, positions,
+forward_batch) -> hidden`, `compute_logits(hidden) -> float32 logits` and
+`load_weights(named_tensors, source=...)`.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from torch import nn
+
+_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "snugkv.models.llama:LlamaForCausalLM",
+    "MistralForCausalLM": "snugkv.models.mistral:MistralForCausalLM",
+    "Qwen2ForCausalLM": "snugkv.models.qwen2:Qwen2ForCausalLM",
+    "Qwen3ForCausalLM": "snugkv.models.qwen3:Qwen3ForCausalLM",
+}
+
+
+class UnsupportedArchitectureError(ValueError):
+    pass
+
+
+def register_architecture(name: str, target: str) -> None:
+    """Map HF architecture `name` to `"module:Class"`."""
+    _ARCHITECTURES[name] = target
+
+
+def supported_architectures() -> tuple[str, ...]:
+    return tuple(_ARCHITECTURES)
+
+
+def get_model_class(architecture: str) -> type[nn.Module]:
+    if architecture not in _ARCHITECTURES:
+        raise UnsupportedArchitectureError(
+            f"architecture {architecture!r} is not supported; supported: {', '.join(_ARCHITECTURES)}"
+        )
+    module_name, _, class_name = _ARCHITECTURES[architecture].partition(":")
+    return getattr(importlib.import_module(module_name), class_name)

@@ -1,0 +1,113 @@
+"""Copying named checkpoint tensors into a model, and random (dummy) weights.
+
+Checkpoints name tensors the Hugging Face way (`model.layers.0.self_attn.q_proj.weight`); GGUF
+names are translated to those first. Models merge some projections (q/k/v into `qkv_proj`,
+gate/up into `gate_up_proj`); a model lists those merges as `StackedParam`s and
+`load_named_tensors` copies each checkpoint tensor into its slice. Every parameter must be
+covered exactly once, or loading fails with the names that are missing or unknown.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+class WeightLoadError(ValueError):
+    """A checkpoint does not fit the model it is loaded into."""
+
+
+@dataclass(frozen=True, slots=True)
+class StackedParam:
+    """Checkpoint tensors named `*.{source}.*` are shard `index` (along dim 0) of `*.{target}.*`."""
+
+    source: str
+    target: str
+    index: int
+
+
+def _target_of(name: str, stacked: Sequence[StackedParam]) -> tuple[str, StackedParam | None]:
+    for spec in stacked:
+        token = f".{spec.source}."
+        if token in name:
+            return name.replace(token, f".{spec.target}."), spec
+    return name, None
+
+
+@torch.no_grad()
+def load_named_tensors(
+    model: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    *,
+    stacked: Sequence[StackedParam] = (),
+    shard_sizes: dict[str, Sequence[int]] | None = None,
+    ignore: Sequence[str] = (),
+    source: str = "checkpoint",
+) -> None:
+    """Copy `weights` into `model`'s parameters, casting to each parameter's dtype.
+
+    `shard_sizes[target_suffix]` gives the row counts of the shards of a merged parameter (for
+    example `{"qkv_proj": (q_rows, k_rows, v_rows)}`); `ignore` lists substrings of checkpoint
+    names to skip (rotary caches, a tied lm_head).
+    """
+    shard_sizes = shard_sizes or {}
+    params = dict(model.named_parameters())
+    expected: dict[str, set[int]] = {}
+    for name in params:
+        sizes = next((s for suffix, s in shard_sizes.items() if f".{suffix}." in name), None)
+        expected[name] = set(range(len(sizes))) if sizes else {0}
+    loaded: dict[str, set[int]] = {name: set() for name in params}
+    unknown: list[str] = []
+    for name, tensor in weights:
+        if any(pattern in name for pattern in ignore):
+            continue
+        target, spec = _target_of(name, stacked)
+        param = params.get(target)
+        if param is None:
+            unknown.append(name)
+            continue
+        if spec is None:
+            destination, shard = param, 0
+        else:
+            sizes = next(s for suffix, s in shard_sizes.items() if f".{suffix}." in target)
+            start = sum(sizes[: spec.index])
+            destination, shard = param.narrow(0, start, sizes[spec.index]), spec.index
+        if tuple(destination.shape) != tuple(tensor.shape):
+            raise WeightLoadError(
+                f"{source} tensor {name} has shape {tuple(tensor.shape)} but the model expects "
+                f"{tuple(destination.shape)} (does the config match the weights?)"
+            )
+        if shard in loaded[target]:
+            raise WeightLoadError(f"{source} holds {name} twice")
+        destination.copy_(tensor)
+        loaded[target].add(shard)
+    if unknown:
+        shown = ", ".join(unknown[:8]) + (" ..." if len(unknown) > 8 else "")
+        raise WeightLoadError(f"{source} has {len(unknown)} tensor(s) the model does not use: {shown}")
+    missing = [name for name in params if loaded[name] != expected[name]]
+    if missing:
+        shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
+        raise WeightLoadError(f"{source} lacks {len(missing)} parameter(s) of the model: {shown}")
+
+
+@torch.no_grad()
+def init_dummy_weights(model: nn.Module, *, seed: int = 0, std: float = 0.02) -> None:
+    """Deterministic random weights: N(0, std) for matrices and biases, a constant for norm scales.
+
+    The scale matches Hugging Face's `initializer_range`, which keeps activations finite in
+    bf16 through deep stacks. A module with a `dummy_weight_value` attribute (norms) gets that
+    constant instead. Draws run on the parameters' device with a seeded generator.
+    """
+    generators: dict[torch.device, torch.Generator] = {}
+    for module in model.modules():
+        constant = getattr(module, "dummy_weight_value", None)
+        for param in module.parameters(recurse=False):
+            if constant is not None:
+                param.fill_(constant)
+                continue
+            if param.device not in generators:
+                generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
+            param.normal_(0.0, std, generator=generators[param.device])

@@ -1,0 +1,1 @@
+"""Model execution: forward batches, the model runner, decode CUDA graphs, a minimal generate loop."""

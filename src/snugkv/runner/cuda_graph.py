@@ -1,0 +1,153 @@
+"""Decode CUDA graphs: one graph per batch size, captured largest first into one memory pool.
+
+A graph replays the whole decode forward (embedding to float32 logits) for a fixed batch size.
+Inputs live in static buffers sized for the largest graph; a batch of B rows runs the smallest
+graph of size >= B with rows B.. padded as the dummy request: `req_pool_idx 0` (the all-zero
+table row), `seq_len 1`, `position 0`, `out_cache_loc 0`, so padding reads and writes only the
+dummy slot, which `kv_pool.ensure_prefix()` backs before capture. Batches above the largest graph
+run eagerly. Attention gathers `kv_width = max_context_len` columns per row inside a graph, a
+static shape; an eager batch with the same `kv_width` computes identical logits.
+
+Capturing largest first lets the smaller graphs reuse the largest one's pool memory. The pool
+may be in post-capture mode: only the dummy page is backed while capturing; graphs hold
+addresses, and the rest of the pool is backed after sizing.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from snugkv.runner.forward_batch import ForwardBatch, ForwardMode
+
+if TYPE_CHECKING:
+    from snugkv.runner.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+def default_cuda_graph_batch_sizes(max_batch_size: int = 256) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 8 up to `max_batch_size` (which is always included)."""
+    sizes = [bs for bs in (1, 2, 4) if bs < max_batch_size]
+    sizes += list(range(8, max_batch_size + 1, 8))
+    if not sizes or sizes[-1] != max_batch_size:
+        sizes.append(max_batch_size)
+    return sorted(set(sizes))
+
+
+class DecodeCudaGraphs:
+    def __init__(self, runner: ModelRunner, batch_sizes: Sequence[int]) -> None:
+        if not batch_sizes or min(batch_sizes) < 1:
+            raise ValueError(f"CUDA graph batch sizes must be >= 1, got {list(batch_sizes)}")
+        if runner.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device; the runner is on {runner.device}")
+        self.runner = runner
+        self.batch_sizes = sorted(set(batch_sizes))  # ascending, for lookup
+        self.max_batch_size = self.batch_sizes[-1]
+        device = runner.device
+        size = self.max_batch_size
+
+        def static(fill: int) -> torch.Tensor:
+            return torch.full((size,), fill, dtype=torch.int64, device=device)
+
+        self.input_ids, self.positions, self.req_pool_indices = static(0), static(0), static(0)
+        self.seq_lens, self.prefix_lens, self.out_cache_loc = static(1), static(0), static(0)
+        self.extend_lens, self.row_index = static(1), torch.arange(size, device=device)
+        self.kv_width = runner.max_context_len
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.memory_pool = None
+
+    def _batch(self, batch_size: int) -> ForwardBatch:
+        runner = self.runner
+        return ForwardBatch(
+            mode=ForwardMode.DECODE,
+            input_ids=self.input_ids[:batch_size],
+            positions=self.positions[:batch_size],
+            req_pool_indices=self.req_pool_indices[:batch_size],
+            seq_lens=self.seq_lens[:batch_size],
+            prefix_lens=self.prefix_lens[:batch_size],
+            extend_lens=self.extend_lens[:batch_size],
+            extend_start_loc=self.row_index[:batch_size],
+            out_cache_loc=self.out_cache_loc[:batch_size],
+            logits_indices=self.row_index[:batch_size],
+            req_to_token=runner.req_to_token_pool.req_to_token,
+            kv_pool=runner.kv_pool,
+            attn_backend=runner.attn_backend,
+            kv_width=self.kv_width,
+        )
+
+    def _pad(self, start: int = 0, end: int | None = None) -> None:
+        """Static rows `start .. end - 1` as the dummy request."""
+        for buffer, fill in (
+            (self.input_ids, 0),
+            (self.positions, 0),
+            (self.req_pool_indices, 0),
+            (self.seq_lens, 1),
+            (self.prefix_lens, 0),
+            (self.out_cache_loc, 0),
+        ):
+            buffer[start:end].fill_(fill)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        from tqdm import tqdm
+
+        self.runner.kv_pool.ensure_prefix()
+        self._pad()
+        started = time.perf_counter()
+        free_before = torch.cuda.mem_get_info()[0]
+        self.memory_pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        for batch_size in tqdm(
+            sorted(self.batch_sizes, reverse=True), desc="Capturing decode CUDA graphs", unit="graph"
+        ):
+            forward_batch = self._batch(batch_size)
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm-up: lazy init, autotuning, allocator caches
+                    self.runner.forward_eager(forward_batch)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.memory_pool, stream=stream):
+                output = self.runner.forward_eager(forward_batch)
+            self.graphs[batch_size] = graph
+            self.outputs[batch_size] = output
+        torch.cuda.synchronize()
+        used_gib = (free_before - torch.cuda.mem_get_info()[0]) / 2**30
+        logger.info(
+            "Captured %d decode CUDA graphs (batch sizes %d..%d) in %.1f s, %.2f GiB",
+            len(self.graphs),
+            self.batch_sizes[0],
+            self.max_batch_size,
+            time.perf_counter() - started,
+            used_gib,
+        )
+
+    def can_run(self, forward_batch: ForwardBatch) -> bool:
+        return (
+            bool(self.graphs) and forward_batch.is_decode and forward_batch.batch_size <= self.max_batch_size
+        )
+
+    def graph_batch_size(self, batch_size: int) -> int:
+        return self.batch_sizes[bisect.bisect_left(self.batch_sizes, batch_size)]
+
+    def replay(self, forward_batch: ForwardBatch) -> torch.Tensor:
+        """Logits `[B, vocab]` for a decode batch; a view valid until the next replay."""
+        batch_size = forward_batch.batch_size
+        graph_size = self.graph_batch_size(batch_size)
+        if graph_size > batch_size:
+            self._pad(batch_size, graph_size)
+        self.input_ids[:batch_size].copy_(forward_batch.input_ids)
+        self.positions[:batch_size].copy_(forward_batch.positions)
+        self.req_pool_indices[:batch_size].copy_(forward_batch.req_pool_indices)
+        self.seq_lens[:batch_size].copy_(forward_batch.seq_lens)
+        self.prefix_lens[:batch_size].copy_(forward_batch.prefix_lens)
+        self.out_cache_loc[:batch_size].copy_(forward_batch.out_cache_loc)
+        self.graphs[graph_size].replay()
+        return self.outputs[graph_size][:batch_size]

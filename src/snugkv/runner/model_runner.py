@@ -1,0 +1,206 @@
+"""ModelRunner: one model, its KV pool, slot allocators and attention backend, driven row by row.
+
+The caller (the scheduler, or the generate loop) decides which requests run; per step it
+1. describes each request's new tokens as a `BatchRow` (req_pool_idx, prefix_len, token_ids),
+2. calls `allocate_slots(rows)`, which takes slots from the allocator and writes them into the
+   request-to-token table (None, with nothing changed, when the pool is full),
+3. calls `forward(rows, out_cache_loc)` for float32 logits of the rows that need them (a decode
+   batch replayed from a CUDA graph returns a view of the graph's output: use it before the
+   next forward),
+4. calls `sample(logits, params, generators)` for the next tokens,
+and when a request ends frees its slots (`free_request_slots`, or the prefix cache takes them)
+and its table row.
+
+Start-up order, visible in `create`: model (already loaded) -> KV pool -> allocators ->
+attention backend -> dummy page backed -> decode CUDA graphs (optional) -> rest of the pool
+backed. The engine's post-capture sizing (snugkv.engine) assembles the same pieces itself.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from snugkv.attention.base import AttentionBackend
+from snugkv.attention.registry import make_attention_backend
+from snugkv.layers.sampler import Sampler, SamplingParams
+from snugkv.runner.forward_batch import BatchRow, ForwardBatch
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        kv_pool: Any,
+        req_to_token_pool: Any,
+        allocator: Any,
+        attn_backend: AttentionBackend,
+    ) -> None:
+        self.model = model
+        self.kv_pool = kv_pool
+        self.req_to_token_pool = req_to_token_pool
+        self.allocator = allocator
+        self.attn_backend = attn_backend
+        self.sampler = Sampler()
+        self.cuda_graphs: Any = None  # DecodeCudaGraphs once captured
+
+    @classmethod
+    def create(
+        cls,
+        model: nn.Module,
+        *,
+        max_total_tokens: int,
+        max_requests: int,
+        max_context_len: int,
+        page_size: int = 1,
+        kv_layout: str = "nhd",
+        kv_dtype: torch.dtype | str | None = None,
+        attention_backend: str = "auto",
+        pool_mode: str = "static",
+        cuda_graph_batch_sizes: Sequence[int] = (),
+    ) -> ModelRunner:
+        """Build the pool (the kind `model.config` needs), allocators and backend for `model`.
+
+        With `pool_mode="post-capture"` the pool is virtual address space until the graphs are
+        captured with only the dummy page backed; then `max_total_tokens` are backed. (Post-capture
+        sizing measures that number instead; it calls `finalize_kv_pool` itself.)
+        """
+        from snugkv.memory.req_to_token import ReqToTokenPool
+        from snugkv.runner.kv_cache import make_kv_pool, make_slot_allocator
+
+        device = next(model.parameters()).device
+        if max_context_len > model.max_position:
+            raise ValueError(
+                f"max_context_len={max_context_len} exceeds the positions the model was built for "
+                f"({model.max_position}); load it with a larger max_position"
+            )
+        max_total_tokens = -(-max_total_tokens // page_size) * page_size
+        kv_pool = make_kv_pool(
+            model.config,
+            kv_dtype=kv_dtype or next(model.parameters()).dtype,
+            page_size=page_size,
+            layout=kv_layout,
+            max_num_tokens=max_total_tokens,
+            device=device,
+            mode=pool_mode,
+        )
+        runner = cls(
+            model,
+            kv_pool=kv_pool,
+            req_to_token_pool=ReqToTokenPool(max_requests, max_context_len, device),
+            allocator=make_slot_allocator(kv_pool, kv_pool.capacity_tokens, device),
+            attn_backend=make_attention_backend(attention_backend, device_type=device.type),
+        )
+        kv_pool.ensure_prefix()
+        if cuda_graph_batch_sizes:
+            runner.capture_cuda_graphs(cuda_graph_batch_sizes)
+        if kv_pool.capacity_tokens < max_total_tokens:  # post-capture: back the pool only now
+            runner.finalize_kv_pool(max_total_tokens)
+        return runner
+
+    def finalize_kv_pool(self, num_tokens: int) -> int:
+        """Back `num_tokens` usable KV tokens and let the allocator hand them out (post-capture)."""
+        from snugkv.runner.kv_cache import resize_slot_allocator
+
+        backed = self.kv_pool.finalize_backing(num_tokens)
+        resize_slot_allocator(self.allocator, self.kv_pool, backed)
+        return backed
+
+    # -- properties -----------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.req_to_token_pool.req_to_token.device
+
+    @property
+    def max_context_len(self) -> int:
+        return int(self.req_to_token_pool.req_to_token.shape[1])
+
+    # -- slots ----------------------------------------------------------------------------
+    def allocate_slots(self, rows: Sequence[BatchRow]) -> torch.Tensor | None:
+        """Slots for every row's new tokens, written into the table; None if the pool is full.
+
+        Rows must own their table row, and positions `0 .. prefix_len - 1` must already be in it.
+        """
+        for row in rows:
+            if row.seq_len > self.max_context_len:
+                raise ValueError(
+                    f"request row {row.req_pool_idx} would hold {row.seq_len} tokens; the context holds "
+                    f"{self.max_context_len}"
+                )
+        table = self.req_to_token_pool.req_to_token
+        req_idx = torch.tensor([row.req_pool_idx for row in rows], dtype=torch.int64, device=self.device)
+        prefix = torch.tensor([row.prefix_len for row in rows], dtype=torch.int64, device=self.device)
+        seq = torch.tensor([row.seq_len for row in rows], dtype=torch.int64, device=self.device)
+        last_loc = torch.where(prefix > 0, table[req_idx, (prefix - 1).clamp(min=0)].long(), -1)
+        if all(len(row.token_ids) == 1 and row.prefix_len > 0 for row in rows):
+            slots = self.allocator.alloc_decode(seq, last_loc)
+        else:
+            slots = self.allocator.alloc_extend(prefix, seq, last_loc)
+        if slots is None:
+            return None
+        slots = slots.to(self.device)
+        lengths = seq - prefix
+        owner = torch.repeat_interleave(req_idx, lengths)
+        starts = torch.cumsum(lengths, 0) - lengths
+        positions = torch.arange(slots.numel(), device=self.device) - torch.repeat_interleave(starts, lengths)
+        positions += torch.repeat_interleave(prefix, lengths)
+        table[owner, positions] = slots.to(table.dtype)
+        return slots
+
+    def free_request_slots(self, req_pool_idx: int, num_tokens: int) -> None:
+        """Return the slots of positions `0 .. num_tokens - 1` of a request to the allocator."""
+        if num_tokens > 0:
+            self.allocator.free(self.req_to_token_pool.req_to_token[req_pool_idx, :num_tokens])
+
+    # -- forward --------------------------------------------------------------------------
+    def build_batch(self, rows: Sequence[BatchRow], out_cache_loc: torch.Tensor) -> ForwardBatch:
+        return ForwardBatch.build(
+            rows,
+            out_cache_loc,
+            req_to_token=self.req_to_token_pool.req_to_token,
+            kv_pool=self.kv_pool,
+            attn_backend=self.attn_backend,
+        )
+
+    @torch.inference_mode()
+    def forward(self, rows: Sequence[BatchRow], out_cache_loc: torch.Tensor) -> torch.Tensor:
+        """Float32 logits `[rows needing logits, vocab]`, in row order."""
+        return self.forward_batch(self.build_batch(rows, out_cache_loc))
+
+    @torch.inference_mode()
+    def forward_batch(self, forward_batch: ForwardBatch) -> torch.Tensor:
+        if self.cuda_graphs is not None and self.cuda_graphs.can_run(forward_batch):
+            return self.cuda_graphs.replay(forward_batch)
+        return self.forward_eager(forward_batch)
+
+    def forward_eager(self, forward_batch: ForwardBatch) -> torch.Tensor:
+        self.attn_backend.init_forward_metadata(forward_batch)
+        hidden = self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
+        if forward_batch.is_decode and forward_batch.logits_indices.numel() == forward_batch.num_tokens:
+            return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden[forward_batch.logits_indices])
+
+    @torch.inference_mode()
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None] | None = None,
+    ) -> list[int]:
+        return self.sampler(logits, params, generators).tolist()
+
+    # -- graphs ---------------------------------------------------------------------------
+    def capture_cuda_graphs(self, batch_sizes: Sequence[int]) -> None:
+        """Capture decode graphs (largest first, one memory pool); needs a CUDA device."""
+        from snugkv.runner.cuda_graph import DecodeCudaGraphs
+
+        graphs = DecodeCudaGraphs(self, batch_sizes)
+        graphs.capture()
+        self.cuda_graphs = graphs

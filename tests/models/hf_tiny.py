@@ -1,0 +1,87 @@
+"""Tiny random Hugging Face models of each supported architecture, saved as real checkpoints.
+
+Weights are redrawn larger than HF's default init (so greedy margins are far above float32
+noise) and biases and norm scales are randomised too, so every parameter matters.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+VOCAB_SIZE = 320
+
+
+def tiny_hf_config(arch: str, **overrides):
+    config = _tiny_hf_config(arch)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return config
+
+
+def _tiny_hf_config(arch: str):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    common = dict(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    if arch == "llama":  # llama3 rope scaling; o_proj bias through attention_bias
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        }
+        return LlamaConfig(**common, rope_parameters=rope, attention_bias=True)
+    if arch == "mistral":  # sliding window on every layer, shorter than the test sequences
+        return MistralConfig(**common, sliding_window=12)
+    if arch == "qwen2":  # q/k/v bias; the second layer slides (hybrid windows)
+        return Qwen2Config(**common, use_sliding_window=True, sliding_window=10, max_window_layers=1)
+    if arch == "qwen3":  # q/k norm, head_dim != hidden / heads, tied embeddings
+        return Qwen3Config(**common, head_dim=32, tie_word_embeddings=True)
+    raise ValueError(arch)
+
+
+def tiny_hf_model(arch: str, seed: int = 0, config=None):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config or tiny_hf_config(arch), dtype=torch.float32)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            if "norm" in name:
+                param.copy_(1.0 + 0.1 * noise)
+            else:
+                param.copy_(0.1 * noise)
+    return model.eval()
+
+
+def save_tiny_hf_model(arch: str, directory: Path, seed: int = 0):
+    model = tiny_hf_model(arch, seed)
+    model.save_pretrained(directory)
+    return model
+
+
+@torch.no_grad()
+def hf_greedy(model, prompt: list[int], num_new_tokens: int) -> list[int]:
+    """Greedy continuation by full recomputation each step (no cache: the plainest oracle)."""
+    ids = list(prompt)
+    for _ in range(num_new_tokens):
+        logits = model(torch.tensor([ids])).logits[0, -1]
+        ids.append(int(torch.argmax(logits)))
+    return ids[len(prompt) :]

@@ -1,0 +1,81 @@
+"""ForwardBatch layout and ModelRunner.allocate_slots: the contract the scheduler relies on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from snugkv.attention.torch_backend import TorchAttentionBackend
+from snugkv.runner.forward_batch import BatchRow, ForwardBatch, ForwardMode
+from tests.runner.tiny_runner import tiny_runner
+
+
+def _build(rows):
+    total = sum(len(r.token_ids) for r in rows)
+    table = torch.zeros(4, 64, dtype=torch.int32)
+    return ForwardBatch.build(
+        rows, torch.arange(total), req_to_token=table, kv_pool=None, attn_backend=TorchAttentionBackend()
+    )
+
+
+def test_rows_are_concatenated_row_major_with_positions_after_each_prefix():
+    fb = _build([BatchRow(1, 0, [5, 6, 7]), BatchRow(2, 4, [8]), BatchRow(3, 2, [9, 10], need_logits=False)])
+    assert fb.mode is ForwardMode.EXTEND
+    assert fb.input_ids.tolist() == [5, 6, 7, 8, 9, 10]
+    assert fb.positions.tolist() == [0, 1, 2, 4, 2, 3]
+    assert fb.seq_lens.tolist() == [3, 5, 4] and fb.prefix_lens.tolist() == [0, 4, 2]
+    assert fb.extend_lens.tolist() == [3, 1, 2] and fb.extend_start_loc.tolist() == [0, 3, 4]
+    assert fb.logits_indices.tolist() == [2, 3]  # the last token of each row that wants logits
+    assert fb.seq_lens_cpu == (3, 5, 4)
+
+
+def test_all_single_token_rows_make_a_decode_batch():
+    fb = _build([BatchRow(1, 4, [8]), BatchRow(2, 0, [3])])
+    assert fb.is_decode and fb.logits_indices.tolist() == [0, 1]
+
+
+@pytest.mark.parametrize(
+    ("rows", "message"),
+    [
+        ([], "at least one row"),
+        ([BatchRow(1, 0, [])], "adds no tokens"),
+        ([BatchRow(1, -1, [3])], "prefix_len"),
+    ],
+)
+def test_malformed_rows_are_rejected(rows, message):
+    with pytest.raises(ValueError, match=message):
+        _build(rows)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_allocate_slots_fills_the_table_and_keeps_page_offsets(page_size):
+    runner = tiny_runner(page_size=page_size)
+    table = runner.req_to_token_pool.req_to_token
+    a, b = runner.req_to_token_pool.alloc(), runner.req_to_token_pool.alloc()
+    first = runner.allocate_slots([BatchRow(a, 0, [1] * 6), BatchRow(b, 0, [2] * 3)])
+    assert first.numel() == 9
+    assert table[a, :6].tolist() == first[:6].tolist() and table[b, :3].tolist() == first[6:].tolist()
+    decode = runner.allocate_slots([BatchRow(a, 6, [1]), BatchRow(b, 3, [2])])
+    assert table[a, 6] == decode[0] and table[b, 3] == decode[1]
+    extend = runner.allocate_slots([BatchRow(a, 7, [1, 1, 1])])
+    assert table[a, 7:10].tolist() == extend.tolist()
+    row = table[a, :10].long()
+    assert bool((row >= page_size).all()), "the dummy page was handed out"
+    assert (row % page_size).tolist() == [p % page_size for p in range(10)]
+    assert len(set(row.tolist()) | set(table[b, :4].tolist())) == 14
+
+
+def test_allocate_slots_returns_none_and_changes_nothing_when_the_pool_is_full():
+    runner = tiny_runner(max_total_tokens=16)
+    row = runner.req_to_token_pool.alloc()
+    before = runner.allocator.available_tokens
+    assert runner.allocate_slots([BatchRow(row, 0, [1] * 17)]) is None
+    assert runner.allocator.available_tokens == before
+    assert int(runner.req_to_token_pool.req_to_token[row].abs().sum()) == 0
+
+
+def test_allocate_slots_refuses_rows_longer_than_the_context():
+    runner = tiny_runner(max_context_len=8)
+    row = runner.req_to_token_pool.alloc()
+    with pytest.raises(ValueError, match="context holds 8"):
+        runner.allocate_slots([BatchRow(row, 0, [1] * 9)])

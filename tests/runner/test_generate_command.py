@@ -1,0 +1,30 @@
+"""`snugkv generate` end to end on the default model (SmolLM2, fetched once and cached)."""
+
+from __future__ import annotations
+
+import pytest
+
+from snugkv.cli import main
+
+
+@pytest.mark.slow
+def test_generate_without_a_model_answers_with_the_default_model(capsys):
+    assert main(["generate", "--chat", "--max-tokens", "12", "What is the capital of France?"]) == 0
+    assert "Paris" in capsys.readouterr().out
+
+
+def test_generate_with_a_file_that_is_not_a_model_explains_and_fails(tmp_path, capsys):
+    junk = tmp_path / "notes.txt"
+    junk.write_text("not weights")
+    assert main(["generate", "--model", str(junk), "hello"]) == 2
+    assert "is not a model" in capsys.readouterr().err
+
+
+def test_generate_refuses_a_prompt_longer_than_the_context(capsys):
+    assert main(["generate", "--max-tokens", "4", "word " * 9000]) == 2
+    assert "holds 8192" in capsys.readouterr().err
+
+
+def test_invalid_sampling_flags_are_explained(capsys):
+    assert main(["generate", "--temperature", "-1", "hi"]) == 2
+    assert "temperature must be >= 0" in capsys.readouterr().err
