@@ -9,6 +9,7 @@ BENCHMARKS = {
     "vmm": "snugkv.bench.vmm",
     "capacity": "snugkv.bench.capacity",
     "decode": "snugkv.bench.decode",
+    "serving": "snugkv.bench.serving",
 }
 
 

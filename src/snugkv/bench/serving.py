@@ -1,0 +1,238 @@
+"""`snugkv bench serving`: offline throughput and online latency on the small-engine workload.
+
+Offline: 256 requests, input and output lengths uniform in [100, 1024], random prompt ids,
+`ignore_eos`, all submitted at once to the scheduler (continuous batching, decode graphs).
+Online: Poisson arrivals at several rates; TTFT and TPOT percentiles. Then a side-by-side
+subset with one fixed output length through snugkv and through transformers' own continuous
+batching (`generate_batch`), since that API takes one generation config. The bandwidth floor
+reads every weight once per decode step plus every active request's KV.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import time
+from typing import Any
+
+import torch
+
+from snugkv.bench.decode import copy_bandwidth_bytes_per_s
+from snugkv.bench.report import emit
+from snugkv.sampling_params import SamplingParams
+
+
+def workload(
+    count: int, seed: int, vocab: int, low: int = 100, high: int = 1024, fixed_output: int | None = None
+) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [
+        (
+            [rng.randrange(10, vocab) for _ in range(rng.randint(low, high))],
+            fixed_output or rng.randint(low, high),
+        )
+        for _ in range(count)
+    ]
+
+
+def floor_tokens_per_s(
+    requests: list[tuple[list[int], int]],
+    weight_bytes: int,
+    kv_bytes_per_token: float,
+    bandwidth: float,
+    max_batch: int,
+) -> float:
+    """Output tokens over the time to read weights once per step and each active request's KV."""
+    active = sorted(((len(prompt), output) for prompt, output in requests), key=lambda item: item[1])
+    seconds, waves = 0.0, [active[i : i + max_batch] for i in range(0, len(active), max_batch)]
+    for wave in waves:
+        for step in range(max(output for _, output in wave)):
+            live = [(prompt, output) for prompt, output in wave if output > step]
+            seconds += (
+                weight_bytes + sum(prompt + step for prompt, _ in live) * kv_bytes_per_token
+            ) / bandwidth
+    return sum(output for _, output in requests) / seconds
+
+
+def run_scheduler(
+    engine: Any, requests: list[tuple[list[int], int]], arrivals: list[float] | None = None
+) -> dict[str, Any]:
+    from snugkv.scheduler.scheduler import Scheduler
+
+    finished: dict[str, float] = {}
+    scheduler = Scheduler(
+        engine.runner,
+        max_running_requests=engine.report.max_running_requests,
+        chunked_prefill_size=engine.args.chunked_prefill_size,
+        on_output=lambda r, o: finished.__setitem__(o.rid, time.monotonic()) if o.finished else None,
+    )
+    tracked = []
+    start = time.monotonic()
+    pending = list(enumerate(requests))
+    while pending or scheduler.has_work:
+        now = time.monotonic()
+        while pending and (arrivals is None or start + arrivals[pending[0][0]] <= now):
+            index, (prompt, output) = pending.pop(0)
+            request = scheduler.add_request(
+                f"q{index}", prompt, SamplingParams(max_new_tokens=output, temperature=0.0, ignore_eos=True)
+            )
+            if arrivals is not None:
+                request.arrival_s = start + arrivals[index]
+            tracked.append(request)
+        if scheduler.has_work:
+            scheduler.step()
+        else:
+            time.sleep(0.001)
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
+    elapsed = time.monotonic() - start
+    output_tokens = sum(len(r.output_ids) for r in tracked)
+    ttft = sorted(r.first_token_s - r.arrival_s for r in tracked)
+    tpot = sorted((finished[r.rid] - r.first_token_s) / max(len(r.output_ids) - 1, 1) for r in tracked)
+    scheduler.check_slot_accounting()
+    scheduler.cache.reset()
+
+    def pct(values: list[float], q: float) -> float:
+        return values[min(len(values) - 1, int(q * len(values)))] * 1e3
+
+    return {
+        "requests": len(tracked),
+        "output_tokens": output_tokens,
+        "seconds": elapsed,
+        "output_tok_per_s": output_tokens / elapsed,
+        "ttft_p50_ms": pct(ttft, 0.5),
+        "ttft_p99_ms": pct(ttft, 0.99),
+        "tpot_p50_ms": pct(tpot, 0.5),
+        "tpot_p99_ms": pct(tpot, 0.99),
+        "retractions": scheduler.num_retractions,
+    }
+
+
+def transformers_generate_batch(model: str, requests: list[tuple[list[int], int]]) -> dict[str, Any]:
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.generation import GenerationConfig
+
+    config = AutoConfig.from_pretrained(model)
+    errors = []
+    for implementation in ("paged|sdpa", "sdpa_paged"):
+        try:
+            torch.manual_seed(0)
+            hf = AutoModelForCausalLM.from_config(
+                config, dtype=torch.bfloat16, attn_implementation=implementation
+            )
+            hf = hf.to("cuda").eval()
+            generation = GenerationConfig(
+                max_new_tokens=requests[0][1], do_sample=False, eos_token_id=-1, pad_token_id=0
+            )
+            start = time.monotonic()
+            outputs = hf.generate_batch(
+                inputs=[prompt for prompt, _ in requests], generation_config=generation, progress_bar=False
+            )
+            torch.cuda.synchronize()
+            elapsed = time.monotonic() - start
+            tokens = sum(len(output.generated_tokens) for output in outputs.values())
+            del hf
+            return {
+                "attn_implementation": implementation,
+                "output_tokens": tokens,
+                "seconds": elapsed,
+                "output_tok_per_s": tokens / elapsed,
+            }
+        except Exception as exc:  # report what failed instead of a number
+            errors.append(f"{implementation}: {type(exc).__name__}: {str(exc)[:200]}")
+            gc.collect()
+            torch.cuda.empty_cache()
+    return {"error": " | ".join(errors)}
+
+
+def run(args: argparse.Namespace) -> int:
+    from snugkv.engine import Engine, EngineArgs
+
+    if not torch.cuda.is_available():
+        print("bench serving needs a CUDA GPU")
+        return 1
+    bandwidth = copy_bandwidth_bytes_per_s()
+    engine = Engine(
+        EngineArgs(
+            model=args.model,
+            load_format="dummy",
+            max_running_requests=args.max_batch,
+            cuda_graph_max_bs=args.max_batch,
+            chunked_prefill_size=args.chunk,
+        )
+    )
+    vocab = engine.config.vocab_size
+    weight_bytes = sum(p.numel() * p.element_size() for p in engine.loaded.model.parameters())
+    kv_per_token = engine.pool.bytes_per_token
+    run_scheduler(engine, workload(16, seed=1, vocab=vocab, low=64, high=128))  # warm-up: Triton compiles
+    rows, extra = (
+        [],
+        {
+            "copy_bandwidth_gb_per_s": bandwidth / 1e9,
+            "max_total_num_tokens": engine.report.max_total_num_tokens,
+        },
+    )
+    offline = workload(args.requests, seed=0, vocab=vocab)
+    result = run_scheduler(engine, offline)
+    floor = floor_tokens_per_s(offline, weight_bytes, kv_per_token, bandwidth, args.max_batch)
+    rows.append(
+        {
+            "engine": "snugkv",
+            "case": f"offline {args.requests} req, in/out U[100,1024]",
+            **result,
+            "floor_tok_per_s": floor,
+            "fraction_of_floor": result["output_tok_per_s"] / floor,
+        }
+    )
+    for rate in args.rates:
+        online = workload(args.online_requests, seed=int(rate * 10), vocab=vocab)
+        rng = random.Random(int(rate))
+        arrivals, clock = [], 0.0
+        for _ in online:
+            clock += rng.expovariate(rate)
+            arrivals.append(clock)
+        rows.append(
+            {
+                "engine": "snugkv",
+                "case": f"online Poisson {rate} req/s, {args.online_requests} req",
+                **run_scheduler(engine, online, arrivals),
+            }
+        )
+    fixed = workload(args.compare_requests, seed=2, vocab=vocab, fixed_output=args.compare_output)
+    rows.append(
+        {
+            "engine": "snugkv",
+            "case": f"compare: {args.compare_requests} req, out={args.compare_output}",
+            **run_scheduler(engine, fixed),
+        }
+    )
+    engine.close()
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
+    if args.transformers:
+        hf = transformers_generate_batch(args.model, fixed)
+        rows.append(
+            {
+                "engine": "transformers generate_batch",
+                "case": f"compare: {args.compare_requests} req, out={args.compare_output}",
+                **hf,
+            }
+        )
+        if "output_tok_per_s" in hf:
+            extra["snugkv_over_transformers"] = rows[-2]["output_tok_per_s"] / hf["output_tok_per_s"]
+    emit("serving", rows, args.out, extra=extra)
+    return 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="configs/qwen3-0.6b")
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--online-requests", type=int, default=128)
+    parser.add_argument("--rates", type=float, nargs="*", default=[8.0, 32.0])
+    parser.add_argument("--compare-requests", type=int, default=64)
+    parser.add_argument("--compare-output", type=int, default=256)
+    parser.add_argument("--max-batch", type=int, default=256)
+    parser.add_argument("--chunk", type=int, default=8192)
+    parser.add_argument("--no-transformers", dest="transformers", action="store_false")
