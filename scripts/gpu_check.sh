@@ -3,15 +3,19 @@
 #   device run:  bash scripts/gpu_check.sh
 # Uses the machine's python3 (torch with CUDA); installs nothing that needs a network.
 set -uo pipefail
-OUT=${OUT:-$PWD/gpu-out}
+# The device returns at most 8 files: results go to $OUT/work and are packed into
+# $OUT/results.tar.gz after every step (so a later timeout loses nothing already measured).
+FINAL=${OUT:-$PWD/gpu-out}
+OUT="$FINAL/work"
 mkdir -p "$OUT"
+pack() { tar -czf "$FINAL/results.tar.gz" -C "$OUT" . 2>/dev/null; }
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
-STEPS=${STEPS:-"env tests bench_vmm"}
+STEPS=${STEPS:-"env tests vmm decode capacity serving"}
 status=0
 step() { echo "=== $1 ($(date +%T))"; }
 
@@ -24,16 +28,16 @@ for s in $STEPS; do
       ;;
     tests)
       step "cuda tests"
-      python3 -m pytest -q -m cuda -p no:cacheprovider ${PYTEST_ARGS:-} tests 2>&1 | tee "$OUT/cuda_tests.txt" || status=1
-      ;;
-    bench_vmm)
-      step "bench vmm"
-      python3 -m snugkv bench vmm --out "$OUT" 2>&1 | grep -v INFO || status=1
+      timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -m cuda -p no:cacheprovider ${PYTEST_ARGS:-tests} \
+        2>&1 | tee "$OUT/cuda_tests.txt" | tail -25 || status=1
       ;;
     *)
-      python3 -m snugkv bench "$s" --out "$OUT" 2>&1 | grep -v INFO || status=1
+      step "bench $s"
+      timeout "${BENCH_TIMEOUT:-400}" python3 -m snugkv --log-level WARNING bench "$s" --out "$OUT" ${BENCH_ARGS:-} \
+        2>&1 | tee "$OUT/bench_$s.log" | grep -v "^Capturing" || status=1
       ;;
   esac
+  pack
 done
 echo "=== done status=$status"
 exit $status
