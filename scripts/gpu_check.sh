@@ -28,7 +28,7 @@ for s in $STEPS; do
       ;;
     tests)
       step "cuda tests"
-      timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -m cuda -p no:cacheprovider ${PYTEST_ARGS:-tests} \
+      timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -m cuda -p no:cacheprovider --ignore=tests/server ${PYTEST_ARGS:-tests} \
         2>&1 | tee "$OUT/cuda_tests.txt" | tail -25 || status=1
       ;;
     *)

@@ -107,6 +107,8 @@ class Engine:
     def __init__(self, args: EngineArgs, group: dist.ProcessGroup | None = None) -> None:
         started = time.perf_counter()
         self.device = resolve_device(args.device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.args = args = args.resolved(self.device)
         self.group = group
         if self.device.type == "cuda":

@@ -17,6 +17,8 @@ ARCHITECTURE_BY_MODEL_TYPE = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
 }
 
 
@@ -62,6 +64,9 @@ def _sliding_windows(hf: Mapping[str, Any], num_layers: int) -> tuple[int | None
         return tuple(window if i >= first else None for i in range(num_layers))
     if hf.get("model_type") == "mistral" and window:
         return (int(window),) * num_layers
+    if hf.get("model_type") == "gemma3_text":  # older configs: every `pattern`-th layer is global
+        pattern = int(hf.get("sliding_window_pattern") or 6)
+        return tuple(None if (i + 1) % pattern == 0 else window for i in range(num_layers))
     return (None,) * num_layers
 
 
