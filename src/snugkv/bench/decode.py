@@ -78,6 +78,7 @@ def snugkv_cases(model: str, cases: tuple[tuple[int, int], ...]) -> tuple[list[d
                 else engine.pool.capacity_tokens
             )
             buffer[:rows].normal_()
+    del buffer  # a live view would keep the arena from closing
     results = []
     for batch, context in cases:
         if batch * (context + engine.pool.page_size) > runner.allocator.available_tokens:
