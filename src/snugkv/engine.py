@@ -88,7 +88,7 @@ class StartupReport:
     sizing_ms: float
     retries: int = 0
     per_rank_free_bytes: tuple[int, ...] = ()
-    timings_s: dict[str, float] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)  # keys carry their unit
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -99,7 +99,7 @@ class StartupReport:
             "retries": self.retries,
             "per_rank_free_bytes": list(self.per_rank_free_bytes),
             "memory_ledger": self.ledger.to_dict(),
-            "timings_s": {key: round(value, 3) for key, value in self.timings_s.items()},
+            "timings": {key: round(value, 3) for key, value in self.timings.items()},
         }
 
 
@@ -129,7 +129,7 @@ class Engine:
         self.config = self.loaded.config
         self.kv_dtype = args.kv_dtype or self.loaded.dtype
         self.context_length = args.context_length or self.config.max_position_embeddings
-        timings["load"] = time.perf_counter() - started
+        timings["load_s"] = time.perf_counter() - started
 
         self.mode = resolve_mode(args.kv_sizing, self.device, self.kv_dtype)
         self.memory = self._memory_backend()
@@ -138,8 +138,8 @@ class Engine:
         else:
             report = self._start_static(timings)
         report.ledger = self._ledger(baseline_free=baseline_free, total=total, report=report)
-        timings["total"] = time.perf_counter() - started
-        report.timings_s = timings
+        timings["total_s"] = time.perf_counter() - started
+        report.timings = timings
         self.report = report
         logger.info("%s", report.ledger.table())
 
@@ -198,17 +198,26 @@ class Engine:
         return default_cuda_graph_batch_sizes(largest)
 
     def _capture(self, runner: ModelRunner) -> int:
-        """Capture the decode graphs; returns the free memory they took."""
+        """Capture the decode graphs; returns the free memory they took.
+
+        Also records what the driver took outside torch's allocator (graph executables and the
+        kernel modules loaded while capturing), which the ledger lists as its own item.
+        """
         sizes = self._graph_batch_sizes()
+        self._graph_driver_bytes = 0
         if not sizes:
             return 0
         before, _ = self._device_mem_info()
+        reserved_before = torch.cuda.memory_reserved(self.device)
         runner.capture_cuda_graphs(sizes)
         after, _ = self._device_mem_info()
+        reserved_growth = torch.cuda.memory_reserved(self.device) - reserved_before
+        self._graph_driver_bytes = max(before - after - reserved_growth, 0)
         return before - after
 
     def _largest_eager_step(self, runner: ModelRunner) -> None:
-        """The biggest forwards the engine will run outside graphs, on the dummy slot only.
+        """The biggest eager work the engine will run: the largest prefill chunk, decode beyond the
+        graphs, and the sampler over the largest batch with top-k and top-p, on the dummy slot only.
 
         Row 0 of the table is the padding row (all zeros), so every token reads and writes
         slot 0: this runs before any KV beyond the dummy page is backed.
@@ -220,11 +229,13 @@ class Engine:
         )
         runner.sample(logits, [sampling])
         sizes = self._graph_batch_sizes()
-        eager_decode = self.args.max_running_requests
-        if not sizes or eager_decode > max(sizes):
-            rows = [BatchRow(0, 1, [0])] * eager_decode
-            logits = runner.forward(rows, torch.zeros(eager_decode, dtype=torch.int64, device=self.device))
-            runner.sample(logits, [sampling] * eager_decode)
+        batch = self.args.max_running_requests
+        if not sizes or batch > max(sizes):
+            rows = [BatchRow(0, 1, [0])] * batch
+            logits = runner.forward(rows, torch.zeros(batch, dtype=torch.int64, device=self.device))
+        else:  # graph decode: its logits live in the graph pool; sampling them runs eagerly
+            logits = torch.randn(batch, self.config.vocab_size, device=self.device)
+        runner.sample(logits, [sampling] * batch)
 
     # -- post-capture -------------------------------------------------------------------
     def _start_post_capture(self, timings: dict[str, float]) -> StartupReport:
@@ -241,15 +252,20 @@ class Engine:
         runner = self._build_runner(pool, capacity_tokens=0)
         t0 = time.perf_counter()
         graph_bytes = self._capture(runner)
-        timings["capture"] = time.perf_counter() - t0
+        timings["capture_s"] = time.perf_counter() - t0
         # 5. Measure: the activation peak of the largest eager step, then free memory.
         peak = measure_peak_bytes(self.device, lambda: self._largest_eager_step(runner))
         headroom = peak + self.args.headroom_margin_mib * MIB if self.device.type == "cuda" else 0
         measured = time.perf_counter()
         free = measure_free(self.memory, self.group)
         # 6. Size and 7. commit (with retry), then resize the allocators.
+        measure_ms = (time.perf_counter() - measured) * 1e3
         result = size_post_capture(pool, free, headroom, self.args.max_total_tokens, self.group)
+        resized = time.perf_counter()
         resize_slot_allocator(runner.allocator, pool, result.max_total_num_tokens)
+        timings["sizing_measure_ms"] = measure_ms
+        timings["sizing_commit_ms"] = result.took_ms
+        timings["sizing_resize_ms"] = (time.perf_counter() - resized) * 1e3
         max_running = self._recap(runner, result.max_total_num_tokens)
         sizing_ms = (time.perf_counter() - measured) * 1e3
         self.runner, self.pool = runner, pool
@@ -329,7 +345,7 @@ class Engine:
         sizing_ms = (time.perf_counter() - measured) * 1e3
         t0 = time.perf_counter()
         graph_bytes = self._capture(runner)
-        timings["capture"] = time.perf_counter() - t0
+        timings["capture_s"] = time.perf_counter() - t0
         max_running = self._recap(runner, pool.capacity_tokens)
         self.runner, self.pool = runner, pool
         logger.info(

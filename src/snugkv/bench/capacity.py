@@ -127,6 +127,7 @@ def worker(args: argparse.Namespace) -> int:
         free_after_sizing_gib=report.ledger.free_bytes / GIB,
         ledger=report.ledger.to_dict(),
         unaccounted_mib=report.ledger.unaccounted_bytes / MIB,
+        timings=report.timings,
     )
     result["greedy_tokens"] = _greedy_tokens(engine)
     if engine.device.type == "cuda":

@@ -118,42 +118,24 @@ _GREEDY = SamplingParams(temperature=0.0)
 
 
 def transformers_cases(model: str, cases: tuple[tuple[int, int], ...]) -> dict[tuple[int, int], float]:
-    """Decode step time of transformers' eager model with a static cache (median ms)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, StaticCache
+    """transformers' decode step times, measured in a child process (a CUDA error there cannot
+    take this process's results with it)."""
+    import json
+    import subprocess
+    import sys
 
-    config = AutoConfig.from_pretrained(model)
-    with torch.device("meta"):
-        hf = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    hf = hf.to_empty(device="cuda").eval()
-    with torch.no_grad():
-        for parameter in hf.parameters():
-            parameter.normal_(0, 0.02)
-    hf.model.rotary_emb.__init__(config, device="cuda")  # rebuild the rotary buffers to_empty left unset
-    timings = {}
-    for batch, context in cases:
-        try:
-            cache = StaticCache(config=config, max_cache_len=context + 8)
-            ids = torch.randint(10, config.vocab_size, (batch, context), device="cuda")
-            with torch.no_grad():
-                hf(ids, past_key_values=cache, use_cache=True)
-                step_ids = torch.randint(10, config.vocab_size, (batch, 1), device="cuda")
-                position = torch.tensor([context], device="cuda")
-                timings[(batch, context)] = (
-                    time_cuda(
-                        lambda c=cache, s=step_ids, p=position: hf(
-                            s, past_key_values=c, cache_position=p, use_cache=True
-                        ),
-                        iterations=10,
-                        warmup=2,
-                    )
-                    * 1e3
-                )
-            del cache, ids
-        except torch.OutOfMemoryError:
-            timings[(batch, context)] = float("nan")
-        gc.collect()
-        torch.cuda.empty_cache()
-    return timings
+    for cache in ("static", "dynamic"):
+        command = [sys.executable, "-m", "snugkv.bench.decode_transformers", model, json.dumps(cases), cache]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+        if lines:
+            break
+        print(f"transformers decode with the {cache} cache failed:", done.stderr[-1200:])
+    else:
+        return {}
+    result = json.loads(lines[-1])
+    print(f"transformers decode path: {result['path']}")
+    return {(batch, context): ms for batch, context, ms in result["timings"]}
 
 
 def run(args: argparse.Namespace) -> int:

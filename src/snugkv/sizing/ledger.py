@@ -27,6 +27,7 @@ class MemoryLedger:
     activation_peak_bytes: int  # measured peak of the largest eager step
     headroom_bytes: int  # memory left free on purpose: activation peak plus the stated margin
     weights_in_device_memory: bool = True  # False on CPU: weights live in general RAM
+    graph_executables_bytes: int = 0  # driver memory taken while capturing, outside torch's allocator
 
     @property
     def used_bytes(self) -> int:
@@ -35,7 +36,13 @@ class MemoryLedger:
     @property
     def accounted_bytes(self) -> int:
         weights = self.weights_bytes if self.weights_in_device_memory else 0
-        return self.baseline_bytes + weights + self.graphs_and_buffers_bytes + self.kv_committed_bytes
+        return (
+            self.baseline_bytes
+            + weights
+            + self.graphs_and_buffers_bytes
+            + self.graph_executables_bytes
+            + self.kv_committed_bytes
+        )
 
     @property
     def unaccounted_bytes(self) -> int:
@@ -48,7 +55,8 @@ class MemoryLedger:
                 "weights" + ("" if self.weights_in_device_memory else " (host RAM, not in the KV budget)"),
                 self.weights_bytes,
             ),
-            ("graphs and buffers", self.graphs_and_buffers_bytes),
+            ("graphs and buffers (torch allocator)", self.graphs_and_buffers_bytes),
+            ("graph executables and modules (driver)", self.graph_executables_bytes),
             ("KV committed", self.kv_committed_bytes),
             ("unaccounted", self.unaccounted_bytes),
             ("free (headroom kept for activations)", self.free_bytes),

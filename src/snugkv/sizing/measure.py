@@ -7,7 +7,6 @@ process group, every rank gets the MIN over all ranks, so all commit the same to
 
 from __future__ import annotations
 
-import gc
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,8 +30,11 @@ class FreeMemory:
 
 
 def settle(device: torch.device) -> None:
-    """Finish queued work and hand cached allocator blocks back to the device."""
-    gc.collect()
+    """Finish queued work and hand cached allocator blocks back to the device.
+
+    No garbage collection here: tensors die by reference count, and a full collection can
+    cost tens of milliseconds on the sizing path.
+    """
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
