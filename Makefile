@@ -1,4 +1,4 @@
-# snugkv: `make demo` runs the engine on the embedded default model, `make test` the CPU suite.
+# snugkv: `make demo` runs the engine on the embedded default model (SmolLM2), `make test` the CPU suite.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: setup
-	$(VENV)/bin/snugkv demo
+	$(VENV)/bin/snugkv generate --chat --max-tokens 64 "In two sentences, why does a KV cache speed up text generation?"
 
 test: setup
 	$(PY) -m pytest -q

@@ -46,7 +46,7 @@ class EngineArgs:
     load_format: str = "auto"
     dtype: str | None = None
     device: str | None = None
-    seed: int = 0
+    weights_seed: int = 0  # random (dummy) weights only
     kv_dtype: str | None = None
     page_size: int | None = None
     kv_layout: str = "nhd"
@@ -123,7 +123,7 @@ class Engine:
             load_format=args.load_format,
             dtype=args.dtype,
             device=self.device,
-            seed=args.seed,
+            seed=args.weights_seed,
             max_position=args.context_length,
         )
         self.config = self.loaded.config

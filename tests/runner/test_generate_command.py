@@ -22,9 +22,17 @@ def test_generate_with_a_file_that_is_not_a_model_explains_and_fails(tmp_path, c
 
 def test_generate_refuses_a_prompt_longer_than_the_context(capsys):
     assert main(["generate", "--max-tokens", "4", "word " * 9000]) == 2
-    assert "holds 8192" in capsys.readouterr().err
+    assert "context holds 8192" in capsys.readouterr().err
 
 
 def test_invalid_sampling_flags_are_explained(capsys):
     assert main(["generate", "--temperature", "-1", "hi"]) == 2
-    assert "temperature must be >= 0" in capsys.readouterr().err
+    assert "temperature must be between 0 and 100" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_generate_runs_the_post_capture_sizing_pipeline(capsys, caplog):
+    with caplog.at_level("INFO"):
+        assert main(["generate", "--max-tokens", "4", "--ignore-eos", "Hello"]) == 0
+    assert "Post-capture KV sizing: max_total_num_tokens=" in caplog.text
+    assert "Memory ledger" in caplog.text

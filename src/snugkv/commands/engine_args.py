@@ -76,7 +76,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="CPU: RAM for the KV cache (default: 25%% of free RAM, at most 1)",
     )
-    group.add_argument("--seed", type=int, default=0, help="seed for random (dummy) weights")
+    group.add_argument(
+        "--weights-seed", type=int, default=0, help="seed of random (--load-format dummy) weights"
+    )
 
 
 def engine_args_from(namespace: argparse.Namespace) -> EngineArgs:
