@@ -1,0 +1,121 @@
+"""The start-up pipeline on CPU (host VMM backend): sizing line, ledger, modes, fallback."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from snugkv.engine import Engine, EngineArgs
+from snugkv.memory.vmm import MIB
+from snugkv.sampling_params import SamplingParams
+from snugkv.scheduler.scheduler import Scheduler
+from snugkv.sizing import modes
+from snugkv.sizing.modes import SizingMode, resolve_mode
+from tests.models.hf_tiny import save_tiny_hf_model
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tiny-qwen3")
+    save_tiny_hf_model("qwen3", directory)
+    return str(directory)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def start(tiny_dir: str, **overrides) -> Engine:
+    args = dict(
+        model=tiny_dir,
+        dtype="float32",
+        host_kv_gib=0.02,
+        max_running_requests=4,
+        chunked_prefill_size=64,
+        page_size=4,
+    )
+    return Engine(EngineArgs(**{**args, **overrides}))
+
+
+def greedy(engine: Engine) -> list[list[int]]:
+    outputs: dict[str, list[int]] = {}
+    scheduler = Scheduler(
+        engine.runner,
+        max_running_requests=engine.report.max_running_requests,
+        chunked_prefill_size=engine.args.chunked_prefill_size,
+        on_output=lambda r, o: outputs.setdefault(o.rid, []).extend(o.token_ids),
+    )
+    for index in range(3):
+        scheduler.add_request(
+            str(index),
+            [5 + index, 17, 33, 8, 90 + index] * (index + 2),
+            SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True),
+        )
+    while scheduler.has_work:
+        scheduler.step()
+    scheduler.check_slot_accounting()
+    return [outputs[str(index)] for index in range(3)]
+
+
+def test_post_capture_start_logs_the_sizing_line_and_a_ledger_that_adds_up(tiny_dir, caplog):
+    with caplog.at_level(logging.INFO):
+        engine = start(tiny_dir)
+    report = engine.report
+    assert report.mode is SizingMode.POST_CAPTURE
+    assert f"Post-capture KV sizing: max_total_num_tokens={report.max_total_num_tokens}" in caplog.text
+    assert "Memory ledger" in caplog.text and "KV Cache VA upper bound." in caplog.text
+    assert report.max_total_num_tokens > 0
+    ledger = report.ledger
+    assert ledger.kv_committed_bytes == engine.pool.committed_bytes
+    assert ledger.unaccounted_bytes == 0  # host backend: KV is the only thing in its budget
+    assert ledger.free_bytes < 2 * MIB  # the whole 20 MiB budget is backed, less rounding
+    assert engine.runner.allocator.capacity_tokens == report.max_total_num_tokens
+    assert report.to_dict()["sizing_mode"] == "post-capture"
+    engine.close()
+
+
+def test_every_sizing_mode_generates_the_same_tokens(tiny_dir):
+    results = {}
+    for mode, extra in (
+        ("post-capture", {}),
+        ("profiled", {}),
+        ("static-fraction", {"mem_fraction_static": 0.5}),
+    ):
+        engine = start(tiny_dir, kv_sizing=mode, **extra)
+        assert engine.report.mode == SizingMode(mode)
+        results[mode] = greedy(engine)
+        engine.close()
+    assert results["post-capture"] == results["profiled"] == results["static-fraction"]
+
+
+def test_user_cap_limits_the_post_capture_pool(tiny_dir):
+    engine = start(tiny_dir, max_total_tokens=100)
+    assert engine.report.max_total_num_tokens == 100
+    engine.close()
+
+
+def test_without_vmm_the_gpu_falls_back_to_profiled_with_one_clear_line(monkeypatch, caplog):
+    monkeypatch.setattr(modes, "cuda_vmm_status", lambda device: (False, "the CUDA driver is too old"))
+    with caplog.at_level(logging.WARNING):
+        mode = resolve_mode(None, torch.device("cuda", 0), torch.bfloat16)
+    assert mode is SizingMode.PROFILED
+    lines = [r.getMessage() for r in caplog.records if "falling back" in r.getMessage()]
+    assert lines == [
+        "Post-capture KV sizing unavailable (the CUDA driver is too old); falling back to --kv-sizing profiled."
+    ]
+    assert (
+        resolve_mode("static-fraction", torch.device("cuda", 0), torch.bfloat16) is SizingMode.STATIC_FRACTION
+    )
+
+
+def test_static_fraction_that_leaves_no_room_says_what_to_change(tiny_dir):
+    from snugkv.sizing.post_capture import SizingError
+
+    with pytest.raises(SizingError, match="mem-fraction-static"):
+        start(tiny_dir, kv_sizing="static-fraction")  # the GPU-sized reserve exceeds a 20 MiB budget
