@@ -111,37 +111,52 @@ class ForwardBatch:
         prefix_lens = [row.prefix_len for row in rows]
         extend_lens = [len(row.token_ids) for row in rows]
         seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
-        starts, total = [], 0
-        for length in extend_lens:
-            starts.append(total)
-            total += length
+        decode = all(e == 1 for e in extend_lens) and all(r.need_logits for r in rows)
+        if decode:  # the hot path: one token per row, no per-row ranges
+            total = len(rows)
+            starts = list(range(total))
+            positions = prefix_lens
+            input_ids = [row.token_ids[0] for row in rows]
+            logits_rows = starts
+        else:
+            starts, total = [], 0
+            for length in extend_lens:
+                starts.append(total)
+                total += length
+            positions = [position for p, s in zip(prefix_lens, seq_lens) for position in range(p, s)]
+            input_ids = [t for row in rows for t in row.token_ids]
+            logits_rows = [
+                start + length - 1 for row, start, length in zip(rows, starts, extend_lens) if row.need_logits
+            ]
         if out_cache_loc.numel() != total:
             raise ValueError(f"out_cache_loc holds {out_cache_loc.numel()} slots for {total} new tokens")
-        positions = torch.cat([torch.arange(p, s, dtype=torch.int64) for p, s in zip(prefix_lens, seq_lens)])
-        input_ids = torch.tensor([t for row in rows for t in row.token_ids], dtype=torch.int64)
-        logits_rows = [
-            start + length - 1 for row, start, length in zip(rows, starts, extend_lens) if row.need_logits
-        ]
-
-        def dev(values: Sequence[int] | torch.Tensor) -> torch.Tensor:
-            return torch.as_tensor(values, dtype=torch.int64).to(device, non_blocking=True)
-
-        mode = (
-            ForwardMode.DECODE
-            if all(e == 1 for e in extend_lens) and all(r.need_logits for r in rows)
-            else ForwardMode.EXTEND
+        # Every index tensor goes to the device in one copy, then is split into views.
+        parts = (
+            input_ids,
+            positions,
+            [row.req_pool_idx for row in rows],
+            seq_lens,
+            prefix_lens,
+            extend_lens,
+            starts,
+            logits_rows,
         )
+        packed = torch.tensor([value for part in parts for value in part], dtype=torch.int64)
+        if device.type == "cuda":
+            packed = packed.pin_memory().to(device, non_blocking=True)
+        views = torch.split(packed, [len(part) for part in parts])
+        mode = ForwardMode.DECODE if decode else ForwardMode.EXTEND
         return cls(
             mode=mode,
-            input_ids=dev(input_ids),
-            positions=dev(positions),
-            req_pool_indices=dev([row.req_pool_idx for row in rows]),
-            seq_lens=dev(seq_lens),
-            prefix_lens=dev(prefix_lens),
-            extend_lens=dev(extend_lens),
-            extend_start_loc=dev(starts),
+            input_ids=views[0],
+            positions=views[1],
+            req_pool_indices=views[2],
+            seq_lens=views[3],
+            prefix_lens=views[4],
+            extend_lens=views[5],
+            extend_start_loc=views[6],
             out_cache_loc=out_cache_loc.to(device=device, dtype=torch.int64),
-            logits_indices=dev(logits_rows),
+            logits_indices=views[7],
             req_to_token=req_to_token,
             kv_pool=kv_pool,
             attn_backend=attn_backend,

@@ -105,10 +105,12 @@ class Scheduler:
     def step(self) -> None:
         self._drop_aborted()
         rows, batch, slots = self._schedule_prefill()
-        if not rows and self.running:
-            rows, batch, slots = self._schedule_decode()
         if rows:
-            self._run(rows, batch, slots)
+            self._run(rows, batch, slots, decode=False)
+        elif self.running:
+            rows, batch, slots = self._schedule_decode()
+            if rows:
+                self._run(rows, batch, slots, decode=True)
 
     def _drop_aborted(self) -> None:
         for queue in (self.waiting, self.running):
@@ -176,7 +178,7 @@ class Scheduler:
 
     def _schedule_decode(self) -> tuple[list[BatchRow], list[Request], torch.Tensor | None]:
         while self.running:
-            rows = [BatchRow(r.req_pool_idx, r.kv_len, [r.all_ids[-1]]) for r in self.running]
+            rows = [BatchRow(r.req_pool_idx, r.kv_len, [r.last_token]) for r in self.running]
             self._make_room(len(rows) * self.page_size)
             slots = self.runner.allocate_slots(rows)
             if slots is not None:
@@ -198,7 +200,11 @@ class Scheduler:
         )
 
     # -- running a batch --------------------------------------------------------------
-    def _run(self, rows: list[BatchRow], batch: list[Request], slots: torch.Tensor | None) -> None:
+    def _run(
+        self, rows: list[BatchRow], batch: list[Request], slots: torch.Tensor | None, decode: bool
+    ) -> None:
+        """Forward, sample, and move each request on: a decode batch is `self.running`; a prefill
+        batch came from `waiting` and joins `running` once its prompt is done."""
         logits = self.runner.forward(rows, slots)
         sampling_rows = [(row, request) for row, request in zip(rows, batch) if row.need_logits]
         tokens = (
@@ -211,6 +217,7 @@ class Scheduler:
         logprobs = self._logprobs(logits, sampling_rows, tokens)
         sampled = iter(zip(tokens, logprobs))
         now = time.monotonic()
+        finished_any = False
         for row, request in zip(rows, batch):
             request.kv_len += len(row.token_ids)
             if not row.need_logits:
@@ -223,15 +230,15 @@ class Scheduler:
             request.first_token_s = request.first_token_s or now
             self.generated_tokens += 1
             reason = self._stop_reason(request)
-            if request in self.running:
-                if reason:
-                    self.running.remove(request)
-            elif not reason:
-                self.running.append(request)
             if reason:
+                finished_any = True
                 self._finish(request, reason)
             else:
+                if not decode:
+                    self.running.append(request)
                 self._emit(request)
+        if decode and finished_any:
+            self.running = [request for request in self.running if not request.finished]
 
     def _logprobs(
         self, logits: torch.Tensor, rows: list[tuple[BatchRow, Request]], tokens: list[int]
