@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "deepseek_v2", "deepseek_v2_q_lora")
 VOCAB_SIZE = 320
 
 
@@ -22,7 +22,14 @@ def tiny_hf_config(arch: str, **overrides):
 
 
 def _tiny_hf_config(arch: str):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import (
+        DeepseekV2Config,
+        Gemma3TextConfig,
+        LlamaConfig,
+        MistralConfig,
+        Qwen2Config,
+        Qwen3Config,
+    )
 
     common = dict(
         vocab_size=VOCAB_SIZE,
@@ -52,6 +59,39 @@ def _tiny_hf_config(arch: str):
         return Qwen2Config(**common, use_sliding_window=True, sliding_window=10, max_window_layers=1)
     if arch == "qwen3":  # q/k norm, head_dim != hidden / heads, tied embeddings
         return Qwen3Config(**common, head_dim=32, tie_word_embeddings=True)
+    if arch == "gemma3":
+        # Two local layers, then a global one; the window is shorter than the test sequences.
+        # head_dim, query_pre_attn_scalar and the two rope thetas all differ, so mixing them up shows.
+        return Gemma3TextConfig(
+            **{**common, "num_hidden_layers": 4},
+            head_dim=32,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+            sliding_window=10,
+            query_pre_attn_scalar=24,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 2.0},
+            },
+            final_logit_softcapping=5.0,
+        )
+    if arch in ("deepseek_v2", "deepseek_v2_q_lora"):
+        # MLA with dense MLPs only (every layer is below first_k_dense_replace).
+        mla = dict(
+            kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, first_k_dense_replace=2
+        )
+        common = {**common, "num_key_value_heads": 4}
+        if arch == "deepseek_v2":
+            return DeepseekV2Config(**common, **mla, q_lora_rank=None)
+        # Low-rank queries, biases, and YaRN with mscale_all_dim (which also scales the softmax).
+        rope = {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 64,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.8,
+        }
+        return DeepseekV2Config(**common, **mla, q_lora_rank=48, attention_bias=True, rope_parameters=rope)
     raise ValueError(arch)
 
 

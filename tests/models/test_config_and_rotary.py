@@ -7,6 +7,7 @@ import torch
 
 from snugkv.layers.rotary import RotaryEmbedding, compute_inv_freq
 from snugkv.models.config import ConfigError, ModelConfig, normalize_rope_parameters
+from snugkv.models.gemma3 import gemma3_rope_parameters
 from tests.models.hf_tiny import tiny_hf_config
 
 BASE = {
@@ -32,10 +33,56 @@ def test_transformers_v5_rope_parameters_are_read_as_is():
 
 @pytest.mark.parametrize(
     ("arch", "windows"),
-    [("llama", (None, None)), ("mistral", (12, 12)), ("qwen2", (None, 10)), ("qwen3", (None, None))],
+    [
+        ("llama", (None, None)),
+        ("mistral", (12, 12)),
+        ("qwen2", (None, 10)),
+        ("qwen3", (None, None)),
+        ("gemma3", (10, 10, None, 10)),
+        ("deepseek_v2", (None, None)),
+    ],
 )
 def test_sliding_windows_per_layer(arch, windows):
     assert ModelConfig.from_hf(tiny_hf_config(arch).to_dict()).sliding_windows == windows
+
+
+# A Gemma 3 config.json as the Hub has them: no layer_types, no per-layer-type rope_parameters.
+GEMMA3_HUB_STYLE = {
+    "model_type": "gemma3_text",
+    "vocab_size": 320,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "sliding_window": 8,
+    "sliding_window_pattern": 3,
+    "rope_theta": 500000.0,
+    "rope_local_base_freq": 20000.0,
+    "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+}
+
+
+def test_hub_style_gemma3_config_reads_like_transformers_converts_it():
+    from transformers import Gemma3TextConfig
+
+    theirs = Gemma3TextConfig(**{k: v for k, v in GEMMA3_HUB_STYLE.items() if k != "model_type"})
+    ours = ModelConfig.from_hf(GEMMA3_HUB_STYLE)
+    expected_windows = tuple(8 if kind == "sliding_attention" else None for kind in theirs.layer_types)
+    assert ours.sliding_windows == expected_windows == (8, 8, None, 8, 8, None)
+    assert gemma3_rope_parameters(ours) == theirs.rope_parameters
+    assert ours.architecture == "Gemma3ForCausalLM"
+    assert ours.tie_word_embeddings == theirs.tie_word_embeddings
+    assert ours.hidden_act == theirs.hidden_activation
+    assert ours.hf["query_pre_attn_scalar"] == theirs.query_pre_attn_scalar
+
+
+def test_transformers_v5_gemma3_config_keeps_its_per_layer_type_rope():
+    config = ModelConfig.from_hf(tiny_hf_config("gemma3").to_dict())
+    rope = gemma3_rope_parameters(config)
+    assert rope["sliding_attention"] == {"rope_type": "default", "rope_theta": 10000.0}
+    assert rope["full_attention"] == {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 2.0}
 
 
 def test_config_without_architecture_or_known_type_is_refused():

@@ -1,4 +1,4 @@
-"""Greedy tokens identical to transformers (float32, CPU) for every Llama-family architecture.
+"""Greedy tokens identical to transformers (float32, CPU) for every supported architecture.
 
 Each tiny random model is saved with `save_pretrained` and loaded by snugkv from the directory.
 The snugkv side runs a hand-written schedule through the ModelRunner that covers what the
@@ -10,6 +10,7 @@ request's cached prefix (prefix-cache style, page-aligned) and extends it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,6 +34,7 @@ def _prompts() -> list[list[int]]:
 
 
 PROMPTS = _prompts()
+LONGEST_PROMPT = max(PROMPTS, key=len)  # longer than every sliding window of the tiny configs
 SHARES_PREFIX_OF = {2: (0, 20)}  # prompt 2 reuses the first 20 tokens of prompt 0's cache
 CHUNKED = {4: 25}  # prompt 4 is prefilled in two chunks, split after 25 tokens
 ARRIVAL_STEP = {0: 0, 4: 0, 1: 1, 2: 2, 3: 3}
@@ -48,7 +50,9 @@ class _Request:
     output: list[int] = field(default_factory=list)
 
 
-def run_schedule(runner: ModelRunner, prompts: list[list[int]]) -> list[list[int]]:
+def run_schedule(
+    runner: ModelRunner, prompts: list[list[int]], num_new_tokens: int = NEW_TOKENS
+) -> list[list[int]]:
     page_size = runner.allocator.page_size
     table = runner.req_to_token_pool.req_to_token
     active: dict[int, _Request] = {}
@@ -92,7 +96,7 @@ def run_schedule(runner: ModelRunner, prompts: list[list[int]]) -> list[list[int
             request.cached = row.seq_len
             if row.need_logits:
                 request.output.append(next(tokens))
-            if len(request.output) == NEW_TOKENS:
+            if len(request.output) == num_new_tokens:
                 outputs[request.index] = request.output
                 del active[request.index]
                 owned = table[request.req_pool_idx, request.owned_from : request.cached]
@@ -102,18 +106,37 @@ def run_schedule(runner: ModelRunner, prompts: list[list[int]]) -> list[list[int
     return [outputs[i] for i in range(len(prompts))]
 
 
+@dataclass(frozen=True)
+class TinyCheckpoint:
+    arch: str
+    directory: Path
+    expected: list[list[int]]  # transformers' greedy tokens for each of PROMPTS
+    last_logits: torch.Tensor  # transformers' logits after the longest prompt
+
+
 @pytest.fixture(scope="module", params=ARCHITECTURES)
-def tiny_checkpoint(request, tmp_path_factory):
+def tiny_checkpoint(request, tmp_path_factory) -> TinyCheckpoint:
     arch = request.param
     directory = tmp_path_factory.mktemp(f"hf-{arch}")
     hf_model = save_tiny_hf_model(arch, directory)
     expected = [hf_greedy(hf_model, prompt, NEW_TOKENS) for prompt in PROMPTS]
-    return arch, directory, expected
+    with torch.no_grad():
+        last_logits = hf_model(torch.tensor([LONGEST_PROMPT])).logits[0, -1].float()
+    return TinyCheckpoint(arch, directory, expected, last_logits)
+
+
+def test_prefill_logits_match_transformers(tiny_checkpoint):
+    """Logit values, not only their argmax: catches a final soft-cap or scale that keeps the order."""
+    loaded = load_model(tiny_checkpoint.directory, device="cpu", dtype="float32")
+    runner = ModelRunner.create(loaded.model, max_total_tokens=256, max_requests=2, max_context_len=128)
+    rows = [BatchRow(runner.req_to_token_pool.alloc(), 0, LONGEST_PROMPT)]
+    logits = runner.forward(rows, runner.allocate_slots(rows))[0]
+    torch.testing.assert_close(logits, tiny_checkpoint.last_logits, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize(("page_size", "layout"), [(1, "nhd"), (1, "hnd"), (16, "nhd"), (16, "hnd")])
 def test_greedy_tokens_match_transformers(tiny_checkpoint, page_size, layout):
-    arch, directory, expected = tiny_checkpoint
+    arch, directory, expected = tiny_checkpoint.arch, tiny_checkpoint.directory, tiny_checkpoint.expected
     loaded = load_model(directory, device="cpu", dtype="float32")
     runner = ModelRunner.create(
         loaded.model,
@@ -135,7 +158,7 @@ def test_greedy_tokens_match_transformers(tiny_checkpoint, page_size, layout):
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize(("page_size", "layout"), [(1, "nhd"), (16, "hnd")])
 def test_greedy_tokens_match_transformers_on_gpu(tiny_checkpoint, backend, page_size, layout):
-    arch, directory, expected = tiny_checkpoint
+    arch, directory, expected = tiny_checkpoint.arch, tiny_checkpoint.directory, tiny_checkpoint.expected
     loaded = load_model(directory, device="cuda", dtype="float32")
     runner = ModelRunner.create(
         loaded.model,

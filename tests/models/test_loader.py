@@ -52,6 +52,32 @@ def test_dummy_weights_are_deterministic_per_seed_and_finite(llama_dir):
     assert torch.isfinite(_logits(a, ids)).all()
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["gemma3", "deepseek_v2", "deepseek_v2_q_lora"])
+def test_dummy_weights_give_finite_logits_for_hybrid_window_and_latent_attention(tmp_path, arch, dtype):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(tiny_hf_config(arch).to_dict()))
+    model = load_model(config, load_format="dummy", dtype=dtype).model
+    logits = _logits(model, [5, 9, 17, 33] * 6)  # longer than the gemma3 window
+    assert logits.shape == (1, model.config.vocab_size)
+    assert bool(torch.isfinite(logits).all())
+
+
+@pytest.mark.parametrize(
+    ("arch", "override", "message"),
+    [
+        ("deepseek_v2", {"first_k_dense_replace": 1}, r"layers 1\.\.1 .*MoE.*first_k_dense_replace"),
+        ("gemma3", {"attn_logit_softcapping": 50.0}, r"attn_logit_softcapping=50\.0 is not supported"),
+        ("gemma3", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ],
+    ids=["deepseek-moe", "gemma3-attn-softcap", "gemma3-bidirectional"],
+)
+def test_model_options_snugkv_does_not_run_are_refused_by_name(tmp_path, arch, override, message):
+    (tmp_path / "config.json").write_text(json.dumps({**tiny_hf_config(arch).to_dict(), **override}))
+    with pytest.raises(ModelLoadError, match=message):
+        load_model(tmp_path / "config.json", load_format="dummy")
+
+
 def test_bfloat16_load_keeps_rotary_tables_in_float32(llama_dir):
     model = load_model(llama_dir, dtype="bfloat16").model
     assert model.model.embed_tokens.weight.dtype == torch.bfloat16

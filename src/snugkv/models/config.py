@@ -22,6 +22,18 @@ ARCHITECTURE_BY_MODEL_TYPE = {
 }
 
 
+# What transformers assumes for keys a config of that model type leaves out (Hub configs often do).
+CONFIG_DEFAULTS_BY_MODEL_TYPE: dict[str, dict[str, Any]] = {
+    "gemma3_text": {
+        "tie_word_embeddings": True,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "head_dim": 256,
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+    },
+}
+
+
 class ConfigError(ValueError):
     """A model config is missing something or holds a value snugkv cannot run."""
 
@@ -114,6 +126,7 @@ class ModelConfig:
     def from_hf(cls, hf: Mapping[str, Any]) -> ModelConfig:
         """Parse a Hugging Face `config.json` dict; raises ConfigError naming what is wrong."""
         model_type = hf.get("model_type")
+        hf = {**CONFIG_DEFAULTS_BY_MODEL_TYPE.get(model_type or "", {}), **hf}
         architectures = hf.get("architectures") or []
         architecture = architectures[0] if architectures else ARCHITECTURE_BY_MODEL_TYPE.get(model_type or "")
         if architecture is None:

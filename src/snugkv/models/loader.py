@@ -211,8 +211,11 @@ def build_model(
         model_class = get_model_class(config.architecture)
     except UnsupportedArchitectureError as exc:
         raise ModelLoadError(str(exc)) from exc
-    with torch.device("meta"), _default_dtype(dtype):
-        model = model_class(config, max_position=max_position)
+    try:
+        with torch.device("meta"), _default_dtype(dtype):
+            model = model_class(config, max_position=max_position)
+    except ConfigError as exc:  # an architecture's own checks (an option snugkv does not run)
+        raise ModelLoadError(str(exc)) from exc
     model = model.to_empty(device=device)
     tie_weights = getattr(model, "tie_weights", None)
     if tie_weights is not None:  # materialising gives each module its own tensor

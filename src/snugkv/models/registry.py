@@ -18,6 +18,8 @@ _ARCHITECTURES: dict[str, str] = {
     "MistralForCausalLM": "snugkv.models.mistral:MistralForCausalLM",
     "Qwen2ForCausalLM": "snugkv.models.qwen2:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "snugkv.models.qwen3:Qwen3ForCausalLM",
+    "Gemma3ForCausalLM": "snugkv.models.gemma3:Gemma3ForCausalLM",
+    "DeepseekV2ForCausalLM": "snugkv.models.deepseek_v2:DeepseekV2ForCausalLM",
 }
 
 

@@ -1,0 +1,233 @@
+"""DeepSeek-V2 with multi-head latent attention (MLA) and dense MLPs (MoE layers are refused).
+
+MLA compresses each token's keys and values into one latent row shared by all heads:
+`c = kv_a_layernorm(kv_a_proj(x)[:kv_lora_rank])` plus a rotary key `k_pe` of `qk_rope_head_dim`.
+Head h's key is `[W_UK[h] c, k_pe]` and its value `W_UV[h] c`, with W_UK/W_UV the two row blocks
+of `kv_b_proj`. The model attends in the absorbed form, so only the latent is cached:
+- the pool (memory/mla_pool.py) stores `[c, k_pe]`, one row of `kv_lora_rank + qk_rope_head_dim`
+  per token, as a single KV head;
+- each query head's `q_nope` is mapped into latent space, `W_UK[h]^T q_nope`, and concatenated
+  with its rotated `q_pe`, so `q . key` over the latent row equals the expanded dot product;
+- the values are the latent's first `kv_lora_rank` columns, and the attention output (a latent
+  vector per head) is mapped back by `W_UV[h]` before `o_proj`.
+The attention op therefore sees num_kv_heads = 1, head_dim = kv_lora_rank + qk_rope_head_dim and
+v_head_dim = kv_lora_rank, scaled by the expanded head dim's `(qk_nope + qk_rope) ** -0.5`.
+RoPE rotates interleaved pairs (transformers' complex-number form), not halves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from snugkv.layers.attention import PagedAttention
+from snugkv.layers.norm import RMSNorm
+from snugkv.layers.rotary import RotaryEmbedding, yarn_mscale
+from snugkv.models.config import ConfigError, ModelConfig
+from snugkv.models.llama import LlamaMLP
+from snugkv.models.weights import StackedParam, load_named_tensors
+from snugkv.runner.forward_batch import ForwardBatch
+
+STACKED_PARAMS = (StackedParam("gate_proj", "gate_up_proj", 0), StackedParam("up_proj", "gate_up_proj", 1))
+LATENT_NORM_EPS = 1e-6  # the reference builds q_a_layernorm/kv_a_layernorm without rms_norm_eps
+
+
+@dataclass(frozen=True, slots=True)
+class MLADims:
+    kv_lora_rank: int
+    q_lora_rank: int | None  # None: queries come from one q_proj
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @classmethod
+    def from_config(cls, config: ModelConfig) -> MLADims:
+        """The MLA sizes of a DeepSeek-V2 config; refuses configs with MoE layers."""
+        hf = config.hf
+
+        def need(key: str) -> int:
+            if not hf.get(key):
+                raise ConfigError(f"config for {config.architecture} is missing {key!r}")
+            return int(hf[key])
+
+        first_dense = int(hf.get("first_k_dense_replace") or 0)
+        if hf.get("n_routed_experts") and first_dense < config.num_layers:
+            raise ConfigError(
+                f"layers {first_dense}..{config.num_layers - 1} of this DeepSeek-V2 config are MoE "
+                f"(first_k_dense_replace={first_dense}, n_routed_experts={hf['n_routed_experts']}); "
+                "snugkv does not run MoE layers: only configs with first_k_dense_replace >= "
+                "num_hidden_layers (or n_routed_experts null) are supported"
+            )
+        q_lora_rank = hf.get("q_lora_rank")
+        return cls(
+            kv_lora_rank=need("kv_lora_rank"),
+            q_lora_rank=int(q_lora_rank) if q_lora_rank else None,
+            qk_nope_head_dim=need("qk_nope_head_dim"),
+            qk_rope_head_dim=need("qk_rope_head_dim"),
+            v_head_dim=need("v_head_dim"),
+        )
+
+
+def mla_softmax_scale(dims: MLADims, rope_parameters: Mapping[str, Any]) -> float:
+    """`qk_head_dim ** -0.5`, times YaRN's `mscale(factor, mscale_all_dim) ** 2` when the config has it."""
+    scale = dims.qk_head_dim**-0.5
+    mscale_all_dim = rope_parameters.get("mscale_all_dim")
+    if rope_parameters.get("rope_type", "default") != "default" and mscale_all_dim:
+        mscale = yarn_mscale(float(rope_parameters["factor"]), float(mscale_all_dim))
+        scale = scale * mscale * mscale
+    return scale
+
+
+class DeepseekV2Attention(nn.Module):
+    def __init__(
+        self, config: ModelConfig, dims: MLADims, layer_id: int, rotary_emb: RotaryEmbedding
+    ) -> None:
+        super().__init__()
+        self.dims = dims
+        self.num_heads = heads = config.num_heads
+        hidden, bias = config.hidden_size, config.attention_bias
+        self.q_proj: nn.Linear | None = None
+        self.q_a_proj: nn.Linear | None = None
+        self.q_a_layernorm: RMSNorm | None = None
+        self.q_b_proj: nn.Linear | None = None
+        if dims.q_lora_rank is None:
+            self.q_proj = nn.Linear(hidden, heads * dims.qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(hidden, dims.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(dims.q_lora_rank, LATENT_NORM_EPS)
+            self.q_b_proj = nn.Linear(dims.q_lora_rank, heads * dims.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, dims.latent_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(dims.kv_lora_rank, LATENT_NORM_EPS)
+        self.kv_b_proj = nn.Linear(
+            dims.kv_lora_rank, heads * (dims.qk_nope_head_dim + dims.v_head_dim), bias=False
+        )
+        self.o_proj = nn.Linear(heads * dims.v_head_dim, hidden, bias=bias)
+        self.rotary_emb = rotary_emb
+        self.attn = PagedAttention(
+            layer_id,
+            heads,
+            1,
+            dims.latent_dim,
+            scaling=mla_softmax_scale(dims, config.rope_parameters),
+            v_head_dim=dims.kv_lora_rank,
+        )
+
+    def _queries(self, x: torch.Tensor) -> torch.Tensor:
+        if self.q_proj is not None:
+            return self.q_proj(x)
+        assert self.q_a_proj is not None and self.q_a_layernorm is not None and self.q_b_proj is not None
+        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+        dims, heads, num_tokens = self.dims, self.num_heads, x.shape[0]
+        q = self._queries(x).reshape(num_tokens, heads, dims.qk_head_dim)
+        q_nope, q_pe = q.split([dims.qk_nope_head_dim, dims.qk_rope_head_dim], dim=-1)
+        compressed, k_pe = self.kv_a_proj_with_mqa(x).split(
+            [dims.kv_lora_rank, dims.qk_rope_head_dim], dim=-1
+        )
+        q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe.reshape(num_tokens, 1, dims.qk_rope_head_dim))
+        latent = torch.cat((self.kv_a_layernorm(compressed).unsqueeze(1), k_pe), dim=-1)
+
+        kv_b = self.kv_b_proj.weight.view(heads, dims.qk_nope_head_dim + dims.v_head_dim, dims.kv_lora_rank)
+        w_uk, w_uv = kv_b.split([dims.qk_nope_head_dim, dims.v_head_dim], dim=1)
+        q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # q_nope . (W_UK c) == (W_UK^T q_nope) . c
+        # The latent is the one KV head: keys are whole rows, values their first kv_lora_rank columns.
+        out_latent = self.attn(
+            torch.cat((q_latent, q_pe), dim=-1), latent, latent[..., : dims.kv_lora_rank], forward_batch
+        )
+        out = torch.einsum("thr,hvr->thv", out_latent, w_uv)
+        return self.o_proj(out.reshape(num_tokens, heads * dims.v_head_dim))
+
+
+class DeepseekV2DecoderLayer(nn.Module):
+    def __init__(
+        self, config: ModelConfig, dims: MLADims, layer_id: int, rotary_emb: RotaryEmbedding
+    ) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = DeepseekV2Attention(config, dims, layer_id, rotary_emb)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), forward_batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DeepseekV2Model(nn.Module):
+    def __init__(self, config: ModelConfig, dims: MLADims, max_position: int) -> None:
+        super().__init__()
+        rotary_emb = RotaryEmbedding(
+            dims.qk_rope_head_dim,
+            config.rope_parameters,
+            max_position,
+            neox_style=False,
+            max_position_embeddings=config.max_position_embeddings,
+        )
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DeepseekV2DecoderLayer(config, dims, i, rotary_emb) for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(positions, x, forward_batch)
+        return self.norm(x)
+
+
+class DeepseekV2ForCausalLM(nn.Module):
+    """`forward` returns the final hidden states `[T, hidden]`; `compute_logits` projects rows of them."""
+
+    def __init__(self, config: ModelConfig, *, max_position: int | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.dims = MLADims.from_config(config)
+        self.max_position = max_position or config.max_position_embeddings
+        self.model = DeepseekV2Model(config, self.dims, self.max_position)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the LM head when the config says so (again after `to_empty`)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, forward_batch)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits `[n, vocab]` for hidden rows `[n, hidden]`."""
+        return self.lm_head(hidden).float()
+
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], *, source: str = "checkpoint"
+    ) -> None:
+        ignore = ["rotary_emb.inv_freq"]
+        if self.config.tie_word_embeddings:
+            ignore.append("lm_head.weight")
+        load_named_tensors(
+            self,
+            weights,
+            stacked=STACKED_PARAMS,
+            shard_sizes={"gate_up_proj": (self.config.intermediate_size, self.config.intermediate_size)},
+            ignore=ignore,
+            source=source,
+        )

@@ -1,0 +1,197 @@
+"""Gemma 3 (text): local sliding-window layers interleaved with global ones.
+
+What sets it apart from Llama: embeddings scaled by sqrt(hidden), RMSNorms whose scale is
+`1 + weight` (layers.norm.GemmaRMSNorm), an RMSNorm over each q and k head, four norms per layer
+(around both the attention and the MLP), attention scaled by `query_pre_attn_scalar ** -0.5`,
+a different RoPE for local and global layers, and optional tanh soft-capping of the final logits.
+The sliding-window layers make runner/kv_cache.py give the model the hybrid SWA pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from snugkv.layers.attention import PagedAttention
+from snugkv.layers.norm import GemmaRMSNorm
+from snugkv.layers.rotary import RotaryEmbedding
+from snugkv.models.config import ConfigError, ModelConfig, normalize_rope_parameters
+from snugkv.models.llama import STACKED_PARAMS, LlamaMLP
+from snugkv.models.weights import load_named_tensors
+from snugkv.runner.forward_batch import ForwardBatch
+
+# transformers' defaults when a config leaves a layer type's theta out.
+GLOBAL_ROPE_THETA = 1_000_000.0
+LOCAL_ROPE_THETA = 10_000.0
+
+
+def gemma3_rope_parameters(config: ModelConfig) -> dict[str, dict[str, Any]]:
+    """RoPE parameters per layer kind: `{"full_attention": {...}, "sliding_attention": {...}}`.
+
+    transformers >= 5 writes them per layer type; older configs have `rope_theta` (+ `rope_scaling`)
+    for the global layers and `rope_local_base_freq` for the local ones, which never scale.
+    """
+    params: Mapping[str, Any] = config.rope_parameters
+    if "full_attention" in params or "sliding_attention" in params:
+        full = dict(params.get("full_attention") or {})
+        local = dict(params.get("sliding_attention") or {})
+    else:
+        full = normalize_rope_parameters(
+            {**config.hf, "rope_theta": config.hf.get("rope_theta", GLOBAL_ROPE_THETA)}
+        )
+        local = {"rope_theta": config.hf.get("rope_local_base_freq", LOCAL_ROPE_THETA)}
+    for kind, theta in ((full, GLOBAL_ROPE_THETA), (local, LOCAL_ROPE_THETA)):
+        kind["rope_type"] = kind.get("rope_type") or kind.pop("type", None) or "default"
+        kind.setdefault("rope_theta", theta)
+    return {"full_attention": full, "sliding_attention": local}
+
+
+def check_gemma3_config(config: ModelConfig) -> None:
+    hf = config.hf
+    if hf.get("attn_logit_softcapping") is not None:
+        raise ConfigError(
+            f"attn_logit_softcapping={hf['attn_logit_softcapping']} is not supported: transformers' Gemma 3 "
+            "ignores it and snugkv's attention backends do not cap scores; set it to null"
+        )
+    if hf.get("use_bidirectional_attention"):
+        raise ConfigError(
+            "use_bidirectional_attention=true (an embedding model) is not supported; snugkv decodes causally"
+        )
+
+
+class Gemma3Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, rotary_emb: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
+        self.q_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps)
+        self.rotary_emb = rotary_emb
+        self.attn = PagedAttention(
+            layer_id,
+            config.num_heads,
+            config.num_kv_heads,
+            config.head_dim,
+            scaling=float(config.hf["query_pre_attn_scalar"]) ** -0.5,
+            sliding_window=config.sliding_windows[layer_id],
+        )
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim))
+        k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim))
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q, k, v, forward_batch)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, rotary_emb: RotaryEmbedding) -> None:
+        super().__init__()
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(hidden, eps)
+        self.self_attn = Gemma3Attention(config, layer_id, rotary_emb)
+        self.post_attention_layernorm = GemmaRMSNorm(hidden, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
+        self.mlp = LlamaMLP(config)
+        self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+        attn_out = self.self_attn(positions, self.input_layernorm(x), forward_batch)
+        x = x + self.post_attention_layernorm(attn_out)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class Gemma3Model(nn.Module):
+    def __init__(self, config: ModelConfig, max_position: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # The reference multiplies by sqrt(hidden) rounded to the weight dtype (55.4256 -> 55.5 in bf16).
+        dtype = self.embed_tokens.weight.dtype
+        self.embed_scale = float(torch.tensor(config.hidden_size**0.5, dtype=dtype, device="cpu"))
+        rope = gemma3_rope_parameters(config)
+        rotary = {
+            kind: RotaryEmbedding(
+                config.head_dim, params, max_position, max_position_embeddings=config.max_position_embeddings
+            )
+            for kind, params in rope.items()
+        }
+        self.layers = nn.ModuleList(
+            Gemma3DecoderLayer(
+                config, i, rotary["sliding_attention" if window is not None else "full_attention"]
+            )
+            for i, window in enumerate(config.sliding_windows)
+        )
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids) * self.embed_scale
+        for layer in self.layers:
+            x = layer(positions, x, forward_batch)
+        return self.norm(x)
+
+
+class Gemma3ForCausalLM(nn.Module):
+    """`forward` returns the final hidden states `[T, hidden]`; `compute_logits` projects rows of them."""
+
+    def __init__(self, config: ModelConfig, *, max_position: int | None = None) -> None:
+        super().__init__()
+        check_gemma3_config(config)
+        self.config = config
+        self.max_position = max_position or config.max_position_embeddings
+        self.final_logit_softcapping: float | None = config.hf.get("final_logit_softcapping")
+        self.model = Gemma3Model(config, self.max_position)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the LM head when the config says so (again after `to_empty`)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, forward_batch)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits `[n, vocab]` for hidden rows `[n, hidden]`, soft-capped if the config says so."""
+        logits = self.lm_head(hidden)
+        if self.final_logit_softcapping:
+            cap = self.final_logit_softcapping
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
+
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], *, source: str = "checkpoint"
+    ) -> None:
+        config = self.config
+        kv_rows = config.num_kv_heads * config.head_dim
+        ignore = ["rotary_emb.inv_freq", "embed_scale"]
+        if config.tie_word_embeddings:
+            ignore.append("lm_head.weight")
+        load_named_tensors(
+            self,
+            weights,
+            stacked=STACKED_PARAMS,
+            shard_sizes={
+                "qkv_proj": (config.num_heads * config.head_dim, kv_rows, kv_rows),
+                "gate_up_proj": (config.intermediate_size, config.intermediate_size),
+            },
+            ignore=ignore,
+            source=source,
+        )
