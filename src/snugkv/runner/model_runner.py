@@ -27,6 +27,7 @@ from torch import nn
 
 from snugkv.attention.base import AttentionBackend
 from snugkv.attention.registry import make_attention_backend
+from snugkv.distributed.group import TensorParallel
 from snugkv.layers.sampler import Sampler, SamplingParams
 from snugkv.runner.forward_batch import BatchRow, ForwardBatch
 
@@ -42,8 +43,10 @@ class ModelRunner:
         req_to_token_pool: Any,
         allocator: Any,
         attn_backend: AttentionBackend,
+        tp: TensorParallel | None = None,
     ) -> None:
         self.model = model
+        self.tp = tp or TensorParallel()
         self.kv_pool = kv_pool
         self.req_to_token_pool = req_to_token_pool
         self.allocator = allocator
@@ -90,6 +93,7 @@ class ModelRunner:
             max_num_tokens=max_total_tokens,
             device=device,
             mode=pool_mode,
+            num_kv_heads=getattr(model, "num_kv_heads_per_rank", None),
         )
         runner = cls(
             model,
@@ -194,7 +198,9 @@ class ModelRunner:
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None] | None = None,
     ) -> list[int]:
-        return self.sampler(logits, params, generators).tolist()
+        """Next token ids; with tensor parallelism every rank samples and rank 0's tokens win,
+        so all ranks feed the same tokens to the next step even if their logits differ in the last bit."""
+        return self.tp.broadcast_from_first(self.sampler(logits, params, generators).tolist())
 
     # -- graphs ---------------------------------------------------------------------------
     def capture_cuda_graphs(self, batch_sizes: Sequence[int]) -> None:

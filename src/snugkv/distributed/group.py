@@ -1,0 +1,119 @@
+"""`TensorParallel`: this rank, the world size, the groups, and the collectives the layers use.
+
+One small frozen object holds everything a sharded layer needs to know. At `world_size == 1` every
+collective is the identity and nothing touches `torch.distributed`, so tp=1 runs exactly the
+single-process code. Tensors go over `device_group` (NCCL on GPU, gloo on CPU); control values
+(sampled token ids, sizing) go over `cpu_group` (always gloo).
+
+The only module-level state is the "current" object that model constructors read while a model
+is built (`use_tensor_parallel`): the loader builds models with a fixed signature, so this is how a
+model learns its rank without every architecture taking a new argument. Layers never read it;
+they get the object from the model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+class TensorParallelError(ValueError):
+    """A model shape that cannot be split over the requested number of ranks."""
+
+
+@dataclass(frozen=True, slots=True)
+class TensorParallel:
+    rank: int = 0
+    world_size: int = 1
+    device_group: dist.ProcessGroup | None = None
+    cpu_group: dist.ProcessGroup | None = None
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise TensorParallelError(f"rank {self.rank} is outside a world of {self.world_size}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_first_rank(self) -> bool:
+        return self.rank == 0
+
+    # -- how heads and rows split --------------------------------------------------------
+    def split(self, total: int, what: str) -> int:
+        """`total / world_size`, with an error naming `what` when it does not divide."""
+        if total % self.world_size:
+            raise TensorParallelError(f"{what}={total} cannot be split evenly over --tp {self.world_size}")
+        return total // self.world_size
+
+    def kv_heads(self, num_heads: int, num_kv_heads: int) -> tuple[int, int]:
+        """(first KV head, KV head count) this rank keeps.
+
+        KV heads split evenly when there are at least as many as ranks; otherwise each rank keeps
+        the single KV head its query heads read (so several ranks hold the same head).
+        """
+        local_q = self.split(num_heads, "num_attention_heads")
+        if num_kv_heads >= self.world_size:
+            count = self.split(num_kv_heads, "num_key_value_heads")
+        elif self.world_size % num_kv_heads:
+            raise TensorParallelError(
+                f"num_key_value_heads={num_kv_heads} is below --tp {self.world_size} and does not divide it"
+            )
+        else:
+            count = 1
+        group = num_heads // num_kv_heads
+        return self.rank * local_q // group, count
+
+    # -- collectives ---------------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks, in place (identity at tp=1)."""
+        if self.enabled:
+            dist.all_reduce(tensor, group=self.device_group)
+        return tensor
+
+    def all_gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`[..., n]` on every rank -> `[..., world_size * n]`, rank-major (identity at tp=1)."""
+        if not self.enabled:
+            return tensor
+        rows = tensor.reshape(-1, tensor.shape[-1]).contiguous()
+        gathered = torch.empty(
+            (self.world_size * rows.shape[0], rows.shape[1]), dtype=rows.dtype, device=rows.device
+        )
+        _all_gather_single(gathered, rows, group=self.device_group)
+        merged = gathered.view(self.world_size, *rows.shape).permute(1, 0, 2).reshape(rows.shape[0], -1)
+        return merged.reshape(*tensor.shape[:-1], merged.shape[-1])
+
+    def broadcast_from_first(self, values: list[int]) -> list[int]:
+        """Rank 0's integers on every rank, over the CPU group (the same length on every rank)."""
+        if not self.enabled:
+            return values
+        tensor = torch.tensor(values, dtype=torch.int64)
+        dist.broadcast(tensor, src=dist.get_global_rank(self.cpu_group, 0), group=self.cpu_group)
+        return tensor.tolist()
+
+
+# torch >= 2.12 renamed the concatenating all-gather; the device has 2.11.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+_current = TensorParallel()
+
+
+def current_tensor_parallel() -> TensorParallel:
+    """The object set by the innermost `use_tensor_parallel` (tp=1 outside any)."""
+    return _current
+
+
+@contextlib.contextmanager
+def use_tensor_parallel(tp: TensorParallel) -> Iterator[TensorParallel]:
+    """Models built inside this block are sharded for `tp`."""
+    global _current
+    previous, _current = _current, tp
+    try:
+        yield tp
+    finally:
+        _current = previous

@@ -1,0 +1,75 @@
+"""Creating the process groups of one tensor-parallel rank.
+
+`init_tensor_parallel` joins the default group (NCCL when the ranks run on GPUs, gloo on CPU),
+pins the rank's GPU, and adds a gloo group over the same ranks for control traffic (sampled tokens,
+memory sizing), which must never wait behind GPU work. It never turns NVLink multicast on: the
+variables that disable it are set before NCCL is first touched.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from snugkv.distributed.group import TensorParallel
+
+logger = logging.getLogger(__name__)
+
+# NVLink multicast (NVLS) is off in every process snugkv starts: the lent machines require it.
+NO_MULTICAST_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+
+
+def disable_multicast() -> None:
+    os.environ.update(NO_MULTICAST_ENV)
+
+
+def init_tensor_parallel(
+    rank: int,
+    world_size: int,
+    *,
+    init_method: str,
+    device_type: str,
+    timeout_s: float = 600.0,
+) -> TensorParallel:
+    """Join the group of `world_size` ranks at `init_method` (for example `tcp://127.0.0.1:29500`)."""
+    disable_multicast()
+    if world_size == 1:
+        return TensorParallel()
+    timeout = timedelta(seconds=timeout_s)
+    if device_type == "cuda":
+        if torch.cuda.device_count() < world_size:
+            raise RuntimeError(
+                f"--tp {world_size} needs {world_size} GPUs; this machine has {torch.cuda.device_count()}"
+            )
+        torch.cuda.set_device(rank)
+        dist.init_process_group(
+            "nccl",
+            init_method=init_method,
+            rank=rank,
+            world_size=world_size,
+            timeout=timeout,
+            device_id=torch.device("cuda", rank),
+        )
+    else:
+        # Ranks share the host's cores: oversubscribed OpenMP threads spin against each other.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        dist.init_process_group(
+            "gloo", init_method=init_method, rank=rank, world_size=world_size, timeout=timeout
+        )
+    device_group = dist.group.WORLD
+    cpu_group = dist.new_group(backend="gloo", timeout=timeout) if device_type == "cuda" else device_group
+    logger.debug("rank %d of %d joined (%s)", rank, world_size, dist.get_backend(device_group))
+    return TensorParallel(rank, world_size, device_group, cpu_group)
+
+
+def destroy_tensor_parallel() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
