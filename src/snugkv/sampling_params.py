@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 MAX_TOP_K = 1 << 20
 
 
@@ -15,14 +17,16 @@ class InvalidRequest(ValueError):
 class SamplingParams:
     """How to pick the next tokens and when to stop.
 
-    `temperature == 0` means greedy. `top_k == 0` means no top-k cut. `seed` makes sampling
+    `temperature == 0` (the default) means greedy; the server passes the API's own default.
+    `top_k == 0` means no top-k cut. Construction checks the ranges; `validate` also checks
+    against the context. `seed` makes sampling
     reproducible per request. `stop` strings are matched on the decoded text and are not part of
     the output; `stop_token_ids` end generation after that token. `ignore_eos` keeps generating
     past the end-of-sequence token (benchmarks).
     """
 
     max_new_tokens: int = 128
-    temperature: float = 1.0
+    temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
@@ -32,13 +36,24 @@ class SamplingParams:
     logprobs: int | None = None  # number of top alternatives to return per token (0: only the chosen)
     extra: dict[str, object] = field(default_factory=dict, compare=False)
 
+    def __post_init__(self) -> None:
+        self.validate()
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
+    def make_generator(self, device: torch.device) -> torch.Generator | None:
+        """The request's own random stream (seeded sampling is independent of the batch)."""
+        if self.seed is None or self.greedy:
+            return None
+        return torch.Generator(device=device).manual_seed(self.seed)
+
     def validate(self, max_context_tokens: int | None = None) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise InvalidRequest(f"max_tokens must be a positive integer, got {self.max_new_tokens!r}")
+            raise InvalidRequest(
+                f"max_tokens must be a positive integer, got {self.max_new_tokens!r} (max_new_tokens)"
+            )
         if max_context_tokens is not None and self.max_new_tokens > max_context_tokens:
             raise InvalidRequest(
                 f"max_tokens={self.max_new_tokens} exceeds the model's context of {max_context_tokens} tokens; "

@@ -9,42 +9,10 @@ draws its noise, so its tokens do not depend on what else is in the batch.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
-
-@dataclass(frozen=True, slots=True)
-class SamplingParams:
-    """How one request picks tokens and when it stops.
-
-    `temperature == 0` is greedy. `top_k <= 0` and `top_p == 1` disable those filters.
-    """
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    max_new_tokens: int = 128
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-
-    def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-    def make_generator(self, device: torch.device) -> torch.Generator | None:
-        if self.seed is None or self.greedy:
-            return None
-        return torch.Generator(device=device).manual_seed(self.seed)
+from snugkv.sampling_params import SamplingParams
 
 
 class Sampler:

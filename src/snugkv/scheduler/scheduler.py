@@ -85,8 +85,7 @@ class Scheduler:
                 "shorten the prompt"
             )
         request = Request(rid, list(prompt_ids), sampling)
-        if sampling.seed is not None and not sampling.greedy:
-            request.generator = torch.Generator(device=self.runner.device).manual_seed(sampling.seed)
+        request.generator = sampling.make_generator(self.runner.device)
         self.requests[rid] = request
         self.waiting.append(request)
         return request

@@ -150,18 +150,18 @@ def _sampling(
     """Sampling values checked against the engine's rules; `max_tokens=None` is settled later."""
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     top_k = body.top_k if body.top_k is not None else 0
-    sampling = SamplingParams(
-        max_new_tokens=max_tokens if max_tokens is not None else 1,
-        temperature=body.temperature if body.temperature is not None else 1.0,
-        top_p=body.top_p if body.top_p is not None else 1.0,
-        top_k=0 if top_k == -1 else top_k,  # -1 disables top-k in vLLM's dialect
-        seed=body.seed,
-        stop=stop,
-        stop_token_ids=tuple(body.stop_token_ids or ()),
-        ignore_eos=body.ignore_eos,
-        logprobs=logprobs,
-    )
     try:
+        sampling = SamplingParams(
+            max_new_tokens=max_tokens if max_tokens is not None else 1,
+            temperature=body.temperature if body.temperature is not None else 1.0,
+            top_p=body.top_p if body.top_p is not None else 1.0,
+            top_k=0 if top_k == -1 else top_k,  # -1 disables top-k in vLLM's dialect
+            seed=body.seed,
+            stop=stop,
+            stop_token_ids=tuple(body.stop_token_ids or ()),
+            ignore_eos=body.ignore_eos,
+            logprobs=logprobs,
+        )
         sampling.validate(context)
     except InvalidRequest as exc:
         message = str(exc)
