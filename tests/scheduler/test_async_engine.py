@@ -1,0 +1,90 @@
+"""The async engine over a real (tiny) model: a failing step ends only its own requests, the
+engine goes on, cancelling a stream aborts it, and every slot comes back."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from snugkv.engine import Engine, EngineArgs
+from snugkv.sampling_params import SamplingParams
+from snugkv.scheduler.async_engine import AsyncEngine
+from snugkv.server.engine_protocol import GenerateInput
+from tests.models.hf_tiny import save_tiny_hf_model
+
+
+@pytest.fixture()
+def async_engine(tmp_path):
+    save_tiny_hf_model("llama", tmp_path)
+    engine = Engine(
+        EngineArgs(model=str(tmp_path), dtype="float32", host_kv_gib=0.02, max_running_requests=4)
+    )
+    async_engine = AsyncEngine(engine, tokenizer=None, model_name="tiny")
+    yield async_engine
+    async_engine.stop()
+
+
+async def collect(engine: AsyncEngine, rid: str, prompt: list[int], max_new_tokens: int) -> list:
+    request = GenerateInput(rid, prompt, SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True))
+    return [output async for output in engine.generate(request)]
+
+
+def wait_idle(engine: AsyncEngine) -> dict:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        accounting = engine.server_info()["slot_accounting_when_idle"]
+        if accounting["checked"] and not engine.scheduler.has_work:
+            return accounting
+        time.sleep(0.02)
+    raise AssertionError("the engine did not go idle")
+
+
+def test_a_failing_step_ends_its_requests_with_the_error_and_the_engine_goes_on(async_engine):
+    original_step = async_engine.scheduler.step
+    calls = {"count": 0}
+
+    def step_that_fails_once() -> None:
+        calls["count"] += 1
+        if calls["count"] == 2:
+            raise RuntimeError("injected step failure")
+        original_step()
+
+    async_engine.scheduler.step = step_that_fails_once
+    failed = asyncio.run(collect(async_engine, "a", [5, 6, 7, 8], 16))
+    assert failed[-1].finished and failed[-1].finish_reason == "error"
+    assert "injected step failure" in failed[-1].error
+    later = asyncio.run(collect(async_engine, "b", [9, 10, 11], 6))
+    assert later[-1].finish_reason == "length" and sum(len(o.token_ids) for o in later) == 6
+    assert async_engine.check_health() and async_engine.step_errors == 1
+    accounting = wait_idle(async_engine)
+    assert accounting["ok"], accounting
+
+
+def test_leaving_a_stream_early_aborts_the_request_and_frees_its_slots(async_engine):
+    async def take_two() -> None:
+        stream = async_engine.generate(
+            GenerateInput("leaver", [5, 6, 7], SamplingParams(max_new_tokens=200, ignore_eos=True))
+        )
+        seen = 0
+        async for _ in stream:
+            seen += 1
+            if seen == 2:
+                break
+        await stream.aclose()
+
+    asyncio.run(take_two())
+    assert "leaver" in async_engine.aborted_rids
+    accounting = wait_idle(async_engine)
+    assert (
+        accounting["ok"]
+        and accounting["free_tokens"] + accounting["cached_tokens"] == accounting["capacity_tokens"]
+    )
+
+
+def test_a_request_the_engine_cannot_run_gets_an_error_output_not_an_exception(async_engine):
+    too_long = list(range(3, 300)) * 2  # longer than the tiny model's 256-token context
+    outputs = asyncio.run(collect(async_engine, "long", too_long, 4))
+    assert len(outputs) == 1 and outputs[0].finish_reason == "error"
+    assert "context holds" in outputs[0].error
