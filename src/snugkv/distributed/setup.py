@@ -71,5 +71,11 @@ def init_tensor_parallel(
 
 
 def destroy_tensor_parallel() -> None:
-    if dist.is_initialized():
+    """Leave the groups together: a rank that tears its connections down while another still
+    talks over them can abort that rank inside gloo, so every rank first meets at a barrier."""
+    if not dist.is_initialized():
+        return
+    try:
+        dist.barrier()
+    finally:
         dist.destroy_process_group()
