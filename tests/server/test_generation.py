@@ -111,11 +111,22 @@ def test_chat_logprobs_carry_top_alternatives(client: httpx.Client) -> None:
 
 def test_chat_without_max_tokens_is_bounded_by_the_context(client: httpx.Client) -> None:
     context = client.get("/v1/models").json()["data"][0]["max_model_len"]
-    response = client.post(
-        "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "stop": ["."]}
-    )
+
+    # A prompt that leaves a little room, so generating up to the context stays quick on a CPU.
+    def prompt_tokens_of(words: int) -> int:
+        body = {"messages": [{"role": "user", "content": "word " * words}], "max_tokens": 1}
+        return client.post("/v1/chat/completions", json=body).json()["usage"]["prompt_tokens"]
+
+    per_word = (prompt_tokens_of(16) - prompt_tokens_of(8)) / 8
+    words = 16 + int((context - 24 - prompt_tokens_of(16)) / per_word)
+    prompt_tokens = prompt_tokens_of(words)
+    assert 0 < context - prompt_tokens <= 48, (words, prompt_tokens)
+    messages = [{"role": "user", "content": "word " * words}]
+    response = client.post("/v1/chat/completions", json={"messages": messages, "ignore_eos": True})
     usage = response.json()["usage"]
-    assert usage["total_tokens"] <= context
+    assert usage["prompt_tokens"] == prompt_tokens
+    assert usage["total_tokens"] == context, usage
+    assert response.json()["choices"][0]["finish_reason"] == "length"
 
 
 def test_null_max_tokens_means_the_openai_default_of_16(client: httpx.Client) -> None:
