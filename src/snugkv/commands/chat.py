@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from snugkv.commands.engine_args import add_engine_arguments
 from snugkv.commands.generate import Session, add_sampling_arguments, sampling_from
@@ -24,47 +25,83 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from snugkv.distributed.launch import launch
+
+    return int(launch(_chat_rank, args.tp_size, (args,)) or 0)
+
+
+def _chat_rank(tp: Any, args: argparse.Namespace) -> int:
+    """Rank 0 talks to the terminal and sends each turn's prompt to the other ranks (--tp)."""
     from snugkv.sampling_params import InvalidRequest
 
     try:
         sampling = sampling_from(args)
-        session = Session(args)
+        session = Session(args, tp)
         session.start()
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        if tp.is_first_rank:
+            print(f"error: {exc}", file=sys.stderr)
         return 2
-    start = [{"role": "system", "content": args.system}] if args.system else []
-    messages = list(start)
-    print("snugkv chat: /reset starts over, /quit ends.", file=sys.stderr)
+    conversation = _Conversation(args.system) if tp.is_first_rank else None
     while True:
-        try:
-            line = input("you> ")
-        except (EOFError, KeyboardInterrupt):
-            print(file=sys.stderr)
+        prompt_ids = conversation.next_prompt(session.tokenizer) if conversation else None
+        prompt_ids = tp.broadcast_object_from_first(prompt_ids)
+        if prompt_ids is None:
             break
-        if line.strip() in ("/quit", "/exit"):
-            break
-        if line.strip() == "/reset":
-            messages = list(start)
-            continue
-        if not line.strip():
-            continue
-        messages.append({"role": "user", "content": line})
-        pieces: list[str] = []
-
-        def show(text: str, pieces: list[str] = pieces) -> None:
-            pieces.append(text)
-            sys.stdout.write(text)
-            sys.stdout.flush()
-
-        sys.stdout.write("model> ")
+        if conversation:
+            sys.stdout.write("model> ")
         try:
-            session.run(session.tokenizer.encode_chat(messages), sampling, show)
-        except InvalidRequest as exc:
-            messages.pop()
-            print(f"\nerror: {exc}", file=sys.stderr)
+            session.run(prompt_ids, sampling, conversation.show if conversation else _quiet)
+        except InvalidRequest as exc:  # refused alike on every rank
+            if conversation:
+                conversation.refused(exc)
             continue
-        sys.stdout.write("\n")
-        messages.append({"role": "assistant", "content": "".join(pieces)})
+        if conversation:
+            conversation.answered()
     session.close()
     return 0
+
+
+def _quiet(text: str) -> None:
+    pass
+
+
+class _Conversation:
+    """The terminal side of a chat: reads turns, keeps the messages, prints the streamed answer."""
+
+    def __init__(self, system: str | None) -> None:
+        self.start = [{"role": "system", "content": system}] if system else []
+        self.messages = list(self.start)
+        self.pieces: list[str] = []
+        print("snugkv chat: /reset starts over, /quit ends.", file=sys.stderr)
+
+    def next_prompt(self, tokenizer: Any) -> list[int] | None:
+        """The next turn's prompt ids, or None when the user ends the chat."""
+        while True:
+            try:
+                line = input("you> ")
+            except (EOFError, KeyboardInterrupt):
+                print(file=sys.stderr)
+                return None
+            if line.strip() in ("/quit", "/exit"):
+                return None
+            if line.strip() == "/reset":
+                self.messages = list(self.start)
+                continue
+            if line.strip():
+                self.messages.append({"role": "user", "content": line})
+                self.pieces = []
+                return tokenizer.encode_chat(self.messages)
+
+    def show(self, text: str) -> None:
+        self.pieces.append(text)
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    def answered(self) -> None:
+        sys.stdout.write("\n")
+        self.messages.append({"role": "assistant", "content": "".join(self.pieces)})
+
+    def refused(self, exc: Exception) -> None:
+        self.messages.pop()
+        print(f"\nerror: {exc}", file=sys.stderr)

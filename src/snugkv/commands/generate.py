@@ -68,7 +68,7 @@ class Session:
         from snugkv.models.tokenizer import load_tokenizer
 
         self.args = args
-        self.tp = tp  # snugkv.distributed.TensorParallel of this rank (None: one process)
+        self.tp = tp  # snugkv.distributed.TensorParallel of this rank
         self.source = resolve_model_source(args.model, args.load_format)
         self.tokenizer = load_tokenizer(self.source)
 
@@ -84,14 +84,7 @@ class Session:
         self.engine = Engine(engine_args, tp=self.tp)
         self.tokenizer = load_tokenizer(self.source, self.engine.config.eos_token_ids)
         self._on_text: Any = None
-        self.scheduler = Scheduler(
-            self.engine.runner,
-            tokenizer=self.tokenizer,
-            eos_token_ids=self.tokenizer.eos_token_ids,
-            max_running_requests=self.engine.report.max_running_requests,
-            chunked_prefill_size=self.engine.args.chunked_prefill_size,
-            on_output=self._output,
-        )
+        self.scheduler = Scheduler.for_engine(self.engine, tokenizer=self.tokenizer, on_output=self._output)
 
     def _output(self, request: Any, output: Any) -> None:
         self.last = output
@@ -120,26 +113,25 @@ def _silent(text: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    tp_size = getattr(args, "tp_size", 1)
-    if tp_size > 1:
-        from snugkv.distributed.launch import launch
+    from snugkv.distributed.launch import launch
 
-        return int(launch(_run_rank, tp_size, (args,)) or 0)
-    return _run_rank(None, args)
+    if args.prompt == "-":  # read here: only this process (rank 0) has the terminal's stdin
+        args.prompt = sys.stdin.read()
+    return int(launch(_run_rank, args.tp_size, (args,)) or 0)
 
 
 def _run_rank(tp: Any, args: argparse.Namespace) -> int:
-    """One rank of `generate` (tp=None: the only process); only the first rank writes."""
+    """One rank of `generate`: every rank runs the same request; only rank 0 writes."""
     from snugkv.models.loader import ModelLoadError
     from snugkv.models.tokenizer import TokenizerUnavailable
     from snugkv.sampling_params import InvalidRequest
     from snugkv.sizing.post_capture import SizingError
 
-    prompt_text = sys.stdin.read() if args.prompt == "-" else args.prompt
+    prompt_text = args.prompt
     try:
         sampling = sampling_from(args)
         session = Session(args, tp)
-        write = _write if tp is None or tp.is_first_rank else _silent
+        write = _write if tp.is_first_rank else _silent
         tokenizer = session.tokenizer
         prompt = tokenizer.encode_chat(prompt_text) if args.chat else tokenizer.encode(prompt_text)
         # One prompt: a KV cache for it alone is enough (the sizing pipeline still runs in full).
@@ -148,7 +140,7 @@ def _run_rank(tp: Any, args: argparse.Namespace) -> int:
         request = session.run(prompt, sampling, write)
         seconds = time.perf_counter() - started
     except (ModelLoadError, TokenizerUnavailable, InvalidRequest, SizingError, ValueError) as exc:
-        if tp is None or tp.is_first_rank:
+        if tp.is_first_rank:
             print(f"error: {exc}", file=sys.stderr)
         return 2
     write("\n")

@@ -28,22 +28,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
-def build_async_engine(args: argparse.Namespace, metrics=None):
-    """Engine + scheduler thread for `args`; returns (async engine, served model name)."""
+def build_async_engine(args: argparse.Namespace, metrics=None, tp=None):
+    """Engine + scheduler thread for `args` (rank 0 of `tp`); returns (async engine, served model name)."""
     from snugkv.engine import Engine
-    from snugkv.models.tokenizer import TokenizerUnavailable, load_tokenizer
     from snugkv.scheduler.async_engine import AsyncEngine
 
-    engine = Engine(engine_args_from(args))
-    try:
-        tokenizer = load_tokenizer(engine.loaded.source, engine.config.eos_token_ids)
-    except TokenizerUnavailable as exc:
-        logger.warning("%s", exc)
-        tokenizer = None
+    engine = Engine(engine_args_from(args), tp=tp)
     name = args.served_model_name or engine.loaded.source.path.stem
     async_engine = AsyncEngine(
         engine,
-        tokenizer=tokenizer,
+        tokenizer=_tokenizer_of(engine),
         model_name=name,
         metrics=metrics,
         enable_prefix_cache=not args.disable_prefix_cache,
@@ -51,13 +45,33 @@ def build_async_engine(args: argparse.Namespace, metrics=None):
     return async_engine, name
 
 
+def _tokenizer_of(engine):
+    from snugkv.models.tokenizer import TokenizerUnavailable, load_tokenizer
+
+    try:
+        return load_tokenizer(engine.loaded.source, engine.config.eos_token_ids)
+    except TokenizerUnavailable as exc:
+        if engine.tp.is_first_rank:
+            logger.warning("%s", exc)
+        return None
+
+
 def run(args: argparse.Namespace) -> int:
+    from snugkv.distributed.launch import launch
+
+    return int(launch(_serve_rank, args.tp_size, (args,)) or 0)
+
+
+def _serve_rank(tp, args: argparse.Namespace) -> int:
+    """Rank 0 serves HTTP; with --tp the other ranks follow its scheduler step by step."""
+    if not tp.is_first_rank:
+        return _follow(tp, args)
     from snugkv.server.app import create_app
     from snugkv.server.launch import serve
     from snugkv.server.metrics import ServerMetrics
 
     metrics = ServerMetrics()
-    async_engine, name = build_async_engine(args, metrics)
+    async_engine, name = build_async_engine(args, metrics, tp)
     app = create_app(
         async_engine,
         api_key=args.api_key,
@@ -72,4 +86,20 @@ def run(args: argparse.Namespace) -> int:
         on_shutdown=async_engine.stop,
         on_stop_requested=async_engine.abort_all,
     )
+    return 0
+
+
+def _follow(tp, args: argparse.Namespace) -> int:
+    from snugkv.engine import Engine
+    from snugkv.scheduler import lockstep
+    from snugkv.scheduler.scheduler import Scheduler
+
+    engine = Engine(engine_args_from(args), tp=tp)
+    try:
+        scheduler = Scheduler.for_engine(
+            engine, tokenizer=_tokenizer_of(engine), enable_prefix_cache=not args.disable_prefix_cache
+        )
+        lockstep.follow(scheduler, tp)
+    finally:
+        engine.close()
     return 0

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -95,6 +96,14 @@ class TensorParallel:
         tensor = torch.tensor(values, dtype=torch.int64)
         dist.broadcast(tensor, src=dist.get_global_rank(self.cpu_group, 0), group=self.cpu_group)
         return tensor.tolist()
+
+    def broadcast_object_from_first(self, value: Any) -> Any:
+        """Rank 0's picklable `value` on every rank (others pass anything, e.g. None), over the CPU group."""
+        if not self.enabled:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.cpu_group, 0), group=self.cpu_group)
+        return box[0]
 
 
 # torch >= 2.12 renamed the concatenating all-gather; the device has 2.11.

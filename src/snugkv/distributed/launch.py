@@ -1,16 +1,25 @@
-"""Starting one process per tensor-parallel rank (`--tp N`).
+"""Starting the ranks of `--tp N`: this process is rank 0, ranks 1..N-1 are spawned.
 
-`launch(target, tp_size, args)` spawns `tp_size` processes (torch.multiprocessing, spawn start
-method), each of which sets the no-multicast variables, joins the groups and calls
-`target(tp, *args)`. With `tp_size == 1` it calls `target` in this process, with no groups at all.
-Rank 0's return value comes back to the caller; a rank that raises fails the whole launch.
+Rank 0 stays in the process the user started, so it owns the terminal (stdin for `chat`, Ctrl-C,
+the server's socket) and its return value needs no pipe. The other ranks are helpers that follow
+rank 0: they ignore Ctrl-C (rank 0 decides when to stop and tells them), and die with it if it is
+killed (PR_SET_PDEATHSIG). A helper that fails takes the launch down with its exit code instead
+of leaving rank 0 waiting in a collective.
+
+`launch(target, tp_size, args)` calls `target(tp, *args)` on every rank and returns rank 0's
+value. With `tp_size == 1` it calls `target` here with no process groups at all. Every process
+has the no-multicast variables set before NCCL is touched.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
+import signal
 import socket
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -18,9 +27,21 @@ import torch
 import torch.multiprocessing as mp
 
 from snugkv.distributed.group import TensorParallel
-from snugkv.distributed.setup import destroy_tensor_parallel, disable_multicast, init_tensor_parallel
+from snugkv.distributed.setup import (
+    NO_MULTICAST_ENV,
+    destroy_tensor_parallel,
+    disable_multicast,
+    init_tensor_parallel,
+)
 
 logger = logging.getLogger(__name__)
+
+# After a helper fails, rank 0 gets this long to notice (a gloo peer error) before the process exits.
+HELPER_FAILURE_GRACE_S = 10.0
+
+
+class RankFailed(RuntimeError):
+    """A helper rank exited with an error."""
 
 
 def free_port() -> int:
@@ -33,27 +54,6 @@ def default_device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _rank_main(
-    rank: int,
-    world_size: int,
-    init_method: str,
-    device_type: str,
-    target: Callable[..., Any],
-    args: tuple[Any, ...],
-    results: Any,
-    log_level: int,
-) -> None:
-    disable_multicast()
-    logging.basicConfig(level=log_level if rank == 0 else max(log_level, logging.WARNING))
-    tp = init_tensor_parallel(rank, world_size, init_method=init_method, device_type=device_type)
-    try:
-        value = target(tp, *args)
-        if rank == 0:
-            results.put(value)
-    finally:
-        destroy_tensor_parallel()
-
-
 def launch(
     target: Callable[..., Any],
     tp_size: int,
@@ -63,39 +63,123 @@ def launch(
 ) -> Any:
     """Run `target(tp, *args)` on `tp_size` ranks; returns rank 0's result.
 
-    `target` must be importable (a module-level function): spawned processes import it by name.
+    `target` must be importable (a module-level function): spawned ranks import it by name.
     """
     if tp_size < 1:
         raise ValueError(f"--tp must be >= 1, got {tp_size}")
-    disable_multicast()  # inherited by every child, and set again inside each one
+    disable_multicast()  # inherited by every helper, and set again inside each one
     if tp_size == 1:
         return target(TensorParallel(), *args)
     device_type = device_type or default_device_type()
     init_method = f"tcp://127.0.0.1:{free_port()}"
-    context = mp.get_context("spawn")
-    results = context.SimpleQueue()
     log_level = logging.getLogger().getEffectiveLevel()
-    processes = mp.start_processes(
-        _rank_main,
-        args=(tp_size, init_method, device_type, target, args, results, log_level),
-        nprocs=tp_size,
+    helpers = mp.start_processes(
+        _helper_main,
+        args=(tp_size, init_method, device_type, target, args, log_level),
+        nprocs=tp_size - 1,
         join=False,
         start_method="spawn",
     )
-    # Read while waiting: a large result would otherwise block rank 0 on a full pipe.
-    value = None
-    while True:
-        while not results.empty():
-            value = results.get()
-        if processes.join(timeout=0.1):
-            break
-    while not results.empty():
-        value = results.get()
+    watch = _HelperWatch(helpers)
+    threads = torch.get_num_threads()
+    finished = False
+    try:
+        tp = init_tensor_parallel(0, tp_size, init_method=init_method, device_type=device_type)
+        try:
+            value = target(tp, *args)
+            finished = True
+        finally:
+            destroy_tensor_parallel(meet_first=finished)
+    except BaseException:
+        for process in helpers.processes:
+            if process.is_alive():
+                process.terminate()
+        _join(helpers, raise_on_failure=False)
+        raise
+    finally:
+        watch.stop()
+        torch.set_num_threads(threads)  # the CPU split between ranks ends with them
+    _join(helpers, raise_on_failure=True)
     return value
+
+
+def _helper_main(
+    index: int,
+    world_size: int,
+    init_method: str,
+    device_type: str,
+    target: Callable[..., Any],
+    args: tuple[Any, ...],
+    log_level: int,
+) -> None:
+    rank = index + 1
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle; it tells us to stop
+    disable_multicast()
+    logging.basicConfig(level=max(log_level, logging.WARNING))
+    tp = init_tensor_parallel(rank, world_size, init_method=init_method, device_type=device_type)
+    finished = False
+    try:
+        target(tp, *args)
+        finished = True
+    except Exception:
+        logger.exception("tensor-parallel rank %d failed", rank)
+        raise
+    finally:
+        destroy_tensor_parallel(meet_first=finished)
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGTERM this process when rank 0 exits, however it exits."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
+    except (OSError, AttributeError):  # not Linux: helpers then outlive a killed rank 0
+        pass
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _join(helpers: Any, *, raise_on_failure: bool) -> None:
+    try:
+        while not helpers.join(timeout=1.0):
+            pass
+    except Exception as exc:  # torch's Process*Exception, numbered by helper (helper i is rank i + 1)
+        if raise_on_failure:
+            raise RankFailed(f"a tensor-parallel helper rank failed (helper i is rank i+1): {exc}") from exc
+
+
+class _HelperWatch:
+    """A thread that ends the process if a helper rank dies while rank 0 still runs: rank 0
+    could otherwise wait for it forever inside a collective (NCCL has no peer-death check)."""
+
+    def __init__(self, helpers: Any) -> None:
+        self._helpers = helpers
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="snugkv-rank-watch", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._done.wait(0.2):
+            for index, process in enumerate(self._helpers.processes):
+                if process.exitcode not in (None, 0):
+                    logger.error(
+                        "tensor-parallel rank %d exited with %d; rank 0 cannot go on without it",
+                        index + 1,
+                        process.exitcode,
+                    )
+                    deadline = time.monotonic() + HELPER_FAILURE_GRACE_S
+                    while time.monotonic() < deadline and not self._done.is_set():
+                        time.sleep(0.1)
+                    if not self._done.is_set():
+                        os._exit(1)
+                    return
+
+    def stop(self) -> None:
+        self._done.set()
 
 
 def rank_environment() -> dict[str, str]:
     """The no-multicast variables as this process sees them (tests check every rank has them)."""
-    from snugkv.distributed.setup import NO_MULTICAST_ENV
-
     return {key: os.environ.get(key, "") for key in NO_MULTICAST_ENV}

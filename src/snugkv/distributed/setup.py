@@ -70,12 +70,14 @@ def init_tensor_parallel(
     return TensorParallel(rank, world_size, device_group, cpu_group)
 
 
-def destroy_tensor_parallel() -> None:
-    """Leave the groups together: a rank that tears its connections down while another still
-    talks over them can abort that rank inside gloo, so every rank first meets at a barrier."""
+def destroy_tensor_parallel(*, meet_first: bool = True) -> None:
+    """Leave the groups. Normally every rank first meets at a barrier: a rank that tears its
+    connections down while another still talks over them can abort that rank inside gloo. After a
+    failure (`meet_first=False`) there is nobody to meet: the other ranks are in other collectives."""
     if not dist.is_initialized():
         return
     try:
-        dist.barrier()
+        if meet_first:
+            dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -4,6 +4,9 @@
 through a queue; outputs come back through `loop.call_soon_threadsafe` into one asyncio queue
 per request. A failure inside a step ends the requests of that step with an error and the
 engine goes on; it never takes the server down.
+
+With tensor parallelism this runs on rank 0; each turn's commands go to the other ranks first
+(`lockstep`), which run `lockstep.follow` over their own engine and scheduler.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from typing import Any
 
 from snugkv.engine import Engine
 from snugkv.sampling_params import InvalidRequest
+from snugkv.scheduler import lockstep
+from snugkv.scheduler.lockstep import Abort, AbortAll, Add, Command, Stop
 from snugkv.scheduler.request import Request
 from snugkv.scheduler.scheduler import Scheduler
 from snugkv.server.engine_protocol import GenerateInput, GenerateOutput
@@ -41,14 +46,8 @@ class AsyncEngine:
         self.model_name = model_name
         self.max_context_tokens = engine.context_length
         self.metrics = metrics
-        self.scheduler = Scheduler(
-            engine.runner,
-            tokenizer=tokenizer,
-            eos_token_ids=engine.config.eos_token_ids,
-            max_running_requests=engine.report.max_running_requests,
-            chunked_prefill_size=engine.args.chunked_prefill_size,
-            enable_prefix_cache=enable_prefix_cache,
-            on_output=self._on_output,
+        self.scheduler = Scheduler.for_engine(
+            engine, tokenizer=tokenizer, enable_prefix_cache=enable_prefix_cache, on_output=self._on_output
         )
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[GenerateOutput]]] = {}
@@ -102,6 +101,7 @@ class AsyncEngine:
             "kv_layout": args.kv_layout,
             "kv_dtype": str(self.engine.kv_dtype),
             "attention_backend": args.attention_backend,
+            "tp_size": self.engine.tp.world_size,
             "context_length": self.max_context_tokens,
             "chunked_prefill_size": args.chunked_prefill_size,
             "cuda_graph_max_bs": 0 if args.disable_cuda_graph else args.cuda_graph_max_bs,
@@ -114,20 +114,26 @@ class AsyncEngine:
 
     # -- scheduler thread ---------------------------------------------------------------
     def _loop(self) -> None:
-        while not self._stopped.is_set():
-            self._drain_inbox()
+        while True:
+            stopping = self._stopped.is_set()
+            commands = self._take_inbox()
+            if stopping:
+                commands.append(Stop())
+            lockstep.share(self.engine.tp, commands)  # the other ranks apply the same, in order
+            for command in commands:
+                self._apply(command)
+            if stopping:
+                return
             if not self.scheduler.has_work:
                 self._check_accounting_when_idle()
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
             self._accounting_checked = False
-            try:
-                self.scheduler.step()
-            except Exception as exc:  # one bad step must not take the engine down
+            error = lockstep.step_once(self.scheduler)
+            if error is not None:
                 self.step_errors += 1
-                logger.exception("scheduler step failed; ending the requests it held")
-                self.scheduler.fail_all(f"internal error while generating: {type(exc).__name__}: {exc}")
+                logger.error("scheduler step failed; ended the requests it held", exc_info=error)
             if self.metrics is not None:
                 self.metrics.update_from_snapshot(self.scheduler.stats())
 
@@ -152,37 +158,40 @@ class AsyncEngine:
             "capacity_tokens": allocator.capacity_tokens,
         }
 
-    def _drain_inbox(self) -> None:
+    def _take_inbox(self) -> list[Command]:
+        """This turn's commands; a new request's stream is registered as it is taken."""
+        commands: list[Command] = []
         while True:
             try:
                 kind, payload = self._inbox.get_nowait()
             except queue.Empty:
-                return
+                return commands
             if kind == "abort":
-                self.scheduler.abort(payload)
-                continue
-            if kind == "abort_all":
-                for rid in list(self.scheduler.requests):
-                    self.scheduler.abort(rid)
-                continue
-            request, loop, outputs = payload
-            self._streams[request.rid] = (loop, outputs)
-            try:
-                self.scheduler.add_request(request.rid, request.input_ids, request.sampling)
-            except InvalidRequest as exc:
-                self._streams.pop(request.rid, None)
-                loop.call_soon_threadsafe(
-                    outputs.put_nowait,
-                    GenerateOutput(
-                        rid=request.rid,
-                        token_ids=[],
-                        text="",
-                        finished=True,
-                        finish_reason="error",
-                        prompt_tokens=len(request.input_ids),
-                        error=str(exc),
-                    ),
-                )
+                commands.append(Abort(payload))
+            elif kind == "abort_all":
+                commands.append(AbortAll())
+            else:
+                request, loop, outputs = payload
+                self._streams[request.rid] = (loop, outputs)
+                commands.append(Add(request.rid, request.input_ids, request.sampling))
+
+    def _apply(self, command: Command) -> None:
+        try:
+            lockstep.apply(self.scheduler, command)
+        except InvalidRequest as exc:
+            assert isinstance(command, Add)
+            loop, outputs = self._streams.pop(command.rid)
+            failed = GenerateOutput(
+                rid=command.rid,
+                token_ids=[],
+                text="",
+                finished=True,
+                finish_reason="error",
+                prompt_tokens=len(command.input_ids),
+                error=str(exc),
+            )
+            with contextlib.suppress(RuntimeError):  # the client's loop is gone (server shutting down)
+                loop.call_soon_threadsafe(outputs.put_nowait, failed)
 
     def _on_output(self, request: Request, output: GenerateOutput) -> None:
         stream = self._streams.get(request.rid)

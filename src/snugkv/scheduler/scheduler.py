@@ -65,6 +65,27 @@ class Scheduler:
         self.num_retractions = 0
         self.generated_tokens = 0
 
+    @classmethod
+    def for_engine(
+        cls,
+        engine: Any,
+        *,
+        tokenizer: Any = None,
+        enable_prefix_cache: bool = True,
+        on_output: OutputCallback | None = None,
+    ) -> Scheduler:
+        """The scheduler an `Engine` runs under: its runner, EOS ids, re-capped request limit and
+        prefill chunk (every tensor-parallel rank builds the same one)."""
+        return cls(
+            engine.runner,
+            tokenizer=tokenizer,
+            eos_token_ids=engine.config.eos_token_ids,
+            max_running_requests=engine.report.max_running_requests,
+            chunked_prefill_size=engine.args.chunked_prefill_size,
+            enable_prefix_cache=enable_prefix_cache,
+            on_output=on_output,
+        )
+
     # -- intake -----------------------------------------------------------------------
     def add_request(self, rid: str, prompt_ids: list[int], sampling: SamplingParams) -> Request:
         """Queue a request; raises `InvalidRequest` (nothing queued) when it cannot run."""

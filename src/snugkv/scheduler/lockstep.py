@@ -1,0 +1,92 @@
+"""Keeping the schedulers of tensor-parallel ranks in step.
+
+Only rank 0 hears clients. At every turn of its loop it sends that turn's commands (requests
+added, aborts, stop) to the other ranks over the CPU group, and every rank applies the same
+commands, in the same order, to its own scheduler, then steps if there is work. A scheduler is
+deterministic given its commands and the sampled tokens (which rank 0 broadcasts inside
+`ModelRunner.sample`), so every rank batches the same rows and meets the others in the same
+collectives. Rank 0 sends a turn even when idle (an empty one every few tens of ms), so the
+others never sit in a collective long enough to time out.
+
+At tp=1 `share` is the identity and nothing crosses a process boundary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+
+from snugkv.distributed.group import TensorParallel
+from snugkv.sampling_params import InvalidRequest, SamplingParams
+from snugkv.scheduler.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Add:
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    rid: str
+
+
+@dataclass(frozen=True, slots=True)
+class AbortAll:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    pass
+
+
+Command = Add | Abort | AbortAll | Stop
+
+
+def share(tp: TensorParallel, commands: list[Command] | None) -> list[Command]:
+    """Rank 0's commands of this turn, on every rank (others pass None)."""
+    return tp.broadcast_object_from_first(commands)
+
+
+def apply(scheduler: Scheduler, command: Command) -> None:
+    """One command on this rank's scheduler; `Add` raises `InvalidRequest` on every rank alike."""
+    if isinstance(command, Add):
+        scheduler.add_request(command.rid, command.input_ids, command.sampling)
+    elif isinstance(command, Abort):
+        scheduler.abort(command.rid)
+    elif isinstance(command, AbortAll):
+        for rid in list(scheduler.requests):
+            scheduler.abort(rid)
+
+
+def step_once(scheduler: Scheduler) -> Exception | None:
+    """One scheduler step; a failure ends the requests it held (same on every rank) and is returned."""
+    try:
+        scheduler.step()
+    except Exception as exc:  # one bad step must not take the engine down
+        scheduler.fail_all(f"internal error while generating: {type(exc).__name__}: {exc}")
+        return exc
+    return None
+
+
+def follow(scheduler: Scheduler, tp: TensorParallel) -> None:
+    """The loop of a rank other than 0: apply rank 0's commands and step with it, until `Stop`."""
+    if tp.is_first_rank:
+        raise ValueError("rank 0 leads; only the other ranks follow")
+    while True:
+        commands = share(tp, None)
+        for command in commands:
+            if isinstance(command, Stop):
+                return
+            with contextlib.suppress(InvalidRequest):  # rank 0 refused it too and told the client
+                apply(scheduler, command)
+        if scheduler.has_work:
+            error = step_once(scheduler)
+            if error is not None:
+                logger.error("rank %d: a step failed: %s", tp.rank, error)

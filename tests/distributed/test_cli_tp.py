@@ -1,0 +1,46 @@
+"""`snugkv generate --tp 2` and `snugkv chat --tp 2` on CPU, as a user runs them: rank 0 owns the
+terminal (a prompt from stdin, chat turns) and the other rank follows it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.models.hf_tiny import hf_greedy
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def snugkv(*args: str, stdin: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "snugkv", *args, "--tp", "2", "--device", "cpu"]
+    return subprocess.run(command, input=stdin, capture_output=True, text=True, cwd=REPO_ROOT, timeout=300)
+
+
+def test_generate_reads_the_prompt_from_stdin_once_and_prints_the_greedy_tokens(tiny_model):
+    path, model, tokenizer = tiny_model
+    prompt = "Stdin reaches rank 0 only"
+    done = snugkv("generate", "--model", str(path), "--max-tokens", "9", "--ignore-eos", "-", stdin=prompt)
+    assert done.returncode == 0, done.stderr
+    expected = tokenizer.decode(hf_greedy(model, tokenizer.encode(prompt), 9))
+    assert done.stdout == expected + "\n", (done.stdout, expected)
+
+
+def test_chat_turns_typed_on_rank_0_run_on_both_ranks(tiny_model):
+    path, model, tokenizer = tiny_model
+    turns = ["hello there", "/reset", "second turn"]
+    done = snugkv(
+        "chat",
+        "--model",
+        str(path),
+        "--max-tokens",
+        "6",
+        "--ignore-eos",
+        stdin="\n".join(turns) + "\n/quit\n",
+    )
+    assert done.returncode == 0, done.stderr
+    answers = [line.split("model> ", 1)[1] for line in done.stdout.splitlines() if "model> " in line]
+    assert len(answers) == 2, done.stdout
+    for turn, answer in zip(["hello there", "second turn"], answers, strict=True):  # /reset: one turn each
+        prompt = tokenizer.encode_chat([{"role": "user", "content": turn}])
+        assert answer == tokenizer.decode(hf_greedy(model, prompt, 6)), turn

@@ -1,0 +1,59 @@
+"""`launch`: rank 0 runs in this process, helpers are spawned; a failure on any rank ends the
+launch with an error instead of a hang, and the process is fit for the next launch."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from snugkv.distributed.group import TensorParallel
+from snugkv.distributed.launch import launch
+
+
+def pids_and_ranks(tp: TensorParallel) -> list[tuple[int, int]]:
+    everyone: list = [None] * tp.world_size
+    dist.all_gather_object(everyone, (tp.rank, os.getpid()), group=tp.cpu_group)
+    return everyone
+
+
+def helper_raises(tp: TensorParallel) -> None:
+    if tp.rank == 1:
+        raise ValueError("helper rank gives up")
+    dist.barrier(group=tp.cpu_group)  # rank 0 waits for a rank that is gone
+
+
+def leader_raises(tp: TensorParallel) -> None:
+    if tp.rank == 0:
+        raise ValueError("rank 0 gives up")
+    dist.barrier(group=tp.cpu_group)  # the helper waits for rank 0 until it is stopped
+
+
+def test_rank_zero_is_this_process_and_helpers_are_not():
+    threads = torch.get_num_threads()
+    seen = launch(pids_and_ranks, 3, device_type="cpu")
+    assert [rank for rank, _ in seen] == [0, 1, 2]
+    assert seen[0][1] == os.getpid()
+    assert len({pid for _, pid in seen}) == 3
+    assert torch.get_num_threads() == threads
+    assert not dist.is_initialized()
+
+
+def test_a_failing_helper_fails_the_launch_without_a_hang():
+    started = time.monotonic()
+    with pytest.raises(Exception):  # noqa: B017 - gloo's peer error or RankFailed, whichever comes first
+        launch(helper_raises, 2, device_type="cpu")
+    assert time.monotonic() - started < 60
+    assert not dist.is_initialized()
+
+
+def test_a_failing_rank_zero_raises_its_own_error_and_stops_the_helpers():
+    started = time.monotonic()
+    with pytest.raises(ValueError, match="rank 0 gives up"):
+        launch(leader_raises, 2, device_type="cpu")
+    assert time.monotonic() - started < 60
+    assert not dist.is_initialized()
+    assert launch(pids_and_ranks, 2, device_type="cpu")[0][0] == 0  # the next launch works

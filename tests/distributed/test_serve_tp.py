@@ -1,0 +1,107 @@
+"""`snugkv serve --tp 2` on CPU: a real server process whose two gloo ranks step in lockstep.
+
+The model is a tiny random Llama saved with SmolLM2's tokenizer, so requests go in as text and
+come back as text; greedy answers must be the tokens transformers picks for the same weights.
+Aborted streams, refused requests and Ctrl-C must leave both ranks in step.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.models.hf_tiny import hf_greedy
+from tests.server.expect import openai_error
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SERVING = "snugkv is serving on "
+NEW_TOKENS = 10
+PROMPTS = ["The capital of France is", "One, two, three,", "def add(a, b):", "Once upon a time"]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    path, _, _ = tiny_model
+    log_path = tmp_path_factory.mktemp("serve-tp") / "server.log"
+    command = [
+        sys.executable, "-m", "snugkv", "serve", "--model", str(path), "--tp", "2", "--device", "cpu",
+        "--port", "0", "--max-total-tokens", "2048", "--max-running-requests", "8",
+    ]  # fmt: skip
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+    base_url = None
+    deadline = time.monotonic() + 180
+    while base_url is None and time.monotonic() < deadline:
+        assert process.poll() is None, log_path.read_text()
+        for line in log_path.read_text(errors="replace").splitlines():
+            if SERVING in line:
+                base_url = line.split(SERVING)[1].split()[0]
+        time.sleep(0.1)
+    assert base_url, log_path.read_text()
+    yield base_url, process, log_path
+    if process.poll() is None:
+        process.kill()
+        process.wait()
+
+
+def complete(http: httpx.Client, prompt: str) -> dict:
+    body = {"prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+    response = http.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_two_ranks_serve_the_greedy_tokens_of_transformers(server, tiny_model):
+    base_url, _, log_path = server
+    _, model, tokenizer = tiny_model
+    with httpx.Client(base_url=base_url, timeout=120) as http, ThreadPoolExecutor(len(PROMPTS)) as pool:
+        results = list(pool.map(lambda prompt: complete(http, prompt), PROMPTS))
+        info = http.get("/server_info").json()
+    for prompt, result in zip(PROMPTS, results, strict=True):
+        expected = hf_greedy(model, tokenizer.encode(prompt), NEW_TOKENS)
+        assert result["choices"][0]["text"] == tokenizer.decode(expected), prompt
+    assert info["tp_size"] == 2 and len(info["per_rank_free_bytes"]) == 2, info
+    sizing = next(line for line in log_path.read_text().splitlines() if "KV sizing:" in line)
+    assert f"max_total_num_tokens={info['max_total_num_tokens']}" in sizing  # rank 0 speaks for both
+    assert "free per rank=[" in sizing, sizing
+
+
+def test_aborts_and_refusals_keep_the_ranks_in_step(server, tiny_model):
+    base_url, _, _ = server
+    _, model, tokenizer = tiny_model
+    with httpx.Client(base_url=base_url, timeout=120) as http:
+        long_body = {"prompt": "tell", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        with http.stream("POST", "/v1/completions", json=long_body) as stream:
+            next(line for line in stream.iter_lines() if line.startswith("data: "))  # then hang up
+        too_long = {"prompt": "word " * 400, "max_tokens": 4}
+        assert "context" in openai_error(http.post("/v1/completions", json=too_long), 400)
+        again = complete(http, PROMPTS[0])  # both ranks still agree on every step
+        expected = hf_greedy(model, tokenizer.encode(PROMPTS[0]), NEW_TOKENS)
+        assert again["choices"][0]["text"] == tokenizer.decode(expected)
+        deadline = time.monotonic() + 30
+        while True:
+            accounting = http.get("/server_info").json()["slot_accounting_when_idle"]
+            if (
+                accounting.get("checked")
+                and accounting["free_tokens"] + accounting["cached_tokens"] == (accounting["capacity_tokens"])
+            ):
+                break
+            assert time.monotonic() < deadline, accounting
+            time.sleep(0.2)
+        assert accounting["ok"], accounting
+
+
+def test_ctrl_c_stops_every_rank_cleanly(server):
+    base_url, process, log_path = server
+    assert httpx.get(f"{base_url}/health", timeout=10).status_code == 200
+    process.send_signal(signal.SIGINT)
+    assert process.wait(timeout=60) == 0, log_path.read_text()
+    log = log_path.read_text()
+    assert "Traceback" not in log, log
