@@ -42,4 +42,36 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except user_errors() as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """Errors a user fixes by changing a flag or a file: one line and exit code 2, no traceback
+    (anything else is a bug and keeps its traceback)."""
+    from snugkv.distributed.group import TensorParallelError
+    from snugkv.distributed.launch import RankFailed
+    from snugkv.models.config import ConfigError
+    from snugkv.models.default_model import DefaultModelUnavailable
+    from snugkv.models.gguf_file import GGUFFormatError
+    from snugkv.models.gguf_loader import GGUFError
+    from snugkv.models.loader import ModelLoadError
+    from snugkv.models.registry import UnsupportedArchitectureError
+    from snugkv.models.tokenizer import TokenizerUnavailable
+    from snugkv.models.weights import WeightLoadError
+    from snugkv.sampling_params import InvalidRequest
+    from snugkv.sizing.post_capture import SizingError
+
+    errors: tuple[type[BaseException], ...] = (
+        ConfigError, DefaultModelUnavailable, GGUFError, GGUFFormatError, InvalidRequest, ModelLoadError,
+        RankFailed, SizingError, TensorParallelError, TokenizerUnavailable, UnsupportedArchitectureError,
+        WeightLoadError,
+    )  # fmt: skip
+    try:
+        from snugkv.server.launch import ServerBindError
+    except ImportError:  # the server's dependencies are not installed
+        return errors
+    return (*errors, ServerBindError)

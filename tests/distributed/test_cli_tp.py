@@ -44,3 +44,17 @@ def test_chat_turns_typed_on_rank_0_run_on_both_ranks(tiny_model):
     for turn, answer in zip(["hello there", "second turn"], answers, strict=True):  # /reset: one turn each
         prompt = tokenizer.encode_chat([{"role": "user", "content": turn}])
         assert answer == tokenizer.decode(hf_greedy(model, prompt, 6)), turn
+
+
+def test_a_model_that_does_not_split_is_refused_in_one_line_per_rank(tmp_path):
+    # SmolLM2 (the default model) has 9 query heads: they cannot be split over two ranks.
+    done = snugkv("serve", "--port", "0", stdin="")
+    assert done.returncode == 2, done.stderr
+    assert "error: num_attention_heads=9 cannot be split evenly over --tp 2" in done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+
+
+def test_a_path_that_is_not_a_model_is_refused_by_serve_without_a_traceback(tmp_path):
+    done = snugkv("serve", "--model", str(tmp_path / "missing"), "--port", "0", stdin="")
+    assert done.returncode == 2
+    assert "no such file or directory" in done.stderr and "Traceback" not in done.stderr, done.stderr

@@ -116,14 +116,21 @@ def _helper_main(
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle; it tells us to stop
     disable_multicast()
-    logging.basicConfig(level=max(log_level, logging.WARNING))
+    logging.basicConfig(
+        level=max(log_level, logging.WARNING),
+        format=f"%(asctime)s %(levelname)s rank {rank} %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
     tp = init_tensor_parallel(rank, world_size, init_method=init_method, device_type=device_type)
     finished = False
     try:
         target(tp, *args)
         finished = True
+    except ValueError as exc:  # a flag or a model that does not fit; rank 0 reports it too
+        logger.error("%s", exc)
+        raise
     except Exception:
-        logger.exception("tensor-parallel rank %d failed", rank)
+        logger.exception("this tensor-parallel rank failed")
         raise
     finally:
         destroy_tensor_parallel(meet_first=finished)

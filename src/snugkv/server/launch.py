@@ -25,6 +25,10 @@ DEFAULT_PORT = 8000
 GRACEFUL_SHUTDOWN_S = 10
 
 
+class ServerBindError(OSError):
+    """The address cannot be bound (port taken, bad host)."""
+
+
 def serve(
     app: FastAPI,
     *,
@@ -78,7 +82,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
         sock.listen(2048)
     except OSError as exc:
         sock.close()
-        raise OSError(
+        raise ServerBindError(
             exc.errno, f"cannot listen on {host}:{port} ({exc.strerror}); choose another --port"
         ) from exc
     return sock
