@@ -27,6 +27,7 @@ from torch import nn
 from snugkv.layers.attention import PagedAttention
 from snugkv.layers.norm import RMSNorm
 from snugkv.layers.rotary import RotaryEmbedding, yarn_mscale
+from snugkv.models.causal_lm import CausalLM
 from snugkv.models.config import ConfigError, ModelConfig
 from snugkv.models.llama import LlamaMLP
 from snugkv.models.weights import StackedParam, load_named_tensors
@@ -191,7 +192,7 @@ class DeepseekV2Model(nn.Module):
         return self.norm(x)
 
 
-class DeepseekV2ForCausalLM(nn.Module):
+class DeepseekV2ForCausalLM(CausalLM):
     """`forward` returns the final hidden states `[T, hidden]`; `compute_logits` projects rows of them."""
 
     def __init__(self, config: ModelConfig, *, max_position: int | None = None) -> None:
@@ -202,20 +203,6 @@ class DeepseekV2ForCausalLM(nn.Module):
         self.model = DeepseekV2Model(config, self.dims, self.max_position)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
-
-    def tie_weights(self) -> None:
-        """Share the embedding with the LM head when the config says so (again after `to_empty`)."""
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
-    ) -> torch.Tensor:
-        return self.model(input_ids, positions, forward_batch)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits `[n, vocab]` for hidden rows `[n, hidden]`."""
-        return self.lm_head(hidden).float()
 
     def load_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]], *, source: str = "checkpoint"

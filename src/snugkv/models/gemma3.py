@@ -18,6 +18,7 @@ from torch import nn
 from snugkv.layers.attention import PagedAttention
 from snugkv.layers.norm import GemmaRMSNorm
 from snugkv.layers.rotary import RotaryEmbedding
+from snugkv.models.causal_lm import CausalLM
 from snugkv.models.config import ConfigError, ModelConfig, normalize_rope_parameters
 from snugkv.models.llama import STACKED_PARAMS, LlamaMLP
 from snugkv.models.weights import load_named_tensors
@@ -145,7 +146,7 @@ class Gemma3Model(nn.Module):
         return self.norm(x)
 
 
-class Gemma3ForCausalLM(nn.Module):
+class Gemma3ForCausalLM(CausalLM):
     """`forward` returns the final hidden states `[T, hidden]`; `compute_logits` projects rows of them."""
 
     def __init__(self, config: ModelConfig, *, max_position: int | None = None) -> None:
@@ -157,16 +158,6 @@ class Gemma3ForCausalLM(nn.Module):
         self.model = Gemma3Model(config, self.max_position)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
-
-    def tie_weights(self) -> None:
-        """Share the embedding with the LM head when the config says so (again after `to_empty`)."""
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
-    ) -> torch.Tensor:
-        return self.model(input_ids, positions, forward_batch)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits `[n, vocab]` for hidden rows `[n, hidden]`, soft-capped if the config says so."""

@@ -29,6 +29,7 @@ from snugkv.layers.parallel_linear import (
     VocabParallelEmbedding,
 )
 from snugkv.layers.rotary import RotaryEmbedding
+from snugkv.models.causal_lm import CausalLM
 from snugkv.models.config import ModelConfig
 from snugkv.models.weights import StackedParam, load_named_tensors
 from snugkv.runner.forward_batch import ForwardBatch
@@ -146,7 +147,7 @@ class LlamaModel(nn.Module):
         return self.norm(x)
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     """`forward` returns the final hidden states `[T, hidden]`; `compute_logits` projects rows of them.
 
     Subclasses change the switches below; everything else is shared.
@@ -181,20 +182,6 @@ class LlamaForCausalLM(nn.Module):
     def num_kv_heads_per_rank(self) -> int:
         """KV heads this rank's layers cache (what the KV pool must hold per layer)."""
         return self.model.layers[0].self_attn.num_kv_heads
-
-    def tie_weights(self) -> None:
-        """Share the embedding with the LM head when the config says so (again after `to_empty`)."""
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
-    ) -> torch.Tensor:
-        return self.model(input_ids, positions, forward_batch)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits `[n, vocab]` for hidden rows `[n, hidden]`."""
-        return self.lm_head(hidden).float()
 
     def load_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]], *, source: str = "checkpoint"

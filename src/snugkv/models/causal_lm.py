@@ -1,0 +1,36 @@
+"""`CausalLM`: what the top module of every architecture shares.
+
+An architecture sets `config`, a decoder `model` that maps (input ids, positions, forward batch)
+to the final hidden states `[T, hidden]`, and an `lm_head`; this class ties the head to the
+embedding when the config says so and turns hidden rows into float32 logits. The runner only
+calls `forward` and `compute_logits`, so it never needs to know which architecture it runs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from snugkv.models.config import ModelConfig
+from snugkv.runner.forward_batch import ForwardBatch
+
+
+class CausalLM(nn.Module):
+    config: ModelConfig
+    model: nn.Module
+    lm_head: nn.Module
+    supports_tensor_parallel = False  # True where the layers are built from snugkv.layers.parallel_linear
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the LM head when the config says so (again after `to_empty`)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, forward_batch)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits `[n, vocab]` for hidden rows `[n, hidden]`."""
+        return self.lm_head(hidden).float()
