@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark, in one call on the device. Results go to $OUT (or ./gpu-out).
 #   device run:  bash scripts/gpu_check.sh
+#   tp on two GPUs (nvidia-h200-x2): STEPS="env tests tp" BENCH_ARGS="--dtype float32" bash scripts/gpu_check.sh
+#   (the tp server test needs the server's wheels: scripts/fetch_device_wheels.sh, carry .whl)
 # Uses the machine's python3 (torch with CUDA); installs nothing that needs a network.
 set -uo pipefail
 # The device returns at most 8 files: results go to $OUT/work and are packed into

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 from tests.models.hf_tiny import hf_greedy
 from tests.server.expect import openai_error
@@ -26,13 +27,16 @@ NEW_TOKENS = 10
 PROMPTS = ["The capital of France is", "One, two, three,", "def add(a, b):", "Once upon a time"]
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model, tmp_path_factory):
+TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs (nvidia-h200-x2)")
+
+
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, TWO_GPUS])])
+def server(request, tiny_model, tmp_path_factory):
     path, _, _ = tiny_model
     log_path = tmp_path_factory.mktemp("serve-tp") / "server.log"
     command = [
-        sys.executable, "-m", "snugkv", "serve", "--model", str(path), "--tp", "2", "--device", "cpu",
-        "--port", "0", "--max-total-tokens", "2048", "--max-running-requests", "8",
+        sys.executable, "-m", "snugkv", "serve", "--model", str(path), "--tp", "2", "--device", request.param,
+        "--dtype", "float32", "--port", "0", "--max-total-tokens", "2048", "--max-running-requests", "8",
     ]  # fmt: skip
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
