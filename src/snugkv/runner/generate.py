@@ -1,4 +1,8 @@
-"""A minimal offline generate loop over a ModelRunner (the CLI and the tests use it).
+"""A minimal offline generate loop over a ModelRunner: the reference the tests and `bench tp` use.
+
+Serving and the CLI go through `snugkv.scheduler` (chunked prefill, prefix cache, retraction);
+this loop stays small on purpose and is the one place that runs prefill and decode rows in the
+same forward, which keeps mixed batches tested end to end.
 
 Every step runs one mixed batch: the prompts admitted this step (whole-prompt prefill rows) plus
 one decode row per running request. A request is admitted when a table row is free and the pool
