@@ -88,3 +88,20 @@ def test_a_request_the_engine_cannot_run_gets_an_error_output_not_an_exception(a
     outputs = asyncio.run(collect(async_engine, "long", too_long, 4))
     assert len(outputs) == 1 and outputs[0].finish_reason == "error"
     assert "context holds" in outputs[0].error
+
+
+def test_a_dead_scheduler_loop_fails_open_and_new_requests_instead_of_leaving_them_waiting(async_engine):
+    def metrics_that_break(snapshot) -> None:  # a bug outside any step
+        raise RuntimeError("injected loop failure")
+
+    async_engine.metrics = type("Metrics", (), {"update_from_snapshot": staticmethod(metrics_that_break)})()
+
+    async def run_both() -> tuple[list, list]:
+        open_one = await asyncio.wait_for(collect(async_engine, "open", [5, 6, 7], 50), timeout=20)
+        after = await asyncio.wait_for(collect(async_engine, "after", [8, 9], 4), timeout=20)
+        return open_one, after
+
+    open_one, after = asyncio.run(run_both())
+    assert open_one[-1].finish_reason == "error" and "injected loop failure" in open_one[-1].error
+    assert after == [after[-1]] and after[-1].finish_reason == "error", after
+    assert not async_engine.check_health()

@@ -175,3 +175,53 @@ def test_stop_strings_and_seeded_sampling_are_reproducible(tiny):
         results.append(collected(outputs)["s"])
         engine.close()
     assert results[0] == results[1] and len(results[0]) == 16
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("where", ["prefill forward", "decode forward", "after sampling"])
+def test_a_step_that_fails_midway_loses_no_request_and_no_slot(tiny, page_size, where):
+    """Whatever point of a step raises, `fail_all` ends every request exactly once, with an error,
+    and every slot (also those taken for the failed step) is back."""
+    directory, model = tiny
+    engine, scheduler, outputs = make_scheduler(directory, page_size=page_size, chunk=16)
+    prompt_list = prompts(4, seed=9)
+    for index, prompt in enumerate(prompt_list[:3]):
+        scheduler.add_request(f"r{index}", prompt, SamplingParams(max_new_tokens=20, ignore_eos=True))
+    for _ in range(4):  # some requests are decoding by now
+        scheduler.step()
+    scheduler.add_request("late", prompt_list[3], SamplingParams(max_new_tokens=20, ignore_eos=True))
+    real_forward, real_stop_reason = scheduler.runner.forward, scheduler._stop_reason
+    calls = {"stop_reason": 0}
+
+    def forward(rows, slots):
+        is_prefill = any(len(row.token_ids) > 1 for row in rows)
+        if (where == "prefill forward") == is_prefill and where != "after sampling":
+            raise RuntimeError("injected")
+        return real_forward(rows, slots)
+
+    def stop_reason(request):
+        calls["stop_reason"] += 1
+        if where == "after sampling" and calls["stop_reason"] == 2:  # the second row of a batch
+            raise RuntimeError("injected")
+        return real_stop_reason(request)
+
+    scheduler.runner.forward, scheduler._stop_reason = forward, stop_reason
+    with pytest.raises(RuntimeError, match="injected"):
+        for _ in range(100):
+            scheduler.step()
+    scheduler.fail_all("injected failure")
+    assert not scheduler.has_work and not scheduler.requests
+    for rid in ("r0", "r1", "r2", "late"):
+        finals = [output for output in outputs.get(rid, []) if output.finished]
+        assert len(finals) == 1, (rid, finals)
+        assert finals[0].finish_reason in ("error", "length"), finals
+    scheduler.check_slot_accounting()
+    scheduler.cache.reset()
+    allocator = engine.runner.allocator
+    assert allocator.available_tokens == allocator.capacity_tokens
+    scheduler.runner.forward, scheduler._stop_reason = real_forward, real_stop_reason
+    scheduler.add_request("after", prompt_list[0], SamplingParams(max_new_tokens=6, ignore_eos=True))
+    while scheduler.has_work:
+        scheduler.step()
+    assert collected(outputs)["after"] == hf_greedy(model, prompt_list[0], 6)
+    engine.close()

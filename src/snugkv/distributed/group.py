@@ -97,6 +97,14 @@ class TensorParallel:
         dist.broadcast(tensor, src=dist.get_global_rank(self.cpu_group, 0), group=self.cpu_group)
         return tensor.tolist()
 
+    def any_rank(self, flag: bool) -> bool:
+        """True on every rank if `flag` is True on any rank, over the CPU group."""
+        if not self.enabled:
+            return flag
+        tensor = torch.tensor([int(flag)], dtype=torch.int64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.cpu_group)
+        return bool(tensor.item())
+
     def broadcast_object_from_first(self, value: Any) -> Any:
         """Rank 0's picklable `value` on every rank (others pass anything, e.g. None), over the CPU group."""
         if not self.enabled:

@@ -53,6 +53,7 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[GenerateOutput]]] = {}
         self._wake = threading.Event()
         self._stopped = threading.Event()
+        self._broken: str | None = None  # why the scheduler loop died, if it did
         self.aborted_rids: deque[str] = deque(maxlen=4096)
         self.step_errors = 0
         self._accounting_checked = False
@@ -66,6 +67,9 @@ class AsyncEngine:
         outputs: asyncio.Queue[GenerateOutput] = asyncio.Queue()
         self._inbox.put(("add", (request, loop, outputs)))
         self._wake.set()
+        if self._broken is not None:  # the loop is gone: nobody will take the request
+            yield self._error_output(request.rid, len(request.input_ids), self._broken)
+            return
         finished = False
         try:
             while not finished:
@@ -87,7 +91,7 @@ class AsyncEngine:
         self._wake.set()
 
     def check_health(self) -> bool:
-        return self._thread.is_alive() and not self._stopped.is_set()
+        return self._thread.is_alive() and not self._stopped.is_set() and self._broken is None
 
     def metrics_snapshot(self) -> dict[str, Any]:
         return self.scheduler.stats()
@@ -114,6 +118,34 @@ class AsyncEngine:
 
     # -- scheduler thread ---------------------------------------------------------------
     def _loop(self) -> None:
+        try:
+            self._turns()
+        except BaseException as exc:  # a bug outside a step (steps catch their own failures)
+            logger.exception("the scheduler loop died; the engine takes no more requests")
+            self._broken = f"the engine stopped after an internal error: {type(exc).__name__}: {exc}"
+            self._fail_every_stream(self._broken)
+
+    def _fail_every_stream(self, message: str) -> None:
+        """End every open stream, and every request still in the inbox, with `message`."""
+        self._take_inbox()  # registers the streams of requests that were never applied
+        for rid, (loop, outputs) in list(self._streams.items()):
+            self._streams.pop(rid, None)
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(outputs.put_nowait, self._error_output(rid, 0, message))
+
+    @staticmethod
+    def _error_output(rid: str, prompt_tokens: int, message: str) -> GenerateOutput:
+        return GenerateOutput(
+            rid=rid,
+            token_ids=[],
+            text="",
+            finished=True,
+            finish_reason="error",
+            prompt_tokens=prompt_tokens,
+            error=message,
+        )
+
+    def _turns(self) -> None:
         while True:
             stopping = self._stopped.is_set()
             commands = self._take_inbox()
@@ -130,7 +162,7 @@ class AsyncEngine:
                 self._wake.clear()
                 continue
             self._accounting_checked = False
-            error = lockstep.step_once(self.scheduler)
+            error = lockstep.step_once(self.scheduler, self.engine.tp)
             if error is not None:
                 self.step_errors += 1
                 logger.error("scheduler step failed; ended the requests it held", exc_info=error)
@@ -181,15 +213,7 @@ class AsyncEngine:
         except InvalidRequest as exc:
             assert isinstance(command, Add)
             loop, outputs = self._streams.pop(command.rid)
-            failed = GenerateOutput(
-                rid=command.rid,
-                token_ids=[],
-                text="",
-                finished=True,
-                finish_reason="error",
-                prompt_tokens=len(command.input_ids),
-                error=str(exc),
-            )
+            failed = self._error_output(command.rid, len(command.input_ids), str(exc))
             with contextlib.suppress(RuntimeError):  # the client's loop is gone (server shutting down)
                 loop.call_soon_threadsafe(outputs.put_nowait, failed)
 
@@ -207,5 +231,5 @@ class AsyncEngine:
         """Stop the scheduler thread, then release graphs, pools and the arena."""
         self._stopped.set()
         self._wake.set()
-        self._thread.join(timeout=30)
+        self._thread.join()  # a step in flight finishes first: its pools must outlive it
         self.engine.close()

@@ -65,14 +65,29 @@ def apply(scheduler: Scheduler, command: Command) -> None:
             scheduler.abort(rid)
 
 
-def step_once(scheduler: Scheduler) -> Exception | None:
-    """One scheduler step; a failure ends the requests it held (same on every rank) and is returned."""
+def step_once(scheduler: Scheduler, tp: TensorParallel) -> Exception | None:
+    """One scheduler step; a failure ends the requests it held and is returned.
+
+    With several ranks they first agree whether any of them failed (over the CPU group), and if
+    one did, every rank ends all its requests and empties its prefix cache, so their states are
+    the same again whichever rank broke. That covers failures after the step's last collective
+    (output handling, detokenizing: the rank-local part of a step). A rank that fails before or
+    inside a collective the others are in leaves them waiting there (NCCL) or aborts them (gloo):
+    that ends the launch, not just the step.
+    """
+    error: Exception | None = None
     try:
         scheduler.step()
     except Exception as exc:  # one bad step must not take the engine down
-        scheduler.fail_all(f"internal error while generating: {type(exc).__name__}: {exc}")
-        return exc
-    return None
+        error = exc
+    if not tp.any_rank(error is not None):
+        return None
+    if error is None:
+        error = RuntimeError("a step failed on another tensor-parallel rank")
+    scheduler.fail_all(f"internal error while generating: {type(error).__name__}: {error}")
+    if tp.enabled:
+        scheduler.cache.reset()
+    return error
 
 
 def follow(scheduler: Scheduler, tp: TensorParallel) -> None:
@@ -87,6 +102,6 @@ def follow(scheduler: Scheduler, tp: TensorParallel) -> None:
             with contextlib.suppress(InvalidRequest):  # rank 0 refused it too and told the client
                 apply(scheduler, command)
         if scheduler.has_work:
-            error = step_once(scheduler)
+            error = step_once(scheduler, tp)
             if error is not None:
                 logger.error("rank %d: a step failed: %s", tp.rank, error)

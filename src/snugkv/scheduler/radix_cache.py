@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -29,7 +28,7 @@ class TreeNode:
     parent: TreeNode | None = None
     children: dict[tuple[int, ...], TreeNode] = field(default_factory=dict)
     lock_count: int = 0
-    last_access: float = field(default_factory=time.monotonic)
+    last_access: int = 0  # the cache's logical clock (not wall time: ranks must order alike)
     node_id: int = field(default_factory=lambda: next(_ids))
 
 
@@ -54,6 +53,7 @@ class RadixCache:
         self._locked_tokens = 0
         self.hit_tokens = 0
         self.query_tokens = 0
+        self._clock = itertools.count(1)  # one tick per lookup or insert: LRU order without wall time
 
     # -- accounting -------------------------------------------------------------------
     @property
@@ -80,7 +80,7 @@ class RadixCache:
         if not self.enabled or usable == 0:
             return PrefixMatch(torch.empty(0, dtype=torch.int64), self.root)
         node, matched, pieces = self.root, 0, []
-        now = time.monotonic()
+        now = next(self._clock)
         while matched < usable:
             child = node.children.get(self._page_key(token_ids, matched))
             if child is None:
@@ -134,7 +134,7 @@ class RadixCache:
             return 0
         slots = slots[:usable].to("cpu", torch.int64)
         node, done = self.root, 0
-        now = time.monotonic()
+        now = next(self._clock)
         while done < usable:
             child = node.children.get(self._page_key(token_ids, done))
             if child is None:

@@ -28,12 +28,14 @@ class Request:
     prefix_node: TreeNode | None = None
     prefix_len: int = 0
     kv_len: int = 0
+    in_flight: int = 0  # slots taken for the step now running, past kv_len (freed if that step fails)
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
     generator: torch.Generator | None = None
     finish_reason: str | None = None
     error: str | None = None
     aborted: bool = False
     retractions: int = 0
+    seq: int = 0  # arrival order in its scheduler (the same on every tensor-parallel rank)
     arrival_s: float = field(default_factory=time.monotonic)
     first_token_s: float | None = None
     # incremental detokenization

@@ -13,6 +13,7 @@ through the `on_output` callback.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import deque
@@ -64,6 +65,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_retractions = 0
         self.generated_tokens = 0
+        self._arrivals = itertools.count()
 
     @classmethod
     def for_engine(
@@ -105,7 +107,7 @@ class Scheduler:
                 f"the prompt needs {len(prompt_ids)} KV slots but the whole KV cache holds {capacity}; "
                 "shorten the prompt"
             )
-        request = Request(rid, list(prompt_ids), sampling)
+        request = Request(rid, list(prompt_ids), sampling, seq=next(self._arrivals))
         request.generator = sampling.make_generator(self.runner.device)
         self.requests[rid] = request
         self.waiting.append(request)
@@ -125,12 +127,25 @@ class Scheduler:
     def step(self) -> None:
         self._drop_aborted()
         rows, batch, slots = self._schedule_prefill()
-        if rows:
-            self._run(rows, batch, slots, decode=False)
-        elif self.running:
+        decode = not rows
+        if decode and self.running:
             rows, batch, slots = self._schedule_decode()
-            if rows:
-                self._run(rows, batch, slots, decode=True)
+        if not rows:
+            return
+        try:
+            self._run(rows, batch, slots, decode=decode)
+        except Exception:
+            self._requeue_after_failure(batch)
+            raise
+
+    def _requeue_after_failure(self, batch: list[Request]) -> None:
+        """After `_run` raised: every request of the batch that did not finish is in a queue again
+        (so `fail_all` reaches it), and no finished one is left in `running`."""
+        self.running = [request for request in self.running if not request.finished]
+        queued = {id(request) for request in (*self.waiting, *self.running)}
+        for request in batch:
+            if not request.finished and id(request) not in queued:
+                self.waiting.appendleft(request)
 
     def _drop_aborted(self) -> None:
         for queue in (self.waiting, self.running):
@@ -203,7 +218,7 @@ class Scheduler:
             slots = self.runner.allocate_slots(rows)
             if slots is not None:
                 return rows, list(self.running), slots
-            self._retract(max(self.running, key=lambda r: r.arrival_s))
+            self._retract(max(self.running, key=lambda r: r.seq))  # the newest; never wall time
         return [], [], None
 
     def _retract(self, request: Request) -> None:
@@ -225,6 +240,8 @@ class Scheduler:
     ) -> None:
         """Forward, sample, and move each request on: a decode batch is `self.running`; a prefill
         batch came from `waiting` and joins `running` once its prompt is done."""
+        for row, request in zip(rows, batch):
+            request.in_flight = len(row.token_ids)
         logits = self.runner.forward(rows, slots)
         sampling_rows = [(row, request) for row, request in zip(rows, batch) if row.need_logits]
         tokens = (
@@ -240,6 +257,7 @@ class Scheduler:
         finished_any = False
         for row, request in zip(rows, batch):
             request.kv_len += len(row.token_ids)
+            request.in_flight = 0
             if not row.need_logits:
                 self.waiting.appendleft(request)  # the rest of its prompt comes next step
                 continue
@@ -303,14 +321,16 @@ class Scheduler:
 
     # -- leaving ------------------------------------------------------------------------
     def _release(self, request: Request) -> None:
-        """Give a request's slots back: computed KV to the prefix cache, the rest to the allocator."""
+        """Give a request's slots back: computed KV to the prefix cache, the rest (including slots of
+        a step that failed before computing them) to the allocator."""
         row = request.req_pool_idx
         if row is None:
             return
         table = self.runner.req_to_token_pool.req_to_token
-        slots = table[row, : request.kv_len].to("cpu", torch.int64)
+        slots = table[row, : request.kv_len + request.in_flight].to("cpu", torch.int64)
         usable = request.kv_len // self.page_size * self.page_size
-        existing = self.cache.insert(request.all_ids[: request.kv_len], slots) if self.cache.enabled else 0
+        computed = slots[: request.kv_len]
+        existing = self.cache.insert(request.all_ids[: request.kv_len], computed) if self.cache.enabled else 0
         owned_duplicates = slots[request.prefix_len : max(existing, request.prefix_len)]
         tail = slots[max(usable if self.cache.enabled else request.prefix_len, request.prefix_len) :]
         for part in (owned_duplicates, tail):
@@ -320,7 +340,7 @@ class Scheduler:
             self.cache.unlock(request.prefix_node)
         self.runner.req_to_token_pool.free(row)
         request.req_pool_idx, request.prefix_node = None, None
-        request.prefix_len = request.kv_len = 0
+        request.prefix_len = request.kv_len = request.in_flight = 0
 
     def _finish(self, request: Request, reason: str) -> None:
         self._release(request)
