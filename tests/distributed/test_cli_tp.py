@@ -58,3 +58,45 @@ def test_a_path_that_is_not_a_model_is_refused_by_serve_without_a_traceback(tmp_
     done = snugkv("serve", "--model", str(tmp_path / "missing"), "--port", "0", stdin="")
     assert done.returncode == 2
     assert "no such file or directory" in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_a_taken_port_is_refused_before_the_engine_starts(tiny_model):
+    import socket
+
+    path, _, _ = tiny_model
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        done = snugkv("serve", "--model", str(path), "--port", str(port), stdin="")
+    assert done.returncode == 2
+    assert "choose another --port" in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert "Loaded" not in done.stderr  # refused before any rank loaded the model
+
+
+def test_a_chat_left_idle_longer_than_the_collectives_timeout_goes_on(tiny_model):
+    """The helper rank waits for the next turn without the timeout that guards collectives."""
+    import os
+    import time
+
+    from tests.runner.test_chat_command import read_until
+
+    path, _, _ = tiny_model
+    command = [sys.executable, "-m", "snugkv", "chat", "--model", str(path), "--max-tokens", "4"]
+    command += ["--tp", "2", "--device", "cpu"]
+    env = {**os.environ, "SNUGKV_TP_TIMEOUT_S": "3"}
+    process = subprocess.Popen(
+        command, cwd=REPO_ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    try:
+        process.stdin.write(b"first\n")
+        process.stdin.flush()
+        seen = read_until(process, "model> ", "")
+        read_until(process, "you> ", seen[seen.index("model> ") :])  # the first answer is done
+        time.sleep(8)  # waiting at the prompt, well past the 3 s timeout
+        out, err = process.communicate(b"second\n/quit\n", timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, err.decode()
+    assert b"model> " in out, out

@@ -2,11 +2,14 @@
 
 The conversation is kept and re-sent each turn through the chat template; the prefix cache
 makes earlier turns cost nothing to re-read. Commands: /reset starts over, /quit (or Ctrl-D) ends.
+Ctrl-C while an answer streams stops that answer; at the prompt it ends the chat.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
 from typing import Any
 
@@ -25,9 +28,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from snugkv.distributed.launch import launch
+    from snugkv.distributed.launch import device_type_for, launch
 
-    return int(launch(_chat_rank, args.tp_size, (args,)) or 0)
+    return int(launch(_chat_rank, args.tp_size, (args,), device_type=device_type_for(args.device)) or 0)
 
 
 def _chat_rank(tp: Any, args: argparse.Namespace) -> int:
@@ -45,25 +48,56 @@ def _chat_rank(tp: Any, args: argparse.Namespace) -> int:
     conversation = _Conversation(args.system) if tp.is_first_rank else None
     while True:
         prompt_ids = conversation.next_prompt(session.tokenizer) if conversation else None
-        prompt_ids = tp.broadcast_object_from_first(prompt_ids)
+        prompt_ids = tp.broadcast_object_from_first(prompt_ids, wait_for_user=True)
         if prompt_ids is None:
             break
         if conversation:
             sys.stdout.write("model> ")
+        interrupt = _CtrlC() if conversation else None
         try:
-            session.run(prompt_ids, sampling, conversation.show if conversation else _quiet)
+            with interrupt or contextlib.nullcontext():
+                request = session.run(
+                    prompt_ids,
+                    sampling,
+                    conversation.show if conversation else _quiet,
+                    stop_requested=interrupt.pressed if interrupt else _never,
+                )
         except InvalidRequest as exc:  # refused alike on every rank
             if conversation:
                 conversation.refused(exc)
             continue
         if conversation:
-            conversation.answered()
+            conversation.answered(stopped=request.finish_reason == "abort")
     session.close()
     return 0
 
 
 def _quiet(text: str) -> None:
     pass
+
+
+def _never() -> bool:
+    return False
+
+
+class _CtrlC:
+    """While an answer streams, Ctrl-C stops that answer (not the chat)."""
+
+    def __init__(self) -> None:
+        self._pressed = False
+
+    def pressed(self) -> bool:
+        return self._pressed
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self._pressed = True
+
+    def __enter__(self) -> _CtrlC:
+        self._previous = signal.signal(signal.SIGINT, self._on_signal)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        signal.signal(signal.SIGINT, self._previous)
 
 
 class _Conversation:
@@ -73,7 +107,7 @@ class _Conversation:
         self.start = [{"role": "system", "content": system}] if system else []
         self.messages = list(self.start)
         self.pieces: list[str] = []
-        print("snugkv chat: /reset starts over, /quit ends.", file=sys.stderr)
+        print("snugkv chat: /reset starts over, /quit ends, Ctrl-C stops an answer.", file=sys.stderr)
 
     def next_prompt(self, tokenizer: Any) -> list[int] | None:
         """The next turn's prompt ids, or None when the user ends the chat."""
@@ -98,8 +132,8 @@ class _Conversation:
         sys.stdout.write(text)
         sys.stdout.flush()
 
-    def answered(self) -> None:
-        sys.stdout.write("\n")
+    def answered(self, *, stopped: bool = False) -> None:
+        sys.stdout.write(" [stopped]\n" if stopped else "\n")
         self.messages.append({"role": "assistant", "content": "".join(self.pieces)})
 
     def refused(self, exc: Exception) -> None:

@@ -68,7 +68,9 @@ class Session:
         from snugkv.models.tokenizer import load_tokenizer
 
         self.args = args
-        self.tp = tp  # snugkv.distributed.TensorParallel of this rank
+        from snugkv.distributed.group import TensorParallel
+
+        self.tp = tp or TensorParallel()  # this rank (one process: the trivial one)
         self.source = resolve_model_source(args.model, args.load_format)
         self.tokenizer = load_tokenizer(self.source)
 
@@ -91,11 +93,18 @@ class Session:
         if self._on_text is not None and output.text:
             self._on_text(output.text)
 
-    def run(self, prompt_ids: list[int], sampling: Any, on_text: Any) -> Any:
-        """Generate for one prompt, calling `on_text(delta)` as text becomes stable; returns the request."""
+    def run(self, prompt_ids: list[int], sampling: Any, on_text: Any, stop_requested: Any = None) -> Any:
+        """Generate for one prompt, calling `on_text(delta)` as text becomes stable; returns the request.
+
+        `stop_requested()` (rank 0's, asked before each step) ends the answer early, on every rank.
+        """
         self._on_text = on_text
         request = self.scheduler.add_request(f"cli-{time.monotonic_ns()}", prompt_ids, sampling)
         while self.scheduler.has_work:
+            if stop_requested is not None:
+                stop = bool(stop_requested()) if self.tp.is_first_rank else False
+                if self.tp.any_rank(stop):
+                    self.scheduler.abort(request.rid)
             self.scheduler.step()
         return request
 
@@ -113,11 +122,11 @@ def _silent(text: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from snugkv.distributed.launch import launch
+    from snugkv.distributed.launch import device_type_for, launch
 
     if args.prompt == "-":  # read here: only this process (rank 0) has the terminal's stdin
         args.prompt = sys.stdin.read()
-    return int(launch(_run_rank, args.tp_size, (args,)) or 0)
+    return int(launch(_run_rank, args.tp_size, (args,), device_type=device_type_for(args.device)) or 0)
 
 
 def _run_rank(tp: Any, args: argparse.Namespace) -> int:

@@ -57,13 +57,21 @@ def _tokenizer_of(engine):
 
 
 def run(args: argparse.Namespace) -> int:
-    from snugkv.distributed.launch import launch
+    from snugkv.distributed.launch import device_type_for, launch
+    from snugkv.server.launch import bind_socket
 
-    return int(launch(_serve_rank, args.tp_size, (args,)) or 0)
+    # Hold the port now, so a taken one fails before the engine starts (listening comes later).
+    sock = bind_socket(args.host, args.port, listen=False)
+    with sock:
+        device_type = device_type_for(args.device)
+        return int(
+            launch(_serve_rank, args.tp_size, (args,), device_type=device_type, leader_kwargs={"sock": sock})
+            or 0
+        )
 
 
-def _serve_rank(tp, args: argparse.Namespace) -> int:
-    """Rank 0 serves HTTP; with --tp the other ranks follow its scheduler step by step."""
+def _serve_rank(tp, args: argparse.Namespace, sock=None) -> int:
+    """Rank 0 serves HTTP on `sock`; with --tp the other ranks follow its scheduler step by step."""
     if not tp.is_first_rank:
         return _follow(tp, args)
     from snugkv.server.app import create_app
@@ -83,6 +91,7 @@ def _serve_rank(tp, args: argparse.Namespace) -> int:
         app,
         host=args.host,
         port=args.port,
+        sock=sock,
         on_shutdown=async_engine.stop,
         on_stop_requested=async_engine.abort_all,
     )

@@ -32,6 +32,7 @@ class TensorParallel:
     world_size: int = 1
     device_group: dist.ProcessGroup | None = None
     cpu_group: dist.ProcessGroup | None = None
+    wait_group: dist.ProcessGroup | None = None  # gloo, no practical timeout: waits on a person
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
@@ -105,12 +106,15 @@ class TensorParallel:
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.cpu_group)
         return bool(tensor.item())
 
-    def broadcast_object_from_first(self, value: Any) -> Any:
-        """Rank 0's picklable `value` on every rank (others pass anything, e.g. None), over the CPU group."""
+    def broadcast_object_from_first(self, value: Any, *, wait_for_user: bool = False) -> Any:
+        """Rank 0's picklable `value` on every rank (others pass anything, e.g. None), over the CPU
+        group; `wait_for_user` when rank 0 may first wait on a person (the next chat turn), which the
+        collectives' timeout must not cut short."""
         if not self.enabled:
             return value
+        group = self.wait_group if wait_for_user and self.wait_group is not None else self.cpu_group
         box = [value]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self.cpu_group, 0), group=self.cpu_group)
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
         return box[0]
 
 

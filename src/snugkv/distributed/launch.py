@@ -13,6 +13,7 @@ has the no-multicast variables set before NCCL is touched.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -38,6 +39,8 @@ logger = logging.getLogger(__name__)
 
 # After a helper fails, rank 0 gets this long to notice (a gloo peer error) before the process exits.
 HELPER_FAILURE_GRACE_S = 10.0
+# Once rank 0 is done, helpers have this long to release their engines and exit.
+HELPER_EXIT_TIMEOUT_S = 120.0
 
 
 class RankFailed(RuntimeError):
@@ -54,28 +57,38 @@ def default_device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def device_type_for(device: str | None) -> str:
+    """The kind of process group a `--device` value needs: "cpu" (gloo) or "cuda" (NCCL)."""
+    if device is None:
+        return default_device_type()
+    return "cpu" if str(device).startswith("cpu") else "cuda"
+
+
 def launch(
     target: Callable[..., Any],
     tp_size: int,
     args: tuple[Any, ...] = (),
     *,
     device_type: str | None = None,
+    leader_kwargs: dict[str, Any] | None = None,
 ) -> Any:
     """Run `target(tp, *args)` on `tp_size` ranks; returns rank 0's result.
 
     `target` must be importable (a module-level function): spawned ranks import it by name.
+    `leader_kwargs` go to rank 0's call only, unpickled (e.g. a socket bound before start-up).
     """
     if tp_size < 1:
         raise ValueError(f"--tp must be >= 1, got {tp_size}")
     disable_multicast()  # inherited by every helper, and set again inside each one
+    leader_kwargs = leader_kwargs or {}
     if tp_size == 1:
-        return target(TensorParallel(), *args)
+        return target(TensorParallel(), *args, **leader_kwargs)
     device_type = device_type or default_device_type()
     init_method = f"tcp://127.0.0.1:{free_port()}"
     log_level = logging.getLogger().getEffectiveLevel()
     helpers = mp.start_processes(
         _helper_main,
-        args=(tp_size, init_method, device_type, target, args, log_level),
+        args=(tp_size, init_method, device_type, target, args, log_level, os.getpid()),
         nprocs=tp_size - 1,
         join=False,
         start_method="spawn",
@@ -86,11 +99,12 @@ def launch(
     try:
         tp = init_tensor_parallel(0, tp_size, init_method=init_method, device_type=device_type)
         try:
-            value = target(tp, *args)
+            value = target(tp, *args, **leader_kwargs)
             finished = True
         finally:
             destroy_tensor_parallel(meet_first=finished)
     except BaseException:
+        watch.stop()  # the helpers are about to be stopped on purpose
         for process in helpers.processes:
             if process.is_alive():
                 process.terminate()
@@ -111,10 +125,16 @@ def _helper_main(
     target: Callable[..., Any],
     args: tuple[Any, ...],
     log_level: int,
+    parent_pid: int,
 ) -> None:
     rank = index + 1
-    _die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle; it tells us to stop
+    # Signals for the terminal or for rank 0's process group (Ctrl-C, `kill -- -PGID`, systemd)
+    # are rank 0's to handle: it tells the helpers when to stop. A session of our own keeps them
+    # out; PR_SET_PDEATHSIG still ends a helper whose rank 0 is gone.
+    with contextlib.suppress(OSError):  # already a session leader
+        os.setsid()
+    _die_with_parent(parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     disable_multicast()
     logging.basicConfig(
         level=max(log_level, logging.WARNING),
@@ -136,7 +156,7 @@ def _helper_main(
         destroy_tensor_parallel(meet_first=finished)
 
 
-def _die_with_parent() -> None:
+def _die_with_parent(parent_pid: int) -> None:
     """Ask Linux to SIGTERM this process when rank 0 exits, however it exits."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -144,14 +164,24 @@ def _die_with_parent() -> None:
         libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
     except (OSError, AttributeError):  # not Linux: helpers then outlive a killed rank 0
         pass
-    if os.getppid() == 1:  # the parent died before prctl took effect
+    if os.getppid() != parent_pid:  # rank 0 died before prctl took effect
         os._exit(1)
 
 
-def _join(helpers: Any, *, raise_on_failure: bool) -> None:
+def _join(helpers: Any, *, raise_on_failure: bool, timeout_s: float = HELPER_EXIT_TIMEOUT_S) -> None:
+    """Wait for the helpers to exit (rank 0 is done); one that hangs past `timeout_s` is killed."""
+    deadline = time.monotonic() + timeout_s
     try:
         while not helpers.join(timeout=1.0):
-            pass
+            if time.monotonic() > deadline:
+                for process in helpers.processes:
+                    if process.is_alive():
+                        process.kill()
+                if raise_on_failure:
+                    raise RankFailed(f"a tensor-parallel helper rank did not exit within {timeout_s:.0f} s")
+                return
+    except RankFailed:
+        raise
     except Exception as exc:  # torch's Process*Exception, numbered by helper (helper i is rank i + 1)
         if raise_on_failure:
             raise RankFailed(f"a tensor-parallel helper rank failed (helper i is rank i+1): {exc}") from exc

@@ -31,18 +31,26 @@ def disable_multicast() -> None:
     os.environ.update(NO_MULTICAST_ENV)
 
 
+# How long a rank waits in a collective before giving up (SNUGKV_TP_TIMEOUT_S overrides it).
+DEFAULT_TIMEOUT_S = 600.0
+# Waiting for a person (the next chat turn) is not a hang: that group never times out in practice.
+WAIT_FOR_USER_TIMEOUT = timedelta(days=30)
+
+
 def init_tensor_parallel(
     rank: int,
     world_size: int,
     *,
     init_method: str,
     device_type: str,
-    timeout_s: float = 600.0,
+    timeout_s: float | None = None,
 ) -> TensorParallel:
     """Join the group of `world_size` ranks at `init_method` (for example `tcp://127.0.0.1:29500`)."""
     disable_multicast()
     if world_size == 1:
         return TensorParallel()
+    if timeout_s is None:
+        timeout_s = float(os.environ.get("SNUGKV_TP_TIMEOUT_S", DEFAULT_TIMEOUT_S))
     timeout = timedelta(seconds=timeout_s)
     if device_type == "cuda":
         if torch.cuda.device_count() < world_size:
@@ -66,8 +74,9 @@ def init_tensor_parallel(
         )
     device_group = dist.group.WORLD
     cpu_group = dist.new_group(backend="gloo", timeout=timeout) if device_type == "cuda" else device_group
+    wait_group = dist.new_group(backend="gloo", timeout=WAIT_FOR_USER_TIMEOUT)
     logger.debug("rank %d of %d joined (%s)", rank, world_size, dist.get_backend(device_group))
-    return TensorParallel(rank, world_size, device_group, cpu_group)
+    return TensorParallel(rank, world_size, device_group, cpu_group, wait_group)
 
 
 def destroy_tensor_parallel(*, meet_first: bool = True) -> None:

@@ -23,6 +23,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 GRACEFUL_SHUTDOWN_S = 10
+BACKLOG = 2048
 
 
 class ServerBindError(OSError):
@@ -39,14 +40,19 @@ def serve(
     on_stop_requested: Callable[[], None] | None = None,
     log_level: str = "info",
     graceful_shutdown_s: int = GRACEFUL_SHUTDOWN_S,
+    sock: socket.socket | None = None,
 ) -> None:
-    """Serve `app` on host:port until interrupted; `on_listening(url)` runs once the socket is bound."""
+    """Serve `app` on host:port (or on `sock`, already bound there) until interrupted;
+    `on_listening(url)` runs once the socket is bound."""
     try:
         config = uvicorn.Config(
             app, log_level=log_level, timeout_graceful_shutdown=graceful_shutdown_s, lifespan="off"
         )
         server = _Server(config, on_stop_requested)
-        sock = bind_socket(host, port)
+        if sock is None:
+            sock = bind_socket(host, port)
+        else:
+            sock.listen(BACKLOG)
         url = _url(host, sock.getsockname()[1])
         with sock, _signals_stop(server):
             logger.info("snugkv is serving on %s (Ctrl-C to stop)", url)
@@ -73,13 +79,16 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)  # type: ignore[arg-type]
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
+def bind_socket(host: str, port: int, *, listen: bool = True) -> socket.socket:
+    """A TCP socket bound to host:port. Without `listen`, the port is only held: connections are
+    refused (not queued) until `serve` starts listening, e.g. while the engine starts up."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
-        sock.listen(2048)
+        if listen:
+            sock.listen(BACKLOG)
     except OSError as exc:
         sock.close()
         raise ServerBindError(
