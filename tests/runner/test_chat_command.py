@@ -29,6 +29,14 @@ def read_until(process: subprocess.Popen, marker: str, seen: str, timeout_s: flo
     return seen
 
 
+def stop_the_answer(process: subprocess.Popen) -> None:
+    """Wait until an answer streams, press Ctrl-C, wait until the chat says it stopped."""
+    answer = read_until(process, "model> ", "").split("model> ", 1)[1]
+    read_until(process, " ", answer)  # some text of this answer has arrived
+    process.send_signal(signal.SIGINT)
+    read_until(process, "[stopped]", "")
+
+
 @pytest.mark.slow
 def test_ctrl_c_stops_the_answer_and_the_chat_goes_on():
     command = [sys.executable, "-m", "snugkv", "chat", "--max-tokens", "2000", "--ignore-eos"]
@@ -38,15 +46,10 @@ def test_ctrl_c_stops_the_answer_and_the_chat_goes_on():
     try:
         process.stdin.write(b"Count from one to a thousand.\n")
         process.stdin.flush()
-        seen = read_until(process, "model> ", "")
-        seen = read_until(process, " ", seen[seen.index("model> ") + 7 :])  # the answer is streaming
-        process.send_signal(signal.SIGINT)
-        seen = read_until(process, "[stopped]", seen)
+        stop_the_answer(process)
         process.stdin.write(b"Say hi.\n/quit\n")
         process.stdin.flush()
-        seen = read_until(process, "model> ", seen)  # the chat went on: a second answer
-        process.send_signal(signal.SIGINT)  # (with --ignore-eos it would run to 2000 tokens)
-        read_until(process, "[stopped]", seen)
+        stop_the_answer(process)  # the chat went on: a second answer (with --ignore-eos, 2000 tokens)
         assert process.wait(timeout=60) == 0
     finally:
         if process.poll() is None:

@@ -8,6 +8,10 @@ timeout so one failure cannot lose the other's results:
   tokens, which tells a real bug (low agreement) from a bf16 near-tie flipping one token;
 - decode throughput with CUDA graphs at batch 1, 16 and 64 (context 1024).
 Each child writes its JSON after every stage; the parent prints one table and writes tp.json.
+
+`--device cpu` runs the same comparison over gloo without timing (float32 by default), and
+`--layers N` keeps N decoder layers of the full-width shape, so a CPU can check the sharding of a
+real layer geometry (heads, KV heads, vocabulary) in float32.
 """
 
 from __future__ import annotations
@@ -31,8 +35,21 @@ PROMPT_LENGTHS = (7, 33, 120, 250)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="configs/llama-3-8b")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--batches", default="1,16,64", help="decode batch sizes (comma separated)")
+    parser.add_argument("--dtype", default=None, help="default: bfloat16 on GPU, float32 on CPU")
+    parser.add_argument(
+        "--device", default=None, help="cuda (NCCL, needs 2 GPUs for tp=2) or cpu (gloo; no decode timing)"
+    )
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="keep only this many decoder layers (the shape of each stays)",
+    )
+    parser.add_argument(
+        "--batches",
+        default=None,
+        help="decode batch sizes, comma separated (default: 1,16,64 on GPU, none on CPU)",
+    )
     parser.add_argument("--context", type=int, default=1024, help="tokens cached per row while timing decode")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--timeout-s", type=int, default=420, help="per configuration")
@@ -44,24 +61,35 @@ def fixed_prompts(vocab_size: int) -> list[list[int]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    if not torch.cuda.is_available():
-        print("bench tp needs a CUDA GPU")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        print("bench tp --device cuda needs a CUDA GPU (or pass --device cpu)")
         return 1
-    sizes = [1, 2] if torch.cuda.device_count() >= 2 else [1]
+    gpu = device == "cuda"
+    sizes = [1, 2] if not gpu or torch.cuda.device_count() >= 2 else [1]
+    batches = args.batches if args.batches is not None else ("1,16,64" if gpu else "")
+    if batches and not gpu:
+        print("bench tp: decode timing needs a GPU; on CPU leave --batches out")
+        return 2
     spec = {
         "model": args.model,
-        "dtype": args.dtype,
-        "batches": [int(b) for b in args.batches.split(",")],
+        "device": device,
+        "dtype": args.dtype or ("bfloat16" if gpu else "float32"),
+        "layers": args.layers,
+        "batches": [int(b) for b in batches.split(",") if b],
         "context": args.context,
         "new_tokens": args.new_tokens,
     }
     results: dict[int, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as scratch:
+        if args.layers is not None:
+            spec["model"] = str(_fewer_layers(Path(args.model), args.layers, Path(scratch)))
         for tp_size in sizes:
             reference = results.get(1, {}).get("generation", {}).get("tokens")
             results[tp_size] = _run_child(
                 {**spec, "tp_size": tp_size, "reference": reference}, Path(scratch), args.timeout_s
             )
+    spec["model"] = args.model
     rows = [_row(tp_size, results[tp_size], results.get(1), spec["batches"]) for tp_size in sizes]
     if 2 not in sizes:
         rows.append({"tp": 2, "note": f"skipped: {torch.cuda.device_count()} GPU visible, tp=2 needs 2"})
@@ -69,6 +97,16 @@ def run(args: argparse.Namespace) -> int:
     failed = any("error" in result for result in results.values())
     identical = all(row.get("tokens_identical_to_tp1", True) is True for row in rows)
     return 1 if failed or not identical else 0
+
+
+def _fewer_layers(model: Path, layers: int, scratch: Path) -> Path:
+    """A copy of the config directory of `model` with `num_hidden_layers = layers` (random weights)."""
+    config = json.loads((model / "config.json").read_text())
+    config["num_hidden_layers"] = layers
+    copy = scratch / f"{model.name}-{layers}-layers"
+    copy.mkdir()
+    (copy / "config.json").write_text(json.dumps(config, indent=2))
+    return copy
 
 
 def _run_child(spec: dict[str, Any], scratch: Path, timeout_s: int) -> dict[str, Any]:
@@ -126,7 +164,7 @@ def _child_main(spec_path: str, result_path: str) -> None:
     from snugkv.distributed.launch import launch
 
     spec = json.loads(Path(spec_path).read_text())
-    launch(_bench_rank, spec["tp_size"], (spec, result_path))
+    launch(_bench_rank, spec["tp_size"], (spec, result_path), device_type=spec["device"])
 
 
 def _bench_rank(tp: Any, spec: dict[str, Any], result_path: str) -> None:
@@ -155,10 +193,11 @@ def _bench_rank(tp: Any, spec: dict[str, Any], result_path: str) -> None:
         EngineArgs(
             model=spec["model"],
             load_format="dummy",
+            device=spec["device"],
             dtype=spec["dtype"],
             tp_size=tp.world_size,
-            max_running_requests=max(batches),
-            cuda_graph_max_bs=max(batches),
+            max_running_requests=max(batches, default=len(PROMPT_LENGTHS)),
+            cuda_graph_max_bs=max(batches, default=None),
             context_length=max(2048, spec["context"] + 64),
         ),
         tp=tp,
