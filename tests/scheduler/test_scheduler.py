@@ -3,6 +3,7 @@ pressure too; every slot comes back."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -23,7 +24,14 @@ def tiny(tmp_path_factory):
 
 
 def make_scheduler(
-    directory, *, max_total_tokens=2048, page_size=1, chunk=64, prefix_cache=True, layout="nhd"
+    directory,
+    *,
+    max_total_tokens=2048,
+    page_size=1,
+    chunk=64,
+    prefix_cache=True,
+    layout="nhd",
+    tokenizer=None,
 ):
     engine = Engine(
         EngineArgs(
@@ -40,6 +48,7 @@ def make_scheduler(
     outputs: dict[str, list] = {}
     scheduler = Scheduler(
         engine.runner,
+        tokenizer=tokenizer,
         max_running_requests=engine.report.max_running_requests,
         chunked_prefill_size=chunk,
         enable_prefix_cache=prefix_cache,
@@ -224,4 +233,87 @@ def test_a_step_that_fails_midway_loses_no_request_and_no_slot(tiny, page_size, 
     while scheduler.has_work:
         scheduler.step()
     assert collected(outputs)["after"] == hf_greedy(model, prompt_list[0], 6)
+    engine.close()
+
+
+def run_to_end(scheduler: Scheduler, limit: int = 500) -> None:
+    for _ in range(limit):
+        if not scheduler.has_work:
+            return
+        scheduler.step()
+        scheduler.check_slot_accounting()
+    raise AssertionError(f"still working after {limit} steps: {len(scheduler.waiting)} waiting")
+
+
+def test_a_request_that_outgrows_the_whole_kv_cache_ends_with_length_and_blocks_nobody(tiny):
+    directory, _ = tiny
+    engine, scheduler, outputs = make_scheduler(directory, max_total_tokens=64, page_size=4, chunk=32)
+    capacity = engine.runner.allocator.capacity_tokens
+    scheduler.add_request("big", list(range(3, 23)), SamplingParams(max_new_tokens=200, ignore_eos=True))
+    run_to_end(scheduler)
+    final = outputs["big"][-1]
+    assert final.finish_reason == "length" and final.prompt_tokens + final.completion_tokens + 4 > capacity
+    scheduler.add_request("small", [5, 6, 7], SamplingParams(max_new_tokens=2, ignore_eos=True))
+    run_to_end(scheduler)
+    assert outputs["small"][-1].finish_reason == "length" and outputs["small"][-1].completion_tokens == 2
+    engine.close()
+
+
+@pytest.mark.parametrize("chunk", [9, 8])
+def test_the_last_chunk_of_a_prompt_that_nearly_fills_the_cache_is_scheduled(tiny, chunk):
+    """The room a chunk needs counts the free part of the request's last page (an unaligned kv_len)."""
+    directory, _ = tiny
+    engine, scheduler, outputs = make_scheduler(directory, max_total_tokens=64, page_size=4, chunk=chunk)
+    prompt = [3 + (i * 7) % 290 for i in range(60)]  # prompt + one page == capacity
+    scheduler.add_request("near-full", prompt, SamplingParams(max_new_tokens=1, ignore_eos=True))
+    run_to_end(scheduler)
+    assert outputs["near-full"][-1].completion_tokens == 1
+    engine.close()
+
+
+def test_a_tokenizer_that_fails_on_the_output_still_ends_the_request_with_an_error(tiny):
+    class Fragile:
+        def decode(self, ids, skip_special_tokens=True):
+            if 266 in ids:
+                raise ValueError("cannot decode 266")
+            return "".join(chr(65 + i % 26) for i in ids)
+
+    directory, _ = tiny
+    engine, scheduler, outputs = make_scheduler(directory, tokenizer=Fragile())
+    real_forward = engine.runner.forward
+
+    def forward_that_favours_266(rows, slots):
+        logits = real_forward(rows, slots).clone()
+        logits[:, 266] += 1000.0
+        return logits
+
+    engine.runner.forward = forward_that_favours_266
+    scheduler.add_request("r", [5, 6, 7], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    with pytest.raises(ValueError, match="cannot decode"):
+        run_to_end(scheduler)
+    scheduler.fail_all("internal error: cannot decode")
+    final = outputs["r"][-1]
+    assert final.finished and final.finish_reason == "error" and "cannot decode" in final.error
+    assert not scheduler.requests and not scheduler.has_work
+    scheduler.check_slot_accounting()
+    engine.close()
+
+
+def test_with_stop_strings_the_last_token_still_reaches_the_text(tiny):
+    class Letters:
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(chr(97 + i % 26) for i in ids)
+
+    directory, _ = tiny
+    engine, scheduler, outputs = make_scheduler(directory, tokenizer=Letters())
+    prompt = [5, 6, 7]
+    scheduler.add_request("probe", prompt, SamplingParams(max_new_tokens=5, ignore_eos=True))
+    run_to_end(scheduler)
+    third = [token for output in outputs["probe"] for token in output.token_ids][2]
+    ends_at_third = SamplingParams(max_new_tokens=5, ignore_eos=True, stop_token_ids=(third,))
+    scheduler.add_request("ids", prompt, ends_at_third)
+    scheduler.add_request("ids+strings", prompt, dataclasses.replace(ends_at_third, stop=("#",)))
+    run_to_end(scheduler)
+    texts = {rid: "".join(output.text for output in outputs[rid]) for rid in ("ids", "ids+strings")}
+    assert texts["ids"] == texts["ids+strings"] and texts["ids"].endswith(chr(97 + third % 26)), texts
     engine.close()

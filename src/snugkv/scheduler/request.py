@@ -40,6 +40,7 @@ class Request:
     first_token_s: float | None = None
     # incremental detokenization
     text: str = ""
+    stopped_by_string: bool = False  # `text` is already cut at the stop string
     sent_text_len: int = 0
     sent_token_len: int = 0
     prefix_offset: int = 0

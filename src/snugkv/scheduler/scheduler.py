@@ -165,7 +165,7 @@ class Scheduler:
             if newly_admitted and not self._admit(request):
                 break
             chunk = min(request.pending_len, budget)
-            if not self._make_room(chunk + self.page_size + reserve):
+            if not self._make_room(self._new_slots(request.kv_len, chunk) + self.page_size + reserve):
                 if newly_admitted:
                     self._release(request)
                 break
@@ -188,6 +188,12 @@ class Scheduler:
             budget -= chunk
             reserve += self.page_size
         return rows, batch, torch.cat(slot_parts) if slot_parts else None
+
+    def _new_slots(self, kv_len: int, num_tokens: int) -> int:
+        """Slots `num_tokens` more tokens take from the pool: whole pages, minus the room left in
+        the request's last, partly filled page."""
+        page = self.page_size
+        return (-(-(kv_len + num_tokens) // page) - -(-kv_len // page)) * page
 
     def _admit(self, request: Request) -> bool:
         """Give `request` a table row and its cached prefix (at least one token left to compute)."""
@@ -314,9 +320,12 @@ class Scheduler:
             index = find_stop(request.text, sampling.stop, searched)
             if index is not None:
                 request.text = request.text[:index]
+                request.stopped_by_string = True
                 return "stop"
         if len(request.output_ids) >= sampling.max_new_tokens or request.num_tokens >= self.context_length:
             return "length"
+        if request.num_tokens + self.page_size > self.runner.allocator.capacity_tokens:
+            return "length"  # the KV cache could not hold its next token even with nothing else in it
         return None
 
     # -- leaving ------------------------------------------------------------------------
@@ -345,8 +354,10 @@ class Scheduler:
     def _finish(self, request: Request, reason: str) -> None:
         self._release(request)
         request.finish_reason = reason
-        self._emit(request)
-        self.requests.pop(request.rid, None)
+        try:
+            self._emit(request)
+        finally:
+            self.requests.pop(request.rid, None)
 
     def _emit(self, request: Request) -> None:
         if self.on_output is None:
@@ -356,7 +367,9 @@ class Scheduler:
             holdback = max(len(s) for s in request.sampling.stop) - 1
             visible = len(request.text) - holdback
         else:
-            if self.tokenizer is not None and not (request.sampling.stop and finished):
+            # The last text, unless a stop string cut it already or the request failed (its tokens
+            # may be what broke the tokenizer: the error must still reach the client).
+            if self.tokenizer is not None and not request.stopped_by_string and request.error is None:
                 detokenize(self.tokenizer, request, final=finished)
             visible = len(request.text)
         output = GenerateOutput(
