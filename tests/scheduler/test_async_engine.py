@@ -87,7 +87,20 @@ def test_a_request_the_engine_cannot_run_gets_an_error_output_not_an_exception(a
     too_long = list(range(3, 300)) * 2  # longer than the tiny model's 256-token context
     outputs = asyncio.run(collect(async_engine, "long", too_long, 4))
     assert len(outputs) == 1 and outputs[0].finish_reason == "error"
-    assert "context holds" in outputs[0].error
+    assert "context holds" in outputs[0].error and outputs[0].rejected  # the server makes it a 400
+
+
+def test_a_request_id_in_use_is_refused_and_the_running_request_keeps_its_stream(async_engine):
+    async def both() -> tuple[list, list]:
+        first = asyncio.ensure_future(collect(async_engine, "same", [5, 6, 7], 30))
+        await asyncio.sleep(0.05)
+        second = await collect(async_engine, "same", [8, 9], 4)
+        return await asyncio.wait_for(first, timeout=30), second
+
+    first, second = asyncio.run(both())
+    assert second == [second[-1]] and second[-1].rejected and "already in use" in second[-1].error
+    assert first[-1].finish_reason == "length" and sum(len(o.token_ids) for o in first) == 30
+    assert wait_idle(async_engine)["ok"]
 
 
 def test_a_dead_scheduler_loop_fails_open_and_new_requests_instead_of_leaving_them_waiting(async_engine):

@@ -122,8 +122,10 @@ def test_bad_body_gets_a_400_family_error_naming_the_fix(client: httpx.Client, c
         (b"", ["empty"]),
         (b"[1, 2, 3]", ["JSON object", "array"]),
         (b"\xff\xfe{}", ["UTF-8"]),
+        (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", ["too deeply"]),
+        (b'{"prompt": "half a pair \\ud800 here"}', ["surrogate", "position 12"]),
     ],
-    ids=["truncated JSON", "empty body", "array body", "not UTF-8"],
+    ids=["truncated JSON", "empty body", "array body", "not UTF-8", "nested too deeply", "lone surrogate"],
 )
 def test_malformed_body_gets_a_400_saying_what_is_wrong(
     client: httpx.Client, raw: bytes, words: list[str]
@@ -201,3 +203,10 @@ def test_server_still_answers_after_all_bad_requests(client: httpx.Client) -> No
     response = client.post(COMPLETIONS, json={"prompt": "still there?", "max_tokens": 3})
     assert response.status_code == 200
     assert client.get("/health").status_code == 200
+
+
+def test_a_lone_surrogate_in_a_chat_message_is_refused_with_where_it_is(client: httpx.Client) -> None:
+    raw = b'{"messages": [{"role": "user", "content": "\\ud83d alone"}]}'  # JSON escapes; no valid pair
+    response = client.post(CHAT, content=raw, headers={"Content-Type": "application/json"})
+    message = openai_error(response, 400, param="messages[0].content")
+    assert "surrogate" in message and "position 0" in message

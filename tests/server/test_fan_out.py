@@ -38,6 +38,40 @@ def test_an_engine_that_raises_on_submit_fails_the_request_instead_of_hanging() 
     asyncio.run(run())
 
 
+class RejectingEngine(FakeEngine):
+    """Ends every request in its output stream, as the real engine does once the scheduler has it:
+    refused as invalid (`rejected`) or failed."""
+
+    def __init__(self, rejected: bool) -> None:
+        super().__init__()
+        self.rejected = rejected
+
+    async def generate(self, request: GenerateInput) -> AsyncIterator[GenerateOutput]:
+        yield GenerateOutput(
+            rid=request.rid,
+            token_ids=[],
+            text="",
+            finished=True,
+            finish_reason="error",
+            error="the prompt needs 100 KV slots but the whole KV cache holds 64; shorten the prompt",
+            rejected=self.rejected,
+        )
+
+
+@pytest.mark.parametrize(("rejected", "status"), [(True, 400), (False, 500)])
+def test_a_refusal_in_the_stream_is_a_400_and_a_failure_a_500(rejected: bool, status: int) -> None:
+    async def run() -> None:
+        fan_out = FanOut(RejectingEngine(rejected), inputs(1, 4), ServerMetrics())
+        try:
+            with pytest.raises(APIError, match="KV cache holds 64") as raised:
+                await asyncio.wait_for(anext(fan_out), timeout=5)
+            assert raised.value.status_code == status
+        finally:
+            fan_out.close()
+
+    asyncio.run(run())
+
+
 def test_close_aborts_only_the_choices_still_running() -> None:
     async def run() -> FakeEngine:
         engine = FakeEngine(token_delay_s=0.001)

@@ -134,7 +134,9 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(outputs.put_nowait, self._error_output(rid, 0, message))
 
     @staticmethod
-    def _error_output(rid: str, prompt_tokens: int, message: str) -> GenerateOutput:
+    def _error_output(
+        rid: str, prompt_tokens: int, message: str, *, rejected: bool = False
+    ) -> GenerateOutput:
         return GenerateOutput(
             rid=rid,
             token_ids=[],
@@ -143,6 +145,7 @@ class AsyncEngine:
             finish_reason="error",
             prompt_tokens=prompt_tokens,
             error=message,
+            rejected=rejected,
         )
 
     def _turns(self) -> None:
@@ -204,16 +207,31 @@ class AsyncEngine:
                 commands.append(AbortAll())
             else:
                 request, loop, outputs = payload
+                if request.rid in self._streams:  # the running request keeps its stream
+                    message = (
+                        f"request id {request.rid!r} is already in use; send each request with its own id"
+                    )
+                    failed = self._error_output(request.rid, len(request.input_ids), message, rejected=True)
+                    with contextlib.suppress(RuntimeError):
+                        loop.call_soon_threadsafe(outputs.put_nowait, failed)
+                    continue
                 self._streams[request.rid] = (loop, outputs)
                 commands.append(Add(request.rid, request.input_ids, request.sampling))
 
     def _apply(self, command: Command) -> None:
         try:
             lockstep.apply(self.scheduler, command)
-        except InvalidRequest as exc:
-            assert isinstance(command, Add)
+        except (
+            Exception
+        ) as exc:  # InvalidRequest: a 400; anything else: this request's 500, not the engine's end
+            if not isinstance(command, Add):
+                raise
+            if not isinstance(exc, InvalidRequest):
+                logger.exception("adding request %s failed", command.rid)
             loop, outputs = self._streams.pop(command.rid)
-            failed = self._error_output(command.rid, len(command.input_ids), str(exc))
+            failed = self._error_output(
+                command.rid, len(command.input_ids), str(exc), rejected=isinstance(exc, InvalidRequest)
+            )
             with contextlib.suppress(RuntimeError):  # the client's loop is gone (server shutting down)
                 loop.call_soon_threadsafe(outputs.put_nowait, failed)
 

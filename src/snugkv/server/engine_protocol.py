@@ -45,6 +45,7 @@ class GenerateOutput:
     cached_tokens: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
     error: str | None = None
+    rejected: bool = False  # the engine refused the request as it is (a 400: `error` says what to change)
 
 
 class EngineClient(Protocol):

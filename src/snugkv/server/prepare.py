@@ -69,6 +69,8 @@ def parse_body(raw: bytes, model: type[RequestModel]) -> RequestModel:
             f"The request body is not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno}); "
             "send a JSON object."
         ) from None
+    except RecursionError:
+        raise bad_request("The request body nests arrays or objects too deeply; flatten it.") from None
     if not isinstance(data, dict):
         kind = JSON_KINDS.get(type(data), type(data).__name__)
         raise bad_request(f"The request body must be a JSON object, not a JSON {kind}.")
@@ -178,7 +180,22 @@ def _split_prompts(prompt: str | list[Any]) -> list[str | list[int]]:
 
 
 def _completion_prompt_ids(prompt: str | list[int], tokenizer: Any) -> list[int]:
-    return list(prompt) if isinstance(prompt, list) else list(tokenizer.encode(prompt))
+    if isinstance(prompt, list):
+        return list(prompt)
+    _check_text(prompt, "prompt")
+    return list(tokenizer.encode(prompt))
+
+
+def _check_text(text: str, param: str) -> None:
+    """Text a tokenizer can take: valid Unicode (JSON can carry lone surrogates such as \\ud800)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise bad_request(
+            f"The {param} contains {text[exc.start]!r} at position {exc.start}, half of a UTF-16 surrogate "
+            "pair, which is not text; send the whole pair or remove it.",
+            param=param,
+        ) from None
 
 
 def _check_token_ids(ids: list[int], tokenizer: Any, param: str) -> None:
@@ -259,6 +276,7 @@ def _template_message(index: int, message: Any) -> dict[str, str]:
                 )
             texts.append(part["text"])
         content = "\n".join(texts)
+    _check_text(content or "", f"messages[{index}].content")
     return {"role": role, "content": content or ""}
 
 

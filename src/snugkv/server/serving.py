@@ -87,6 +87,8 @@ class FanOut:
                 raise APIError(500, f"The engine failed on this request ({item}).", type=SERVER_ERROR)
             output = cast(GenerateOutput, item)
             self._record(index, output)
+            if output.error is not None and output.rejected:
+                raise APIError(400, output.error)
             if output.error is not None:
                 raise APIError(
                     500,
