@@ -2,8 +2,9 @@
 
 `AsyncEngine` implements `EngineClient`. Requests and aborts cross into the scheduler thread
 through a queue; outputs come back through `loop.call_soon_threadsafe` into one asyncio queue
-per request. A failure inside a step ends the requests of that step with an error and the
-engine goes on; it never takes the server down.
+per request. A failure inside a step ends the requests in flight with an error (their state may
+be half-updated) and the engine goes on with the next ones; it never takes the server down. If
+the loop itself dies, every open and later request gets an error at once and /health says so.
 
 With tensor parallelism this runs on rank 0; each turn's commands go to the other ranks first
 (`lockstep`), which run `lockstep.follow` over their own engine and scheduler.
