@@ -1,6 +1,6 @@
 """The engine's start-up: load, reserve, capture, measure, size, commit, report.
 
-`Engine.__init__` is the whole pipeline of DESIGN.md in order; read it top to bottom. In
+`Engine.__init__` is the whole start-up pipeline in order; read it top to bottom. In
 post-capture mode the KV pool is virtual addresses only until after the decode graphs are
 captured; then free memory is measured (MIN over ranks), the activation peak of the largest
 eager step is measured, and exactly what is left is backed. The static modes size the pool
@@ -67,7 +67,7 @@ class EngineArgs:
     mem_fraction_static: float | None = None
     headroom_margin_mib: int = 256  # stated safety margin on top of the measured activation peak
     host_kv_gib: float | None = (
-        None  # CPU: RAM the KV cache may take (default: 25% of free RAM, at most 4 GiB)
+        None  # CPU: RAM the KV cache may take (default: 25% of free RAM, at most 1 GiB)
     )
     swa_full_tokens_ratio: float = 0.8
     tp_size: int = 1  # tensor-parallel ranks; > 1 runs one engine per rank (snugkv.distributed.launch)

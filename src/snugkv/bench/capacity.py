@@ -109,9 +109,10 @@ def worker(args: argparse.Namespace) -> int:
                 model=args.model,
                 load_format="dummy",
                 kv_sizing=args.mode,
-                chunked_prefill_size=8192,
-                cuda_graph_max_bs=256,
-                max_running_requests=256,
+                chunked_prefill_size=args.chunk,
+                cuda_graph_max_bs=args.max_batch,
+                max_running_requests=args.max_batch,
+                mem_fraction_static=args.mem_fraction_static,
             )
         )
     except Exception as exc:  # an OOM at start-up is a result of this mode, not a crash of the benchmark
@@ -160,7 +161,13 @@ def run(args: argparse.Namespace) -> int:
                 model,
                 "--mode",
                 mode,
+                "--chunk",
+                str(args.chunk),
+                "--max-batch",
+                str(args.max_batch),
             ]
+            if args.mem_fraction_static is not None:
+                command += ["--mem-fraction-static", str(args.mem_fraction_static)]
             done = subprocess.run(
                 command, capture_output=True, text=True, timeout=args.timeout_s, check=False
             )
