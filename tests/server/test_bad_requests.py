@@ -58,6 +58,13 @@ BAD_BODIES = {
     ),
     "empty stop string": (COMPLETIONS, {"prompt": "x", "stop": [""]}, 400, "stop", ["non-empty"]),
     "stop a number": (COMPLETIONS, {"prompt": "x", "stop": 5}, 400, "stop", ["string"]),
+    "stop token id out of range": (
+        CHAT,
+        {"messages": HI, "stop_token_ids": [10**23]},
+        400,
+        "stop_token_ids",
+        ["not a token", "ids must be 0 to"],
+    ),
     "too many stops": (
         COMPLETIONS,
         {"prompt": "x", "stop": [str(i) for i in range(20)]},

@@ -84,6 +84,7 @@ def prepare_completion(
     body: CompletionRequest, engine: EngineClient, served_model_name: str
 ) -> PreparedRequest:
     _check_common(body, served_model_name)
+    _check_stop_token_ids(body, engine.tokenizer)
     if body.echo:
         raise bad_request("echo is not supported; remove it or set it to false.", param="echo")
     if body.suffix:
@@ -106,6 +107,7 @@ def prepare_chat(
     body: ChatCompletionRequest, engine: EngineClient, served_model_name: str
 ) -> PreparedRequest:
     _check_common(body, served_model_name)
+    _check_stop_token_ids(body, engine.tokenizer)
     if body.tools:
         raise bad_request("tools are not supported by this server; remove them.", param="tools")
     if body.top_logprobs is not None and not body.logprobs:
@@ -208,6 +210,17 @@ def _check_token_ids(ids: list[int], tokenizer: Any, param: str) -> None:
         raise bad_request(
             f"Token id {bad} in the {param} is out of range; ids must be {bound}.", param="prompt"
         )
+
+
+def _check_stop_token_ids(body: GenerationRequest, tokenizer: Any) -> None:
+    vocab_size = _vocab_size(tokenizer)
+    for token in body.stop_token_ids or ():
+        if token < 0 or (vocab_size is not None and token >= vocab_size):
+            bound = f"0 to {vocab_size - 1}" if vocab_size is not None else "non-negative"
+            raise bad_request(
+                f"stop_token_ids has {token}, which is not a token of this model; ids must be {bound}.",
+                param="stop_token_ids",
+            )
 
 
 def _vocab_size(tokenizer: Any) -> int | None:
