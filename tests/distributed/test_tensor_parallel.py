@@ -22,6 +22,7 @@ MODELS = {
     "llama": ("llama", {}),
     "qwen3": ("qwen3", {}),
     "llama_one_kv_head": ("llama", {"num_key_value_heads": 1}),
+    "gemma3": ("gemma3", {}),  # sliding-window and global layers: the SWA pool per rank
 }
 NEW_TOKENS = 12
 

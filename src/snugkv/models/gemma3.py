@@ -15,8 +15,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from snugkv.distributed.group import TensorParallel, current_tensor_parallel
 from snugkv.layers.attention import PagedAttention
 from snugkv.layers.norm import GemmaRMSNorm
+from snugkv.layers.parallel_linear import (
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from snugkv.layers.rotary import RotaryEmbedding
 from snugkv.models.causal_lm import CausalLM
 from snugkv.models.config import ConfigError, ModelConfig, normalize_rope_parameters
@@ -64,24 +71,33 @@ def check_gemma3_config(config: ModelConfig) -> None:
 
 
 class Gemma3Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, rotary_emb: RotaryEmbedding) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_id: int, rotary_emb: RotaryEmbedding, tp: TensorParallel
+    ) -> None:
         super().__init__()
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
-        self.head_dim = config.head_dim
-        self.q_size = config.num_heads * config.head_dim
-        self.kv_size = config.num_kv_heads * config.head_dim
-        self.qkv_proj = nn.Linear(
-            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            config.head_dim,
+            config.num_heads,
+            config.num_kv_heads,
+            bias=config.attention_bias,
+            tp=tp,
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
+        self.num_heads = self.qkv_proj.num_heads  # this rank's heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * config.head_dim
+        self.kv_size = self.num_kv_heads * config.head_dim
+        self.o_proj = RowParallelLinear(
+            config.num_heads * config.head_dim, config.hidden_size, bias=config.attention_bias, tp=tp
+        )
         self.q_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps)
         self.rotary_emb = rotary_emb
         self.attn = PagedAttention(
             layer_id,
-            config.num_heads,
-            config.num_kv_heads,
+            self.num_heads,
+            self.num_kv_heads,
             config.head_dim,
             scaling=float(config.hf["query_pre_attn_scalar"]) ** -0.5,
             sliding_window=config.sliding_windows[layer_id],
@@ -99,14 +115,16 @@ class Gemma3Attention(nn.Module):
 
 
 class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, rotary_emb: RotaryEmbedding) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_id: int, rotary_emb: RotaryEmbedding, tp: TensorParallel
+    ) -> None:
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(hidden, eps)
-        self.self_attn = Gemma3Attention(config, layer_id, rotary_emb)
+        self.self_attn = Gemma3Attention(config, layer_id, rotary_emb, tp)
         self.post_attention_layernorm = GemmaRMSNorm(hidden, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config, tp)
         self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
@@ -116,9 +134,9 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3Model(nn.Module):
-    def __init__(self, config: ModelConfig, max_position: int) -> None:
+    def __init__(self, config: ModelConfig, max_position: int, tp: TensorParallel) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp=tp)
         # The reference multiplies by sqrt(hidden) rounded to the weight dtype (55.4256 -> 55.5 in bf16).
         dtype = self.embed_tokens.weight.dtype
         self.embed_scale = float(torch.tensor(config.hidden_size**0.5, dtype=dtype, device="cpu"))
@@ -131,7 +149,7 @@ class Gemma3Model(nn.Module):
         }
         self.layers = nn.ModuleList(
             Gemma3DecoderLayer(
-                config, i, rotary["sliding_attention" if window is not None else "full_attention"]
+                config, i, rotary["sliding_attention" if window is not None else "full_attention"], tp
             )
             for i, window in enumerate(config.sliding_windows)
         )
@@ -149,15 +167,23 @@ class Gemma3Model(nn.Module):
 class Gemma3ForCausalLM(CausalLM):
     """`forward` returns the final hidden states `[T, hidden]`; `compute_logits` projects rows of them."""
 
+    supports_tensor_parallel = True
+
     def __init__(self, config: ModelConfig, *, max_position: int | None = None) -> None:
         super().__init__()
         check_gemma3_config(config)
         self.config = config
+        self.tp = tp = current_tensor_parallel()
         self.max_position = max_position or config.max_position_embeddings
         self.final_logit_softcapping: float | None = config.hf.get("final_logit_softcapping")
-        self.model = Gemma3Model(config, self.max_position)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.model = Gemma3Model(config, self.max_position, tp)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp=tp)
         self.tie_weights()
+
+    @property
+    def num_kv_heads_per_rank(self) -> int:
+        """KV heads this rank's layers cache (what the SWA pool must hold per layer)."""
+        return self.model.layers[0].self_attn.num_kv_heads
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits `[n, vocab]` for hidden rows `[n, hidden]`, soft-capped if the config says so."""
@@ -171,7 +197,6 @@ class Gemma3ForCausalLM(CausalLM):
         self, weights: Iterable[tuple[str, torch.Tensor]], *, source: str = "checkpoint"
     ) -> None:
         config = self.config
-        kv_rows = config.num_kv_heads * config.head_dim
         ignore = ["rotary_emb.inv_freq", "embed_scale"]
         if config.tie_word_embeddings:
             ignore.append("lm_head.weight")
@@ -179,9 +204,9 @@ class Gemma3ForCausalLM(CausalLM):
             self,
             weights,
             stacked=STACKED_PARAMS,
-            shard_sizes={
-                "qkv_proj": (config.num_heads * config.head_dim, kv_rows, kv_rows),
-                "gate_up_proj": (config.intermediate_size, config.intermediate_size),
+            shard_sizes={  # this rank's rows of each stacked part
+                "qkv_proj": self.model.layers[0].self_attn.qkv_proj.local_sizes,
+                "gate_up_proj": self.model.layers[0].mlp.gate_up_proj.local_sizes,
             },
             ignore=ignore,
             source=source,
