@@ -23,6 +23,8 @@ MODELS = {
     "qwen3": ("qwen3", {}),
     "llama_one_kv_head": ("llama", {"num_key_value_heads": 1}),
     "gemma3": ("gemma3", {}),  # sliding-window and global layers: the SWA pool per rank
+    "deepseek_v2": ("deepseek_v2", {}),  # MLA: heads split, the latent cache whole on every rank
+    "deepseek_v2_q_lora": ("deepseek_v2_q_lora", {}),
 }
 NEW_TOKENS = 12
 

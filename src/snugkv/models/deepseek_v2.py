@@ -24,8 +24,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from snugkv.distributed.group import TensorParallel, current_tensor_parallel
 from snugkv.layers.attention import PagedAttention
 from snugkv.layers.norm import RMSNorm
+from snugkv.layers.parallel_linear import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from snugkv.layers.rotary import RotaryEmbedding, yarn_mscale
 from snugkv.models.causal_lm import CausalLM
 from snugkv.models.config import ConfigError, ModelConfig
@@ -92,29 +99,40 @@ def mla_softmax_scale(dims: MLADims, rope_parameters: Mapping[str, Any]) -> floa
 
 
 class DeepseekV2Attention(nn.Module):
+    """Tensor parallel: query heads (q, kv_b, o) split over ranks; the low-rank down-projections
+    and so the latent (the one KV "head") stay whole, and every rank caches all of it."""
+
     def __init__(
-        self, config: ModelConfig, dims: MLADims, layer_id: int, rotary_emb: RotaryEmbedding
+        self,
+        config: ModelConfig,
+        dims: MLADims,
+        layer_id: int,
+        rotary_emb: RotaryEmbedding,
+        tp: TensorParallel,
     ) -> None:
         super().__init__()
         self.dims = dims
-        self.num_heads = heads = config.num_heads
+        self.num_heads = heads = tp.split(config.num_heads, "num_attention_heads")  # this rank's
         hidden, bias = config.hidden_size, config.attention_bias
-        self.q_proj: nn.Linear | None = None
+        all_heads = config.num_heads
+        self.q_proj: ColumnParallelLinear | None = None
         self.q_a_proj: nn.Linear | None = None
         self.q_a_layernorm: RMSNorm | None = None
-        self.q_b_proj: nn.Linear | None = None
+        self.q_b_proj: ColumnParallelLinear | None = None
         if dims.q_lora_rank is None:
-            self.q_proj = nn.Linear(hidden, heads * dims.qk_head_dim, bias=False)
+            self.q_proj = ColumnParallelLinear(hidden, (all_heads * dims.qk_head_dim,), bias=False, tp=tp)
         else:
             self.q_a_proj = nn.Linear(hidden, dims.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(dims.q_lora_rank, LATENT_NORM_EPS)
-            self.q_b_proj = nn.Linear(dims.q_lora_rank, heads * dims.qk_head_dim, bias=False)
+            self.q_b_proj = ColumnParallelLinear(
+                dims.q_lora_rank, (all_heads * dims.qk_head_dim,), bias=False, tp=tp
+            )
         self.kv_a_proj_with_mqa = nn.Linear(hidden, dims.latent_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(dims.kv_lora_rank, LATENT_NORM_EPS)
-        self.kv_b_proj = nn.Linear(
-            dims.kv_lora_rank, heads * (dims.qk_nope_head_dim + dims.v_head_dim), bias=False
+        self.kv_b_proj = ColumnParallelLinear(
+            dims.kv_lora_rank, (all_heads * (dims.qk_nope_head_dim + dims.v_head_dim),), bias=False, tp=tp
         )
-        self.o_proj = nn.Linear(heads * dims.v_head_dim, hidden, bias=bias)
+        self.o_proj = RowParallelLinear(all_heads * dims.v_head_dim, hidden, bias=bias, tp=tp)
         self.rotary_emb = rotary_emb
         self.attn = PagedAttention(
             layer_id,
@@ -154,13 +172,18 @@ class DeepseekV2Attention(nn.Module):
 
 class DeepseekV2DecoderLayer(nn.Module):
     def __init__(
-        self, config: ModelConfig, dims: MLADims, layer_id: int, rotary_emb: RotaryEmbedding
+        self,
+        config: ModelConfig,
+        dims: MLADims,
+        layer_id: int,
+        rotary_emb: RotaryEmbedding,
+        tp: TensorParallel,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = DeepseekV2Attention(config, dims, layer_id, rotary_emb)
+        self.self_attn = DeepseekV2Attention(config, dims, layer_id, rotary_emb, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config, tp)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         x = x + self.self_attn(positions, self.input_layernorm(x), forward_batch)
@@ -168,7 +191,7 @@ class DeepseekV2DecoderLayer(nn.Module):
 
 
 class DeepseekV2Model(nn.Module):
-    def __init__(self, config: ModelConfig, dims: MLADims, max_position: int) -> None:
+    def __init__(self, config: ModelConfig, dims: MLADims, max_position: int, tp: TensorParallel) -> None:
         super().__init__()
         rotary_emb = RotaryEmbedding(
             dims.qk_rope_head_dim,
@@ -177,9 +200,9 @@ class DeepseekV2Model(nn.Module):
             neox_style=False,
             max_position_embeddings=config.max_position_embeddings,
         )
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp=tp)
         self.layers = nn.ModuleList(
-            DeepseekV2DecoderLayer(config, dims, i, rotary_emb) for i in range(config.num_layers)
+            DeepseekV2DecoderLayer(config, dims, i, rotary_emb, tp) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -195,13 +218,16 @@ class DeepseekV2Model(nn.Module):
 class DeepseekV2ForCausalLM(CausalLM):
     """`forward` returns the final hidden states `[T, hidden]`; `compute_logits` projects rows of them."""
 
+    supports_tensor_parallel = True
+
     def __init__(self, config: ModelConfig, *, max_position: int | None = None) -> None:
         super().__init__()
         self.config = config
+        self.tp = tp = current_tensor_parallel()
         self.dims = MLADims.from_config(config)
         self.max_position = max_position or config.max_position_embeddings
-        self.model = DeepseekV2Model(config, self.dims, self.max_position)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.model = DeepseekV2Model(config, self.dims, self.max_position, tp)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp=tp)
         self.tie_weights()
 
     def load_weights(
@@ -214,7 +240,7 @@ class DeepseekV2ForCausalLM(CausalLM):
             self,
             weights,
             stacked=STACKED_PARAMS,
-            shard_sizes={"gate_up_proj": (self.config.intermediate_size, self.config.intermediate_size)},
+            shard_sizes={"gate_up_proj": self.model.layers[0].mlp.gate_up_proj.local_sizes},
             ignore=ignore,
             source=source,
         )
