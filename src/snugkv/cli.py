@@ -54,6 +54,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     (anything else is a bug and keeps its traceback)."""
     from snugkv.distributed.group import TensorParallelError
     from snugkv.distributed.launch import RankFailed
+    from snugkv.engine import InvalidEngineArgs
     from snugkv.models.config import ConfigError
     from snugkv.models.default_model import DefaultModelUnavailable
     from snugkv.models.gguf_file import GGUFFormatError
@@ -66,7 +67,8 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from snugkv.sizing.post_capture import SizingError
 
     errors: tuple[type[BaseException], ...] = (
-        ConfigError, DefaultModelUnavailable, GGUFError, GGUFFormatError, InvalidRequest, ModelLoadError,
+        ConfigError, DefaultModelUnavailable, GGUFError, GGUFFormatError, InvalidEngineArgs, InvalidRequest,
+        ModelLoadError,
         RankFailed, SizingError, TensorParallelError, TokenizerUnavailable, UnsupportedArchitectureError,
         WeightLoadError,
     )  # fmt: skip

@@ -27,7 +27,7 @@ from snugkv.distributed.group import TensorParallel, use_tensor_parallel
 from snugkv.layers.sampler import SamplingParams
 from snugkv.memory.kv_pool import KVPool, PoolMode
 from snugkv.memory.req_to_token import ReqToTokenPool
-from snugkv.memory.vmm import GIB, MIB, VirtualMemory, create_vmm
+from snugkv.memory.vmm import GIB, MIB, CommitError, VirtualMemory, create_vmm
 from snugkv.memory.vmm_host import HostVmm
 from snugkv.memory.vmm_plain import PlainMemory
 from snugkv.models.loader import LoadedModel, load_model, resolve_device
@@ -72,6 +72,23 @@ class EngineArgs:
     swa_full_tokens_ratio: float = 0.8
     tp_size: int = 1  # tensor-parallel ranks; > 1 runs one engine per rank (snugkv.distributed.launch)
 
+    def validate(self) -> None:
+        """Refuse values no engine can run with, naming the flag (before `resolved` fills defaults)."""
+        if self.page_size is not None and self.page_size < 1:
+            raise InvalidEngineArgs(f"--page-size must be at least 1, got {self.page_size}")
+        page = self.page_size or 1
+        if self.max_total_tokens is not None and self.max_total_tokens < 2 * page:
+            at = f" at --page-size {page}" if self.page_size else ""
+            raise InvalidEngineArgs(
+                f"--max-total-tokens {self.max_total_tokens} is below two KV pages ({2 * page} tokens{at}); raise it"
+            )
+        if self.host_kv_gib is not None and self.host_kv_gib <= 0:
+            raise InvalidEngineArgs(f"--host-kv-gib must be positive, got {self.host_kv_gib}")
+        if self.max_running_requests is not None and self.max_running_requests < 1:
+            raise InvalidEngineArgs(
+                f"--max-running-requests must be at least 1, got {self.max_running_requests}"
+            )
+
     def resolved(self, device: torch.device) -> EngineArgs:
         gpu = device.type == "cuda"
         return replace(
@@ -83,6 +100,10 @@ class EngineArgs:
             cuda_graph_max_bs=self.cuda_graph_max_bs or (256 if gpu else 0),
             disable_cuda_graph=self.disable_cuda_graph or not gpu,
         )
+
+
+class InvalidEngineArgs(ValueError):
+    """An engine flag out of range; the message names the flag and what to pass."""
 
 
 @dataclass(slots=True)
@@ -125,8 +146,10 @@ class Engine:
         self.device = resolve_device(args.device)
         if self.device.type == "cuda" and (self.device.index is None or tp.enabled):
             self.device = torch.device("cuda", torch.cuda.current_device())  # tp: the launcher pinned it
+        args.validate()
         self.args = args = args.resolved(self.device)
         self.group = group
+        self._graph_driver_bytes = 0  # driver memory that graph capture took (set by _capture)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
             torch.zeros(1, device=self.device)  # CUDA context first, so the baseline includes it
@@ -192,7 +215,13 @@ class Engine:
 
     # -- building blocks ----------------------------------------------------------------
     def _build_runner(self, pool: KVPool, capacity_tokens: int) -> ModelRunner:
-        pool.ensure_prefix()
+        try:
+            pool.ensure_prefix()
+        except CommitError as exc:
+            raise SizingError(
+                f"could not back even the KV cache's first page ({exc}); free some memory"
+                + (" or raise --host-kv-gib" if self.device.type == "cpu" else "")
+            ) from exc
         return ModelRunner(
             self.loaded.model,
             kv_pool=pool,
@@ -293,6 +322,7 @@ class Engine:
         timings["sizing_measure_ms"] = measure_ms
         timings["sizing_commit_ms"] = result.took_ms
         timings["sizing_resize_ms"] = (time.perf_counter() - resized) * 1e3
+        self._check_usable(runner)
         max_running = self._recap(runner, result.max_total_num_tokens)
         sizing_ms = (time.perf_counter() - measured) * 1e3
         self.runner, self.pool = runner, pool
@@ -323,6 +353,17 @@ class Engine:
         if len(per_rank) <= 1:
             return ""
         return ", free per rank=[" + ", ".join(f"{value / GIB:.2f}" for value in per_rank) + "] GiB"
+
+    def _check_usable(self, runner: ModelRunner) -> None:
+        """A pool whose allocator can hand out nothing (e.g. a sliding-window sub-pool rounded down
+        to 0 pages) would refuse every request: say so at start-up instead."""
+        usable = runner.allocator.capacity_tokens
+        if usable < 2 * self.args.page_size:  # one page for a prompt, one for its first new token
+            raise SizingError(
+                f"the KV cache holds {usable} usable tokens, less than two pages of {self.args.page_size}; "
+                "raise --max-total-tokens (or --host-kv-gib on CPU), lower --page-size, or for a "
+                "sliding-window model raise --swa-full-tokens-ratio"
+            )
 
     def _recap(self, runner: ModelRunner, tokens: int) -> int:
         max_running = recap_running_requests(self.args.max_running_requests, tokens, self.args.page_size)
@@ -374,6 +415,7 @@ class Engine:
         t0 = time.perf_counter()
         graph_bytes = self._capture(runner)
         timings["capture_s"] = time.perf_counter() - t0
+        self._check_usable(runner)
         max_running = self._recap(runner, pool.capacity_tokens)
         self.runner, self.pool = runner, pool
         self._log(
@@ -421,6 +463,7 @@ class Engine:
             baseline_bytes=baseline,
             weights_bytes=weights,
             graphs_and_buffers_bytes=graphs_and_buffers,
+            graph_executables_bytes=self._graph_driver_bytes,
             kv_committed_bytes=kv_committed,
             kv_reserved_va_bytes=self.pool.arena.reserved_bytes,
             activation_peak_bytes=self._activation_peak,
@@ -436,7 +479,9 @@ class Engine:
             return
         runner.cuda_graphs = None
         runner.kv_pool = None
+        runner.allocator = None  # an SWA allocator holds a view of the pool's slot map
         self.runner = None  # type: ignore[assignment]
+        del runner
         settle(self.device)
         try:
             self.pool.close()

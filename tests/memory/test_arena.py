@@ -115,3 +115,36 @@ def test_buffer_larger_than_the_reserved_range_is_refused_with_sizes():
     arena = KvArena(HostVmm(), 1 * MIB, label="small")
     with pytest.raises(ValueError, match="reserve a larger range"):
         arena.add_buffer(k_layout(), 1_000_000)
+
+
+def test_a_backend_error_that_is_not_out_of_memory_also_rolls_the_commit_back():
+    """All or nothing holds for any failure of the backend mid-commit, not only CommitError."""
+    from snugkv.memory.kv_pool import MHAKVPool
+    from snugkv.memory.vmm import MIB, VmmError
+    from snugkv.memory.vmm_host import HostVmm
+
+    class FailsOnThirdCommit(HostVmm):
+        calls = None
+
+        def commit(self, address, size_bytes):
+            if self.calls is not None:
+                self.calls += 1
+                if self.calls == 3:
+                    raise VmmError("injected: mprotect failed")
+            return super().commit(address, size_bytes)
+
+    memory = FailsOnThirdCommit(capacity_bytes=64 * MIB)
+    pool = MHAKVPool(
+        num_layers=2, num_kv_heads=2, head_dim=64, dtype="float32", page_size=16, layout="nhd",
+        max_num_tokens=4096, device="cpu", mode="post-capture", memory=memory,
+    )  # fmt: skip
+    pool.ensure_prefix()
+    before = memory.committed_bytes
+    memory.calls = 0
+    with pytest.raises(VmmError, match="injected"):
+        pool.finalize_backing(2048)
+    assert memory.committed_bytes == before and pool.capacity_tokens == 0
+    memory.calls = None
+    pool.finalize_backing(2048)  # the pool is usable afterwards
+    assert pool.capacity_tokens == 2048
+    pool.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 import torch
@@ -119,3 +120,50 @@ def test_static_fraction_that_leaves_no_room_says_what_to_change(tiny_dir):
 
     with pytest.raises(SizingError, match="mem-fraction-static"):
         start(tiny_dir, kv_sizing="static-fraction")  # the GPU-sized reserve exceeds a 20 MiB budget
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3", "deepseek_v2"])
+@pytest.mark.parametrize("mode", ["post-capture", "profiled"])
+def test_close_gives_back_every_committed_byte_for_every_pool_kind(tmp_path, arch, mode):
+    """MHA, hybrid sliding-window (qwen2, gemma3: the SWA allocator holds a view of the pool's slot
+    map) and MLA pools all return their memory on close."""
+    save_tiny_hf_model(arch, tmp_path)
+    engine = start(str(tmp_path), kv_sizing=mode)
+    memory = engine.memory
+    assert memory.committed_bytes > 0
+    engine.close()
+    assert memory.committed_bytes == 0
+    engine.close()  # twice is harmless
+
+
+def test_a_sliding_window_pool_rounded_down_to_nothing_is_refused_at_start_up(tmp_path):
+    from snugkv.sizing.post_capture import SizingError
+
+    save_tiny_hf_model("qwen2", tmp_path)  # the window sub-pool gets 80% of the full one, in pages
+    with pytest.raises(SizingError, match=r"usable tokens.*swa-full-tokens-ratio"):
+        start(str(tmp_path), page_size=256, max_total_tokens=512)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "words"),
+    [
+        ({"page_size": 0}, "--page-size must be at least 1"),
+        ({"max_total_tokens": 0}, "--max-total-tokens 0 is below two KV pages"),
+        ({"max_total_tokens": -1}, "--max-total-tokens -1"),
+        ({"max_total_tokens": 7, "page_size": 4}, "(8 tokens at --page-size 4)"),
+        ({"host_kv_gib": 0}, "--host-kv-gib must be positive"),
+        ({"max_running_requests": 0}, "--max-running-requests must be at least 1"),
+    ],
+)
+def test_engine_flags_out_of_range_are_refused_naming_the_flag(tiny_dir, overrides, words):
+    from snugkv.engine import InvalidEngineArgs
+
+    with pytest.raises(InvalidEngineArgs, match=re.escape(words)):
+        start(tiny_dir, **overrides)
+
+
+def test_a_kv_budget_below_one_page_says_to_raise_host_kv_gib(tiny_dir):
+    from snugkv.sizing.post_capture import SizingError
+
+    with pytest.raises(SizingError, match=r"first page.*--host-kv-gib"):
+        start(tiny_dir, host_kv_gib=0.00001)

@@ -17,7 +17,7 @@ import torch
 
 from snugkv.memory.layout import BufferLayout
 from snugkv.memory.views import byte_view, typed_view
-from snugkv.memory.vmm import GIB, KIB, CommitError, Extension, VirtualMemory
+from snugkv.memory.vmm import GIB, KIB, Extension, VirtualMemory
 
 logger = logging.getLogger(__name__)
 
@@ -154,7 +154,7 @@ class KvArena:
                     extension = self.vmm.commit(self.base_address + buffer.offset + start, target - start)
                     buffer.extensions.append(extension)
                     added.append((buffer, extension))
-        except CommitError:
+        except BaseException:  # CommitError, or any other failure of the backend: all or nothing
             for buffer, extension in reversed(added):
                 buffer.extensions.remove(extension)
                 self.vmm.decommit(extension)

@@ -95,8 +95,11 @@ class HostVmm(VirtualMemory):
         return self._committed_bytes
 
     def mem_get_info(self) -> tuple[int, int]:
-        free = min(self._capacity_bytes - self._committed_bytes, _available_ram_bytes())
-        return max(free, 0), self._capacity_bytes
+        """(free, total) under this backend's capacity; a capacity above what the machine can give
+        counts only what it can (so free + committed == total, and a ledger adds up)."""
+        available = _available_ram_bytes()
+        free = max(min(self._capacity_bytes - self._committed_bytes, available), 0)
+        return free, min(self._capacity_bytes, self._committed_bytes + free)
 
     def _check(self, result: int, call: str) -> None:
         if result != 0:

@@ -65,7 +65,8 @@ def finalize_with_retry(pool: KVPool, tokens: int, group: dist.ProcessGroup | No
             return backed, attempt
         if ok:  # another rank failed: give back what this rank took, then try together
             pool.finalize_backing(0)
-        tokens = int(tokens * RETRY_SHRINK) // pool.page_size * pool.page_size
+        page = pool.page_size
+        tokens = min(int(tokens * RETRY_SHRINK) // page * page, tokens - page)  # at least a page less
         if tokens <= 0:
             break
     raise SizingError(
