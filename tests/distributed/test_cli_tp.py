@@ -100,3 +100,14 @@ def test_a_chat_left_idle_longer_than_the_collectives_timeout_goes_on(tiny_model
             process.kill()
     assert process.returncode == 0, err.decode()
     assert b"model> " in out, out
+
+
+def test_memory_sizes_every_rank_and_prints_one_line_per_rank(tiny_model):
+    path, _, _ = tiny_model
+    done = snugkv("memory", "--model", str(path), "--max-total-tokens", "1024", stdin="")
+    assert done.returncode == 0, done.stderr
+    assert "max_total_num_tokens=1,024" in done.stdout and "Memory ledger" in done.stdout
+    assert [line.split(":")[0] for line in done.stdout.splitlines() if line.startswith("rank ")] == [
+        "rank 0",
+        "rank 1",
+    ]

@@ -167,3 +167,19 @@ def test_a_kv_budget_below_one_page_says_to_raise_host_kv_gib(tiny_dir):
 
     with pytest.raises(SizingError, match=r"first page.*--host-kv-gib"):
         start(tiny_dir, host_kv_gib=0.00001)
+
+
+def test_memory_command_prints_the_plan_the_ledger_and_json(tiny_dir, capsys, tmp_path):
+    import json
+
+    from snugkv.cli import main
+
+    plot = tmp_path / "ledger.png"
+    assert (
+        main(["memory", "--model", tiny_dir, "--max-total-tokens", "256", "--json", "--plot", str(plot)]) == 0
+    )
+    out = capsys.readouterr().out
+    assert "kv sizing: post-capture, max_total_num_tokens=256" in out and "Memory ledger" in out
+    report = json.loads(out[out.index("{") : out.rindex("}") + 1])
+    assert report["max_total_num_tokens"] == 256 and len(report["ledger_per_rank"]) == 1
+    assert plot.stat().st_size > 0

@@ -11,6 +11,7 @@ import argparse
 import json
 
 from snugkv.commands.engine_args import add_engine_arguments, engine_args_from
+from snugkv.memory.vmm import GIB
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -24,25 +25,58 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from snugkv.distributed.launch import device_type_for, launch
+
+    return int(launch(_memory_rank, args.tp_size, (args,), device_type=device_type_for(args.device)) or 0)
+
+
+def _memory_rank(tp, args: argparse.Namespace) -> int:
+    """Every rank sizes its own engine (the token count is agreed); rank 0 prints its ledger and
+    one line per rank."""
     from snugkv.engine import Engine
 
-    engine = Engine(engine_args_from(args))
+    engine = Engine(engine_args_from(args), tp=tp)
     report = engine.report
+    ledgers = _gather(tp, report.ledger)
+    engine.close()
+    if not tp.is_first_rank:
+        return 0
     print(
         f"kv sizing: {report.mode}, max_total_num_tokens={report.max_total_num_tokens:,}, "
         f"max_running_requests={report.max_running_requests}, sizing took {report.sizing_ms:.1f} ms"
     )
     print(report.ledger.table())
+    if len(ledgers) > 1:
+        for rank, ledger in enumerate(ledgers):
+            print(
+                f"rank {rank}: KV committed {ledger.kv_committed_bytes / GIB:.2f} GiB, "
+                f"free {ledger.free_bytes / GIB:.2f} GiB, unaccounted {ledger.unaccounted_bytes / GIB:.3f} GiB"
+            )
     if args.json:
-        print(json.dumps(report.to_dict(), indent=2))
+        print(
+            json.dumps(
+                {**report.to_dict(), "ledger_per_rank": [ledger.to_dict() for ledger in ledgers]}, indent=2
+            )
+        )
     if args.plot:
         from snugkv.bench.plots import plot_ledgers
 
         plot_ledgers(
-            {str(report.mode): report.ledger},
+            {f"rank {rank}": ledger for rank, ledger in enumerate(ledgers)}
+            if len(ledgers) > 1
+            else {str(report.mode): report.ledger},
             args.plot,
             title=f"snugkv memory ledger ({report.ledger.device})",
         )
         print(f"wrote {args.plot}")
-    engine.close()
     return 0
+
+
+def _gather(tp, ledger):
+    if not tp.enabled:
+        return [ledger]
+    import torch.distributed as dist
+
+    everyone: list = [None] * tp.world_size
+    dist.all_gather_object(everyone, ledger, group=tp.cpu_group)
+    return everyone
