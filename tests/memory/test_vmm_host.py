@@ -98,3 +98,41 @@ def test_misaligned_commit_is_rejected_with_the_granularity():
     base = vmm.reserve(8 * MIB)
     with pytest.raises(ValueError, match="granularity"):
         vmm.commit(base + 4096, 2 * MIB)
+
+
+class _PopulateFails:
+    """The real libc, except that MADV_POPULATE_WRITE fails with `errno_value`."""
+
+    def __init__(self, libc, errno_value: int) -> None:
+        self._libc, self._errno = libc, errno_value
+
+    def madvise(self, address, size, advice):
+        from snugkv.memory.vmm_host import _MADV_POPULATE_WRITE
+
+        if advice == _MADV_POPULATE_WRITE:
+            import ctypes
+
+            ctypes.set_errno(self._errno)
+            return -1
+        return self._libc.madvise(address, size, advice)
+
+    def __getattr__(self, name):
+        return getattr(self._libc, name)
+
+
+def test_a_populate_that_runs_out_of_memory_is_a_commit_error_not_a_silent_fallback():
+    import errno
+
+    vmm = HostVmm(capacity_bytes=64 * MIB)
+    real = vmm._libc
+    base = vmm.reserve(8 * MIB)
+    vmm._libc = _PopulateFails(real, errno.ENOMEM)
+    with pytest.raises(CommitError, match="short of memory"):
+        vmm.commit(base, 4 * MIB)
+    assert vmm.committed_bytes == 0 and vmm._can_populate  # no switch to touching pages
+    vmm._libc = _PopulateFails(real, errno.EINVAL)  # an old kernel: fall back, once and for good
+    extension = vmm.commit(base, 4 * MIB)
+    assert vmm.committed_bytes == 4 * MIB and not vmm._can_populate
+    vmm._libc = real
+    vmm.decommit(extension)
+    vmm.release(base, 8 * MIB)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import logging
 import mmap
 import os
@@ -141,7 +142,15 @@ class HostVmm(VirtualMemory):
         if self._can_populate:
             if self._libc.madvise(address, size_bytes, _MADV_POPULATE_WRITE) == 0:
                 return
-            self._can_populate = False  # kernel older than 5.14: touch pages instead
+            errno_value = ctypes.get_errno()
+            if errno_value != errno.EINVAL:  # the advice exists; the memory does not (ENOMEM, ...)
+                self._libc.madvise(address, size_bytes, _MADV_DONTNEED)
+                self._libc.mprotect(address, size_bytes, _PROT_NONE)
+                raise CommitError(
+                    f"backing {size_bytes / 2**20:.1f} MiB failed: errno {errno_value} "
+                    f"({os.strerror(errno_value)}); the machine is short of memory"
+                )
+            self._can_populate = False  # EINVAL: a kernel older than 5.14; touch the pages instead
         ctypes.memset(address, 0, size_bytes)
 
     def decommit(self, extension: Extension) -> None:
