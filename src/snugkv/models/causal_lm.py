@@ -8,10 +8,13 @@ calls `forward` and `compute_logits`, so it never needs to know which architectu
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from torch import nn
 
 from snugkv.models.config import ModelConfig
+from snugkv.models.weights import StackedParam, load_named_tensors
 from snugkv.runner.forward_batch import ForwardBatch
 
 
@@ -20,6 +23,8 @@ class CausalLM(nn.Module):
     model: nn.Module
     lm_head: nn.Module
     supports_tensor_parallel = False  # True where the layers are built from snugkv.layers.parallel_linear
+    stacked_params: tuple[StackedParam, ...] = ()  # checkpoint tensors merged into one parameter
+    ignored_weights: tuple[str, ...] = ("rotary_emb.inv_freq",)  # checkpoint tensors computed here
 
     def tie_weights(self) -> None:
         """Share the embedding with the LM head when the config says so (again after `to_empty`)."""
@@ -34,3 +39,21 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits `[n, vocab]` for hidden rows `[n, hidden]`."""
         return self.lm_head(hidden).float()
+
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], *, source: str = "checkpoint"
+    ) -> None:
+        """Checkpoint tensors into this rank's parameters; stacked parts are split by the sizes
+        the merged layer keeps on this rank (the same in every layer)."""
+        ignore = list(self.ignored_weights)
+        if self.config.tie_word_embeddings:
+            ignore.append("lm_head.weight")
+        targets = {param.target for param in self.stacked_params}
+        shard_sizes = {
+            name.rsplit(".", 1)[-1]: module.local_sizes
+            for name, module in self.model.layers[0].named_modules()
+            if name.rsplit(".", 1)[-1] in targets
+        }
+        load_named_tensors(
+            self, weights, stacked=self.stacked_params, shard_sizes=shard_sizes, ignore=ignore, source=source
+        )

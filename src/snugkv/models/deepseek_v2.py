@@ -17,7 +17,7 @@ RoPE rotates interleaved pairs (transformers' complex-number form), not halves.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +37,7 @@ from snugkv.layers.rotary import RotaryEmbedding, yarn_mscale
 from snugkv.models.causal_lm import CausalLM
 from snugkv.models.config import ConfigError, ModelConfig
 from snugkv.models.llama import LlamaMLP
-from snugkv.models.weights import StackedParam, load_named_tensors
+from snugkv.models.weights import StackedParam
 from snugkv.runner.forward_batch import ForwardBatch
 
 STACKED_PARAMS = (StackedParam("gate_proj", "gate_up_proj", 0), StackedParam("up_proj", "gate_up_proj", 1))
@@ -219,6 +219,7 @@ class DeepseekV2ForCausalLM(CausalLM):
     """`forward` returns the final hidden states `[T, hidden]`; `compute_logits` projects rows of them."""
 
     supports_tensor_parallel = True
+    stacked_params = STACKED_PARAMS
 
     def __init__(self, config: ModelConfig, *, max_position: int | None = None) -> None:
         super().__init__()
@@ -229,18 +230,3 @@ class DeepseekV2ForCausalLM(CausalLM):
         self.model = DeepseekV2Model(config, self.dims, self.max_position, tp)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp=tp)
         self.tie_weights()
-
-    def load_weights(
-        self, weights: Iterable[tuple[str, torch.Tensor]], *, source: str = "checkpoint"
-    ) -> None:
-        ignore = ["rotary_emb.inv_freq"]
-        if self.config.tie_word_embeddings:
-            ignore.append("lm_head.weight")
-        load_named_tensors(
-            self,
-            weights,
-            stacked=STACKED_PARAMS,
-            shard_sizes={"gate_up_proj": self.model.layers[0].mlp.gate_up_proj.local_sizes},
-            ignore=ignore,
-            source=source,
-        )

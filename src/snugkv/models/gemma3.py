@@ -9,7 +9,7 @@ The sliding-window layers make runner/kv_cache.py give the model the hybrid SWA 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -28,7 +28,6 @@ from snugkv.layers.rotary import RotaryEmbedding
 from snugkv.models.causal_lm import CausalLM
 from snugkv.models.config import ConfigError, ModelConfig, normalize_rope_parameters
 from snugkv.models.llama import STACKED_PARAMS, LlamaMLP
-from snugkv.models.weights import load_named_tensors
 from snugkv.runner.forward_batch import ForwardBatch
 
 # transformers' defaults when a config leaves a layer type's theta out.
@@ -168,6 +167,8 @@ class Gemma3ForCausalLM(CausalLM):
     """`forward` returns the final hidden states `[T, hidden]`; `compute_logits` projects rows of them."""
 
     supports_tensor_parallel = True
+    stacked_params = STACKED_PARAMS
+    ignored_weights = ("rotary_emb.inv_freq", "embed_scale")
 
     def __init__(self, config: ModelConfig, *, max_position: int | None = None) -> None:
         super().__init__()
@@ -192,22 +193,3 @@ class Gemma3ForCausalLM(CausalLM):
             cap = self.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap
         return logits.float()
-
-    def load_weights(
-        self, weights: Iterable[tuple[str, torch.Tensor]], *, source: str = "checkpoint"
-    ) -> None:
-        config = self.config
-        ignore = ["rotary_emb.inv_freq", "embed_scale"]
-        if config.tie_word_embeddings:
-            ignore.append("lm_head.weight")
-        load_named_tensors(
-            self,
-            weights,
-            stacked=STACKED_PARAMS,
-            shard_sizes={  # this rank's rows of each stacked part
-                "qkv_proj": self.model.layers[0].self_attn.qkv_proj.local_sizes,
-                "gate_up_proj": self.model.layers[0].mlp.gate_up_proj.local_sizes,
-            },
-            ignore=ignore,
-            source=source,
-        )

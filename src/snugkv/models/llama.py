@@ -12,8 +12,6 @@ ranks, the embedding and the LM head split over the vocabulary. At tp=1 those ar
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 from torch import nn
 
@@ -31,7 +29,7 @@ from snugkv.layers.parallel_linear import (
 from snugkv.layers.rotary import RotaryEmbedding
 from snugkv.models.causal_lm import CausalLM
 from snugkv.models.config import ModelConfig
-from snugkv.models.weights import StackedParam, load_named_tensors
+from snugkv.models.weights import StackedParam
 from snugkv.runner.forward_batch import ForwardBatch
 
 STACKED_PARAMS = (
@@ -157,6 +155,7 @@ class LlamaForCausalLM(CausalLM):
     o_bias: bool | None = None
     qk_norm = False
     supports_tensor_parallel = True
+    stacked_params = STACKED_PARAMS
 
     def __init__(self, config: ModelConfig, *, max_position: int | None = None) -> None:
         super().__init__()
@@ -182,24 +181,3 @@ class LlamaForCausalLM(CausalLM):
     def num_kv_heads_per_rank(self) -> int:
         """KV heads this rank's layers cache (what the KV pool must hold per layer)."""
         return self.model.layers[0].self_attn.num_kv_heads
-
-    def load_weights(
-        self, weights: Iterable[tuple[str, torch.Tensor]], *, source: str = "checkpoint"
-    ) -> None:
-        config = self.config
-        qkv_proj = self.model.layers[0].self_attn.qkv_proj
-        gate_up_proj = self.model.layers[0].mlp.gate_up_proj
-        ignore = ["rotary_emb.inv_freq"]
-        if config.tie_word_embeddings:
-            ignore.append("lm_head.weight")
-        load_named_tensors(
-            self,
-            weights,
-            stacked=STACKED_PARAMS,
-            shard_sizes={  # this rank's rows of each stacked part
-                "qkv_proj": qkv_proj.local_sizes,
-                "gate_up_proj": gate_up_proj.local_sizes,
-            },
-            ignore=ignore,
-            source=source,
-        )
