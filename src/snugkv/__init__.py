@@ -1,3 +1,5 @@
 """snugkv: an LLM inference engine whose KV cache is sized after CUDA-graph capture."""
 
-__version__ = "0.1.0"
+from snugkv.version import __version__
+
+__all__ = ["__version__"]

@@ -52,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
 def user_errors() -> tuple[type[BaseException], ...]:
     """Errors a user fixes by changing a flag or a file: one line and exit code 2, no traceback
     (anything else is a bug and keeps its traceback)."""
+    from snugkv.core.sampling import InvalidRequest
     from snugkv.distributed.group import TensorParallelError
     from snugkv.distributed.launch import RankFailed
     from snugkv.engine import InvalidEngineArgs
@@ -63,7 +64,6 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from snugkv.models.registry import UnsupportedArchitectureError
     from snugkv.models.tokenizer import TokenizerUnavailable
     from snugkv.models.weights import WeightLoadError
-    from snugkv.sampling_params import InvalidRequest
     from snugkv.sizing.post_capture import SizingError
 
     errors: tuple[type[BaseException], ...] = (

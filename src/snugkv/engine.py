@@ -22,22 +22,34 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from snugkv.attention.registry import make_attention_backend
+from snugkv.core.forward import BatchRow
+from snugkv.core.sampling import SamplingParams
 from snugkv.distributed.group import TensorParallel, use_tensor_parallel
-from snugkv.layers.sampler import SamplingParams
-from snugkv.memory.kv_pool import KVPool, PoolMode
-from snugkv.memory.req_to_token import ReqToTokenPool
-from snugkv.memory.vmm import GIB, MIB, CommitError, VirtualMemory, create_vmm
-from snugkv.memory.vmm_host import HostVmm
+from snugkv.memory.kv_pool import KVPool, KVPoolSpec, PoolMode
+from snugkv.memory.vmm import GIB, MIB, CommitError, VirtualMemory
+from snugkv.memory.vmm_factory import create_vmm
+from snugkv.memory.vmm_host import HostVmm, available_ram_bytes
 from snugkv.memory.vmm_plain import PlainMemory
 from snugkv.models.loader import LoadedModel, load_model, resolve_device
 from snugkv.runner.cuda_graph import default_cuda_graph_batch_sizes
-from snugkv.runner.forward_batch import BatchRow
-from snugkv.runner.kv_cache import make_kv_pool, make_slot_allocator, resize_slot_allocator
+from snugkv.runner.kv_cache import make_kv_pool
 from snugkv.runner.model_runner import ModelRunner
-from snugkv.sizing.ledger import MemoryLedger
-from snugkv.sizing.measure import agree_min, measure_free, measure_peak_bytes, settle
-from snugkv.sizing.modes import SizingMode, profiled_kv_budget_bytes, resolve_mode, static_fraction_budget
+from snugkv.sizing.ledger import MemoryLedger, measure_ledger
+from snugkv.sizing.measure import (
+    agree_min,
+    device_memory,
+    measure_capture,
+    measure_free,
+    measure_peak_bytes,
+    settle,
+)
+from snugkv.sizing.modes import (
+    SizingMode,
+    profiled_kv_budget_bytes,
+    resolve_mode,
+    static_fraction_budget,
+    static_kv_tokens,
+)
 from snugkv.sizing.post_capture import SizingError, recap_running_requests, size_post_capture
 
 logger = logging.getLogger(__name__)
@@ -106,7 +118,28 @@ class InvalidEngineArgs(ValueError):
     """An engine flag out of range; the message names the flag and what to pass."""
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
+class SizedKV:
+    """What a sizing mode leaves behind: the runner over its sized pool, and the figures the
+    report and the ledger show."""
+
+    runner: ModelRunner
+    max_total_num_tokens: int
+    max_running_requests: int
+    sizing_ms: float
+    activation_peak_bytes: int
+    headroom_bytes: int
+    graph_driver_bytes: int
+    retries: int = 0
+    per_rank_free_bytes: tuple[int, ...] = ()
+    timings: dict[str, float] = field(default_factory=dict)  # keys carry their unit
+
+    @property
+    def pool(self) -> KVPool:
+        return self.runner.kv_pool
+
+
+@dataclass(frozen=True, slots=True)
 class StartupReport:
     mode: SizingMode
     max_total_num_tokens: int
@@ -131,6 +164,9 @@ class StartupReport:
 
 
 class Engine:
+    runner: ModelRunner | None
+    pool: KVPool
+
     def __init__(
         self, args: EngineArgs, group: dist.ProcessGroup | None = None, tp: TensorParallel | None = None
     ) -> None:
@@ -149,14 +185,12 @@ class Engine:
         args.validate()
         self.args = args = args.resolved(self.device)
         self.group = group
-        self._graph_driver_bytes = 0  # driver memory that graph capture took (set by _capture)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
             torch.zeros(1, device=self.device)  # CUDA context first, so the baseline includes it
-        timings: dict[str, float] = {}
 
         # 1. Load weights (baseline before, so the ledger can tell them apart).
-        baseline_free, total = self._device_mem_info()
+        baseline_free, _ = device_memory(self.device)
         with use_tensor_parallel(tp):  # the model is built sharded for this rank
             self.loaded: LoadedModel = load_model(
                 args.model,
@@ -166,26 +200,42 @@ class Engine:
                 seed=args.weights_seed,
                 max_position=args.context_length,
             )
-        if tp.enabled and not getattr(self.loaded.model, "supports_tensor_parallel", False):
+        if tp.enabled and not self.loaded.model.supports_tensor_parallel:
             raise ValueError(
                 f"{self.loaded.config.architecture} does not support --tp yet; run it with --tp 1"
             )
         self.config = self.loaded.config
         self.kv_dtype = args.kv_dtype or self.loaded.dtype
         self.context_length = args.context_length or self.config.max_position_embeddings
-        timings["load_s"] = time.perf_counter() - started
+        load_s = time.perf_counter() - started
 
         self.mode = resolve_mode(args.kv_sizing, self.device, self.kv_dtype)
         self.memory = self._memory_backend()
-        if self.mode is SizingMode.POST_CAPTURE:
-            report = self._start_post_capture(timings)
-        else:
-            report = self._start_static(timings)
-        report.ledger = self._ledger(baseline_free=baseline_free, total=total, report=report)
-        timings["total_s"] = time.perf_counter() - started
-        report.timings = timings
-        self.report = report
-        self._log("%s", report.ledger.table())
+        sized = self._start_post_capture() if self.mode is SizingMode.POST_CAPTURE else self._start_static()
+        self.runner, self.pool = sized.runner, sized.pool
+        ledger = measure_ledger(
+            self.device,
+            self.memory,
+            baseline_free_bytes=baseline_free,
+            weights_bytes=sum(p.numel() * p.element_size() for p in self.loaded.model.parameters()),
+            kv_committed_bytes=self.pool.committed_bytes,
+            kv_reserved_va_bytes=self.pool.arena.reserved_bytes,
+            kv_in_torch_allocator=isinstance(self.memory, PlainMemory),
+            graph_executables_bytes=sized.graph_driver_bytes,
+            activation_peak_bytes=sized.activation_peak_bytes,
+            headroom_bytes=sized.headroom_bytes,
+        )
+        self.report = StartupReport(
+            self.mode,
+            sized.max_total_num_tokens,
+            sized.max_running_requests,
+            ledger=ledger,
+            sizing_ms=sized.sizing_ms,
+            retries=sized.retries,
+            per_rank_free_bytes=sized.per_rank_free_bytes,
+            timings={"load_s": load_s, **sized.timings, "total_s": time.perf_counter() - started},
+        )
+        self._log("%s", ledger.table())
 
     def _log(self, message: str, *args: Any) -> None:
         """Info on rank 0 only: one sizing line and one ledger per engine, not one per rank."""
@@ -202,74 +252,77 @@ class Engine:
     def _host_kv_bytes(self) -> int:
         if self.args.host_kv_gib is not None:
             return int(self.args.host_kv_gib * GIB)
-        from snugkv.memory.vmm_host import _available_ram_bytes
-
-        return min(GIB, _available_ram_bytes() // 4)
-
-    def _device_mem_info(self) -> tuple[int, int]:
-        if self.device.type == "cuda":
-            settle(self.device)
-            free, total = torch.cuda.mem_get_info(self.device)
-            return int(free), int(total)
-        return 0, 0
+        return min(GIB, available_ram_bytes() // 4)
 
     # -- building blocks ----------------------------------------------------------------
-    def _build_runner(self, pool: KVPool, capacity_tokens: int) -> ModelRunner:
+    def _pool(self, mode: PoolMode, reserved_tokens: int) -> KVPool:
+        spec = KVPoolSpec.of(
+            dtype=self.kv_dtype,
+            page_size=self._page_size,
+            layout=self.args.kv_layout,
+            device=self.device,
+            mode=mode,
+            memory=self.memory,
+        )
+        return make_kv_pool(
+            self.config,
+            spec,
+            reserved_tokens=reserved_tokens,
+            swa_full_tokens_ratio=self.args.swa_full_tokens_ratio,
+            num_kv_heads=self.loaded.model.num_kv_heads_per_rank,  # tp: this rank's
+        )
+
+    def _build_runner(self, pool: KVPool) -> ModelRunner:
         try:
-            pool.ensure_prefix()
+            return ModelRunner.build(
+                self.loaded.model,
+                pool,
+                max_requests=self._max_running_requests,
+                max_context_len=self.context_length,
+                attention_backend=self._attention_backend,
+                tp=self.tp,
+            )
         except CommitError as exc:
             raise SizingError(
                 f"could not back even the KV cache's first page ({exc}); free some memory"
                 + (" or raise --host-kv-gib" if self.device.type == "cpu" else "")
             ) from exc
-        return ModelRunner(
-            self.loaded.model,
-            kv_pool=pool,
-            req_to_token_pool=ReqToTokenPool(
-                self.args.max_running_requests, self.context_length, self.device
-            ),
-            allocator=make_slot_allocator(pool, capacity_tokens, self.device),
-            attn_backend=make_attention_backend(self.args.attention_backend),
-            tp=self.tp,
-        )
 
-    def _pool(self, mode: PoolMode, max_num_tokens: int) -> KVPool:
-        return make_kv_pool(
-            self.config,
-            kv_dtype=self.kv_dtype,
-            page_size=self.args.page_size,
-            layout=self.args.kv_layout,
-            max_num_tokens=max_num_tokens,
-            device=self.device,
-            mode=mode,
-            memory=self.memory,
-            swa_full_tokens_ratio=self.args.swa_full_tokens_ratio,
-            num_kv_heads=getattr(self.loaded.model, "num_kv_heads_per_rank", None),  # tp: this rank's
-        )
+    @property
+    def _page_size(self) -> int:
+        assert self.args.page_size is not None  # filled by EngineArgs.resolved
+        return self.args.page_size
+
+    @property
+    def _max_running_requests(self) -> int:
+        assert self.args.max_running_requests is not None  # filled by EngineArgs.resolved
+        return self.args.max_running_requests
+
+    @property
+    def _chunked_prefill_size(self) -> int:
+        assert self.args.chunked_prefill_size is not None  # filled by EngineArgs.resolved
+        return self.args.chunked_prefill_size
+
+    @property
+    def _attention_backend(self) -> str:
+        assert self.args.attention_backend is not None  # filled by EngineArgs.resolved
+        return self.args.attention_backend
 
     def _graph_batch_sizes(self) -> list[int]:
-        if self.args.disable_cuda_graph:
+        if self.args.disable_cuda_graph or not self.args.cuda_graph_max_bs:
             return []
-        largest = min(self.args.cuda_graph_max_bs, self.args.max_running_requests)
+        largest = min(self.args.cuda_graph_max_bs, self._max_running_requests)
         return default_cuda_graph_batch_sizes(largest)
 
-    def _capture(self, runner: ModelRunner) -> int:
-        """Capture the decode graphs; returns the free memory they took.
-
-        Also records what the driver took outside torch's allocator (graph executables and the
-        kernel modules loaded while capturing), which the ledger lists as its own item.
-        """
+    def _capture(self, runner: ModelRunner) -> tuple[int, float]:
+        """Capture the decode graphs; returns the driver memory they took outside torch's
+        allocator (the ledger's own item) and the seconds it took."""
         sizes = self._graph_batch_sizes()
-        self._graph_driver_bytes = 0
         if not sizes:
-            return 0
-        before, _ = self._device_mem_info()
-        reserved_before = torch.cuda.memory_reserved(self.device)
-        runner.capture_cuda_graphs(sizes)
-        after, _ = self._device_mem_info()
-        reserved_growth = torch.cuda.memory_reserved(self.device) - reserved_before
-        self._graph_driver_bytes = max(before - after - reserved_growth, 0)
-        return before - after
+            return 0, 0.0
+        started = time.perf_counter()
+        taken = measure_capture(self.device, lambda: runner.capture_cuda_graphs(sizes))
+        return taken.driver_bytes, time.perf_counter() - started
 
     def _largest_eager_step(self, runner: ModelRunner) -> None:
         """The biggest eager work the engine will run: the largest prefill chunk, decode beyond the
@@ -279,13 +332,13 @@ class Engine:
         slot 0: this runs before any KV beyond the dummy page is backed.
         """
         sampling = SamplingParams(temperature=1.0, top_p=0.9, top_k=50)
-        chunk = min(self.args.chunked_prefill_size, self.context_length)
+        chunk = min(self._chunked_prefill_size, self.context_length)
         logits = runner.forward(
             [BatchRow(0, 0, [0] * chunk)], torch.zeros(chunk, dtype=torch.int64, device=self.device)
         )
         runner.sample(logits, [sampling])
         sizes = self._graph_batch_sizes()
-        batch = self.args.max_running_requests
+        batch = self._max_running_requests
         if not sizes or batch > max(sizes):
             rows = [BatchRow(0, 1, [0])] * batch
             logits = runner.forward(rows, torch.zeros(batch, dtype=torch.int64, device=self.device))
@@ -294,38 +347,34 @@ class Engine:
         runner.sample(logits, [sampling] * batch)
 
     # -- post-capture -------------------------------------------------------------------
-    def _start_post_capture(self, timings: dict[str, float]) -> StartupReport:
+    def _start_post_capture(self) -> SizedKV:
+        page = self._page_size
         # 2. Reserve: an upper bound from all free memory, no graph or activation reserve.
         free = measure_free(self.memory, self.group)
-        probe = self._pool(PoolMode.POST_CAPTURE, self.args.page_size * 1024)
+        probe = self._pool(PoolMode.POST_CAPTURE, page * 1024)
         bytes_per_token = probe.bytes_per_token
         probe.close()
-        upper = max(int(free.min_bytes // bytes_per_token), self.args.page_size)
+        reserved_tokens = max(int(free.min_bytes // bytes_per_token), page)
         if self.args.max_total_tokens:
-            upper = min(upper, self.args.max_total_tokens + self.args.page_size)
-        pool = self._pool(PoolMode.POST_CAPTURE, upper)
+            reserved_tokens = min(reserved_tokens, self.args.max_total_tokens + page)
+        pool = self._pool(PoolMode.POST_CAPTURE, reserved_tokens)
         # 3. Back the dummy page, 4. capture the decode graphs against the fixed addresses.
-        runner = self._build_runner(pool, capacity_tokens=0)
-        t0 = time.perf_counter()
-        graph_bytes = self._capture(runner)
-        timings["capture_s"] = time.perf_counter() - t0
+        runner = self._build_runner(pool)
+        graph_driver_bytes, capture_s = self._capture(runner)
         # 5. Measure: the activation peak of the largest eager step, then free memory.
         peak = measure_peak_bytes(self.device, lambda: self._largest_eager_step(runner))
         headroom = peak + self.args.headroom_margin_mib * MIB if self.device.type == "cuda" else 0
         measured = time.perf_counter()
         free = measure_free(self.memory, self.group)
-        # 6. Size and 7. commit (with retry), then resize the allocators.
         measure_ms = (time.perf_counter() - measured) * 1e3
+        # 6. Size and 7. commit (with retry), then resize the allocators.
         result = size_post_capture(pool, free, headroom, self.args.max_total_tokens, self.group)
         resized = time.perf_counter()
-        resize_slot_allocator(runner.allocator, pool, result.max_total_num_tokens)
-        timings["sizing_measure_ms"] = measure_ms
-        timings["sizing_commit_ms"] = result.took_ms
-        timings["sizing_resize_ms"] = (time.perf_counter() - resized) * 1e3
+        runner.allocator.resize(result.max_total_num_tokens)
+        resize_ms = (time.perf_counter() - resized) * 1e3
         self._check_usable(runner)
         max_running = self._recap(runner, result.max_total_num_tokens)
         sizing_ms = (time.perf_counter() - measured) * 1e3
-        self.runner, self.pool = runner, pool
         free_after = self.memory.mem_get_info()[0]
         self._log(
             "Post-capture KV sizing: max_total_num_tokens=%d, committed=%.2f GiB, headroom=%.2f GiB, "
@@ -337,15 +386,22 @@ class Engine:
             sizing_ms,
             self._per_rank_text(free.per_rank_bytes),
         )
-        self._graph_bytes, self._activation_peak, self._headroom = graph_bytes, peak, headroom
-        return StartupReport(
-            SizingMode.POST_CAPTURE,
+        return SizedKV(
+            runner,
             result.max_total_num_tokens,
             max_running,
-            ledger=None,  # type: ignore[arg-type]
             sizing_ms=sizing_ms,
+            activation_peak_bytes=peak,
+            headroom_bytes=headroom,
+            graph_driver_bytes=graph_driver_bytes,
             retries=result.retries,
             per_rank_free_bytes=free.per_rank_bytes,
+            timings={
+                "capture_s": capture_s,
+                "sizing_measure_ms": measure_ms,
+                "sizing_commit_ms": result.took_ms,
+                "sizing_resize_ms": resize_ms,
+            },
         )
 
     @staticmethod
@@ -358,51 +414,47 @@ class Engine:
         """A pool whose allocator can hand out nothing (e.g. a sliding-window sub-pool rounded down
         to 0 pages) would refuse every request: say so at start-up instead."""
         usable = runner.allocator.capacity_tokens
-        if usable < 2 * self.args.page_size:  # one page for a prompt, one for its first new token
+        if usable < 2 * self._page_size:  # one page for a prompt, one for its first new token
             raise SizingError(
-                f"the KV cache holds {usable} usable tokens, less than two pages of {self.args.page_size}; "
+                f"the KV cache holds {usable} usable tokens, less than two pages of {self._page_size}; "
                 "raise --max-total-tokens (or --host-kv-gib on CPU), lower --page-size, or for a "
                 "sliding-window model raise --swa-full-tokens-ratio"
             )
 
     def _recap(self, runner: ModelRunner, tokens: int) -> int:
-        max_running = recap_running_requests(self.args.max_running_requests, tokens, self.args.page_size)
-        if max_running < self.args.max_running_requests:
+        max_running = recap_running_requests(self._max_running_requests, tokens, self._page_size)
+        if max_running < self._max_running_requests:
             runner.req_to_token_pool.cap_requests(max_running)
         return max_running
 
     # -- static modes -------------------------------------------------------------------
-    def _start_static(self, timings: dict[str, float]) -> StartupReport:
+    def _start_static(self) -> SizedKV:
         """Profiled / static-fraction: size KV before capture, as classic engines do."""
-        pages = max(2, self.args.chunked_prefill_size // self.args.page_size + 1)
-        probe = self._pool(PoolMode.STATIC, pages * self.args.page_size)
+        page = self._page_size
+        pages = max(2, self._chunked_prefill_size // page + 1)
+        probe = self._pool(PoolMode.STATIC, pages * page)
         peak = self._profile_peak(probe)
         bytes_per_token = probe.bytes_per_token
         probe.close()
         settle(self.device)
         measured = time.perf_counter()
         free, total = self.memory.mem_get_info()
-        used = total - free
         if self.mode is SizingMode.PROFILED:
             budget = profiled_kv_budget_bytes(
                 total_bytes=total,
-                used_bytes=used,
+                used_bytes=total - free,
                 activation_peak_bytes=peak,
                 gpu_memory_utilization=self.args.gpu_memory_utilization,
             )
         else:
             budget = static_fraction_budget(
                 total_bytes=total,
-                used_bytes=used,
-                chunked_prefill_tokens=self.args.chunked_prefill_size,
+                used_bytes=total - free,
+                chunked_prefill_tokens=self._chunked_prefill_size,
                 max_graph_batch=max(self._graph_batch_sizes(), default=0),
                 mem_fraction_static=self.args.mem_fraction_static,
             ).kv_budget_bytes
-        tokens = (
-            int(budget // bytes_per_token) // self.args.page_size * self.args.page_size - self.args.page_size
-        )
-        if self.args.max_total_tokens:
-            tokens = min(tokens, self.args.max_total_tokens // self.args.page_size * self.args.page_size)
+        tokens = static_kv_tokens(budget, bytes_per_token, page, self.args.max_total_tokens)
         tokens = agree_min(tokens, self.group)  # tp: every rank the same count
         if tokens <= 0:
             raise SizingError(
@@ -410,82 +462,46 @@ class Engine:
                 "raise --gpu-memory-utilization / --mem-fraction-static or use post-capture sizing"
             )
         pool = self._pool(PoolMode.STATIC, tokens)
-        runner = self._build_runner(pool, capacity_tokens=pool.capacity_tokens)
+        runner = self._build_runner(pool)
         sizing_ms = (time.perf_counter() - measured) * 1e3
-        t0 = time.perf_counter()
-        graph_bytes = self._capture(runner)
-        timings["capture_s"] = time.perf_counter() - t0
+        graph_driver_bytes, capture_s = self._capture(runner)
         self._check_usable(runner)
-        max_running = self._recap(runner, pool.capacity_tokens)
-        self.runner, self.pool = runner, pool
+        max_running = self._recap(runner, pool.committed_tokens)
         self._log(
             "KV sizing (%s): max_total_num_tokens=%d, committed=%.2f GiB, budget=%.2f GiB, took=%.1f ms",
             self.mode,
-            pool.capacity_tokens,
+            pool.committed_tokens,
             pool.committed_bytes / GIB,
             budget / GIB,
             sizing_ms,
         )
-        self._graph_bytes, self._activation_peak, self._headroom = graph_bytes, peak, 0
-        return StartupReport(
-            self.mode,
-            pool.capacity_tokens,
+        return SizedKV(
+            runner,
+            pool.committed_tokens,
             max_running,
-            ledger=None,  # type: ignore[arg-type]
             sizing_ms=sizing_ms,
+            activation_peak_bytes=peak,
+            headroom_bytes=0,
+            graph_driver_bytes=graph_driver_bytes,
+            timings={"capture_s": capture_s},
         )
 
     def _profile_peak(self, pool: KVPool) -> int:
-        runner = self._build_runner(pool, capacity_tokens=0)
+        runner = self._build_runner(pool)
         return measure_peak_bytes(self.device, lambda: self._largest_eager_step(runner))
-
-    # -- report -------------------------------------------------------------------------
-    def _ledger(self, *, baseline_free: int, total: int, report: StartupReport) -> MemoryLedger:
-        weights = sum(p.numel() * p.element_size() for p in self.loaded.model.parameters())
-        kv_committed = self.pool.committed_bytes
-        if self.device.type == "cuda":
-            free, total = self._device_mem_info()
-            baseline = total - baseline_free
-            torch_reserved = torch.cuda.memory_reserved(self.device)
-            kv_in_torch = kv_committed if isinstance(self.memory, PlainMemory) else 0
-            graphs_and_buffers = torch_reserved - weights - kv_in_torch
-        else:
-            free, total = self.memory.mem_get_info()
-            baseline, graphs_and_buffers = 0, 0
-        return MemoryLedger(
-            device=str(
-                torch.cuda.get_device_name(self.device)
-                if self.device.type == "cuda"
-                else "cpu (host backend)"
-            ),
-            total_bytes=total,
-            free_bytes=free,
-            baseline_bytes=baseline,
-            weights_bytes=weights,
-            graphs_and_buffers_bytes=graphs_and_buffers,
-            graph_executables_bytes=self._graph_driver_bytes,
-            kv_committed_bytes=kv_committed,
-            kv_reserved_va_bytes=self.pool.arena.reserved_bytes,
-            activation_peak_bytes=self._activation_peak,
-            headroom_bytes=self._headroom,
-            weights_in_device_memory=self.device.type == "cuda",
-        )
 
     # -- shutdown -----------------------------------------------------------------------
     def close(self) -> None:
         """Release graphs, pool views and the arena, in that order; idempotent."""
-        runner = getattr(self, "runner", None)
+        runner = self.runner
         if runner is None:
             return
-        runner.cuda_graphs = None
-        runner.kv_pool = None
-        runner.allocator = None  # an SWA allocator holds a view of the pool's slot map
-        self.runner = None  # type: ignore[assignment]
-        del runner
+        runner.close()
+        self.runner = None
         settle(self.device)
         try:
             self.pool.close()
-            if not self.pool._owns_arena:
+            if not self.pool.owns_arena:
                 self.pool.arena.close()
         except RuntimeError as exc:  # a caller still holds a KV tensor: the arena goes when it does
             logger.warning("KV arena not released yet: %s", exc)

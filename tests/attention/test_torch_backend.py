@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from snugkv.attention.torch_backend import TorchAttentionBackend
+from snugkv.core.forward import BatchRow, ForwardBatch
 from snugkv.layers.attention import PagedAttention
 from snugkv.memory.allocator import make_allocator
-from snugkv.memory.kv_pool import MHAKVPool
+from snugkv.memory.kv_pool import KVPoolSpec, MHAKVPool
 from snugkv.memory.req_to_token import ReqToTokenPool
-from snugkv.runner.forward_batch import BatchRow, ForwardBatch
 
 HEAD_DIM = 16
 
@@ -37,14 +37,11 @@ def dense_reference(q, k, v, prefix_len, sliding_window, scaling):
 class Setup:
     def __init__(self, *, page_size, layout, kv_dtype, num_heads, num_kv_heads, sliding_window):
         self.pool = MHAKVPool(
+            KVPoolSpec.of(dtype=kv_dtype, page_size=page_size, layout=layout, device="cpu"),
+            reserved_tokens=256,
             num_layers=2,
             num_kv_heads=num_kv_heads,
             head_dim=HEAD_DIM,
-            dtype=kv_dtype,
-            page_size=page_size,
-            layout=layout,
-            max_num_tokens=256,
-            device="cpu",
         )
         self.allocator = make_allocator(256, page_size)
         self.table = ReqToTokenPool(8, 64)

@@ -7,12 +7,12 @@ import torch
 
 from snugkv.attention.torch_backend import TorchAttentionBackend
 from snugkv.attention.triton_backend import TritonAttentionBackend
+from snugkv.core.forward import BatchRow, ForwardBatch
 from snugkv.layers.attention import PagedAttention
 from snugkv.memory.allocator import make_allocator
-from snugkv.memory.kv_pool import MHAKVPool
+from snugkv.memory.kv_pool import KVPoolSpec, MHAKVPool
 from snugkv.memory.req_to_token import ReqToTokenPool
 from snugkv.memory.swa_pool import SWAKVPool
-from snugkv.runner.forward_batch import BatchRow, ForwardBatch
 
 
 def run_both(pool, layer: PagedAttention, rows: list[BatchRow], table: ReqToTokenPool, allocator, seed: int):
@@ -44,14 +44,11 @@ def run_both(pool, layer: PagedAttention, rows: list[BatchRow], table: ReqToToke
 @pytest.mark.parametrize(("layout", "page_size"), [("nhd", 1), ("hnd", 4)])
 def test_prefill_then_decode_matches_the_torch_backend(layout, page_size):
     pool = MHAKVPool(
+        KVPoolSpec.of(dtype="float32", page_size=page_size, layout=layout, device="cpu"),
+        reserved_tokens=256,
         num_layers=1,
         num_kv_heads=2,
         head_dim=32,
-        dtype="float32",
-        page_size=page_size,
-        layout=layout,
-        max_num_tokens=256,
-        device="cpu",
     )
     allocator = make_allocator(256, page_size)
     table = ReqToTokenPool(4, 64)
@@ -67,15 +64,12 @@ def test_prefill_then_decode_matches_the_torch_backend(layout, page_size):
 
 def test_sliding_window_layer_reads_through_the_swa_mapping():
     pool = SWAKVPool(
+        KVPoolSpec.of(dtype="float32", page_size=1, layout="nhd", device="cpu"),
+        reserved_tokens=64,
         num_layers=2,
         swa_layer_ids=[0],
         num_kv_heads=1,
         head_dim=16,
-        dtype="float32",
-        page_size=1,
-        layout="nhd",
-        max_num_tokens=64,
-        device="cpu",
         swa_full_tokens_ratio=1.0,
     )
     pool.full_to_swa[1:65] = torch.randperm(64) + 1  # window slots scattered differently from full slots

@@ -14,9 +14,9 @@ import torch
 
 from snugkv.attention.triton_backend import TritonAttentionBackend
 from snugkv.models.loader import load_model
-from snugkv.runner.model_runner import ModelRunner
 from tests.models.hf_tiny import hf_greedy, save_tiny_hf_model
 from tests.models.test_hf_equivalence import PROMPTS, run_schedule
+from tests.runner_factory import create_runner
 
 NEW_TOKENS = 4
 
@@ -54,7 +54,7 @@ def checkpoint(tmp_path_factory):
 def test_triton_backend_greedy_tokens_match_transformers(checkpoint, arch, page_size, layout):
     directory, expected = checkpoint(arch)
     loaded = load_model(directory, device="cpu", dtype="float32")
-    runner = ModelRunner.create(
+    runner = create_runner(
         loaded.model,
         max_total_tokens=1024,
         max_requests=8,

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
+from snugkv.core.sampling import SamplingParams
 from snugkv.distributed.group import TensorParallel
 from snugkv.distributed.launch import launch
-from snugkv.sampling_params import SamplingParams
 from snugkv.scheduler import lockstep
 from snugkv.scheduler.lockstep import Add, Stop
 from snugkv.scheduler.scheduler import Scheduler

@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from snugkv.core.sampling import SamplingParams
 from snugkv.distributed.group import TensorParallel, TensorParallelError, use_tensor_parallel
 from snugkv.distributed.launch import launch, rank_environment
 from snugkv.distributed.setup import NO_MULTICAST_ENV
-from snugkv.layers.sampler import SamplingParams
 from snugkv.models.loader import load_model
 from snugkv.runner.generate import generate
 from tests.models.hf_tiny import hf_greedy, tiny_hf_config, tiny_hf_model

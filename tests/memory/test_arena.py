@@ -119,7 +119,7 @@ def test_buffer_larger_than_the_reserved_range_is_refused_with_sizes():
 
 def test_a_backend_error_that_is_not_out_of_memory_also_rolls_the_commit_back():
     """All or nothing holds for any failure of the backend mid-commit, not only CommitError."""
-    from snugkv.memory.kv_pool import MHAKVPool
+    from snugkv.memory.kv_pool import KVPoolSpec, MHAKVPool
     from snugkv.memory.vmm import MIB, VmmError
     from snugkv.memory.vmm_host import HostVmm
 
@@ -134,17 +134,14 @@ def test_a_backend_error_that_is_not_out_of_memory_also_rolls_the_commit_back():
             return super().commit(address, size_bytes)
 
     memory = FailsOnThirdCommit(capacity_bytes=64 * MIB)
-    pool = MHAKVPool(
-        num_layers=2, num_kv_heads=2, head_dim=64, dtype="float32", page_size=16, layout="nhd",
-        max_num_tokens=4096, device="cpu", mode="post-capture", memory=memory,
-    )  # fmt: skip
+    pool = MHAKVPool(KVPoolSpec.of(dtype="float32", page_size=16, layout="nhd", device="cpu", mode="post-capture", memory=memory), reserved_tokens=4096, num_layers=2, num_kv_heads=2, head_dim=64)  # fmt: skip
     pool.ensure_prefix()
     before = memory.committed_bytes
     memory.calls = 0
     with pytest.raises(VmmError, match="injected"):
         pool.finalize_backing(2048)
-    assert memory.committed_bytes == before and pool.capacity_tokens == 0
+    assert memory.committed_bytes == before and pool.committed_tokens == 0
     memory.calls = None
     pool.finalize_backing(2048)  # the pool is usable afterwards
-    assert pool.capacity_tokens == 2048
+    assert pool.committed_tokens == 2048
     pool.close()

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from snugkv.memory.arena import KvArena
-from snugkv.memory.kv_pool import MHAKVPool
-from snugkv.memory.vmm import GIB, MIB, CommitError, create_vmm
+from snugkv.memory.kv_pool import KVPoolSpec, MHAKVPool
+from snugkv.memory.vmm import GIB, MIB, CommitError
+from snugkv.memory.vmm_factory import create_vmm
 
 pytestmark = pytest.mark.cuda
 
@@ -39,15 +40,11 @@ def test_reserving_256_gib_leaves_free_memory_unchanged(vmm):
 def make_pool(vmm, mode: str, layout: str = "nhd", page_size: int = 1) -> MHAKVPool:
     arena = KvArena(vmm, 256 * GIB, label="cuda-test")
     return MHAKVPool(
+        KVPoolSpec.of(dtype="bfloat16", page_size=page_size, layout=layout, device="cuda", mode=mode),
+        reserved_tokens=400_000,
         num_layers=32,
         num_kv_heads=8,
         head_dim=128,
-        dtype="bfloat16",
-        page_size=page_size,
-        layout=layout,
-        max_num_tokens=400_000,
-        device="cuda",
-        mode=mode,
         arena=arena,
     )
 
@@ -102,15 +99,11 @@ def test_graph_captured_on_the_dummy_page_writes_a_high_slot_after_finalize(vmm,
 def test_commit_beyond_the_gpu_rolls_back_and_the_arena_stays_usable(vmm):
     arena = KvArena(vmm, 512 * GIB, label="oom-test")
     pool = MHAKVPool(
+        KVPoolSpec.of(dtype="bfloat16", page_size=1, layout="nhd", device="cuda", mode="post-capture"),
+        reserved_tokens=100_000_000,
         num_layers=1,
         num_kv_heads=8,
         head_dim=128,
-        dtype="bfloat16",
-        page_size=1,
-        layout="nhd",
-        max_num_tokens=100_000_000,
-        device="cuda",
-        mode="post-capture",
         arena=arena,
     )
     pool.ensure_prefix()
@@ -139,15 +132,11 @@ def test_closing_the_pool_returns_all_memory(vmm):
 def test_fp8_pool_on_gpu_round_trips_e4m3_values(vmm):
     arena = KvArena(vmm, 8 * GIB, label="fp8")
     pool = MHAKVPool(
+        KVPoolSpec.of(dtype="fp8_e4m3", page_size=16, layout="hnd", device="cuda", mode="static"),
+        reserved_tokens=1024,
         num_layers=1,
         num_kv_heads=2,
         head_dim=4,
-        dtype="fp8_e4m3",
-        page_size=16,
-        layout="hnd",
-        max_num_tokens=1024,
-        device="cuda",
-        mode="static",
         arena=arena,
     )
     values = torch.tensor([[0.5, -1.0, 2.0, 448.0]] * 2, device="cuda").unsqueeze(0)

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from snugkv.memory.arena import KvArena
-from snugkv.memory.kv_pool import KVPool, MHAKVPool, PoolMode
+from snugkv.memory.kv_pool import KVPool, KVPoolSpec, MHAKVPool, PoolMode
 from snugkv.memory.layout import KVLayout
 from snugkv.memory.mla_pool import MLAKVPool
 from snugkv.memory.swa_pool import SWAKVPool
@@ -22,30 +22,33 @@ GRANULE = 64 * 1024
 
 
 def make_pool(
-    kind: str, *, dtype: str, page_size: int, layout: str, max_num_tokens: int, mode: str, arena=None
+    kind: str, *, dtype: str, page_size: int, layout: str, reserved_tokens: int, mode: str, arena=None
 ) -> KVPool:
-    common = dict(
-        dtype=dtype,
-        page_size=page_size,
-        layout=layout,
-        max_num_tokens=max_num_tokens,
-        device="cpu",
-        mode=mode,
-    )
+    spec = KVPoolSpec.of(dtype=dtype, page_size=page_size, layout=layout, device="cpu", mode=mode)
     if arena is None:
         arena = KvArena(HostVmm(granularity_bytes=GRANULE), 4096 * MIB, label="test")
     if kind == "mha":
-        return MHAKVPool(num_layers=2, num_kv_heads=3, head_dim=24, arena=arena, **common)
+        return MHAKVPool(
+            spec, reserved_tokens=reserved_tokens, num_layers=2, num_kv_heads=3, head_dim=24, arena=arena
+        )
     if kind == "mla":
-        return MLAKVPool(num_layers=2, kv_lora_rank=32, qk_rope_head_dim=8, arena=arena, **common)
+        return MLAKVPool(
+            spec,
+            reserved_tokens=reserved_tokens,
+            num_layers=2,
+            kv_lora_rank=32,
+            qk_rope_head_dim=8,
+            arena=arena,
+        )
     return SWAKVPool(
+        spec,
+        reserved_tokens=reserved_tokens,
         num_layers=3,
         swa_layer_ids=[0, 2],
         num_kv_heads=2,
         head_dim=16,
         swa_full_tokens_ratio=0.6,
         arena=arena,
-        **common,
     )
 
 
@@ -64,7 +67,7 @@ def test_finalize_backs_every_byte_a_valid_slot_touches(kind, layout, page_size,
         dtype=dtype,
         page_size=page_size,
         layout=layout,
-        max_num_tokens=upper_tokens,
+        reserved_tokens=upper_tokens,
         mode="post-capture",
     )
     pool.ensure_prefix()
@@ -89,7 +92,7 @@ def test_finalize_backs_every_byte_a_valid_slot_touches(kind, layout, page_size,
         slot_shape = (1, *k.shape[1:]) if layout == "nhd" else (1, k.shape[1], k.shape[-1])
         if kind == "mla":
             pool.set_kv(layer, slot, torch.ones(slot_shape))
-        elif kind == "swa" and pool.is_swa_layer(layer):
+        elif kind == "swa" and pool.slot_map(layer) is not None:
             continue  # window slots come from the allocator's mapping
         else:
             pool.set_kv(layer, slot, torch.ones(slot_shape), torch.ones(slot_shape))
@@ -97,7 +100,7 @@ def test_finalize_backs_every_byte_a_valid_slot_touches(kind, layout, page_size,
 
 def test_bytes_for_tokens_matches_what_finalize_commits():
     pool = make_pool(
-        "mha", dtype="bfloat16", page_size=16, layout="hnd", max_num_tokens=50_000, mode="post-capture"
+        "mha", dtype="bfloat16", page_size=16, layout="hnd", reserved_tokens=50_000, mode="post-capture"
     )
     tokens = pool.finalize_backing(12_345)
     assert pool.committed_bytes == pool.bytes_for_tokens(tokens)
@@ -105,7 +108,7 @@ def test_bytes_for_tokens_matches_what_finalize_commits():
 
 def test_max_tokens_within_is_the_largest_count_that_fits():
     pool = make_pool(
-        "swa", dtype="float16", page_size=4, layout="nhd", max_num_tokens=100_000, mode="post-capture"
+        "swa", dtype="float16", page_size=4, layout="nhd", reserved_tokens=100_000, mode="post-capture"
     )
     budget = 5 * MIB
     tokens = pool.max_tokens_within(budget)
@@ -116,7 +119,7 @@ def test_max_tokens_within_is_the_largest_count_that_fits():
 def test_post_capture_pool_costs_nothing_until_the_prefix_is_backed(caplog):
     with caplog.at_level(logging.INFO):
         pool = make_pool(
-            "mha", dtype="bfloat16", page_size=1, layout="nhd", max_num_tokens=1_000_000, mode="post-capture"
+            "mha", dtype="bfloat16", page_size=1, layout="nhd", reserved_tokens=1_000_000, mode="post-capture"
         )
     assert pool.committed_bytes == 0
     assert "KV Cache VA upper bound. dtype: torch.bfloat16, #tokens: 1000000" in caplog.text
@@ -127,10 +130,10 @@ def test_post_capture_pool_costs_nothing_until_the_prefix_is_backed(caplog):
 def test_static_pool_is_fully_backed_at_creation(caplog):
     with caplog.at_level(logging.INFO):
         pool = make_pool(
-            "mha", dtype="float16", page_size=1, layout="nhd", max_num_tokens=10_000, mode="static"
+            "mha", dtype="float16", page_size=1, layout="nhd", reserved_tokens=10_000, mode="static"
         )
     assert pool.mode is PoolMode.STATIC
-    assert pool.capacity_tokens == 10_000
+    assert pool.committed_tokens == 10_000
     assert pool.committed_bytes == pool.bytes_for_tokens(10_000)
     assert "KV Cache is allocated." in caplog.text
 
@@ -138,16 +141,16 @@ def test_static_pool_is_fully_backed_at_creation(caplog):
 def test_swa_pool_logs_both_sub_pools_and_sizes_them_in_ratio(caplog):
     with caplog.at_level(logging.INFO):
         pool = make_pool(
-            "swa", dtype="float16", page_size=4, layout="nhd", max_num_tokens=1000, mode="post-capture"
+            "swa", dtype="float16", page_size=4, layout="nhd", reserved_tokens=1000, mode="post-capture"
         )
     assert "[full]" in caplog.text and "[swa]" in caplog.text
     pool.finalize_backing(500)
-    assert pool.capacity_tokens == 500 and pool.swa_capacity_tokens == 300
+    assert pool.committed_tokens == 500 and pool.swa_committed_tokens == 300
     assert pool.full_to_swa[:4].tolist() == [0, 1, 2, 3]
 
 
 def test_swa_pool_writes_window_layers_through_the_mapping():
-    pool = make_pool("swa", dtype="float32", page_size=1, layout="nhd", max_num_tokens=100, mode="static")
+    pool = make_pool("swa", dtype="float32", page_size=1, layout="nhd", reserved_tokens=100, mode="static")
     pool.full_to_swa[50] = 7
     k = torch.randn(1, 2, 16)
     pool.set_kv(0, torch.tensor([50]), k, k)
@@ -159,7 +162,7 @@ def test_swa_pool_writes_window_layers_through_the_mapping():
 
 @pytest.mark.parametrize("layout", ["nhd", "hnd"])
 def test_fp8_pool_stores_e4m3_values(layout):
-    pool = make_pool("mha", dtype="fp8_e4m3", page_size=4, layout=layout, max_num_tokens=64, mode="static")
+    pool = make_pool("mha", dtype="fp8_e4m3", page_size=4, layout=layout, reserved_tokens=64, mode="static")
     values = torch.tensor([0.5, -1.0, 2.0, 448.0]).repeat(18).reshape(1, 3, 24)
     pool.set_kv(1, torch.tensor([9]), values, values)
     k, _ = pool.get_kv_buffer(1)
@@ -169,7 +172,7 @@ def test_fp8_pool_stores_e4m3_values(layout):
 
 
 def test_mla_value_buffer_is_the_latent_prefix():
-    pool = make_pool("mla", dtype="bfloat16", page_size=1, layout="nhd", max_num_tokens=32, mode="static")
+    pool = make_pool("mla", dtype="bfloat16", page_size=1, layout="nhd", reserved_tokens=32, mode="static")
     latent = torch.randn(1, 1, 40)
     pool.set_kv(0, torch.tensor([5]), latent)
     k, v = pool.get_kv_buffer(0)
@@ -179,7 +182,7 @@ def test_mla_value_buffer_is_the_latent_prefix():
 
 def test_finalize_beyond_the_upper_bound_says_what_was_reserved():
     pool = make_pool(
-        "mha", dtype="float16", page_size=1, layout="nhd", max_num_tokens=100, mode="post-capture"
+        "mha", dtype="float16", page_size=1, layout="nhd", reserved_tokens=100, mode="post-capture"
     )
     with pytest.raises(ValueError, match="upper bound is 100"):
         pool.finalize_backing(101)
@@ -192,7 +195,7 @@ def test_failed_finalize_leaves_the_pool_backed_as_before():
         dtype="float32",
         page_size=1,
         layout="nhd",
-        max_num_tokens=100_000,
+        reserved_tokens=100_000,
         mode="post-capture",
         arena=arena,
     )
@@ -207,14 +210,11 @@ def test_failed_finalize_leaves_the_pool_backed_as_before():
 
 def test_closing_a_pool_releases_its_own_arena():
     pool = MHAKVPool(
+        KVPoolSpec.of(dtype="float32", page_size=1, layout=KVLayout.TOKEN_MAJOR, device="cpu"),
+        reserved_tokens=100,
         num_layers=1,
         num_kv_heads=1,
         head_dim=8,
-        dtype="float32",
-        page_size=1,
-        layout=KVLayout.TOKEN_MAJOR,
-        max_num_tokens=100,
-        device="cpu",
     )
     vmm = pool.arena.vmm
     assert vmm.committed_bytes > 0
@@ -227,19 +227,15 @@ def test_static_pool_over_plain_memory_needs_no_vmm():
 
     arena = KvArena(PlainMemory("cpu"), 64 * MIB, label="plain")
     pool = MHAKVPool(
+        KVPoolSpec.of(dtype="bfloat16", page_size=4, layout="hnd", device="cpu", mode="static"),
+        reserved_tokens=256,
         num_layers=2,
         num_kv_heads=2,
         head_dim=8,
-        dtype="bfloat16",
-        page_size=4,
-        layout="hnd",
-        max_num_tokens=256,
-        device="cpu",
-        mode="static",
         arena=arena,
     )
     values = torch.randn(2, 2, 8)
     pool.set_kv(1, torch.tensor([4, 259]), values, values)
     k, _ = pool.get_kv_buffer(1)
     assert torch.equal(k[64, :, 3], values[1].bfloat16())
-    assert pool.capacity_tokens == 256
+    assert pool.committed_tokens == 256

@@ -122,7 +122,7 @@ def test_decode_pairs_each_new_page() -> None:
 def test_resize_grows_both_pools_and_clears_the_new_mapping_entries() -> None:
     swa = make(8, 4, 4, spare_tokens=8)
     swa.full_to_swa[12:] = 99  # memory just committed may hold anything
-    swa.resize(16, 8)
+    swa.resize_groups(16, 8)
     assert swa.full_capacity_tokens == 16 and swa.swa_capacity_tokens == 8
     assert swa.full_to_swa[12:20].count_nonzero() == 0
 
@@ -132,7 +132,7 @@ def test_resize_to_a_larger_mapping_copies_the_live_entries() -> None:
     full = swa.alloc(4)
     assert full is not None
     bigger = torch.full((36,), -1, dtype=torch.int64)
-    swa.resize(32, 8, full_to_swa=bigger)
+    swa.resize_groups(32, 8, full_to_swa=bigger)
     assert swa.full_to_swa is bigger
     assert bigger[:8].tolist() == [0, 1, 2, 3, 4, 5, 6, 7]
     assert bigger[8:].count_nonzero() == 0
@@ -144,7 +144,7 @@ def test_resize_that_fails_on_the_window_pool_leaves_the_full_pool_as_it_was() -
     assert full is not None
     swa.free(full[:12])  # full pages 1..3 free, window pages 1..3 free; page 4 of both in use
     with pytest.raises(ValueError, match="cannot shrink"):
-        swa.resize(32, 8)
+        swa.resize_groups(32, 8)
     assert swa.full_capacity_tokens == 16 and swa.swa_capacity_tokens == 16
 
 
@@ -256,7 +256,7 @@ def test_random_sequences_keep_both_pools_and_the_mapping_consistent(page_size: 
             highest_full = max((s // page_size for r in model.requests for s in r), default=0)
             full_tokens = max(highest_full, full_pages + rng.randint(-4, 4)) * page_size
             try:
-                swa.resize(full_tokens, swa.swa_capacity_tokens + rng.randint(-2, 2) * page_size)
+                swa.resize_groups(full_tokens, swa.swa_capacity_tokens + rng.randint(-2, 2) * page_size)
             except ValueError as error:
                 assert "cannot shrink" in str(error) or "non-negative" in str(error)
         model.slide_windows()

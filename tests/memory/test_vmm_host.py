@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from snugkv.memory.views import byte_view
-from snugkv.memory.vmm import MIB, CommitError, create_vmm
+from snugkv.memory.vmm import MIB, CommitError
+from snugkv.memory.vmm_factory import create_vmm
 from snugkv.memory.vmm_host import HostVmm
 
 

@@ -63,9 +63,9 @@ def test_quantized_gguf_greedy_matches_transformers_on_the_same_weights(tmp_path
                 )
             )
     loaded = load_model(path, device="cpu", dtype="float32")
-    from snugkv.runner.model_runner import ModelRunner
+    from tests.runner_factory import create_runner
 
-    runner = ModelRunner.create(
+    runner = create_runner(
         loaded.model, max_total_tokens=1024, max_requests=8, max_context_len=128, page_size=4
     )
     expected = [hf_greedy(hf_model, prompt, 32) for prompt in PROMPTS]

@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from snugkv.core.forward import BatchRow
 from snugkv.models.loader import load_model
-from snugkv.runner.forward_batch import BatchRow
 from snugkv.runner.model_runner import ModelRunner
 from tests.models.hf_tiny import ARCHITECTURES, VOCAB_SIZE, hf_greedy, save_tiny_hf_model
+from tests.runner_factory import create_runner
 
 NEW_TOKENS = 32
 
@@ -128,7 +129,7 @@ def tiny_checkpoint(request, tmp_path_factory) -> TinyCheckpoint:
 def test_prefill_logits_match_transformers(tiny_checkpoint):
     """Logit values, not only their argmax: catches a final soft-cap or scale that keeps the order."""
     loaded = load_model(tiny_checkpoint.directory, device="cpu", dtype="float32")
-    runner = ModelRunner.create(loaded.model, max_total_tokens=256, max_requests=2, max_context_len=128)
+    runner = create_runner(loaded.model, max_total_tokens=256, max_requests=2, max_context_len=128)
     rows = [BatchRow(runner.req_to_token_pool.alloc(), 0, LONGEST_PROMPT)]
     logits = runner.forward(rows, runner.allocate_slots(rows))[0]
     torch.testing.assert_close(logits, tiny_checkpoint.last_logits, rtol=1e-4, atol=1e-4)
@@ -138,7 +139,7 @@ def test_prefill_logits_match_transformers(tiny_checkpoint):
 def test_greedy_tokens_match_transformers(tiny_checkpoint, page_size, layout):
     arch, directory, expected = tiny_checkpoint.arch, tiny_checkpoint.directory, tiny_checkpoint.expected
     loaded = load_model(directory, device="cpu", dtype="float32")
-    runner = ModelRunner.create(
+    runner = create_runner(
         loaded.model,
         max_total_tokens=1024,
         max_requests=8,
@@ -160,7 +161,7 @@ def test_greedy_tokens_match_transformers(tiny_checkpoint, page_size, layout):
 def test_greedy_tokens_match_transformers_on_gpu(tiny_checkpoint, backend, page_size, layout):
     arch, directory, expected = tiny_checkpoint.arch, tiny_checkpoint.directory, tiny_checkpoint.expected
     loaded = load_model(directory, device="cuda", dtype="float32")
-    runner = ModelRunner.create(
+    runner = create_runner(
         loaded.model,
         max_total_tokens=1024,
         max_requests=8,

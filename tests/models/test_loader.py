@@ -21,10 +21,10 @@ def llama_dir(tmp_path_factory):
 
 
 def _logits(model, ids):
-    from snugkv.runner.forward_batch import BatchRow
-    from snugkv.runner.model_runner import ModelRunner
+    from snugkv.core.forward import BatchRow
+    from tests.runner_factory import create_runner
 
-    runner = ModelRunner.create(model, max_total_tokens=64, max_requests=2, max_context_len=32)
+    runner = create_runner(model, max_total_tokens=64, max_requests=2, max_context_len=32)
     rows = [BatchRow(runner.req_to_token_pool.alloc(), 0, ids)]
     return runner.forward(rows, runner.allocate_slots(rows))
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from snugkv.layers.sampler import SamplingParams
+from snugkv.core.sampling import SamplingParams
 from snugkv.models.default_model import default_model_path
 from snugkv.models.loader import load_model
 from snugkv.models.tokenizer import load_tokenizer
 from snugkv.runner.generate import generate
-from snugkv.runner.model_runner import ModelRunner
+from tests.runner_factory import create_runner
 
 NEW_TOKENS = 32
 CHATS = ["What is the capital of France?", "Write a haiku about the sea.", "List three uses of a paperclip."]
@@ -61,7 +61,7 @@ def test_default_model_is_smollm2_with_its_tokenizer(smollm2):
 def test_smollm2_greedy_tokens_match_transformers(smollm2, transformers_smollm2):
     _, loaded, tokenizer = smollm2
     prompts = [tokenizer.encode_chat(text) for text in CHATS] + [tokenizer.encode(RAW)]
-    runner = ModelRunner.create(
+    runner = create_runner(
         loaded.model,
         max_total_tokens=2048,
         max_requests=4,

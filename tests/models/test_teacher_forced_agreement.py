@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from snugkv.core.forward import BatchRow
 from snugkv.engine import Engine, EngineArgs
-from snugkv.runner.forward_batch import BatchRow
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from snugkv.runner.cuda_graph import DecodeCudaGraphs, default_cuda_graph_batch_sizes
-from snugkv.runner.forward_batch import BatchRow
+from snugkv.core.forward import BatchRow
+from snugkv.runner.cuda_graph import default_cuda_graph_batch_sizes
 from tests.runner.tiny_runner import tiny_runner
 
 GRAPH_SIZES = (1, 2, 4, 8)
@@ -21,7 +21,7 @@ def test_default_batch_sizes_are_small_powers_then_multiples_of_eight():
 
 def test_graphs_refuse_a_cpu_runner():
     with pytest.raises(ValueError, match="CUDA device"):
-        DecodeCudaGraphs(tiny_runner(), [1])
+        tiny_runner().capture_cuda_graphs([1])
 
 
 def _prefilled(runner, num_requests):

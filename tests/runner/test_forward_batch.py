@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from snugkv.attention.torch_backend import TorchAttentionBackend
-from snugkv.runner.forward_batch import BatchRow, ForwardBatch, ForwardMode
+from snugkv.core.forward import BatchRow, ForwardBatch, ForwardMode
 from tests.runner.tiny_runner import tiny_runner
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from snugkv.layers.sampler import SamplingParams
-from snugkv.runner.forward_batch import BatchRow
+from snugkv.core.forward import BatchRow
+from snugkv.core.sampling import SamplingParams
 from snugkv.runner.generate import PromptTooLongError, generate
 from tests.runner.tiny_runner import tiny_runner
 
@@ -87,6 +87,6 @@ def test_dummy_weights_give_finite_bf16_logits():
 def test_a_post_capture_pool_is_backed_once_setup_is_done():
     reference = tiny_runner()
     runner = tiny_runner(pool_mode="post-capture", max_total_tokens=256)
-    assert runner.kv_pool.capacity_tokens == runner.allocator.capacity_tokens == 256
+    assert runner.kv_pool.committed_tokens == runner.allocator.capacity_tokens == 256
     params = SamplingParams(max_new_tokens=5, ignore_eos=True)
     assert generate(runner, PROMPTS, params) == generate(reference, PROMPTS, params)

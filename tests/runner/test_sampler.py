@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from snugkv.layers.sampler import Sampler, SamplingParams
+from snugkv.core.sampling import SamplingParams
+from snugkv.layers.sampler import Sampler
 
 VOCAB = 50
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from snugkv.models.loader import load_model
 from snugkv.runner.model_runner import ModelRunner
+from tests.runner_factory import create_runner
 
 TINY_LLAMA = {
     "architectures": ["LlamaForCausalLM"],
@@ -46,7 +47,7 @@ def tiny_runner(
     **kwargs,
 ) -> ModelRunner:
     loaded = load_model(tiny_config_path(), load_format="dummy", device=device, dtype=dtype, seed=0)
-    return ModelRunner.create(
+    return create_runner(
         loaded.model,
         max_total_tokens=max_total_tokens,
         max_requests=max_requests,

@@ -8,10 +8,10 @@ import time
 
 import pytest
 
+from snugkv.core.outputs import GenerateInput
+from snugkv.core.sampling import SamplingParams
 from snugkv.engine import Engine, EngineArgs
-from snugkv.sampling_params import SamplingParams
 from snugkv.scheduler.async_engine import AsyncEngine
-from snugkv.server.engine_protocol import GenerateInput
 from tests.models.hf_tiny import save_tiny_hf_model
 
 

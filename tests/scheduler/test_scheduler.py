@@ -8,8 +8,8 @@ import random
 
 import pytest
 
+from snugkv.core.sampling import InvalidRequest, SamplingParams
 from snugkv.engine import Engine, EngineArgs
-from snugkv.sampling_params import InvalidRequest, SamplingParams
 from snugkv.scheduler.scheduler import Scheduler
 from tests.models.hf_tiny import hf_greedy, save_tiny_hf_model
 

@@ -17,8 +17,8 @@ import random
 from collections.abc import AsyncIterator
 from typing import Any
 
-from snugkv.sampling_params import InvalidRequest
-from snugkv.server.engine_protocol import GenerateInput, GenerateOutput, TokenLogprob
+from snugkv.core.outputs import GenerateInput, GenerateOutput, TokenLogprob
+from snugkv.core.sampling import InvalidRequest
 
 REPLY = "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. "
 ENGINE_ERROR_MARKER = "[[fail-in-engine]]"

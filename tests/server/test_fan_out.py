@@ -7,8 +7,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from snugkv.sampling_params import InvalidRequest, SamplingParams
-from snugkv.server.engine_protocol import GenerateInput, GenerateOutput
+from snugkv.core.outputs import GenerateInput, GenerateOutput
+from snugkv.core.sampling import InvalidRequest, SamplingParams
 from snugkv.server.errors import APIError
 from snugkv.server.metrics import ServerMetrics
 from snugkv.server.serving import FanOut

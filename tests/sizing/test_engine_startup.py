@@ -8,9 +8,9 @@ import re
 import pytest
 import torch
 
+from snugkv.core.sampling import SamplingParams
 from snugkv.engine import Engine, EngineArgs
 from snugkv.memory.vmm import MIB
-from snugkv.sampling_params import SamplingParams
 from snugkv.scheduler.scheduler import Scheduler
 from snugkv.sizing import modes
 from snugkv.sizing.modes import SizingMode, resolve_mode

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from snugkv.memory.arena import KvArena
-from snugkv.memory.kv_pool import MHAKVPool
+from snugkv.memory.kv_pool import KVPoolSpec, MHAKVPool
 from snugkv.memory.vmm import MIB
 from snugkv.memory.vmm_host import HostVmm
 from snugkv.sizing.measure import measure_free
@@ -25,15 +25,11 @@ def make_pool(capacity_bytes: int, page_size: int = 16) -> MHAKVPool:
         HostVmm(granularity_bytes=GRANULE, capacity_bytes=capacity_bytes), 64 * 1024 * MIB, label="sizing"
     )
     pool = MHAKVPool(
+        KVPoolSpec.of(dtype="float32", page_size=page_size, layout="hnd", device="cpu", mode="post-capture"),
+        reserved_tokens=1_000_000,
         num_layers=4,
         num_kv_heads=2,
         head_dim=64,
-        dtype="float32",
-        page_size=page_size,
-        layout="hnd",
-        max_num_tokens=1_000_000,
-        device="cpu",
-        mode="post-capture",
         arena=arena,
     )
     pool.ensure_prefix()
@@ -59,7 +55,7 @@ def test_user_cap_and_virtual_upper_bound_both_limit_the_count():
     big = make_pool(capacity_bytes=1 << 40)
     free = measure_free(big.arena.vmm)
     capped = size_post_capture(big, free, 0)
-    assert capped.max_total_num_tokens == big.max_num_tokens
+    assert capped.max_total_num_tokens == big.reserved_tokens
 
 
 def test_commit_retries_with_fewer_tokens_when_memory_vanished(caplog):
@@ -72,7 +68,7 @@ def test_commit_retries_with_fewer_tokens_when_memory_vanished(caplog):
         result = size_post_capture(pool, free, headroom_bytes=0)
     assert result.retries >= 1
     assert "retrying with fewer tokens" in caplog.text
-    assert pool.capacity_tokens == result.max_total_num_tokens > 0
+    assert pool.committed_tokens == result.max_total_num_tokens > 0
     assert pool.committed_bytes == pool.bytes_for_tokens(result.max_total_num_tokens)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 
-from snugkv.attention.base import AttentionBackend
+from snugkv.core.forward import AttentionBackend
 
 # name -> "module:factory"; the module is imported on first use.
 _BACKENDS: dict[str, str] = {

@@ -14,15 +14,9 @@ Two paths:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-from snugkv.attention.base import AttentionBackend
-
-if TYPE_CHECKING:
-    from snugkv.layers.attention import PagedAttention
-    from snugkv.runner.forward_batch import ForwardBatch
+from snugkv.core.forward import AttentionBackend, AttentionLayer, ForwardBatch
 
 
 def gather_kv(buffer: torch.Tensor, slots: torch.Tensor, layout: str, page_size: int) -> torch.Tensor:
@@ -75,7 +69,7 @@ class TorchAttentionBackend(AttentionBackend):
         q: torch.Tensor,
         k: torch.Tensor | None,
         v: torch.Tensor | None,
-        layer: PagedAttention,
+        layer: AttentionLayer,
         forward_batch: ForwardBatch,
     ) -> torch.Tensor:
         pool = forward_batch.kv_pool
@@ -88,17 +82,17 @@ class TorchAttentionBackend(AttentionBackend):
         return out.to(q.dtype)
 
     def _read(
-        self, slots: torch.Tensor, layer: PagedAttention, forward_batch: ForwardBatch
+        self, slots: torch.Tensor, layer: AttentionLayer, forward_batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
         pool = forward_batch.kv_pool
-        translate = getattr(pool, "translate_loc", None)
-        if translate is not None:
-            slots = translate(layer.layer_id, slots.long())
+        slot_map = pool.slot_map(layer.layer_id)
+        if slot_map is not None:
+            slots = slot_map[slots.long()]
         k_buffer, v_buffer = pool.get_kv_buffer(layer.layer_id)
         layout, page_size = str(pool.layout), pool.page_size
         return gather_kv(k_buffer, slots, layout, page_size), gather_kv(v_buffer, slots, layout, page_size)
 
-    def _decode(self, q: torch.Tensor, layer: PagedAttention, forward_batch: ForwardBatch) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, layer: AttentionLayer, forward_batch: ForwardBatch) -> torch.Tensor:
         table = forward_batch.req_to_token
         width = forward_batch.kv_width
         if width is None:
@@ -117,7 +111,7 @@ class TorchAttentionBackend(AttentionBackend):
         out = attend(q[:, None], keys, values, allowed, layer.scaling)
         return out[:, 0]
 
-    def _extend(self, q: torch.Tensor, layer: PagedAttention, forward_batch: ForwardBatch) -> torch.Tensor:
+    def _extend(self, q: torch.Tensor, layer: AttentionLayer, forward_batch: ForwardBatch) -> torch.Tensor:
         if forward_batch.seq_lens_cpu is None or forward_batch.prefix_lens_cpu is None:
             raise ValueError("an extend batch needs the CPU mirrors of seq_lens and prefix_lens")
         seq_lens, prefix_lens = forward_batch.seq_lens_cpu, forward_batch.prefix_lens_cpu

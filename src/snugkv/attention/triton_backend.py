@@ -9,17 +9,11 @@ the decode workspace is allocated per batch shape (inside the graph's pool when 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-from snugkv.attention.base import AttentionBackend
 from snugkv.attention.triton_decode import decode_attention, decode_workspace
 from snugkv.attention.triton_extend import extend_attention
-
-if TYPE_CHECKING:
-    from snugkv.layers.attention import PagedAttention
-    from snugkv.runner.forward_batch import ForwardBatch
+from snugkv.core.forward import AttentionBackend, AttentionLayer, ForwardBatch
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -34,19 +28,12 @@ class TritonAttentionBackend(AttentionBackend):
             max_extend_len = max(forward_batch.extend_lens_cpu)
         forward_batch.attn_metadata = {"max_extend_len": max_extend_len, "workspace": {}}
 
-    def _slot_map(self, layer: PagedAttention, forward_batch: ForwardBatch) -> torch.Tensor | None:
-        pool = forward_batch.kv_pool
-        is_swa_layer = getattr(pool, "is_swa_layer", None)
-        if is_swa_layer is not None and is_swa_layer(layer.layer_id):
-            return pool.full_to_swa
-        return None
-
     def forward(
         self,
         q: torch.Tensor,
         k: torch.Tensor | None,
         v: torch.Tensor | None,
-        layer: PagedAttention,
+        layer: AttentionLayer,
         forward_batch: ForwardBatch,
     ) -> torch.Tensor:
         pool = forward_batch.kv_pool
@@ -55,7 +42,7 @@ class TritonAttentionBackend(AttentionBackend):
         if k is not None:
             pool.set_kv(layer.layer_id, forward_batch.out_cache_loc, k, v)
         k_buffer, v_buffer = pool.get_kv_buffer(layer.layer_id)
-        slot_map = self._slot_map(layer, forward_batch)
+        slot_map = pool.slot_map(layer.layer_id)
         out = torch.empty((q.shape[0], layer.num_heads, layer.v_head_dim), dtype=q.dtype, device=q.device)
         common = dict(
             sm_scale=layer.scaling,
@@ -98,7 +85,7 @@ class TritonAttentionBackend(AttentionBackend):
         )
 
     def _workspace(
-        self, forward_batch: ForwardBatch, layer: PagedAttention, device: torch.device
+        self, forward_batch: ForwardBatch, layer: AttentionLayer, device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor]:
         key = (forward_batch.batch_size, layer.num_heads, layer.v_head_dim)
         cache = forward_batch.attn_metadata["workspace"]

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from snugkv.bench.report import emit
+from snugkv.core.sampling import SamplingParams
 from snugkv.memory.vmm import GIB, MIB
-from snugkv.sampling_params import SamplingParams
 
 MODES = ("post-capture", "profiled", "static-fraction")
 PROMPTS_SEED = 1234
@@ -36,7 +36,7 @@ def _free_bytes(engine: Any) -> int:
 
 
 def _greedy_tokens(engine: Any, count: int = 4, new_tokens: int = 16) -> list[list[int]]:
-    from snugkv.sampling_params import SamplingParams
+    from snugkv.core.sampling import SamplingParams
     from snugkv.scheduler.scheduler import Scheduler
 
     outputs: dict[str, list[int]] = {}
@@ -61,7 +61,7 @@ def _greedy_tokens(engine: Any, count: int = 4, new_tokens: int = 16) -> list[li
 
 def _stress(engine: Any) -> dict[str, Any]:
     """Largest graph batch over every slot of the pool, a decode step, then the largest prefill chunk."""
-    from snugkv.runner.forward_batch import BatchRow
+    from snugkv.core.forward import BatchRow
 
     runner = engine.runner
     allocator, table = runner.allocator, runner.req_to_token_pool

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from snugkv.bench.report import emit
+from snugkv.core.sampling import SamplingParams
 from snugkv.memory.vmm import GIB
-from snugkv.sampling_params import SamplingParams
 
 CASES = ((1, 1024), (16, 1024), (64, 1024), (256, 1024), (1, 4096), (16, 4096), (64, 4096), (256, 4096))
 
@@ -55,8 +55,8 @@ def time_cuda(fn: Any, iterations: int = 30, warmup: int = 5) -> float:
 
 
 def snugkv_cases(model: str, cases: tuple[tuple[int, int], ...]) -> tuple[list[dict[str, Any]], int, int]:
+    from snugkv.core.forward import BatchRow
     from snugkv.engine import Engine, EngineArgs
-    from snugkv.runner.forward_batch import BatchRow
 
     engine = Engine(
         EngineArgs(
@@ -73,9 +73,9 @@ def snugkv_cases(model: str, cases: tuple[tuple[int, int], ...]) -> tuple[list[d
     for layer in range(engine.config.num_layers):  # random KV everywhere a case will read
         for buffer in engine.pool.get_kv_buffer(layer):
             rows = (
-                engine.pool.capacity_tokens // engine.pool.page_size + 1
+                engine.pool.committed_tokens // engine.pool.page_size + 1
                 if buffer.dim() == 4
-                else engine.pool.capacity_tokens
+                else engine.pool.committed_tokens
             )
             buffer[:rows].normal_()
     del buffer  # a live view would keep the arena from closing

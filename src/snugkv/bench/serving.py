@@ -20,7 +20,7 @@ import torch
 
 from snugkv.bench.decode import copy_bandwidth_bytes_per_s
 from snugkv.bench.report import emit
-from snugkv.sampling_params import SamplingParams
+from snugkv.core.sampling import SamplingParams
 
 
 def workload(

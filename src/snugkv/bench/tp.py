@@ -171,8 +171,8 @@ def _bench_rank(tp: Any, spec: dict[str, Any], result_path: str) -> None:
     import torch.distributed as dist
 
     from snugkv.bench.decode import time_cuda
+    from snugkv.core.sampling import SamplingParams
     from snugkv.engine import Engine, EngineArgs
-    from snugkv.layers.sampler import SamplingParams
     from snugkv.runner.generate import generate
 
     result: dict[str, Any] = {"tp_size": tp.world_size}
@@ -228,7 +228,7 @@ def _bench_rank(tp: Any, spec: dict[str, Any], result_path: str) -> None:
 
 def _teacher_forced_top1(runner: Any, prompts: list[list[int]], reference: list[list[int]]) -> float:
     """Share of positions where this run's top-1 equals the reference's next token, fed the reference."""
-    from snugkv.runner.forward_batch import BatchRow
+    from snugkv.core.forward import BatchRow
 
     pool = runner.req_to_token_pool
     rows_idx = [pool.alloc() for _ in prompts]
@@ -250,7 +250,7 @@ def _teacher_forced_top1(runner: Any, prompts: list[list[int]], reference: list[
 
 
 def _decode_throughput(runner: Any, batch: int, context: int, time_cuda: Any) -> dict[str, Any]:
-    from snugkv.runner.forward_batch import BatchRow
+    from snugkv.core.forward import BatchRow
 
     rows, owned = [], []
     for _ in range(batch):

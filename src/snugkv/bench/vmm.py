@@ -16,8 +16,9 @@ import torch
 
 from snugkv.bench.report import emit
 from snugkv.memory.arena import KvArena
-from snugkv.memory.kv_pool import MHAKVPool
-from snugkv.memory.vmm import GIB, MIB, VirtualMemory, VmmUnavailable, create_vmm
+from snugkv.memory.kv_pool import KVPoolSpec, MHAKVPool
+from snugkv.memory.vmm import GIB, MIB, VirtualMemory, VmmUnavailable
+from snugkv.memory.vmm_factory import create_vmm
 
 CHUNK_BYTES = 2 * MIB
 
@@ -52,15 +53,11 @@ def _pool_finalize(vmm: VirtualMemory, pool_bytes: int) -> dict[str, Any]:
     tokens = pool_bytes // bytes_per_token
     arena = KvArena(vmm, pool_bytes + 256 * MIB, label="bench")
     pool = MHAKVPool(
+        KVPoolSpec.of(dtype="bfloat16", page_size=1, layout="nhd", device=vmm.device, mode="post-capture"),
+        reserved_tokens=tokens + 1024,
         num_layers=32,
         num_kv_heads=8,
         head_dim=128,
-        dtype="bfloat16",
-        page_size=1,
-        layout="nhd",
-        max_num_tokens=tokens + 1024,
-        device=vmm.device,
-        mode="post-capture",
         arena=arena,
     )
     pool.ensure_prefix()

@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _chat_rank(tp: Any, args: argparse.Namespace) -> int:
     """Rank 0 talks to the terminal and sends each turn's prompt to the other ranks (--tp)."""
-    from snugkv.sampling_params import InvalidRequest
+    from snugkv.core.sampling import InvalidRequest
 
     try:
         sampling = sampling_from(args)

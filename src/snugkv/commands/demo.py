@@ -12,8 +12,9 @@ import time
 import torch
 
 from snugkv.memory.arena import KvArena
-from snugkv.memory.kv_pool import MHAKVPool
-from snugkv.memory.vmm import GIB, MIB, create_vmm
+from snugkv.memory.kv_pool import KVPoolSpec, MHAKVPool
+from snugkv.memory.vmm import GIB, MIB
+from snugkv.memory.vmm_factory import create_vmm
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -30,15 +31,11 @@ def run(args: argparse.Namespace) -> int:
     layers, kv_heads, head_dim = 30, 3, 64  # SmolLM2-135M
     upper_tokens = 1_000_000
     pool = MHAKVPool(
+        KVPoolSpec.of(dtype="float32", page_size=16, layout="hnd", device="cpu", mode="post-capture"),
+        reserved_tokens=upper_tokens,
         num_layers=layers,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
-        dtype="float32",
-        page_size=16,
-        layout="hnd",
-        max_num_tokens=upper_tokens,
-        device="cpu",
-        mode="post-capture",
         arena=arena,
     )
     print(

@@ -46,7 +46,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def sampling_from(args: argparse.Namespace):
-    from snugkv.sampling_params import SamplingParams
+    from snugkv.core.sampling import SamplingParams
 
     params = SamplingParams(
         max_new_tokens=args.max_tokens,
@@ -131,9 +131,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_rank(tp: Any, args: argparse.Namespace) -> int:
     """One rank of `generate`: every rank runs the same request; only rank 0 writes."""
+    from snugkv.core.sampling import InvalidRequest
     from snugkv.models.loader import ModelLoadError
     from snugkv.models.tokenizer import TokenizerUnavailable
-    from snugkv.sampling_params import InvalidRequest
     from snugkv.sizing.post_capture import SizingError
 
     prompt_text = args.prompt

@@ -2,18 +2,15 @@
 
 Models build one `PagedAttention` per layer and call it with projected, rotated q/k/v. The op
 owns no weights; it forwards to `forward_batch.attn_backend`, which writes the new K/V into the
-KV pool and attends over each request's cached tokens (see `snugkv.attention.base`).
+KV pool and attends over each request's cached tokens (see `snugkv.core.forward`).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from snugkv.runner.forward_batch import ForwardBatch
+from snugkv.core.forward import ForwardBatch
 
 
 class PagedAttention(nn.Module):

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from snugkv.sampling_params import SamplingParams
+from snugkv.core.sampling import SamplingParams
 
 
 class Sampler:

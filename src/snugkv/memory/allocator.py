@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -40,7 +41,8 @@ def as_cpu_int64(values: torch.Tensor | list[int] | int, what: str) -> torch.Ten
     return tensor.to(device=_CPU, dtype=torch.int64).reshape(-1)
 
 
-class SlotAllocator(ABC):
+@runtime_checkable
+class SlotAllocator(Protocol):
     """Hands out KV slots of one pool; the contract every allocator keeps.
 
     - Slot `s` lies in page `s // page_size`. Page 0 (slots 0..page_size-1) is the dummy page:
@@ -60,6 +62,43 @@ class SlotAllocator(ABC):
     - With `debug` on (ctor flag or SNUGKV_DEBUG_ALLOCATOR=1), `check_integrity` runs after
       every operation.
     """
+
+    @property
+    def page_size(self) -> int: ...
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Usable tokens (the dummy page excluded)."""
+        ...
+
+    @property
+    def available_tokens(self) -> int: ...
+
+    def alloc_extend(
+        self, prefix_lens: torch.Tensor, seq_lens: torch.Tensor, last_loc: torch.Tensor
+    ) -> torch.Tensor | None:
+        """Slots for positions `prefix_lens[i]..seq_lens[i]-1` of every request, concatenated in
+        request order. `last_loc[i]` is the slot of request i's last cached token (-1 for none);
+        it is only read when the request's last page is partial."""
+        ...
+
+    def alloc_decode(self, seq_lens: torch.Tensor, last_loc: torch.Tensor) -> torch.Tensor | None:
+        """One slot per request for position `seq_lens[i] - 1` (seq_lens include the new token)."""
+        ...
+
+    def free(self, slots: torch.Tensor | list[int]) -> None: ...
+
+    def resize(self, capacity_tokens: int) -> None:
+        """Set the usable capacity (a page multiple). Shrinking needs every slot above it free."""
+        ...
+
+    def check_integrity(self) -> None:
+        """Raise `AllocatorIntegrityError` if the bookkeeping broke an invariant."""
+        ...
+
+
+class PageFreeList(ABC):
+    """The free-list machinery the token and paged allocators share (see `SlotAllocator`)."""
 
     def __init__(
         self,
@@ -134,13 +173,13 @@ class SlotAllocator(ABC):
     def alloc_decode(self, seq_lens: torch.Tensor, last_loc: torch.Tensor) -> torch.Tensor | None:
         """One slot per request for position `seq_lens[i] - 1` (seq_lens include the new token)."""
 
-    def resize(self, num_tokens: int) -> None:
+    def resize(self, capacity_tokens: int) -> None:
         """Set the usable capacity. Shrinking needs every slot above the new capacity free."""
-        if num_tokens < 0 or num_tokens % self._page_size:
+        if capacity_tokens < 0 or capacity_tokens % self._page_size:
             raise ValueError(
-                f"capacity must be a non-negative multiple of page_size={self._page_size}, got {num_tokens}"
+                f"capacity must be a non-negative multiple of page_size={self._page_size}, got {capacity_tokens}"
             )
-        new_num_pages = num_tokens // self._page_size + 1
+        new_num_pages = capacity_tokens // self._page_size + 1
         old_num_pages = self._num_pages
         self._merge_released()
         if new_num_pages > old_num_pages:
@@ -153,7 +192,7 @@ class SlotAllocator(ABC):
             if used_above.numel():
                 first_slot = (int(used_above[0]) + new_num_pages) * self._page_size
                 raise ValueError(
-                    f"cannot shrink the pool to {num_tokens} tokens: {used_above.numel()} page(s) above "
+                    f"cannot shrink the pool to {capacity_tokens} tokens: {used_above.numel()} page(s) above "
                     f"the new capacity are still allocated (lowest holds slot {first_slot}); "
                     "free them first"
                 )
@@ -297,7 +336,7 @@ def check_last_loc_shape(last_loc: torch.Tensor, lens: torch.Tensor) -> torch.Te
     return last
 
 
-class TokenAllocator(SlotAllocator):
+class TokenAllocator(PageFreeList):
     """page_size 1: every slot is its own page, so there is never a partial page to fill."""
 
     def __init__(
@@ -315,7 +354,7 @@ class TokenAllocator(SlotAllocator):
         return self.alloc(check_decode_lens(seq_lens).numel())
 
 
-class PagedAllocator(SlotAllocator):
+class PagedAllocator(PageFreeList):
     """page_size > 1: whole pages, with each request's last partial page filled first."""
 
     def __init__(
@@ -373,7 +412,7 @@ class PagedAllocator(SlotAllocator):
 
 def make_allocator(
     capacity_tokens: int, page_size: int, device: torch.device | str = "cpu", debug: bool | None = None
-) -> SlotAllocator:
+) -> PageFreeList:
     """The allocator for `page_size`: TokenAllocator for 1, PagedAllocator above."""
     if page_size == 1:
         return TokenAllocator(capacity_tokens, device=device, debug=debug)

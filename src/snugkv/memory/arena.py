@@ -31,7 +31,7 @@ class ArenaBuffer:
     """One buffer placed in the arena: `reserved_bytes` of address space at `offset`."""
 
     layout: BufferLayout
-    max_num_tokens: int
+    reserved_tokens: int
     offset: int
     reserved_bytes: int
     extensions: list[Extension] = field(default_factory=list)
@@ -92,19 +92,19 @@ class KvArena:
         if self._closed:
             raise ArenaClosedError(f"{self.label} arena is closed")
 
-    def add_buffer(self, layout: BufferLayout, max_num_tokens: int) -> ArenaBuffer:
-        """Place a buffer big enough for `max_num_tokens` usable tokens; nothing is backed."""
+    def add_buffer(self, layout: BufferLayout, reserved_tokens: int) -> ArenaBuffer:
+        """Place a buffer big enough for `reserved_tokens` usable tokens; nothing is backed."""
         self._check_open()
         if layout.name in self._buffers:
             raise ValueError(f"{self.label} arena already has a buffer named {layout.name!r}")
-        size_bytes = self.vmm.align_up(layout.bytes_for_tokens(max_num_tokens))
+        size_bytes = self.vmm.align_up(layout.bytes_for_tokens(reserved_tokens))
         if self._cursor_bytes + size_bytes > self.reserved_bytes:
             raise ValueError(
                 f"{self.label} arena: buffer {layout.name!r} needs {size_bytes / GIB:.3f} GiB but only "
                 f"{(self.reserved_bytes - self._cursor_bytes) / GIB:.3f} GiB of the reserved range is left; "
                 "reserve a larger range or ask for fewer tokens"
             )
-        buffer = ArenaBuffer(layout, max_num_tokens, self._cursor_bytes, size_bytes)
+        buffer = ArenaBuffer(layout, reserved_tokens, self._cursor_bytes, size_bytes)
         self._buffers[layout.name] = buffer
         self._cursor_bytes += size_bytes
         return buffer
@@ -122,8 +122,8 @@ class KvArena:
             on_release=self._view_released,
         )
         layout = buffer.layout
-        shape = layout.shape_for_tokens(buffer.max_num_tokens)
-        return typed_view(raw[: layout.bytes_for_tokens(buffer.max_num_tokens)], layout.dtype, shape)
+        shape = layout.shape_for_tokens(buffer.reserved_tokens)
+        return typed_view(raw[: layout.bytes_for_tokens(buffer.reserved_tokens)], layout.dtype, shape)
 
     def _view_released(self) -> None:
         with self._views_lock:
@@ -167,7 +167,7 @@ class KvArena:
         if size_bytes > buffer.reserved_bytes:
             raise ValueError(
                 f"{buffer.name}: {size_bytes} bytes exceed the {buffer.reserved_bytes} reserved for it "
-                f"(upper bound {buffer.max_num_tokens} tokens)"
+                f"(upper bound {buffer.reserved_tokens} tokens)"
             )
         return self.vmm.align_up(size_bytes)
 

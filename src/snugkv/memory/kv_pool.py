@@ -14,13 +14,15 @@ token groups (SWA has two: full and window); everything else is shared here.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from enum import StrEnum
 
 import torch
 
 from snugkv.memory.arena import ArenaBuffer, KvArena
 from snugkv.memory.layout import BufferLayout, KVLayout, parse_kv_dtype
-from snugkv.memory.vmm import GIB, VirtualMemory, create_vmm
+from snugkv.memory.vmm import GIB, VirtualMemory
+from snugkv.memory.vmm_factory import create_vmm
 from snugkv.memory.vmm_plain import PlainMemory
 
 logger = logging.getLogger(__name__)
@@ -33,47 +35,83 @@ class PoolMode(StrEnum):
     STATIC = "static"
 
 
-class KVPool:
-    """Shared machinery of every pool: placement, views, backing, byte math.
+@dataclass(frozen=True, slots=True)
+class KVPoolSpec:
+    """How a pool stores KV, whatever its kind: storage dtype, page size, layout, device, whether it
+    is backed now (static) or after graph capture (post-capture), and the memory backend
+    (None: the device's default, see `_default_memory`)."""
 
-    Subclasses call `_place(layouts_by_group)` from their constructor and may override
-    `tokens_per_group` when groups hold different token counts.
-    """
+    dtype: torch.dtype
+    page_size: int
+    layout: KVLayout
+    device: torch.device
+    mode: PoolMode = PoolMode.STATIC
+    memory: VirtualMemory | None = None
 
-    def __init__(
-        self,
+    @classmethod
+    def of(
+        cls,
         *,
         dtype: torch.dtype | str,
         page_size: int,
         layout: KVLayout | str,
-        max_num_tokens: int,
         device: torch.device | str,
-        mode: PoolMode | str,
-        arena: KvArena | None,
+        mode: PoolMode | str = PoolMode.STATIC,
         memory: VirtualMemory | None = None,
-    ) -> None:
+    ) -> KVPoolSpec:
+        """A spec from user-facing names ("bfloat16", "hnd", "post-capture"), checked."""
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
-        if max_num_tokens < page_size:
-            raise ValueError(f"max_num_tokens={max_num_tokens} is below one page ({page_size} tokens)")
-        self.dtype = parse_kv_dtype(dtype)
-        self.page_size = page_size
-        self.layout = KVLayout(layout)
-        self.device = torch.device(device)
-        self.mode = PoolMode(mode)
-        self.max_num_tokens = max_num_tokens // page_size * page_size
+        return cls(
+            parse_kv_dtype(dtype), page_size, KVLayout(layout), torch.device(device), PoolMode(mode), memory
+        )
+
+
+class KVPool:
+    """Shared machinery of every pool: placement, views, backing, byte math.
+
+    Token counts: `reserved_tokens` is the upper bound the address space was laid out for;
+    `committed_tokens` is what is backed by physical memory now (both page multiples, not
+    counting the dummy page). Subclasses call `_place(layouts_by_group)` from their constructor
+    and may override `tokens_per_group` when groups hold different token counts.
+    """
+
+    def __init__(self, spec: KVPoolSpec, *, reserved_tokens: int, arena: KvArena | None) -> None:
+        if reserved_tokens < spec.page_size:
+            raise ValueError(f"reserved_tokens={reserved_tokens} is below one page ({spec.page_size} tokens)")
+        self.spec = spec
+        self.reserved_tokens = reserved_tokens // spec.page_size * spec.page_size
         self._arena = arena
-        self._owns_arena = arena is None
-        self._memory = memory
+        self.owns_arena = arena is None  # made here, so `close` releases it too
         self._buffers: dict[str, list[ArenaBuffer]] = {}
-        self.capacity_tokens = 0
+        self.committed_tokens = 0
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.spec.dtype
+
+    @property
+    def page_size(self) -> int:
+        return self.spec.page_size
+
+    @property
+    def layout(self) -> KVLayout:
+        return self.spec.layout
+
+    @property
+    def device(self) -> torch.device:
+        return self.spec.device
+
+    @property
+    def mode(self) -> PoolMode:
+        return self.spec.mode
 
     # -- construction -------------------------------------------------------------------
     def _place(self, layouts_by_group: dict[str, list[BufferLayout]]) -> dict[str, torch.Tensor]:
         """Lay the buffers out in the arena (made here if none was given) and return views."""
-        upper = self.tokens_per_group(self.max_num_tokens)
+        upper = self.tokens_per_group(self.reserved_tokens)
         if self._arena is None:
-            vmm = self._memory or self._default_memory()
+            vmm = self.spec.memory or self._default_memory()
             need = sum(
                 vmm.align_up(layout.bytes_for_tokens(upper[group]))
                 for group, layouts in layouts_by_group.items()
@@ -86,7 +124,7 @@ class KVPool:
             self._buffers[group] = placed
             views.update({buffer.name: self._arena.view(buffer) for buffer in placed})
         if self.mode is PoolMode.STATIC:
-            self._back(self.max_num_tokens)
+            self._back(self.reserved_tokens)
             self._log("KV Cache is allocated.")
         else:
             self._log("KV Cache VA upper bound.")
@@ -100,7 +138,7 @@ class KVPool:
         return create_vmm(self.device)
 
     def _log(self, prefix: str) -> None:
-        tokens = self.tokens_per_group(self.max_num_tokens)
+        tokens = self.tokens_per_group(self.reserved_tokens)
         for group, buffers in self._buffers.items():
             sizes = {}
             for buffer in buffers:
@@ -140,7 +178,7 @@ class KVPool:
 
     def max_tokens_within(self, budget_bytes: int) -> int:
         """The most tokens (a page multiple, <= the upper bound) whose backing fits the budget."""
-        low, high = 0, self.max_num_tokens // self.page_size
+        low, high = 0, self.reserved_tokens // self.page_size
         if self.bytes_for_tokens(0) > budget_bytes:
             return 0
         while low < high:
@@ -168,7 +206,7 @@ class KVPool:
 
     def _back(self, num_tokens: int) -> None:
         self.arena.commit(self._targets(num_tokens))
-        self.capacity_tokens = num_tokens
+        self.committed_tokens = num_tokens
 
     def ensure_prefix(self) -> None:
         """Back the dummy page of every buffer (what graph capture and padded rows touch)."""
@@ -180,9 +218,9 @@ class KVPool:
 
         Raises `CommitError` (with nothing newly mapped) when the memory is not there.
         """
-        if num_tokens < 0 or num_tokens > self.max_num_tokens:
+        if num_tokens < 0 or num_tokens > self.reserved_tokens:
             raise ValueError(
-                f"cannot back {num_tokens} tokens: the pool's upper bound is {self.max_num_tokens} "
+                f"cannot back {num_tokens} tokens: the pool's upper bound is {self.reserved_tokens} "
                 f"(reserved {self.reserved_bytes / GIB:.2f} GiB of address space)"
             )
         num_tokens = num_tokens // self.page_size * self.page_size
@@ -192,8 +230,13 @@ class KVPool:
     def close(self) -> None:
         """Drop this pool's views; release the arena too when the pool made it."""
         self._drop_views()
-        if self._owns_arena and self._arena is not None:
+        if self.owns_arena and self._arena is not None:
             self._arena.close()
+
+    def slot_map(self, layer_id: int) -> torch.Tensor | None:
+        """Full-pool slot -> buffer row table of a layer, None where they are the same (every layer
+        here; the sliding-window pool's window layers have one)."""
+        return None
 
     def _drop_views(self) -> None:
         raise NotImplementedError
@@ -215,30 +258,16 @@ class MHAKVPool(KVPool):
 
     def __init__(
         self,
+        spec: KVPoolSpec,
         *,
+        reserved_tokens: int,
         num_layers: int,
         num_kv_heads: int,
         head_dim: int,
-        dtype: torch.dtype | str,
-        page_size: int,
-        layout: KVLayout | str,
-        max_num_tokens: int,
-        device: torch.device | str,
-        mode: PoolMode | str = PoolMode.STATIC,
-        arena: KvArena | None = None,
         v_head_dim: int | None = None,
-        memory: VirtualMemory | None = None,
+        arena: KvArena | None = None,
     ) -> None:
-        super().__init__(
-            dtype=dtype,
-            page_size=page_size,
-            layout=layout,
-            max_num_tokens=max_num_tokens,
-            device=device,
-            mode=mode,
-            arena=arena,
-            memory=memory,
-        )
+        super().__init__(spec, reserved_tokens=reserved_tokens, arena=arena)
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -247,11 +276,17 @@ class MHAKVPool(KVPool):
         layouts = []
         for layer in self.layer_ids:
             layouts.append(
-                BufferLayout(f"layer{layer}.k", self.dtype, (num_kv_heads, head_dim), page_size, self.layout)
+                BufferLayout(
+                    f"layer{layer}.k", self.dtype, (num_kv_heads, head_dim), self.page_size, self.layout
+                )
             )
             layouts.append(
                 BufferLayout(
-                    f"layer{layer}.v", self.dtype, (num_kv_heads, self.v_head_dim), page_size, self.layout
+                    f"layer{layer}.v",
+                    self.dtype,
+                    (num_kv_heads, self.v_head_dim),
+                    self.page_size,
+                    self.layout,
                 )
             )
         views = self._place({DEFAULT_GROUP: layouts})

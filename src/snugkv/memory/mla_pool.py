@@ -10,43 +10,28 @@ from __future__ import annotations
 import torch
 
 from snugkv.memory.arena import KvArena
-from snugkv.memory.kv_pool import DEFAULT_GROUP, KVPool, PoolMode
-from snugkv.memory.layout import BufferLayout, KVLayout
-from snugkv.memory.vmm import VirtualMemory
+from snugkv.memory.kv_pool import DEFAULT_GROUP, KVPool, KVPoolSpec
+from snugkv.memory.layout import BufferLayout
 
 
 class MLAKVPool(KVPool):
     def __init__(
         self,
+        spec: KVPoolSpec,
         *,
+        reserved_tokens: int,
         num_layers: int,
         kv_lora_rank: int,
         qk_rope_head_dim: int,
-        dtype: torch.dtype | str,
-        page_size: int,
-        layout: KVLayout | str,
-        max_num_tokens: int,
-        device: torch.device | str,
-        mode: PoolMode | str = PoolMode.STATIC,
         arena: KvArena | None = None,
-        memory: VirtualMemory | None = None,
     ) -> None:
-        super().__init__(
-            dtype=dtype,
-            page_size=page_size,
-            layout=layout,
-            max_num_tokens=max_num_tokens,
-            device=device,
-            mode=mode,
-            arena=arena,
-            memory=memory,
-        )
+        super().__init__(spec, reserved_tokens=reserved_tokens, arena=arena)
         self.num_layers = num_layers
         self.kv_lora_rank = kv_lora_rank
         self.qk_rope_head_dim = qk_rope_head_dim
         latent_dim = kv_lora_rank + qk_rope_head_dim
         layouts = [
-            BufferLayout(f"layer{layer}.latent", self.dtype, (1, latent_dim), page_size, self.layout)
+            BufferLayout(f"layer{layer}.latent", self.dtype, (1, latent_dim), self.page_size, self.layout)
             for layer in range(num_layers)
         ]
         views = self._place({DEFAULT_GROUP: layouts})

@@ -14,6 +14,8 @@ pool's dummy slot).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from snugkv.memory.allocator import (
@@ -45,7 +47,12 @@ class SWAAllocator:
         full_to_swa: torch.Tensor,
         device: torch.device | str | None = None,
         debug: bool | None = None,
+        swa_tokens_for: Callable[[int], int] | None = None,
     ) -> None:
+        """`swa_tokens_for(full_tokens)`: the window pool's size for a full-pool size, which `resize`
+        follows (the pool's own split; default: the ratio given here)."""
+        ratio = swa_tokens / full_tokens if full_tokens else 1.0
+        self._swa_tokens_for = swa_tokens_for or (lambda full: int(full * ratio) // page_size * page_size)
         self.device = full_to_swa.device if device is None else torch.device(device)
         self._full = make_allocator(full_tokens, page_size, debug=False)
         self._swa = make_allocator(swa_tokens, page_size, debug=False)
@@ -149,7 +156,13 @@ class SWAAllocator:
         self._swa.free(self._swa_page_of[full_pages] * self._page_size)
         self._unpair(full_pages)
 
-    def resize(self, full_tokens: int, swa_tokens: int, full_to_swa: torch.Tensor | None = None) -> None:
+    def resize(self, capacity_tokens: int) -> None:
+        """Resize to `capacity_tokens` full-pool tokens, the window pool following its split."""
+        self.resize_groups(capacity_tokens, self._swa_tokens_for(capacity_tokens))
+
+    def resize_groups(
+        self, full_tokens: int, swa_tokens: int, full_to_swa: torch.Tensor | None = None
+    ) -> None:
         """Set both capacities (shrinking needs the slots above free in that pool).
 
         Pass `full_to_swa` when the pool moved the mapping to a larger tensor; its live entries

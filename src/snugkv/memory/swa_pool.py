@@ -12,9 +12,8 @@ from __future__ import annotations
 import torch
 
 from snugkv.memory.arena import KvArena
-from snugkv.memory.kv_pool import DEFAULT_GROUP, KVPool, PoolMode
+from snugkv.memory.kv_pool import DEFAULT_GROUP, KVPool, KVPoolSpec
 from snugkv.memory.layout import BufferLayout, KVLayout
-from snugkv.memory.vmm import VirtualMemory
 
 SWA_GROUP = "swa"
 
@@ -22,34 +21,20 @@ SWA_GROUP = "swa"
 class SWAKVPool(KVPool):
     def __init__(
         self,
+        spec: KVPoolSpec,
         *,
+        reserved_tokens: int,
         num_layers: int,
         swa_layer_ids: list[int],
         num_kv_heads: int,
         head_dim: int,
-        dtype: torch.dtype | str,
-        page_size: int,
-        layout: KVLayout | str,
-        max_num_tokens: int,
-        device: torch.device | str,
         swa_full_tokens_ratio: float = 0.8,
-        mode: PoolMode | str = PoolMode.STATIC,
-        arena: KvArena | None = None,
         v_head_dim: int | None = None,
-        memory: VirtualMemory | None = None,
+        arena: KvArena | None = None,
     ) -> None:
         if not 0 < swa_full_tokens_ratio <= 1:
             raise ValueError(f"swa_full_tokens_ratio must be in (0, 1], got {swa_full_tokens_ratio}")
-        super().__init__(
-            dtype=dtype,
-            page_size=page_size,
-            layout=layout,
-            max_num_tokens=max_num_tokens,
-            device=device,
-            mode=mode,
-            arena=arena,
-            memory=memory,
-        )
+        super().__init__(spec, reserved_tokens=reserved_tokens, arena=arena)
         self.swa_full_tokens_ratio = swa_full_tokens_ratio
         self.num_layers = num_layers
         self.swa_layer_ids = frozenset(swa_layer_ids)
@@ -60,15 +45,21 @@ class SWAKVPool(KVPool):
         for layer in range(num_layers):
             group = SWA_GROUP if layer in self.swa_layer_ids else DEFAULT_GROUP
             groups[group].append(
-                BufferLayout(f"layer{layer}.k", self.dtype, (num_kv_heads, head_dim), page_size, self.layout)
+                BufferLayout(
+                    f"layer{layer}.k", self.dtype, (num_kv_heads, head_dim), self.page_size, self.layout
+                )
             )
             groups[group].append(
                 BufferLayout(
-                    f"layer{layer}.v", self.dtype, (num_kv_heads, self.v_head_dim), page_size, self.layout
+                    f"layer{layer}.v",
+                    self.dtype,
+                    (num_kv_heads, self.v_head_dim),
+                    self.page_size,
+                    self.layout,
                 )
             )
         groups[DEFAULT_GROUP].append(
-            BufferLayout("full_to_swa.map", torch.int64, (), page_size, KVLayout.TOKEN_MAJOR)
+            BufferLayout("full_to_swa.map", torch.int64, (), self.page_size, KVLayout.TOKEN_MAJOR)
         )
         self.full_to_swa: torch.Tensor | None = None
         views = self._place(groups)
@@ -83,8 +74,8 @@ class SWAKVPool(KVPool):
         return {DEFAULT_GROUP: num_tokens, SWA_GROUP: swa_tokens}
 
     @property
-    def swa_capacity_tokens(self) -> int:
-        return self.tokens_per_group(self.capacity_tokens)[SWA_GROUP]
+    def swa_committed_tokens(self) -> int:
+        return self.tokens_per_group(self.committed_tokens)[SWA_GROUP]
 
     def ensure_prefix(self) -> None:
         super().ensure_prefix()
@@ -99,18 +90,20 @@ class SWAKVPool(KVPool):
         if self.full_to_swa is not None:
             self.full_to_swa[: self.page_size].copy_(torch.arange(self.page_size, device=self.device))
 
-    def is_swa_layer(self, layer_id: int) -> bool:
-        return layer_id in self.swa_layer_ids
-
-    def translate_loc(self, layer_id: int, loc: torch.Tensor) -> torch.Tensor:
-        assert self.full_to_swa is not None, "pool is closed"
-        return self.full_to_swa[loc] if layer_id in self.swa_layer_ids else loc
+    def slot_map(self, layer_id: int) -> torch.Tensor | None:
+        if layer_id not in self.swa_layer_ids:
+            return None
+        if self.full_to_swa is None:
+            raise RuntimeError("the sliding-window pool is closed")
+        return self.full_to_swa
 
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_buffers[layer_id], self.v_buffers[layer_id]
 
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        loc = self.translate_loc(layer_id, loc)
+        slot_map = self.slot_map(layer_id)
+        if slot_map is not None:
+            loc = slot_map[loc]
         self._store(self.k_buffers[layer_id], loc, k)
         self._store(self.v_buffers[layer_id], loc, v)
 

@@ -80,35 +80,3 @@ class VirtualMemory(ABC):
     def align_up(self, size_bytes: int) -> int:
         granule = self.granularity_bytes
         return -(-size_bytes // granule) * granule
-
-
-def cuda_vmm_status(device: torch.device | None = None) -> tuple[bool, str]:
-    """Whether CUDA VMM works on `device`, and a sentence saying why not."""
-    if not torch.cuda.is_available():
-        return False, "no CUDA device is visible"
-    try:
-        from snugkv.memory.vmm_cuda import probe_vmm_support
-    except ImportError as exc:  # cuda-bindings missing or broken
-        return False, f"cuda.bindings is not importable ({exc}); install cuda-bindings"
-    return probe_vmm_support(device or torch.device("cuda", torch.cuda.current_device()))
-
-
-def create_vmm(device: torch.device | str, **host_options: int) -> VirtualMemory:
-    """The backend for `device`: CUDA VMM on a GPU, the mmap backend on CPU.
-
-    Raises `VmmUnavailable` with the reason when a GPU cannot do VMM, so the caller can
-    fall back to static sizing and say so.
-    """
-    device = torch.device(device)
-    if device.type == "cpu":
-        from snugkv.memory.vmm_host import HostVmm
-
-        return HostVmm(**host_options)
-    if device.type != "cuda":
-        raise VmmUnavailable(f"no virtual-memory backend for device type {device.type!r}")
-    ok, reason = cuda_vmm_status(device)
-    if not ok:
-        raise VmmUnavailable(reason)
-    from snugkv.memory.vmm_cuda import CudaVmm
-
-    return CudaVmm(device)

@@ -52,7 +52,7 @@ def _load_libc() -> ctypes.CDLL:
     return libc
 
 
-def _available_ram_bytes() -> int:
+def available_ram_bytes() -> int:
     with open("/proc/meminfo") as meminfo:
         for line in meminfo:
             if line.startswith("MemAvailable:"):
@@ -81,7 +81,7 @@ class HostVmm(VirtualMemory):
                 f"granularity_bytes={granularity} must be a multiple of the page size {self._page_bytes}"
             )
         self._granularity_bytes = granularity
-        self._capacity_bytes = capacity_bytes if capacity_bytes is not None else _available_ram_bytes()
+        self._capacity_bytes = capacity_bytes if capacity_bytes is not None else available_ram_bytes()
         self._committed_bytes = 0
         self._lock = threading.Lock()
         self._can_populate = True
@@ -98,7 +98,7 @@ class HostVmm(VirtualMemory):
     def mem_get_info(self) -> tuple[int, int]:
         """(free, total) under this backend's capacity; a capacity above what the machine can give
         counts only what it can (so free + committed == total, and a ledger adds up)."""
-        available = _available_ram_bytes()
+        available = available_ram_bytes()
         free = max(min(self._capacity_bytes - self._committed_bytes, available), 0)
         return free, min(self._capacity_bytes, self._committed_bytes + free)
 

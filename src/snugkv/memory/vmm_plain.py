@@ -29,9 +29,9 @@ class PlainMemory(VirtualMemory):
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             return int(free), int(total)
-        from snugkv.memory.vmm_host import _available_ram_bytes
+        from snugkv.memory.vmm_host import available_ram_bytes
 
-        available = _available_ram_bytes()
+        available = available_ram_bytes()
         return available, available
 
     def reserve(self, size_bytes: int) -> int:

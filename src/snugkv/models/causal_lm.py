@@ -13,9 +13,9 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from snugkv.core.forward import ForwardBatch
 from snugkv.models.config import ModelConfig
 from snugkv.models.weights import StackedParam, load_named_tensors
-from snugkv.runner.forward_batch import ForwardBatch
 
 
 class CausalLM(nn.Module):
@@ -25,6 +25,12 @@ class CausalLM(nn.Module):
     supports_tensor_parallel = False  # True where the layers are built from snugkv.layers.parallel_linear
     stacked_params: tuple[StackedParam, ...] = ()  # checkpoint tensors merged into one parameter
     ignored_weights: tuple[str, ...] = ("rotary_emb.inv_freq",)  # checkpoint tensors computed here
+    max_position: int  # positions the rotary caches were built for (the most a context can hold)
+
+    @property
+    def num_kv_heads_per_rank(self) -> int:
+        """KV heads per layer this rank caches (what the KV pool holds); sharded models override it."""
+        return self.config.num_kv_heads
 
     def tie_weights(self) -> None:
         """Share the embedding with the LM head when the config says so (again after `to_empty`)."""

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from snugkv.core.forward import ForwardBatch
 from snugkv.distributed.group import TensorParallel, current_tensor_parallel
 from snugkv.layers.attention import PagedAttention
 from snugkv.layers.norm import RMSNorm
@@ -38,7 +39,6 @@ from snugkv.models.causal_lm import CausalLM
 from snugkv.models.config import ConfigError, ModelConfig
 from snugkv.models.llama import LlamaMLP
 from snugkv.models.weights import StackedParam
-from snugkv.runner.forward_batch import ForwardBatch
 
 STACKED_PARAMS = (StackedParam("gate_proj", "gate_up_proj", 0), StackedParam("up_proj", "gate_up_proj", 1))
 LATENT_NORM_EPS = 1e-6  # the reference builds q_a_layernorm/kv_a_layernorm without rms_norm_eps

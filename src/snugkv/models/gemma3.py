@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from snugkv.core.forward import ForwardBatch
 from snugkv.distributed.group import TensorParallel, current_tensor_parallel
 from snugkv.layers.attention import PagedAttention
 from snugkv.layers.norm import GemmaRMSNorm
@@ -28,7 +29,6 @@ from snugkv.layers.rotary import RotaryEmbedding
 from snugkv.models.causal_lm import CausalLM
 from snugkv.models.config import ConfigError, ModelConfig, normalize_rope_parameters
 from snugkv.models.llama import STACKED_PARAMS, LlamaMLP
-from snugkv.runner.forward_batch import ForwardBatch
 
 # transformers' defaults when a config leaves a layer type's theta out.
 GLOBAL_ROPE_THETA = 1_000_000.0

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from snugkv.core.forward import ForwardBatch
 from snugkv.distributed.group import TensorParallel, current_tensor_parallel
 from snugkv.layers.activation import GatedActivation
 from snugkv.layers.attention import PagedAttention
@@ -30,7 +31,6 @@ from snugkv.layers.rotary import RotaryEmbedding
 from snugkv.models.causal_lm import CausalLM
 from snugkv.models.config import ModelConfig
 from snugkv.models.weights import StackedParam
-from snugkv.runner.forward_batch import ForwardBatch
 
 STACKED_PARAMS = (
     StackedParam("q_proj", "qkv_proj", 0),

@@ -18,15 +18,11 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
 
 import torch
 
-from snugkv.runner.forward_batch import ForwardBatch, ForwardMode
-
-if TYPE_CHECKING:
-    from snugkv.runner.model_runner import ModelRunner
+from snugkv.core.forward import AttentionBackend, ForwardBatch, ForwardMode, KVCache
 
 logger = logging.getLogger(__name__)
 
@@ -41,15 +37,27 @@ def default_cuda_graph_batch_sizes(max_batch_size: int = 256) -> list[int]:
 
 
 class DecodeCudaGraphs:
-    def __init__(self, runner: ModelRunner, batch_sizes: Sequence[int]) -> None:
+    """`forward` is the runner's eager forward (a batch to float32 logits); the graphs replay it.
+    The caller backs the dummy page before `capture`."""
+
+    def __init__(
+        self,
+        forward: Callable[[ForwardBatch], torch.Tensor],
+        *,
+        req_to_token: torch.Tensor,
+        kv_pool: KVCache,
+        attn_backend: AttentionBackend,
+        batch_sizes: Sequence[int],
+    ) -> None:
         if not batch_sizes or min(batch_sizes) < 1:
             raise ValueError(f"CUDA graph batch sizes must be >= 1, got {list(batch_sizes)}")
-        if runner.device.type != "cuda":
-            raise ValueError(f"CUDA graphs need a CUDA device; the runner is on {runner.device}")
-        self.runner = runner
+        device = req_to_token.device
+        if device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device; the runner is on {device}")
+        self.forward = forward
+        self.req_to_token, self.kv_pool, self.attn_backend = req_to_token, kv_pool, attn_backend
         self.batch_sizes = sorted(set(batch_sizes))  # ascending, for lookup
         self.max_batch_size = self.batch_sizes[-1]
-        device = runner.device
         size = self.max_batch_size
 
         def static(fill: int) -> torch.Tensor:
@@ -58,13 +66,12 @@ class DecodeCudaGraphs:
         self.input_ids, self.positions, self.req_pool_indices = static(0), static(0), static(0)
         self.seq_lens, self.prefix_lens, self.out_cache_loc = static(1), static(0), static(0)
         self.extend_lens, self.row_index = static(1), torch.arange(size, device=device)
-        self.kv_width = runner.max_context_len
+        self.kv_width = int(req_to_token.shape[1])
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        self.memory_pool = None
+        self.memory_pool: tuple[int, int] | None = None
 
     def _batch(self, batch_size: int) -> ForwardBatch:
-        runner = self.runner
         return ForwardBatch(
             mode=ForwardMode.DECODE,
             input_ids=self.input_ids[:batch_size],
@@ -76,9 +83,9 @@ class DecodeCudaGraphs:
             extend_start_loc=self.row_index[:batch_size],
             out_cache_loc=self.out_cache_loc[:batch_size],
             logits_indices=self.row_index[:batch_size],
-            req_to_token=runner.req_to_token_pool.req_to_token,
-            kv_pool=runner.kv_pool,
-            attn_backend=runner.attn_backend,
+            req_to_token=self.req_to_token,
+            kv_pool=self.kv_pool,
+            attn_backend=self.attn_backend,
             kv_width=self.kv_width,
         )
 
@@ -98,7 +105,6 @@ class DecodeCudaGraphs:
     def capture(self) -> None:
         from tqdm import tqdm
 
-        self.runner.kv_pool.ensure_prefix()
         self._pad()
         started = time.perf_counter()
         free_before = torch.cuda.mem_get_info()[0]
@@ -111,11 +117,11 @@ class DecodeCudaGraphs:
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm-up: lazy init, autotuning, allocator caches
-                    self.runner.forward_eager(forward_batch)
+                    self.forward(forward_batch)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.memory_pool, stream=stream):
-                output = self.runner.forward_eager(forward_batch)
+                output = self.forward(forward_batch)
             self.graphs[batch_size] = graph
             self.outputs[batch_size] = output
         torch.cuda.synchronize()

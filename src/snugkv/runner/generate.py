@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from snugkv.layers.sampler import SamplingParams
-from snugkv.runner.forward_batch import BatchRow
+from snugkv.core.forward import BatchRow
+from snugkv.core.sampling import SamplingParams
 from snugkv.runner.model_runner import ModelRunner
 
 

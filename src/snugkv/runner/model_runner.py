@@ -11,25 +11,29 @@ The caller (the scheduler, or the generate loop) decides which requests run; per
 and when a request ends frees its slots (`free_request_slots`, or the prefix cache takes them)
 and its table row.
 
-Start-up order, visible in `create`: model (already loaded) -> KV pool -> allocators ->
-attention backend -> dummy page backed -> decode CUDA graphs (optional) -> rest of the pool
-backed. The engine's post-capture sizing (snugkv.engine) assembles the same pieces itself.
+`ModelRunner.build` is the one way to assemble a runner (the engine and the tests use it): the
+pool's dummy page backed, the request-to-token table, the pool's allocator, the attention
+backend. The engine (snugkv.engine) then captures the decode graphs and backs the rest of the pool.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
 
 import torch
-from torch import nn
 
-from snugkv.attention.base import AttentionBackend
 from snugkv.attention.registry import make_attention_backend
+from snugkv.core.forward import AttentionBackend, BatchRow, ForwardBatch
+from snugkv.core.sampling import SamplingParams
 from snugkv.distributed.group import TensorParallel
-from snugkv.layers.sampler import Sampler, SamplingParams
-from snugkv.runner.forward_batch import BatchRow, ForwardBatch
+from snugkv.layers.sampler import Sampler
+from snugkv.memory.allocator import SlotAllocator
+from snugkv.memory.kv_pool import KVPool
+from snugkv.memory.req_to_token import ReqToTokenPool
+from snugkv.models.causal_lm import CausalLM
+from snugkv.runner.cuda_graph import DecodeCudaGraphs
+from snugkv.runner.kv_cache import make_slot_allocator
 
 logger = logging.getLogger(__name__)
 
@@ -37,11 +41,11 @@ logger = logging.getLogger(__name__)
 class ModelRunner:
     def __init__(
         self,
-        model: nn.Module,
+        model: CausalLM,
         *,
-        kv_pool: Any,
-        req_to_token_pool: Any,
-        allocator: Any,
+        kv_pool: KVPool,
+        req_to_token_pool: ReqToTokenPool,
+        allocator: SlotAllocator,
         attn_backend: AttentionBackend,
         tp: TensorParallel | None = None,
     ) -> None:
@@ -52,70 +56,52 @@ class ModelRunner:
         self.allocator = allocator
         self.attn_backend = attn_backend
         self.sampler = Sampler()
-        self.cuda_graphs: Any = None  # DecodeCudaGraphs once captured
+        self.cuda_graphs: DecodeCudaGraphs | None = None
 
     @classmethod
-    def create(
+    def build(
         cls,
-        model: nn.Module,
+        model: CausalLM,
+        kv_pool: KVPool,
         *,
-        max_total_tokens: int,
         max_requests: int,
         max_context_len: int,
-        page_size: int = 1,
-        kv_layout: str = "nhd",
-        kv_dtype: torch.dtype | str | None = None,
         attention_backend: str = "auto",
-        pool_mode: str = "static",
-        cuda_graph_batch_sizes: Sequence[int] = (),
+        tp: TensorParallel | None = None,
     ) -> ModelRunner:
-        """Build the pool (the kind `model.config` needs), allocators and backend for `model`.
+        """A runner over `kv_pool` with its dummy page backed and an allocator handing out what the
+        pool has committed (nothing yet for a post-capture pool: `finalize_kv_pool` after sizing).
 
-        With `pool_mode="post-capture"` the pool is virtual address space until the graphs are
-        captured with only the dummy page backed; then `max_total_tokens` are backed. (Post-capture
-        sizing measures that number instead; it calls `finalize_kv_pool` itself.)
+        Raises `CommitError` when even the dummy page cannot be backed.
         """
-        from snugkv.memory.req_to_token import ReqToTokenPool
-        from snugkv.runner.kv_cache import make_kv_pool, make_slot_allocator
-
-        device = next(model.parameters()).device
         if max_context_len > model.max_position:
             raise ValueError(
                 f"max_context_len={max_context_len} exceeds the positions the model was built for "
                 f"({model.max_position}); load it with a larger max_position"
             )
-        max_total_tokens = -(-max_total_tokens // page_size) * page_size
-        kv_pool = make_kv_pool(
-            model.config,
-            kv_dtype=kv_dtype or next(model.parameters()).dtype,
-            page_size=page_size,
-            layout=kv_layout,
-            max_num_tokens=max_total_tokens,
-            device=device,
-            mode=pool_mode,
-            num_kv_heads=getattr(model, "num_kv_heads_per_rank", None),
-        )
-        runner = cls(
+        kv_pool.ensure_prefix()
+        return cls(
             model,
             kv_pool=kv_pool,
-            req_to_token_pool=ReqToTokenPool(max_requests, max_context_len, device),
-            allocator=make_slot_allocator(kv_pool, kv_pool.capacity_tokens, device),
-            attn_backend=make_attention_backend(attention_backend, device_type=device.type),
+            req_to_token_pool=ReqToTokenPool(max_requests, max_context_len, kv_pool.device),
+            allocator=make_slot_allocator(kv_pool, kv_pool.committed_tokens),
+            attn_backend=make_attention_backend(attention_backend, device_type=kv_pool.device.type),
+            tp=tp,
         )
-        kv_pool.ensure_prefix()
-        if cuda_graph_batch_sizes:
-            runner.capture_cuda_graphs(cuda_graph_batch_sizes)
-        if kv_pool.capacity_tokens < max_total_tokens:  # post-capture: back the pool only now
-            runner.finalize_kv_pool(max_total_tokens)
-        return runner
 
     def finalize_kv_pool(self, num_tokens: int) -> int:
         """Back `num_tokens` usable KV tokens and let the allocator hand them out (post-capture)."""
-        from snugkv.runner.kv_cache import resize_slot_allocator
-
         backed = self.kv_pool.finalize_backing(num_tokens)
-        resize_slot_allocator(self.allocator, self.kv_pool, backed)
+        self.allocator.resize(backed)
         return backed
+
+    def close(self) -> None:
+        """Drop the graphs and every reference into the KV pool (an SWA allocator holds a view of
+        the pool's slot map), so the pool's arena can be released. The runner cannot run after."""
+        self.cuda_graphs = None
+        for name in ("allocator", "kv_pool"):
+            if hasattr(self, name):
+                delattr(self, name)
 
     # -- properties -----------------------------------------------------------------------
     @property
@@ -205,8 +191,13 @@ class ModelRunner:
     # -- graphs ---------------------------------------------------------------------------
     def capture_cuda_graphs(self, batch_sizes: Sequence[int]) -> None:
         """Capture decode graphs (largest first, one memory pool); needs a CUDA device."""
-        from snugkv.runner.cuda_graph import DecodeCudaGraphs
-
-        graphs = DecodeCudaGraphs(self, batch_sizes)
+        self.kv_pool.ensure_prefix()  # padded rows and warm-up write the dummy slot
+        graphs = DecodeCudaGraphs(
+            self.forward_eager,
+            req_to_token=self.req_to_token_pool.req_to_token,
+            kv_pool=self.kv_pool,
+            attn_backend=self.attn_backend,
+            batch_sizes=batch_sizes,
+        )
         graphs.capture()
         self.cuda_graphs = graphs

@@ -21,13 +21,13 @@ from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
+from snugkv.core.outputs import GenerateInput, GenerateOutput
+from snugkv.core.sampling import InvalidRequest
 from snugkv.engine import Engine
-from snugkv.sampling_params import InvalidRequest
 from snugkv.scheduler import lockstep
 from snugkv.scheduler.lockstep import Abort, AbortAll, Add, Command, Stop
 from snugkv.scheduler.request import Request
 from snugkv.scheduler.scheduler import Scheduler
-from snugkv.server.engine_protocol import GenerateInput, GenerateOutput
 
 logger = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ import contextlib
 import logging
 from dataclasses import dataclass
 
+from snugkv.core.sampling import InvalidRequest, SamplingParams
 from snugkv.distributed.group import TensorParallel
-from snugkv.sampling_params import InvalidRequest, SamplingParams
 from snugkv.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from snugkv.sampling_params import SamplingParams
+from snugkv.core.sampling import SamplingParams
 from snugkv.scheduler.radix_cache import TreeNode
 
 

@@ -22,13 +22,13 @@ from typing import Any
 
 import torch
 
-from snugkv.runner.forward_batch import BatchRow
+from snugkv.core.forward import BatchRow
+from snugkv.core.outputs import GenerateOutput, TokenLogprob
+from snugkv.core.sampling import InvalidRequest, SamplingParams
 from snugkv.runner.model_runner import ModelRunner
-from snugkv.sampling_params import InvalidRequest, SamplingParams
 from snugkv.scheduler.detokenizer import detokenize, find_stop
 from snugkv.scheduler.radix_cache import RadixCache
 from snugkv.scheduler.request import Request
-from snugkv.server.engine_protocol import GenerateOutput, TokenLogprob
 
 logger = logging.getLogger(__name__)
 

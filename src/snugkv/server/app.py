@@ -23,7 +23,6 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import Response
 
-import snugkv
 from snugkv.server.engine_protocol import EngineClient
 from snugkv.server.errors import NOT_FOUND, SERVER_ERROR, APIError, install_error_handlers
 from snugkv.server.formats import ChatFormat, CompletionFormat, ResponseFormat
@@ -32,6 +31,7 @@ from snugkv.server.middleware import BearerAuthMiddleware, BodySizeLimitMiddlewa
 from snugkv.server.prepare import PreparedRequest, parse_body, prepare_chat, prepare_completion
 from snugkv.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from snugkv.server.serving import EventStreamResponse, collect_response, stream_events
+from snugkv.version import __version__
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ def create_app(
 ) -> FastAPI:
     """An app serving `engine` as `served_model_name`; pass `metrics` to share it with the engine."""
     metrics = metrics if metrics is not None else ServerMetrics()
-    app = FastAPI(title="snugkv", version=snugkv.__version__, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="snugkv", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine = engine
     app.state.metrics = metrics
     install_error_handlers(app)
@@ -103,7 +103,7 @@ def create_app(
 
     async def server_info() -> Any:
         info = jsonable_encoder(engine.server_info())
-        return {"served_model_name": served_model_name, "version": snugkv.__version__, **info}
+        return {"served_model_name": served_model_name, "version": __version__, **info}
 
     app.add_api_route("/server_info", server_info, methods=["GET"])
     app.add_api_route("/get_server_info", server_info, methods=["GET"])

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel
 
-from snugkv.server.engine_protocol import GenerateOutput, TokenLogprob
+from snugkv.core.outputs import GenerateOutput, TokenLogprob
 from snugkv.server.prepare import PreparedRequest
 from snugkv.server.protocol import (
     AssistantMessage,

@@ -20,8 +20,9 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from snugkv.sampling_params import InvalidRequest, SamplingParams
-from snugkv.server.engine_protocol import EngineClient, GenerateInput
+from snugkv.core.outputs import GenerateInput
+from snugkv.core.sampling import InvalidRequest, SamplingParams
+from snugkv.server.engine_protocol import EngineClient
 from snugkv.server.errors import APIError, bad_request, from_validation_error
 from snugkv.server.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
 

@@ -21,8 +21,9 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from snugkv.sampling_params import InvalidRequest
-from snugkv.server.engine_protocol import EngineClient, GenerateInput, GenerateOutput
+from snugkv.core.outputs import GenerateInput, GenerateOutput
+from snugkv.core.sampling import InvalidRequest
+from snugkv.server.engine_protocol import EngineClient
 from snugkv.server.errors import SERVER_ERROR, APIError
 from snugkv.server.formats import ChoiceState, ResponseFormat, usage_of
 from snugkv.server.metrics import RequestTracker, ServerMetrics

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from snugkv.memory.vmm import GIB
+import torch
+
+from snugkv.memory.vmm import GIB, VirtualMemory
+from snugkv.sizing.measure import device_memory
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,3 +83,48 @@ class MemoryLedger:
             unaccounted_bytes=self.unaccounted_bytes,
         )
         return data
+
+
+def measure_ledger(
+    device: torch.device,
+    memory: VirtualMemory,
+    *,
+    baseline_free_bytes: int,
+    weights_bytes: int,
+    kv_committed_bytes: int,
+    kv_reserved_va_bytes: int,
+    kv_in_torch_allocator: bool,
+    graph_executables_bytes: int,
+    activation_peak_bytes: int,
+    headroom_bytes: int,
+) -> MemoryLedger:
+    """The ledger as the device reports it now.
+
+    On CUDA, torch's reserved memory minus the weights (and minus the KV cache when it came from
+    torch's allocator, as in the static modes) is the graph pool and persistent buffers; the
+    baseline is what was used before the engine allocated anything. On CPU the host backend's
+    budget stands for the device, and weights live in general RAM.
+    """
+    if device.type == "cuda":
+        free, total = device_memory(device)
+        baseline = total - baseline_free_bytes
+        kv_in_torch = kv_committed_bytes if kv_in_torch_allocator else 0
+        graphs_and_buffers = torch.cuda.memory_reserved(device) - weights_bytes - kv_in_torch
+        name = torch.cuda.get_device_name(device)
+    else:
+        free, total = memory.mem_get_info()
+        baseline, graphs_and_buffers, name = 0, 0, "cpu (host backend)"
+    return MemoryLedger(
+        device=name,
+        total_bytes=total,
+        free_bytes=free,
+        baseline_bytes=baseline,
+        weights_bytes=weights_bytes,
+        graphs_and_buffers_bytes=graphs_and_buffers,
+        graph_executables_bytes=graph_executables_bytes,
+        kv_committed_bytes=kv_committed_bytes,
+        kv_reserved_va_bytes=kv_reserved_va_bytes,
+        activation_peak_bytes=activation_peak_bytes,
+        headroom_bytes=headroom_bytes,
+        weights_in_device_memory=device.type == "cuda",
+    )

@@ -40,6 +40,38 @@ def settle(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def device_memory(device: torch.device) -> tuple[int, int]:
+    """(free, total) bytes of a CUDA device after settling; (0, 0) elsewhere (the host backend
+    reports its own budget through `VirtualMemory.mem_get_info`)."""
+    if device.type != "cuda":
+        return 0, 0
+    settle(device)
+    free, total = torch.cuda.mem_get_info(device)
+    return int(free), int(total)
+
+
+@dataclass(frozen=True, slots=True)
+class CaptureMemory:
+    """What capturing the decode graphs took: all of it, and the driver's part outside torch's
+    allocator (graph executables, kernel modules loaded while capturing)."""
+
+    total_bytes: int = 0
+    driver_bytes: int = 0
+
+
+def measure_capture(device: torch.device, capture: Callable[[], object]) -> CaptureMemory:
+    """Run `capture` and count the device memory it took (nothing off CUDA)."""
+    if device.type != "cuda":
+        capture()
+        return CaptureMemory()
+    before, _ = device_memory(device)
+    reserved_before = torch.cuda.memory_reserved(device)
+    capture()
+    after, _ = device_memory(device)
+    reserved_growth = torch.cuda.memory_reserved(device) - reserved_before
+    return CaptureMemory(before - after, max(before - after - reserved_growth, 0))
+
+
 def measure_free(vmm: VirtualMemory, group: dist.ProcessGroup | None = None) -> FreeMemory:
     """Free memory now, agreed over `group` (a CPU/gloo group) by taking the MIN."""
     settle(vmm.device)

@@ -15,7 +15,8 @@ from enum import StrEnum
 
 import torch
 
-from snugkv.memory.vmm import GIB, cuda_vmm_status
+from snugkv.memory.vmm import GIB
+from snugkv.memory.vmm_factory import cuda_vmm_status
 
 logger = logging.getLogger(__name__)
 
@@ -85,3 +86,14 @@ def static_fraction_budget(
     reserve = total_bytes - int(total_bytes * mem_fraction_static)
     budget = int(total_bytes * mem_fraction_static) - used_bytes
     return StaticFraction(mem_fraction_static, reserve, budget)
+
+
+def static_kv_tokens(
+    budget_bytes: int, bytes_per_token: float, page_size: int, max_total_tokens: int | None
+) -> int:
+    """Tokens a classic pool gets from its byte budget: whole pages, one page less for the dummy
+    page, capped by the user's `--max-total-tokens` (may be <= 0: no room)."""
+    tokens = int(budget_bytes // bytes_per_token) // page_size * page_size - page_size
+    if max_total_tokens:
+        tokens = min(tokens, max_total_tokens // page_size * page_size)
+    return tokens

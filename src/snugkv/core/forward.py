@@ -1,4 +1,5 @@
-"""ForwardBatch: everything one model forward needs to know about the batch it runs.
+"""One model forward: the batch it runs, and the contracts between the model's attention layers,
+the KV cache and the attention backend (they meet in one forward, so they live in one module).
 
 A batch's rows are requests. Row i adds `extend_lens[i] >= 1` new tokens on top of
 `prefix_lens[i]` tokens already in the KV cache; the new tokens of all rows are concatenated
@@ -10,19 +11,90 @@ Two modes:
   (the CPU mirrors may be None), so the forward can be captured in a CUDA graph.
 - EXTEND: anything else (prefill, prefix-cached extend, chunked prefill, rows mixed with decode
   rows). Backends may read the CPU mirrors of the lengths.
+
+`AttentionBackend.forward(q, k, v, layer, forward_batch)`:
+- Inputs are the new tokens of the batch, concatenated row-major (docs/ARCHITECTURE.md):
+  q `[T, layer.num_heads, layer.head_dim]`, k `[T, layer.num_kv_heads, layer.head_dim]`,
+  v `[T, layer.num_kv_heads, layer.v_head_dim]`, all in the compute dtype.
+- The backend first writes k/v into the cache: `kv_cache.set_kv(layer.layer_id, out_cache_loc, k, v)`
+  (the cache casts to its storage dtype). `k is None` means the layer's K/V were written already.
+- Then the new token j of row i, at position `qp = prefix_lens[i] + j`, attends to every key
+  position `kp` of `req_to_token[req_pool_indices[i], :seq_lens[i]]` with `kp <= qp` and, for a
+  sliding-window layer, `qp - kp < layer.sliding_window`; scores are scaled by `layer.scaling`;
+  query head h uses KV head `h // (num_heads // num_kv_heads)` (GQA).
+- It returns `[T, layer.num_heads, layer.v_head_dim]` in q's dtype. KV read from an fp8 cache is
+  upcast; accumulation is at least fp32.
+- Slots from the table are full-cache slots; a layer whose buffers are indexed differently (a
+  sliding-window sub-pool) has a `kv_cache.slot_map(layer_id)` to translate them through.
+
+`init_forward_metadata(forward_batch)` runs once per forward, before the first layer; a backend
+may put shared per-batch state into `forward_batch.attn_metadata`. For a DECODE batch captured in
+a CUDA graph it runs inside the capture: device ops only, no host sync, shapes that depend only
+on the batch size and `forward_batch.kv_width` (CPU length mirrors are None there).
+
+A backend never allocates slots, never writes the request-to-token table and never frees.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from snugkv.attention.base import AttentionBackend
+
+class KVCache(Protocol):
+    """What attention reads and writes of a KV pool (snugkv.memory's pools implement it)."""
+
+    @property
+    def page_size(self) -> int: ...
+
+    @property
+    def layout(self) -> str:
+        """ "nhd" (token-major) or "hnd" (page-major); see docs/ARCHITECTURE.md."""
+        ...
+
+    def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> None: ...
+
+    def slot_map(self, layer_id: int) -> torch.Tensor | None:
+        """The table mapping full-cache slots to this layer's buffer rows, or None (identity)."""
+        ...
+
+
+class AttentionLayer(Protocol):
+    """What a backend needs to know about one layer's attention (snugkv.layers.PagedAttention)."""
+
+    layer_id: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    scaling: float
+    sliding_window: int | None
+
+
+class AttentionBackend(ABC):
+    name: str = "abstract"
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        """Per-batch preparation shared by all layers (default: nothing)."""
+        return None
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        layer: AttentionLayer,
+        forward_batch: ForwardBatch,
+    ) -> torch.Tensor:
+        """Write the new K/V, attend, return `[T, num_heads, v_head_dim]` (see the module docstring)."""
 
 
 class ForwardMode(StrEnum):
@@ -69,7 +141,7 @@ class ForwardBatch:
     out_cache_loc: torch.Tensor
     logits_indices: torch.Tensor
     req_to_token: torch.Tensor
-    kv_pool: Any
+    kv_pool: KVCache
     attn_backend: AttentionBackend
     seq_lens_cpu: tuple[int, ...] | None = None
     prefix_lens_cpu: tuple[int, ...] | None = None
@@ -96,7 +168,7 @@ class ForwardBatch:
         out_cache_loc: torch.Tensor,
         *,
         req_to_token: torch.Tensor,
-        kv_pool: Any,
+        kv_pool: KVCache,
         attn_backend: AttentionBackend,
     ) -> ForwardBatch:
         """A batch for `rows` whose new tokens' slots are `out_cache_loc` (already in the table)."""

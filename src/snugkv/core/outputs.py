@@ -1,0 +1,46 @@
+"""What goes into the engine for one request and what comes back, step by step.
+
+The scheduler builds these, the async engine carries them across threads, the server and the
+command-line tools turn them into responses. None of them knows about pools or the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from snugkv.core.sampling import SamplingParams
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateInput:
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    token_id: int
+    token: str
+    logprob: float
+    top: list[tuple[str, float]] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateOutput:
+    """One step of a request's stream: the tokens and text added since the previous output."""
+
+    rid: str
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    error: str | None = None
+    rejected: bool = False  # the engine refused the request as it is (a 400: `error` says what to change)
