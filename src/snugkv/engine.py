@@ -209,7 +209,7 @@ class Engine:
         self.context_length = args.context_length or self.config.max_position_embeddings
         load_s = time.perf_counter() - started
 
-        self.mode = resolve_mode(args.kv_sizing, self.device, self.kv_dtype)
+        self.mode = resolve_mode(args.kv_sizing, self.device)
         self.memory = self._memory_backend()
         sized = self._start_post_capture() if self.mode is SizingMode.POST_CAPTURE else self._start_static()
         self.runner, self.pool = sized.runner, sized.pool

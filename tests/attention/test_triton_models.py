@@ -10,7 +10,6 @@ with fewer new tokens (still past the window and across decode steps) and two KV
 from __future__ import annotations
 
 import pytest
-import torch
 
 from snugkv.attention.triton_backend import TritonAttentionBackend
 from snugkv.models.loader import load_model
@@ -24,15 +23,6 @@ NEW_TOKENS = 4
 # Page-major paging with the window map for Gemma 3; both layouts for MLA, whose value view of
 # the latent buffer is strided differently in each.
 CASES = [("gemma3", 16, "hnd"), ("deepseek_v2", 1, "nhd"), ("deepseek_v2", 16, "hnd")]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny matmuls on a loaded 2-core machine are far faster on one thread (see tests/models/conftest.py)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")

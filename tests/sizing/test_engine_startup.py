@@ -104,15 +104,13 @@ def test_user_cap_limits_the_post_capture_pool(tiny_dir):
 def test_without_vmm_the_gpu_falls_back_to_profiled_with_one_clear_line(monkeypatch, caplog):
     monkeypatch.setattr(modes, "cuda_vmm_status", lambda device: (False, "the CUDA driver is too old"))
     with caplog.at_level(logging.WARNING):
-        mode = resolve_mode(None, torch.device("cuda", 0), torch.bfloat16)
+        mode = resolve_mode(None, torch.device("cuda", 0))
     assert mode is SizingMode.PROFILED
     lines = [r.getMessage() for r in caplog.records if "falling back" in r.getMessage()]
     assert lines == [
         "Post-capture KV sizing unavailable (the CUDA driver is too old); falling back to --kv-sizing profiled."
     ]
-    assert (
-        resolve_mode("static-fraction", torch.device("cuda", 0), torch.bfloat16) is SizingMode.STATIC_FRACTION
-    )
+    assert resolve_mode("static-fraction", torch.device("cuda", 0)) is SizingMode.STATIC_FRACTION
 
 
 def test_static_fraction_that_leaves_no_room_says_what_to_change(tiny_dir):

@@ -44,13 +44,6 @@ class TritonAttentionBackend(AttentionBackend):
         k_buffer, v_buffer = pool.get_kv_buffer(layer.layer_id)
         slot_map = pool.slot_map(layer.layer_id)
         out = torch.empty((q.shape[0], layer.num_heads, layer.v_head_dim), dtype=q.dtype, device=q.device)
-        common = dict(
-            sm_scale=layer.scaling,
-            page_size=pool.page_size,
-            layout=str(pool.layout),
-            sliding_window=layer.sliding_window,
-            kv_slot_map=slot_map,
-        )
         if forward_batch.is_decode:
             partial_out, partial_lse = self._workspace(forward_batch, layer, q.device)
             return decode_attention(
@@ -64,7 +57,11 @@ class TritonAttentionBackend(AttentionBackend):
                 num_kv_splits=self.num_kv_splits,
                 partial_out=partial_out,
                 partial_lse=partial_lse,
-                **common,
+                sm_scale=layer.scaling,
+                page_size=pool.page_size,
+                layout=str(pool.layout),
+                sliding_window=layer.sliding_window,
+                kv_slot_map=slot_map,
             )
         if k is None or v is None:
             raise ValueError("the Triton extend kernel reads new K/V from the call: pass k and v, not None")
@@ -81,7 +78,11 @@ class TritonAttentionBackend(AttentionBackend):
             forward_batch.extend_lens,
             forward_batch.extend_start_loc,
             max_extend_len=forward_batch.attn_metadata["max_extend_len"],
-            **common,
+            sm_scale=layer.scaling,
+            page_size=pool.page_size,
+            layout=str(pool.layout),
+            sliding_window=layer.sliding_window,
+            kv_slot_map=slot_map,
         )
 
     def _workspace(

@@ -32,85 +32,18 @@ import torch
 import triton
 import triton.language as tl
 
-LAYOUTS = ("nhd", "hnd")
-# Stands in for "no sliding window": larger than any context, small enough that
-# `position - NO_WINDOW` cannot overflow int32.
-NO_WINDOW = 1 << 30
-_FP8_DTYPES = (torch.float8_e4m3fn,)
-_TL_DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
-
-
-def kv_buffer_strides(buffer: torch.Tensor, layout: str, page_size: int) -> tuple[int, tuple[int, ...]]:
-    """The kernels' view of a pool buffer: (slots per addressing page, (page, head, offset, dim) strides)."""
-    if layout == "nhd":
-        if buffer.dim() != 3:
-            raise ValueError(
-                f"an 'nhd' KV buffer must be [slots, heads, dim]; got shape {tuple(buffer.shape)}"
-            )
-        return 1, (buffer.stride(0), buffer.stride(1), 0, buffer.stride(2))
-    if layout == "hnd":
-        if buffer.dim() != 4 or buffer.shape[2] != page_size:
-            raise ValueError(
-                f"an 'hnd' KV buffer must be [pages, heads, page_size={page_size}, dim]; "
-                f"got shape {tuple(buffer.shape)}"
-            )
-        return page_size, (buffer.stride(0), buffer.stride(1), buffer.stride(2), buffer.stride(3))
-    raise ValueError(f"layout must be one of {LAYOUTS}; got {layout!r}")
-
-
-def key_dim_blocks(head_dim: int) -> tuple[int, int]:
-    """Split a key head dim into a power-of-two block and a (masked) remainder block, 0 if none.
-
-    tl.dot needs every dimension >= 16, hence the floor on both blocks.
-    """
-    main = 1 << (head_dim.bit_length() - 1)
-    if main < 16:
-        return 16, 0
-    rest = head_dim - main
-    return main, 0 if rest == 0 else max(16, triton.next_power_of_2(rest))
-
-
-def value_dim_block(head_dim: int) -> int:
-    return max(16, triton.next_power_of_2(head_dim))
-
-
-def dot_dtype(q_dtype: torch.dtype, kv_dtype: torch.dtype, device: torch.device) -> tl.dtype:
-    """The operand type of the kernels' matrix products; accumulation is always fp32.
-
-    16-bit queries meet keys of their own type (or fp8, which upcasts exactly) on the tensor cores;
-    every other mix runs in fp32 with IEEE products so nothing is silently rounded to TF32.
-    The Triton CPU interpreter (triton 3.9) computes bf16 products wrongly, so it gets fp32.
-    """
-    low_precision = q_dtype in (torch.float16, torch.bfloat16) and (
-        kv_dtype == q_dtype or kv_dtype in _FP8_DTYPES
-    )
-    if not low_precision or (device.type == "cpu" and q_dtype == torch.bfloat16):
-        return tl.float32
-    return _TL_DOT_DTYPES[q_dtype]
-
-
-def window_or_none(sliding_window: int | None) -> int:
-    if sliding_window is None:
-        return NO_WINDOW
-    if sliding_window < 1:
-        raise ValueError(
-            f"sliding_window counts positions including the query, so it must be >= 1; got {sliding_window}"
-        )
-    return sliding_window
-
-
-@triton.jit
-def load_slots(Req_to_token, row_offset, positions, mask, Slot_map, HAS_SLOT_MAP: tl.constexpr):
-    """Table lookup for a block of key positions, through the window sub-pool map if there is one."""
-    slots = tl.load(Req_to_token + row_offset + positions, mask=mask, other=0).to(tl.int64)
-    if HAS_SLOT_MAP:
-        slots = tl.load(Slot_map + slots, mask=mask, other=0).to(tl.int64)
-    return slots
-
-
-@triton.jit
-def slot_offsets(slots, head, stride_page, stride_head, stride_off, PAGE: tl.constexpr):
-    return (slots // PAGE) * stride_page + head * stride_head + (slots % PAGE) * stride_off
+from snugkv.attention.triton_common import (
+    block_scores,
+    block_values,
+    dot_dtype,
+    key_dim_blocks,
+    kv_buffer_strides,
+    load_slots,
+    online_softmax_step,
+    slot_offsets,
+    value_dim_block,
+    window_or_none,
+)
 
 
 @triton.jit
@@ -177,6 +110,7 @@ def _decode_partial_kernel(
     q_row = Q + batch.to(tl.int64) * stride_q_b + q_heads[:, None] * stride_q_h
     q = tl.load(q_row + dk[None, :] * stride_q_d, mask=head_mask[:, None] & (dk[None, :] < DK), other=0.0)
     q = q.to(DOT_DTYPE)
+    dk_rest, q_rest = dk, q  # stand-ins, unused without a remainder block
     if BLOCK_DK_REST > 0:
         dk_rest = BLOCK_DK + tl.arange(0, BLOCK_DK_REST)
         q_rest = tl.load(
@@ -194,34 +128,13 @@ def _decode_partial_kernel(
         pos_mask = positions < split_end
         slots = load_slots(Req_to_token, row_offset, positions, pos_mask, Slot_map, HAS_SLOT_MAP)
         k_rows = slot_offsets(slots, kv_head, stride_k_page, stride_k_head, stride_k_off, PAGE)
-        k = tl.load(
-            K + k_rows[None, :] + dk[:, None] * stride_k_dim,
-            mask=pos_mask[None, :] & (dk[:, None] < DK),
-            other=0.0,
+        qk = block_scores(
+            q, q_rest, K, k_rows, pos_mask, dk, dk_rest, stride_k_dim, DK, BLOCK_DK_REST, DOT_DTYPE
         )
-        qk = tl.dot(q, k.to(DOT_DTYPE), input_precision="ieee")
-        if BLOCK_DK_REST > 0:
-            k_rest = tl.load(
-                K + k_rows[None, :] + dk_rest[:, None] * stride_k_dim,
-                mask=pos_mask[None, :] & (dk_rest[:, None] < DK),
-                other=0.0,
-            )
-            qk += tl.dot(q_rest, k_rest.to(DOT_DTYPE), input_precision="ieee")
         qk = tl.where(pos_mask[None, :], qk * sm_scale_log2, float("-inf"))
-
-        # Every block holds at least one real position, so m_new is finite.
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
         v_rows = slot_offsets(slots, kv_head, stride_v_page, stride_v_head, stride_v_off, PAGE)
-        v = tl.load(
-            V + v_rows[:, None] + dv[None, :] * stride_v_dim,
-            mask=pos_mask[:, None] & (dv[None, :] < DV),
-            other=0.0,
-        )
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision="ieee")
-        m_i = m_new
+        v = block_values(V, v_rows, pos_mask, dv, stride_v_dim, DV)
+        m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, DOT_DTYPE)
 
     has_keys = l_i > 0
     l_safe = tl.where(has_keys, l_i, 1.0)

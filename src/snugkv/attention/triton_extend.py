@@ -27,28 +27,18 @@ import torch
 import triton
 import triton.language as tl
 
-from snugkv.attention.triton_decode import (
+from snugkv.attention.triton_common import (
+    block_scores,
+    block_values,
     dot_dtype,
     key_dim_blocks,
     kv_buffer_strides,
     load_slots,
+    online_softmax_step,
     slot_offsets,
     value_dim_block,
     window_or_none,
 )
-
-
-@triton.jit
-def _online_softmax_step(qk, v, m_i, l_i, acc, DOT_DTYPE: tl.constexpr):
-    """Fold one block of base-2 scores (-inf where masked) and its values into the running state."""
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    # A row may see no key in this block (window, causal edge or padding rows): keep it NaN-free.
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(qk - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision="ieee")
-    return m_new, l_i, acc
 
 
 @triton.jit
@@ -118,6 +108,7 @@ def _extend_kernel(
         dv = tl.arange(0, BLOCK_DV)
         q_rows = Q + tokens[:, None] * stride_q_t + head * stride_q_h
         q = tl.load(q_rows + dk[None, :] * stride_q_d, mask=row_mask[:, None] & (dk[None, :] < DK), other=0.0)
+        dk_rest, q_rest = dk, q  # stand-ins, unused without a remainder block
         if BLOCK_DK_REST > 0:
             dk_rest = BLOCK_DK + tl.arange(0, BLOCK_DK_REST)
             q_rest = tl.load(
@@ -131,9 +122,7 @@ def _extend_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
         # Cached prefix: every prefix key precedes every new token, so only the window can hide it.
-        prefix_q = q.to(PREFIX_DOT_DTYPE)
-        if BLOCK_DK_REST > 0:
-            prefix_q_rest = q_rest.to(PREFIX_DOT_DTYPE)
+        prefix_q, prefix_q_rest = q.to(PREFIX_DOT_DTYPE), q_rest.to(PREFIX_DOT_DTYPE)
         q_positions = prefix_len + rows
         row_offset = req * stride_table_row
         for start in range(tl.maximum(prefix_len + m_start - window + 1, 0), prefix_len, BLOCK_N):
@@ -141,69 +130,52 @@ def _extend_kernel(
             key_mask = key_pos < prefix_len
             slots = load_slots(Req_to_token, row_offset, key_pos, key_mask, Slot_map, HAS_SLOT_MAP)
             k_rows = slot_offsets(slots, kv_head, stride_k_page, stride_k_head, stride_k_off, PAGE)
-            k = tl.load(
-                K_buffer + k_rows[None, :] + dk[:, None] * stride_k_dim,
-                mask=key_mask[None, :] & (dk[:, None] < DK),
-                other=0.0,
+            qk = block_scores(
+                prefix_q,
+                prefix_q_rest,
+                K_buffer,
+                k_rows,
+                key_mask,
+                dk,
+                dk_rest,
+                stride_k_dim,
+                DK,
+                BLOCK_DK_REST,
+                PREFIX_DOT_DTYPE,
             )
-            qk = tl.dot(prefix_q, k.to(PREFIX_DOT_DTYPE), input_precision="ieee")
-            if BLOCK_DK_REST > 0:
-                k_rest = tl.load(
-                    K_buffer + k_rows[None, :] + dk_rest[:, None] * stride_k_dim,
-                    mask=key_mask[None, :] & (dk_rest[:, None] < DK),
-                    other=0.0,
-                )
-                qk += tl.dot(prefix_q_rest, k_rest.to(PREFIX_DOT_DTYPE), input_precision="ieee")
             visible = key_mask[None, :] & (q_positions[:, None] - key_pos[None, :] < window)
             qk = tl.where(visible, qk * sm_scale_log2, float("-inf"))
             v_rows = slot_offsets(slots, kv_head, stride_v_page, stride_v_head, stride_v_off, PAGE)
-            v = tl.load(
-                V_buffer + v_rows[:, None] + dv[None, :] * stride_v_dim,
-                mask=key_mask[:, None] & (dv[None, :] < DV),
-                other=0.0,
-            )
-            m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, PREFIX_DOT_DTYPE)
+            v = block_values(V_buffer, v_rows, key_mask, dv, stride_v_dim, DV)
+            m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, PREFIX_DOT_DTYPE)
 
         # New tokens, causally; positions here are offsets into the row's extend range.
-        extend_q = q.to(EXTEND_DOT_DTYPE)
-        if BLOCK_DK_REST > 0:
-            extend_q_rest = q_rest.to(EXTEND_DOT_DTYPE)
+        extend_q, extend_q_rest = q.to(EXTEND_DOT_DTYPE), q_rest.to(EXTEND_DOT_DTYPE)
         extend_end = tl.minimum(m_start + BLOCK_M, extend_len)
         for start in range(tl.maximum(m_start - window + 1, 0), extend_end, BLOCK_N):
             key_idx = start + tl.arange(0, BLOCK_N)
             key_mask = key_idx < extend_end
             key_tokens = start_loc + key_idx
-            k = tl.load(
-                K_extend
-                + key_tokens[None, :] * stride_ke_t
-                + kv_head * stride_ke_h
-                + dk[:, None] * stride_ke_d,
-                mask=key_mask[None, :] & (dk[:, None] < DK),
-                other=0.0,
+            k_rows = key_tokens * stride_ke_t + kv_head * stride_ke_h
+            qk = block_scores(
+                extend_q,
+                extend_q_rest,
+                K_extend,
+                k_rows,
+                key_mask,
+                dk,
+                dk_rest,
+                stride_ke_d,
+                DK,
+                BLOCK_DK_REST,
+                EXTEND_DOT_DTYPE,
             )
-            qk = tl.dot(extend_q, k.to(EXTEND_DOT_DTYPE), input_precision="ieee")
-            if BLOCK_DK_REST > 0:
-                k_rest = tl.load(
-                    K_extend
-                    + key_tokens[None, :] * stride_ke_t
-                    + kv_head * stride_ke_h
-                    + dk_rest[:, None] * stride_ke_d,
-                    mask=key_mask[None, :] & (dk_rest[:, None] < DK),
-                    other=0.0,
-                )
-                qk += tl.dot(extend_q_rest, k_rest.to(EXTEND_DOT_DTYPE), input_precision="ieee")
             distance = rows[:, None] - key_idx[None, :]
             visible = key_mask[None, :] & (distance >= 0) & (distance < window)
             qk = tl.where(visible, qk * sm_scale_log2, float("-inf"))
-            v = tl.load(
-                V_extend
-                + key_tokens[:, None] * stride_ve_t
-                + kv_head * stride_ve_h
-                + dv[None, :] * stride_ve_d,
-                mask=key_mask[:, None] & (dv[None, :] < DV),
-                other=0.0,
-            )
-            m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, EXTEND_DOT_DTYPE)
+            v_rows = key_tokens * stride_ve_t + kv_head * stride_ve_h
+            v = block_values(V_extend, v_rows, key_mask, dv, stride_ve_d, DV)
+            m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, EXTEND_DOT_DTYPE)
 
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         out_ptrs = Out + tokens[:, None] * stride_o_t + head * stride_o_h + dv[None, :] * stride_o_d

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from snugkv.attention.triton_decode import kv_buffer_strides
+from snugkv.attention.triton_common import kv_buffer_strides
 
 _FP8_MAX = {torch.float8_e4m3fn: torch.finfo(torch.float8_e4m3fn).max}
 

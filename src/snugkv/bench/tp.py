@@ -173,7 +173,7 @@ def _bench_rank(tp: Any, spec: dict[str, Any], result_path: str) -> None:
     from snugkv.bench.decode import time_cuda
     from snugkv.core.sampling import SamplingParams
     from snugkv.engine import Engine, EngineArgs
-    from snugkv.runner.generate import generate
+    from snugkv.scheduler.scheduler import Scheduler
 
     result: dict[str, Any] = {"tp_size": tp.world_size}
 
@@ -214,7 +214,12 @@ def _bench_rank(tp: Any, spec: dict[str, Any], result_path: str) -> None:
     runner = engine.runner
     prompts = fixed_prompts(engine.config.vocab_size)
     greedy = SamplingParams(max_new_tokens=spec["new_tokens"], ignore_eos=True)
-    tokens = [r.output_token_ids for r in generate(runner, prompts, greedy)]
+    scheduler = Scheduler.for_engine(engine)  # every rank adds the same requests: they batch alike
+    requests = [scheduler.add_request(str(i), prompt, greedy) for i, prompt in enumerate(prompts)]
+    while scheduler.has_work:
+        scheduler.step()
+    tokens = [request.output_ids for request in requests]
+    scheduler.cache.reset()  # the runner's slots are all free again for the measurements below
     result["generation"] = {"prompt_lengths": list(PROMPT_LENGTHS), "tokens": tokens}
     if spec.get("reference"):
         result["generation"]["teacher_forced_top1"] = _teacher_forced_top1(runner, prompts, spec["reference"])

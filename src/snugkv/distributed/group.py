@@ -46,6 +46,11 @@ class TensorParallel:
     def is_first_rank(self) -> bool:
         return self.rank == 0
 
+    def _cpu(self) -> dist.ProcessGroup:
+        if self.cpu_group is None:
+            raise RuntimeError(f"rank {self.rank} of {self.world_size} has no CPU process group")
+        return self.cpu_group
+
     # -- how heads and rows split --------------------------------------------------------
     def split(self, total: int, what: str) -> int:
         """`total / world_size`, with an error naming `what` when it does not divide."""
@@ -95,7 +100,8 @@ class TensorParallel:
         if not self.enabled:
             return values
         tensor = torch.tensor(values, dtype=torch.int64)
-        dist.broadcast(tensor, src=dist.get_global_rank(self.cpu_group, 0), group=self.cpu_group)
+        group = self._cpu()
+        dist.broadcast(tensor, src=dist.get_global_rank(group, 0), group=group)
         return tensor.tolist()
 
     def any_rank(self, flag: bool) -> bool:
@@ -112,7 +118,7 @@ class TensorParallel:
         collectives' timeout must not cut short."""
         if not self.enabled:
             return value
-        group = self.wait_group if wait_for_user and self.wait_group is not None else self.cpu_group
+        group = self.wait_group if wait_for_user and self.wait_group is not None else self._cpu()
         box = [value]
         dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
         return box[0]

@@ -21,12 +21,22 @@ communication. Layers get the `TensorParallel` object explicitly; they never rea
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from snugkv.distributed.group import TensorParallel
+
+
+@runtime_checkable
+class ShardedLayer(Protocol):
+    """A layer that knows how its parameters relate to the full (unsharded) checkpoint tensors."""
+
+    def full_shape(self, name: str, part: int | None = None) -> tuple[int, ...]: ...
+
+    def shard_weight(self, name: str, full: torch.Tensor, part: int | None) -> torch.Tensor: ...
 
 
 def _rows(full: torch.Tensor, start: int, count: int, dim: int = 0) -> torch.Tensor:

@@ -104,6 +104,9 @@ class RotaryEmbedding(nn.Module):
     `False` rotates interleaved pairs (GPT-J style).
     """
 
+    cos_cache: torch.Tensor
+    sin_cache: torch.Tensor
+
     def __init__(
         self,
         head_dim: int,

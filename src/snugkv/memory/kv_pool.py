@@ -140,7 +140,7 @@ class KVPool:
     def _log(self, prefix: str) -> None:
         tokens = self.tokens_per_group(self.reserved_tokens)
         for group, buffers in self._buffers.items():
-            sizes = {}
+            sizes: dict[str, int] = {}
             for buffer in buffers:
                 kind = buffer.name.split(".")[-1]
                 sizes[kind] = sizes.get(kind, 0) + buffer.layout.bytes_for_tokens(tokens[group])
@@ -241,6 +241,13 @@ class KVPool:
     def _drop_views(self) -> None:
         raise NotImplementedError
 
+    # -- what attention reads and writes (snugkv.core.forward.KVCache) -----------------------
+    def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> None:
+        raise NotImplementedError
+
     # -- writes -------------------------------------------------------------------------
     def _store(self, buffer: torch.Tensor, loc: torch.Tensor, values: torch.Tensor) -> None:
         """Write `values [n, heads, dim]` into slots `loc` of a buffer in this pool's layout."""
@@ -296,7 +303,9 @@ class MHAKVPool(KVPool):
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_buffers[layer_id], self.v_buffers[layer_id]
 
-    def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> None:
+        if v is None:
+            raise ValueError("an MHA pool stores K and V: pass both")
         self._store(self.k_buffers[layer_id], loc, k)
         self._store(self.v_buffers[layer_id], loc, v)
 

@@ -100,7 +100,9 @@ class SWAKVPool(KVPool):
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_buffers[layer_id], self.v_buffers[layer_id]
 
-    def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> None:
+        if v is None:
+            raise ValueError("a sliding-window pool stores K and V: pass both")
         slot_map = self.slot_map(layer_id)
         if slot_map is not None:
             loc = slot_map[loc]

@@ -13,6 +13,7 @@ import ctypes
 import itertools
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -58,7 +59,7 @@ _PyCapsule_New.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
 
 # Live capsules by id: each entry keeps its ctypes structs, its owner and its release
 # callback alive until torch calls the deleter.
-_live: dict[int, tuple[object, ...]] = {}
+_live: dict[int, tuple[Any, ...]] = {}
 _live_lock = threading.Lock()
 _ids = itertools.count(1)
 

@@ -1,27 +1,53 @@
-"""`CausalLM`: what the top module of every architecture shares.
+"""`CausalLM` and `DecoderModel`: what the modules of every architecture share.
 
-An architecture sets `config`, a decoder `model` that maps (input ids, positions, forward batch)
-to the final hidden states `[T, hidden]`, and an `lm_head`; this class ties the head to the
-embedding when the config says so and turns hidden rows into float32 logits. The runner only
-calls `forward` and `compute_logits`, so it never needs to know which architecture it runs.
+An architecture sets `config`, a decoder `model` (a `DecoderModel`: embedding, layers, final norm)
+that maps (input ids, positions, forward batch) to the final hidden states `[T, hidden]`, and an
+`lm_head`; `CausalLM` ties the head to the embedding when the config says so and turns hidden rows
+into float32 logits. The runner only calls `forward` and `compute_logits`, so it never needs to
+know which architecture it runs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
 
 from snugkv.core.forward import ForwardBatch
+from snugkv.distributed.group import TensorParallel
+from snugkv.layers.parallel_linear import ColumnParallelLinear, ParallelLMHead, VocabParallelEmbedding
 from snugkv.models.config import ModelConfig
 from snugkv.models.weights import StackedParam, load_named_tensors
 
 
+class DecoderModel(nn.Module):
+    """Embedding (times `embed_scale`), the decoder layers in order, the final norm.
+
+    Each layer is called as `layer(positions, hidden, forward_batch)` and returns the new hidden
+    states."""
+
+    embed_tokens: VocabParallelEmbedding
+    layers: nn.ModuleList
+    norm: nn.Module
+    embed_scale: float = 1.0
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        if self.embed_scale != 1.0:
+            x = x * self.embed_scale
+        for layer in self.layers:
+            x = layer(positions, x, forward_batch)
+        return self.norm(x)
+
+
 class CausalLM(nn.Module):
     config: ModelConfig
-    model: nn.Module
-    lm_head: nn.Module
+    model: DecoderModel
+    lm_head: ParallelLMHead
+    tp: TensorParallel
     supports_tensor_parallel = False  # True where the layers are built from snugkv.layers.parallel_linear
     stacked_params: tuple[StackedParam, ...] = ()  # checkpoint tensors merged into one parameter
     ignored_weights: tuple[str, ...] = ("rotary_emb.inv_freq",)  # checkpoint tensors computed here
@@ -29,8 +55,9 @@ class CausalLM(nn.Module):
 
     @property
     def num_kv_heads_per_rank(self) -> int:
-        """KV heads per layer this rank caches (what the KV pool holds); sharded models override it."""
-        return self.config.num_kv_heads
+        """KV heads per layer this rank caches (what the KV pool holds): with tensor parallelism a
+        rank keeps its share, or the one head its query heads read when there are fewer than ranks."""
+        return self.tp.kv_heads(self.config.num_heads, self.config.num_kv_heads)[1]
 
     def tie_weights(self) -> None:
         """Share the embedding with the LM head when the config says so (again after `to_empty`)."""
@@ -55,10 +82,10 @@ class CausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             ignore.append("lm_head.weight")
         targets = {param.target for param in self.stacked_params}
-        shard_sizes = {
+        shard_sizes: dict[str, Sequence[int]] = {
             name.rsplit(".", 1)[-1]: module.local_sizes
             for name, module in self.model.layers[0].named_modules()
-            if name.rsplit(".", 1)[-1] in targets
+            if name.rsplit(".", 1)[-1] in targets and isinstance(module, ColumnParallelLinear)
         }
         load_named_tensors(
             self, weights, stacked=self.stacked_params, shard_sizes=shard_sizes, ignore=ignore, source=source

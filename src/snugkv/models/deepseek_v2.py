@@ -35,7 +35,7 @@ from snugkv.layers.parallel_linear import (
     VocabParallelEmbedding,
 )
 from snugkv.layers.rotary import RotaryEmbedding, yarn_mscale
-from snugkv.models.causal_lm import CausalLM
+from snugkv.models.causal_lm import CausalLM, DecoderModel
 from snugkv.models.config import ConfigError, ModelConfig
 from snugkv.models.llama import LlamaMLP
 from snugkv.models.weights import StackedParam
@@ -190,7 +190,7 @@ class DeepseekV2DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class DeepseekV2Model(nn.Module):
+class DeepseekV2Model(DecoderModel):
     def __init__(self, config: ModelConfig, dims: MLADims, max_position: int, tp: TensorParallel) -> None:
         super().__init__()
         rotary_emb = RotaryEmbedding(
@@ -205,14 +205,6 @@ class DeepseekV2Model(nn.Module):
             DeepseekV2DecoderLayer(config, dims, i, rotary_emb, tp) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
-    ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            x = layer(positions, x, forward_batch)
-        return self.norm(x)
 
 
 class DeepseekV2ForCausalLM(CausalLM):
@@ -230,3 +222,8 @@ class DeepseekV2ForCausalLM(CausalLM):
         self.model = DeepseekV2Model(config, self.dims, self.max_position, tp)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp=tp)
         self.tie_weights()
+
+    @property
+    def num_kv_heads_per_rank(self) -> int:
+        """One latent per token, whole on every rank (the latent pool has no head count)."""
+        return 1

@@ -26,7 +26,7 @@ from snugkv.layers.parallel_linear import (
     VocabParallelEmbedding,
 )
 from snugkv.layers.rotary import RotaryEmbedding
-from snugkv.models.causal_lm import CausalLM
+from snugkv.models.causal_lm import CausalLM, DecoderModel
 from snugkv.models.config import ConfigError, ModelConfig, normalize_rope_parameters
 from snugkv.models.llama import STACKED_PARAMS, LlamaMLP
 
@@ -132,7 +132,7 @@ class Gemma3DecoderLayer(nn.Module):
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
-class Gemma3Model(nn.Module):
+class Gemma3Model(DecoderModel):
     def __init__(self, config: ModelConfig, max_position: int, tp: TensorParallel) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp=tp)
@@ -154,14 +154,6 @@ class Gemma3Model(nn.Module):
         )
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
-    ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids) * self.embed_scale
-        for layer in self.layers:
-            x = layer(positions, x, forward_batch)
-        return self.norm(x)
-
 
 class Gemma3ForCausalLM(CausalLM):
     """`forward` returns the final hidden states `[T, hidden]`; `compute_logits` projects rows of them."""
@@ -180,16 +172,3 @@ class Gemma3ForCausalLM(CausalLM):
         self.model = Gemma3Model(config, self.max_position, tp)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp=tp)
         self.tie_weights()
-
-    @property
-    def num_kv_heads_per_rank(self) -> int:
-        """KV heads this rank's layers cache (what the SWA pool must hold per layer)."""
-        return self.model.layers[0].self_attn.num_kv_heads
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits `[n, vocab]` for hidden rows `[n, hidden]`, soft-capped if the config says so."""
-        logits = self.lm_head(hidden)
-        if self.final_logit_softcapping:
-            cap = self.final_logit_softcapping
-            logits = torch.tanh(logits / cap) * cap
-        return logits.float()

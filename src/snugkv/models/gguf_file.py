@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 GGUF_MAGIC = b"GGUF"
-_SCALARS = {
+_SCALARS: dict[int, np.dtype[Any]] = {
     0: np.dtype("<u1"),
     1: np.dtype("<i1"),
     2: np.dtype("<u2"),
@@ -135,6 +135,7 @@ class GGUFFile:
         from gguf.quants import quant_shape_to_byte_shape
 
         qtype = GGMLQuantizationType(info.ggml_type)
+        dtype: np.dtype[Any]
         if qtype == GGMLQuantizationType.F32:
             dtype, shape = np.dtype("<f4"), info.shape
         elif qtype == GGMLQuantizationType.F16:

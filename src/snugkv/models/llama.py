@@ -28,7 +28,7 @@ from snugkv.layers.parallel_linear import (
     VocabParallelEmbedding,
 )
 from snugkv.layers.rotary import RotaryEmbedding
-from snugkv.models.causal_lm import CausalLM
+from snugkv.models.causal_lm import CausalLM, DecoderModel
 from snugkv.models.config import ModelConfig
 from snugkv.models.weights import StackedParam
 
@@ -125,7 +125,7 @@ class LlamaDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class LlamaModel(nn.Module):
+class LlamaModel(DecoderModel):
     def __init__(
         self, config: ModelConfig, rotary_emb: RotaryEmbedding, tp: TensorParallel, **attn_switches: bool
     ) -> None:
@@ -135,14 +135,6 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, i, rotary_emb, tp, **attn_switches) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
-    ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            x = layer(positions, x, forward_batch)
-        return self.norm(x)
 
 
 class LlamaForCausalLM(CausalLM):
@@ -176,8 +168,3 @@ class LlamaForCausalLM(CausalLM):
         self.model = LlamaModel(config, rotary_emb, tp, **switches)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp=tp)
         self.tie_weights()
-
-    @property
-    def num_kv_heads_per_rank(self) -> int:
-        """KV heads this rank's layers cache (what the KV pool must hold per layer)."""
-        return self.model.layers[0].self_attn.num_kv_heads

@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from torch import nn
 
+from snugkv.models.causal_lm import CausalLM
 from snugkv.models.config import ConfigError, ModelConfig
 from snugkv.models.gguf_loader import GGUFError, config_from_gguf, is_gguf_file, iter_gguf_tensors, open_gguf
 from snugkv.models.registry import UnsupportedArchitectureError, get_model_class, supported_architectures
@@ -63,7 +63,7 @@ class ModelSource:
 
 @dataclass(slots=True)
 class LoadedModel:
-    model: nn.Module
+    model: CausalLM
     config: ModelConfig
     source: ModelSource
     dtype: torch.dtype
@@ -205,7 +205,7 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 def build_model(
     config: ModelConfig, dtype: torch.dtype, device: torch.device, *, max_position: int | None = None
-) -> nn.Module:
+) -> CausalLM:
     """An uninitialised model of `config`'s architecture on `device` (weights not loaded)."""
     try:
         model_class = get_model_class(config.architecture)
@@ -217,9 +217,7 @@ def build_model(
     except ConfigError as exc:  # an architecture's own checks (an option snugkv does not run)
         raise ModelLoadError(str(exc)) from exc
     model = model.to_empty(device=device)
-    tie_weights = getattr(model, "tie_weights", None)
-    if tie_weights is not None:  # materialising gives each module its own tensor
-        tie_weights()
+    model.tie_weights()  # materialising gives each module its own tensor
     for module in model.modules():
         init_buffers = getattr(module, "init_buffers", None)
         if init_buffers is not None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib
 
-from torch import nn
+from snugkv.models.causal_lm import CausalLM
 
 _ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "snugkv.models.llama:LlamaForCausalLM",
@@ -36,7 +36,7 @@ def supported_architectures() -> tuple[str, ...]:
     return tuple(_ARCHITECTURES)
 
 
-def get_model_class(architecture: str) -> type[nn.Module]:
+def get_model_class(architecture: str) -> type[CausalLM]:
     if architecture not in _ARCHITECTURES:
         raise UnsupportedArchitectureError(
             f"architecture {architecture!r} is not supported; supported: {', '.join(_ARCHITECTURES)}"

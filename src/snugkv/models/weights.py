@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from snugkv.layers.parallel_linear import ShardedLayer
+
 
 class WeightLoadError(ValueError):
     """A checkpoint does not fit the model it is loaded into."""
@@ -77,7 +79,7 @@ def load_named_tensors(
             continue
         owner_name, _, leaf = target.rpartition(".")
         owner = modules.get(owner_name)
-        if hasattr(owner, "shard_weight"):  # a tensor-parallel layer keeps only this rank's slice
+        if isinstance(owner, ShardedLayer):  # a tensor-parallel layer keeps only this rank's slice
             part = None if spec is None else spec.index
             full_shape = owner.full_shape(leaf, part)
             if tuple(tensor.shape) != full_shape:
@@ -86,6 +88,7 @@ def load_named_tensors(
                     f"{full_shape} (does the config match the weights?)"
                 )
             tensor = owner.shard_weight(leaf, tensor, part)
+        destination: torch.Tensor
         if spec is None:
             destination, shard = param, 0
         else:
@@ -130,7 +133,7 @@ def init_dummy_weights(model: nn.Module, *, seed: int = 0, std: float = 0.02) ->
             if param.device not in generators:
                 generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
             generator = generators[param.device]
-            if hasattr(module, "shard_weight"):
+            if isinstance(module, ShardedLayer):
                 name = next(n for n, p in module.named_parameters(recurse=False) if p is param)
                 full = torch.empty(module.full_shape(name), dtype=param.dtype, device=param.device)
                 param.copy_(module.shard_weight(name, full.normal_(0.0, std, generator=generator), None))

@@ -1,1 +1,1 @@
-"""Model execution: forward batches, the model runner, decode CUDA graphs, a minimal generate loop."""
+"""Model execution: the model runner, the KV cache a model needs, decode CUDA graphs."""

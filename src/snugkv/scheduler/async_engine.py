@@ -19,6 +19,7 @@ import queue
 import threading
 from collections import deque
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from snugkv.core.outputs import GenerateInput, GenerateOutput
@@ -30,6 +31,19 @@ from snugkv.scheduler.request import Request
 from snugkv.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Submit:
+    """A new request with the asyncio queue its outputs go to; taken from the inbox, it becomes
+    an `Add` (what the ranks share) and its stream is registered."""
+
+    request: GenerateInput
+    loop: asyncio.AbstractEventLoop
+    outputs: asyncio.Queue[GenerateOutput]
+
+
+InboxItem = Submit | Abort | AbortAll
 
 
 class AsyncEngine:
@@ -50,7 +64,7 @@ class AsyncEngine:
         self.scheduler = Scheduler.for_engine(
             engine, tokenizer=tokenizer, enable_prefix_cache=enable_prefix_cache, on_output=self._on_output
         )
-        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[InboxItem] = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[GenerateOutput]]] = {}
         self._wake = threading.Event()
         self._stopped = threading.Event()
@@ -66,7 +80,7 @@ class AsyncEngine:
     async def generate(self, request: GenerateInput) -> AsyncIterator[GenerateOutput]:
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[GenerateOutput] = asyncio.Queue()
-        self._inbox.put(("add", (request, loop, outputs)))
+        self._inbox.put(Submit(request, loop, outputs))
         self._wake.set()
         if self._broken is not None:  # the loop is gone: nobody will take the request
             yield self._error_output(request.rid, len(request.input_ids), self._broken)
@@ -83,12 +97,12 @@ class AsyncEngine:
 
     def abort(self, rid: str) -> None:
         self.aborted_rids.append(rid)
-        self._inbox.put(("abort", rid))
+        self._inbox.put(Abort(rid))
         self._wake.set()
 
     def abort_all(self) -> None:
         """End every request in flight with finish_reason "abort" (the server is stopping)."""
-        self._inbox.put(("abort_all", None))
+        self._inbox.put(AbortAll())
         self._wake.set()
 
     def check_health(self) -> bool:
@@ -199,25 +213,21 @@ class AsyncEngine:
         commands: list[Command] = []
         while True:
             try:
-                kind, payload = self._inbox.get_nowait()
+                item = self._inbox.get_nowait()
             except queue.Empty:
                 return commands
-            if kind == "abort":
-                commands.append(Abort(payload))
-            elif kind == "abort_all":
-                commands.append(AbortAll())
-            else:
-                request, loop, outputs = payload
-                if request.rid in self._streams:  # the running request keeps its stream
-                    message = (
-                        f"request id {request.rid!r} is already in use; send each request with its own id"
-                    )
-                    failed = self._error_output(request.rid, len(request.input_ids), message, rejected=True)
-                    with contextlib.suppress(RuntimeError):
-                        loop.call_soon_threadsafe(outputs.put_nowait, failed)
-                    continue
-                self._streams[request.rid] = (loop, outputs)
-                commands.append(Add(request.rid, request.input_ids, request.sampling))
+            if not isinstance(item, Submit):
+                commands.append(item)
+                continue
+            request = item.request
+            if request.rid in self._streams:  # the running request keeps its stream
+                message = f"request id {request.rid!r} is already in use; send each request with its own id"
+                failed = self._error_output(request.rid, len(request.input_ids), message, rejected=True)
+                with contextlib.suppress(RuntimeError):
+                    item.loop.call_soon_threadsafe(item.outputs.put_nowait, failed)
+                continue
+            self._streams[request.rid] = (item.loop, item.outputs)
+            commands.append(Add(request.rid, request.input_ids, request.sampling))
 
     def _apply(self, command: Command) -> None:
         try:

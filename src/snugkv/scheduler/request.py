@@ -72,3 +72,10 @@ class Request:
     @property
     def is_admitted(self) -> bool:
         return self.req_pool_idx is not None
+
+    @property
+    def table_row(self) -> int:
+        """The request's row of the request-to-token table (it must be admitted)."""
+        if self.req_pool_idx is None:
+            raise RuntimeError(f"request {self.rid} holds no table row: it is not admitted")
+        return self.req_pool_idx

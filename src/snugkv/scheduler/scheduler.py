@@ -8,7 +8,8 @@ is retracted (its KV goes to the prefix cache, it waits to be recomputed) — ne
 a dropped request. After any workload every slot is back: `check_slot_accounting()`.
 
 The scheduler runs on one thread (the engine's loop); it never blocks on I/O. Outputs leave
-through the `on_output` callback.
+through the `on_output` callback. This module is the policy (who runs, when a request ends); the
+slots' life is `scheduler.slots`, what leaves is `scheduler.outputs`.
 """
 
 from __future__ import annotations
@@ -17,26 +18,34 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from snugkv.core.forward import BatchRow
-from snugkv.core.outputs import GenerateOutput, TokenLogprob
 from snugkv.core.sampling import InvalidRequest, SamplingParams
 from snugkv.runner.model_runner import ModelRunner
 from snugkv.scheduler.detokenizer import detokenize, find_stop
+from snugkv.scheduler.outputs import OutputBuilder, OutputCallback
 from snugkv.scheduler.radix_cache import RadixCache
 from snugkv.scheduler.request import Request
+from snugkv.scheduler.slots import RequestSlots, SlotAccountingError
+
+__all__ = ["OutputCallback", "Scheduler", "SlotAccountingError"]
 
 logger = logging.getLogger(__name__)
 
-OutputCallback = Callable[[Request, GenerateOutput], None]
 
+@dataclass(frozen=True, slots=True)
+class ScheduledBatch:
+    """One step's work: a row per request (in `requests` order) and the slots of their new tokens."""
 
-class SlotAccountingError(RuntimeError):
-    """free + cached + held by requests != capacity: a slot leaked or was handed out twice."""
+    rows: list[BatchRow]
+    requests: list[Request]
+    slots: torch.Tensor
+    decode: bool
 
 
 class Scheduler:
@@ -52,14 +61,14 @@ class Scheduler:
         on_output: OutputCallback | None = None,
     ) -> None:
         self.runner = runner
-        self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_running_requests = max_running_requests
         self.chunked_prefill_size = chunked_prefill_size
         self.page_size = runner.allocator.page_size
         self.context_length = runner.max_context_len
         self.cache = RadixCache(runner.allocator, enabled=enable_prefix_cache)
-        self.on_output = on_output
+        self.slots = RequestSlots(runner, self.cache)
+        self.outputs = OutputBuilder(tokenizer, on_output)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -126,16 +135,13 @@ class Scheduler:
     # -- one step -----------------------------------------------------------------------
     def step(self) -> None:
         self._drop_aborted()
-        rows, batch, slots = self._schedule_prefill()
-        decode = not rows
-        if decode and self.running:
-            rows, batch, slots = self._schedule_decode()
-        if not rows:
+        batch = self._schedule_prefill() or self._schedule_decode()
+        if batch is None:
             return
         try:
-            self._run(rows, batch, slots, decode=decode)
+            self._run(batch)
         except Exception:
-            self._requeue_after_failure(batch)
+            self._requeue_after_failure(batch.requests)
             raise
 
     def _requeue_after_failure(self, batch: list[Request]) -> None:
@@ -153,7 +159,7 @@ class Scheduler:
                 queue.remove(request)
                 self._finish(request, "abort")
 
-    def _schedule_prefill(self) -> tuple[list[BatchRow], list[Request], torch.Tensor | None]:
+    def _schedule_prefill(self) -> ScheduledBatch | None:
         budget = self.chunked_prefill_size
         rows: list[BatchRow] = []
         batch: list[Request] = []
@@ -162,16 +168,18 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) + len(batch) < self.max_running_requests:
             request = self.waiting[0]
             newly_admitted = not request.is_admitted
-            if newly_admitted and not self._admit(request):
+            if newly_admitted and not self.slots.admit(request):
                 break
             chunk = min(request.pending_len, budget)
-            if not self._make_room(self._new_slots(request.kv_len, chunk) + self.page_size + reserve):
+            if not self.slots.make_room(
+                self.slots.new_slots(request.kv_len, chunk) + self.page_size + reserve
+            ):
                 if newly_admitted:
-                    self._release(request)
+                    self.slots.release(request)
                 break
             end = request.kv_len + chunk
             row = BatchRow(
-                request.req_pool_idx,
+                request.table_row,
                 request.kv_len,
                 request.all_ids[request.kv_len : end],
                 need_logits=end == request.num_tokens,
@@ -179,7 +187,7 @@ class Scheduler:
             slots = self.runner.allocate_slots([row])
             if slots is None:
                 if newly_admitted:
-                    self._release(request)
+                    self.slots.release(request)
                 break
             self.waiting.popleft()
             slot_parts.append(slots)
@@ -187,50 +195,24 @@ class Scheduler:
             batch.append(request)
             budget -= chunk
             reserve += self.page_size
-        return rows, batch, torch.cat(slot_parts) if slot_parts else None
+        if not rows:
+            return None
+        return ScheduledBatch(rows, batch, torch.cat(slot_parts), decode=False)
 
-    def _new_slots(self, kv_len: int, num_tokens: int) -> int:
-        """Slots `num_tokens` more tokens take from the pool: whole pages, minus the room left in
-        the request's last, partly filled page."""
-        page = self.page_size
-        return (-(-(kv_len + num_tokens) // page) - -(-kv_len // page)) * page
-
-    def _admit(self, request: Request) -> bool:
-        """Give `request` a table row and its cached prefix (at least one token left to compute)."""
-        row = self.runner.req_to_token_pool.alloc()
-        if row is None:
-            return False
-        match = self.cache.match_prefix(request.all_ids[:-1], count_stats=request.retractions == 0)
-        request.req_pool_idx = row
-        if match.num_tokens:
-            self.cache.lock(match.node)
-            request.prefix_node = match.node
-            self.runner.req_to_token_pool.write(row, 0, match.slots.to(self.runner.device))
-        request.prefix_len = request.kv_len = match.num_tokens
-        if request.retractions == 0:
-            request.cached_tokens = match.num_tokens
-        return True
-
-    def _make_room(self, num_tokens: int) -> bool:
-        allocator = self.runner.allocator
-        if allocator.available_tokens < num_tokens:
-            self.cache.evict(num_tokens - allocator.available_tokens)
-        return allocator.available_tokens >= num_tokens
-
-    def _schedule_decode(self) -> tuple[list[BatchRow], list[Request], torch.Tensor | None]:
+    def _schedule_decode(self) -> ScheduledBatch | None:
         while self.running:
-            rows = [BatchRow(r.req_pool_idx, r.kv_len, [r.last_token]) for r in self.running]
-            self._make_room(len(rows) * self.page_size)
+            rows = [BatchRow(r.table_row, r.kv_len, [r.last_token]) for r in self.running]
+            self.slots.make_room(len(rows) * self.page_size)
             slots = self.runner.allocate_slots(rows)
             if slots is not None:
-                return rows, list(self.running), slots
+                return ScheduledBatch(rows, list(self.running), slots, decode=True)
             self._retract(max(self.running, key=lambda r: r.seq))  # the newest; never wall time
-        return [], [], None
+        return None
 
     def _retract(self, request: Request) -> None:
         """Free a running request's KV (to the prefix cache) and queue it to be recomputed."""
         self.running.remove(request)
-        self._release(request)
+        self.slots.release(request)
         request.retractions += 1
         self.num_retractions += 1
         self.waiting.appendleft(request)
@@ -241,14 +223,13 @@ class Scheduler:
         )
 
     # -- running a batch --------------------------------------------------------------
-    def _run(
-        self, rows: list[BatchRow], batch: list[Request], slots: torch.Tensor | None, decode: bool
-    ) -> None:
+    def _run(self, scheduled: ScheduledBatch) -> None:
         """Forward, sample, and move each request on: a decode batch is `self.running`; a prefill
         batch came from `waiting` and joins `running` once its prompt is done."""
+        rows, batch, decode = scheduled.rows, scheduled.requests, scheduled.decode
         for row, request in zip(rows, batch):
             request.in_flight = len(row.token_ids)
-        logits = self.runner.forward(rows, slots)
+        logits = self.runner.forward(rows, scheduled.slots)
         sampling_rows = [(row, request) for row, request in zip(rows, batch) if row.need_logits]
         tokens = (
             self.runner.sample(
@@ -257,7 +238,7 @@ class Scheduler:
             if sampling_rows
             else []
         )
-        logprobs = self._logprobs(logits, sampling_rows, tokens)
+        logprobs = self.outputs.logprobs(logits, [request for _, request in sampling_rows], tokens)
         sampled = iter(zip(tokens, logprobs))
         now = time.monotonic()
         finished_any = False
@@ -280,34 +261,9 @@ class Scheduler:
             else:
                 if not decode:
                     self.running.append(request)
-                self._emit(request)
+                self.outputs.emit(request)
         if decode and finished_any:
             self.running = [request for request in self.running if not request.finished]
-
-    def _logprobs(
-        self, logits: torch.Tensor, rows: list[tuple[BatchRow, Request]], tokens: list[int]
-    ) -> list[TokenLogprob | None]:
-        wanted = [i for i, (_, request) in enumerate(rows) if request.sampling.logprobs is not None]
-        result: list[TokenLogprob | None] = [None] * len(rows)
-        if not wanted:
-            return result
-        log_probs = torch.log_softmax(logits[wanted].float(), dim=-1).cpu()
-        for position, index in enumerate(wanted):
-            request, token = rows[index][1], tokens[index]
-            top_n = request.sampling.logprobs or 0
-            top = torch.topk(log_probs[position], top_n) if top_n else None
-            result[index] = TokenLogprob(
-                token_id=int(token),
-                token=self._piece(token),
-                logprob=float(log_probs[position, token]),
-                top=[(self._piece(int(t)), float(v)) for v, t in zip(top.values, top.indices)]
-                if top is not None
-                else [],
-            )
-        return result
-
-    def _piece(self, token: int) -> str:
-        return self.tokenizer.decode([token]) if self.tokenizer is not None else str(token)
 
     def _stop_reason(self, request: Request) -> str | None:
         token = request.output_ids[-1]
@@ -316,7 +272,7 @@ class Scheduler:
             return "stop"
         if sampling.stop:
             searched = len(request.text)
-            detokenize(self.tokenizer, request)
+            detokenize(self.outputs.tokenizer, request)
             index = find_stop(request.text, sampling.stop, searched)
             if index is not None:
                 request.text = request.text[:index]
@@ -329,65 +285,13 @@ class Scheduler:
         return None
 
     # -- leaving ------------------------------------------------------------------------
-    def _release(self, request: Request) -> None:
-        """Give a request's slots back: computed KV to the prefix cache, the rest (including slots of
-        a step that failed before computing them) to the allocator."""
-        row = request.req_pool_idx
-        if row is None:
-            return
-        table = self.runner.req_to_token_pool.req_to_token
-        slots = table[row, : request.kv_len + request.in_flight].to("cpu", torch.int64)
-        usable = request.kv_len // self.page_size * self.page_size
-        computed = slots[: request.kv_len]
-        existing = self.cache.insert(request.all_ids[: request.kv_len], computed) if self.cache.enabled else 0
-        owned_duplicates = slots[request.prefix_len : max(existing, request.prefix_len)]
-        tail = slots[max(usable if self.cache.enabled else request.prefix_len, request.prefix_len) :]
-        for part in (owned_duplicates, tail):
-            if part.numel():
-                self.runner.allocator.free(part)
-        if request.prefix_node is not None:
-            self.cache.unlock(request.prefix_node)
-        self.runner.req_to_token_pool.free(row)
-        request.req_pool_idx, request.prefix_node = None, None
-        request.prefix_len = request.kv_len = request.in_flight = 0
-
     def _finish(self, request: Request, reason: str) -> None:
-        self._release(request)
+        self.slots.release(request)
         request.finish_reason = reason
         try:
-            self._emit(request)
+            self.outputs.emit(request)
         finally:
             self.requests.pop(request.rid, None)
-
-    def _emit(self, request: Request) -> None:
-        if self.on_output is None:
-            return
-        finished = request.finished
-        if request.sampling.stop and not finished:
-            holdback = max(len(s) for s in request.sampling.stop) - 1
-            visible = len(request.text) - holdback
-        else:
-            # The last text, unless a stop string cut it already or the request failed (its tokens
-            # may be what broke the tokenizer: the error must still reach the client).
-            if self.tokenizer is not None and not request.stopped_by_string and request.error is None:
-                detokenize(self.tokenizer, request, final=finished)
-            visible = len(request.text)
-        output = GenerateOutput(
-            rid=request.rid,
-            token_ids=request.output_ids[request.sent_token_len :],
-            text=request.text[request.sent_text_len : max(visible, request.sent_text_len)],
-            finished=finished,
-            finish_reason=request.finish_reason,  # type: ignore[arg-type]
-            prompt_tokens=len(request.prompt_ids),
-            completion_tokens=len(request.output_ids),
-            cached_tokens=request.cached_tokens,
-            logprobs=request.logprobs[request.sent_logprobs_len :],
-            error=request.error,
-        )
-        request.sent_token_len = len(request.output_ids)
-        request.sent_text_len = max(visible, request.sent_text_len)
-        request.sent_logprobs_len = len(request.logprobs)
-        self.on_output(request, output)
 
     def fail_all(self, message: str) -> None:
         """End every request with `message` (after a step failed) and give back their slots."""
@@ -403,23 +307,10 @@ class Scheduler:
     # -- checks and stats ---------------------------------------------------------------
     def held_tokens(self) -> int:
         """Slots held by admitted requests themselves (not the cache), in whole pages."""
-        page = self.page_size
-        return sum(
-            -(-r.kv_len // page) * page - r.prefix_len
-            for r in [*self.waiting, *self.running]
-            if r.is_admitted
-        )
+        return self.slots.held_tokens([*self.waiting, *self.running])
 
     def check_slot_accounting(self) -> None:
-        allocator = self.runner.allocator
-        held = self.held_tokens()
-        total = allocator.available_tokens + self.cache.cached_tokens + held
-        if total != allocator.capacity_tokens:
-            raise SlotAccountingError(
-                f"free {allocator.available_tokens} + cached {self.cache.cached_tokens} + held {held} = {total} "
-                f"!= capacity {allocator.capacity_tokens}"
-            )
-        allocator.check_integrity()
+        self.slots.check_accounting([*self.waiting, *self.running])
 
     def stats(self) -> dict[str, Any]:
         allocator = self.runner.allocator

@@ -27,9 +27,7 @@ class SizingMode(StrEnum):
     STATIC_FRACTION = "static-fraction"
 
 
-def resolve_mode(
-    requested: SizingMode | str | None, device: torch.device, kv_dtype: torch.dtype
-) -> SizingMode:
+def resolve_mode(requested: SizingMode | str | None, device: torch.device) -> SizingMode:
     """The mode to run: the requested one, or post-capture, falling back to profiled with one log line."""
     mode = SizingMode(requested) if requested else SizingMode.POST_CAPTURE
     if mode is not SizingMode.POST_CAPTURE or device.type == "cpu":

@@ -1,6 +1,6 @@
-"""A minimal offline generate loop over a ModelRunner: the reference the tests and `bench tp` use.
+"""A minimal offline generate loop over a ModelRunner: the reference loop of the tests.
 
-Serving and the CLI go through `snugkv.scheduler` (chunked prefill, prefix cache, retraction);
+Serving, the CLI and the benchmarks go through `snugkv.scheduler` (chunked prefill, prefix cache, retraction);
 this loop stays small on purpose and is the one place that runs prefill and decode rows in the
 same forward, which keeps mixed batches tested end to end.
 

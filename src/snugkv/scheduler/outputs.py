@@ -1,0 +1,83 @@
+"""What leaves the scheduler: per-token log-probabilities and the incremental `GenerateOutput`s.
+
+Text is detokenized incrementally and held back while a stop string could still be forming;
+each output carries only what was added since the previous one. The builder never changes a
+request's slots or its place in the queues.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from snugkv.core.outputs import GenerateOutput, TokenLogprob
+from snugkv.scheduler.detokenizer import detokenize
+from snugkv.scheduler.request import Request
+
+OutputCallback = Callable[[Request, GenerateOutput], None]
+
+
+class OutputBuilder:
+    def __init__(self, tokenizer: Any = None, on_output: OutputCallback | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.on_output = on_output
+
+    def logprobs(
+        self, logits: torch.Tensor, requests: Sequence[Request], tokens: Sequence[int]
+    ) -> list[TokenLogprob | None]:
+        """The sampled token's log-probability (and the top alternatives) for every row whose
+        request asked for them; None for the others."""
+        wanted = [i for i, request in enumerate(requests) if request.sampling.logprobs is not None]
+        result: list[TokenLogprob | None] = [None] * len(requests)
+        if not wanted:
+            return result
+        log_probs = torch.log_softmax(logits[wanted].float(), dim=-1).cpu()
+        for position, index in enumerate(wanted):
+            request, token = requests[index], tokens[index]
+            top_n = request.sampling.logprobs or 0
+            top = torch.topk(log_probs[position], top_n) if top_n else None
+            result[index] = TokenLogprob(
+                token_id=int(token),
+                token=self.piece(token),
+                logprob=float(log_probs[position, token]),
+                top=[(self.piece(int(t)), float(v)) for v, t in zip(top.values, top.indices)]
+                if top is not None
+                else [],
+            )
+        return result
+
+    def piece(self, token: int) -> str:
+        return self.tokenizer.decode([token]) if self.tokenizer is not None else str(token)
+
+    def emit(self, request: Request) -> None:
+        """Send what `request` produced since its last output (nothing without a callback)."""
+        if self.on_output is None:
+            return
+        finished = request.finished
+        if request.sampling.stop and not finished:
+            holdback = max(len(s) for s in request.sampling.stop) - 1
+            visible = len(request.text) - holdback
+        else:
+            # The last text, unless a stop string cut it already or the request failed (its tokens
+            # may be what broke the tokenizer: the error must still reach the client).
+            if self.tokenizer is not None and not request.stopped_by_string and request.error is None:
+                detokenize(self.tokenizer, request, final=finished)
+            visible = len(request.text)
+        output = GenerateOutput(
+            rid=request.rid,
+            token_ids=request.output_ids[request.sent_token_len :],
+            text=request.text[request.sent_text_len : max(visible, request.sent_text_len)],
+            finished=finished,
+            finish_reason=request.finish_reason,  # type: ignore[arg-type]
+            prompt_tokens=len(request.prompt_ids),
+            completion_tokens=len(request.output_ids),
+            cached_tokens=request.cached_tokens,
+            logprobs=request.logprobs[request.sent_logprobs_len :],
+            error=request.error,
+        )
+        request.sent_token_len = len(request.output_ids)
+        request.sent_text_len = max(visible, request.sent_text_len)
+        request.sent_logprobs_len = len(request.logprobs)
+        self.on_output(request, output)

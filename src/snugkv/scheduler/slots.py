@@ -1,0 +1,98 @@
+"""The life of a request's KV slots: admission, room, release, and the check that nothing leaked.
+
+Slot ownership along a request's table row: `[0, prefix_len)` belongs to the prefix cache
+(locked while the request runs), `[prefix_len, kv_len)` to the request. Admission gives a request
+a table row and its cached prefix; room for new tokens comes from the allocator, evicting prefix
+cache entries when it runs short; release hands computed KV to the cache and duplicates, the
+partial last page and the slots of a failed step back to the allocator.
+`check_accounting` proves free + cached + held == capacity. This module decides nothing about
+which requests run (the scheduler's policy) and never touches outputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from snugkv.runner.model_runner import ModelRunner
+from snugkv.scheduler.radix_cache import RadixCache
+from snugkv.scheduler.request import Request
+
+
+class SlotAccountingError(RuntimeError):
+    """free + cached + held by requests != capacity: a slot leaked or was handed out twice."""
+
+
+class RequestSlots:
+    def __init__(self, runner: ModelRunner, cache: RadixCache) -> None:
+        self.runner = runner
+        self.cache = cache
+        self.page_size = runner.allocator.page_size
+
+    def new_slots(self, kv_len: int, num_tokens: int) -> int:
+        """Slots `num_tokens` more tokens take from the pool: whole pages, minus the room left in
+        the request's last, partly filled page."""
+        page = self.page_size
+        return (-(-(kv_len + num_tokens) // page) - -(-kv_len // page)) * page
+
+    def admit(self, request: Request) -> bool:
+        """Give `request` a table row and its cached prefix (at least one token left to compute)."""
+        row = self.runner.req_to_token_pool.alloc()
+        if row is None:
+            return False
+        match = self.cache.match_prefix(request.all_ids[:-1], count_stats=request.retractions == 0)
+        request.req_pool_idx = row
+        if match.num_tokens:
+            self.cache.lock(match.node)
+            request.prefix_node = match.node
+            self.runner.req_to_token_pool.write(row, 0, match.slots.to(self.runner.device))
+        request.prefix_len = request.kv_len = match.num_tokens
+        if request.retractions == 0:
+            request.cached_tokens = match.num_tokens
+        return True
+
+    def make_room(self, num_tokens: int) -> bool:
+        """Whether `num_tokens` slots are free, evicting prefix-cache entries to free them."""
+        allocator = self.runner.allocator
+        if allocator.available_tokens < num_tokens:
+            self.cache.evict(num_tokens - allocator.available_tokens)
+        return allocator.available_tokens >= num_tokens
+
+    def release(self, request: Request) -> None:
+        """Give a request's slots back: computed KV to the prefix cache, the rest (including slots of
+        a step that failed before computing them) to the allocator."""
+        row = request.req_pool_idx
+        if row is None:
+            return
+        table = self.runner.req_to_token_pool.req_to_token
+        slots = table[row, : request.kv_len + request.in_flight].to("cpu", torch.int64)
+        usable = request.kv_len // self.page_size * self.page_size
+        computed = slots[: request.kv_len]
+        existing = self.cache.insert(request.all_ids[: request.kv_len], computed) if self.cache.enabled else 0
+        owned_duplicates = slots[request.prefix_len : max(existing, request.prefix_len)]
+        tail = slots[max(usable if self.cache.enabled else request.prefix_len, request.prefix_len) :]
+        for part in (owned_duplicates, tail):
+            if part.numel():
+                self.runner.allocator.free(part)
+        if request.prefix_node is not None:
+            self.cache.unlock(request.prefix_node)
+        self.runner.req_to_token_pool.free(row)
+        request.req_pool_idx, request.prefix_node = None, None
+        request.prefix_len = request.kv_len = request.in_flight = 0
+
+    def held_tokens(self, requests: Iterable[Request]) -> int:
+        """Slots held by admitted requests themselves (not the cache), in whole pages."""
+        page = self.page_size
+        return sum(-(-r.kv_len // page) * page - r.prefix_len for r in requests if r.is_admitted)
+
+    def check_accounting(self, requests: Iterable[Request]) -> None:
+        allocator = self.runner.allocator
+        held = self.held_tokens(requests)
+        total = allocator.available_tokens + self.cache.cached_tokens + held
+        if total != allocator.capacity_tokens:
+            raise SlotAccountingError(
+                f"free {allocator.available_tokens} + cached {self.cache.cached_tokens} + held {held} = {total} "
+                f"!= capacity {allocator.capacity_tokens}"
+            )
+        allocator.check_integrity()
