@@ -201,6 +201,7 @@ def rope_and_store_kv_triton(
             BLOCK_D=triton.next_power_of_2(head_dim),
             BLOCK_HALF=triton.next_power_of_2(max(rotary_dim // 2, 1)),
             num_warps=1 if head_dim <= 256 else 4,
+            enable_fp_fusion=False,  # a fused multiply-add would skip the rounding torch does between ops
         )
     return split_qkv(qkv, num_q_heads, num_kv_heads, head_dim)
 
