@@ -9,6 +9,7 @@ BENCHMARKS = {
     "vmm": "snugkv.bench.vmm",
     "capacity": "snugkv.bench.capacity",
     "decode": "snugkv.bench.decode",
+    "kernels": "snugkv.bench.kernels",
     "serving": "snugkv.bench.serving",
     "tp": "snugkv.bench.tp",
 }

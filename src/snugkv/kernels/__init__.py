@@ -1,0 +1,20 @@
+"""Fused Triton kernels for the per-layer elementwise work of a forward step (issue 9).
+
+One launch replaces each chain of torch ops a layer runs today:
+- norm.py: RMSNorm (Llama and Gemma flavours), and the residual add fused into it;
+- activation.py: `act(gate) * up` over the merged gate/up projection;
+- rope_store.py: qk-norm + RoPE on the merged qkv projection, and the K/V write into the pool;
+- kv_store.py: pool slot addressing and the storage cast, and `store_kv` for callers without RoPE.
+
+Each kernel comes with a plain-torch reference with the numerics of today's layers; the public
+name dispatches (device.py): Triton on CUDA tensors, the reference elsewhere, so CPU float32 stays
+bit-identical to the layers. This package imports only torch and triton, never the rest of snugkv:
+it sits at the bottom of the import graph, and layers, attention and models build on it.
+"""
+
+from snugkv.kernels.activation import gated_act_and_mul
+from snugkv.kernels.kv_store import store_kv
+from snugkv.kernels.norm import fused_add_rms_norm, rms_norm
+from snugkv.kernels.rope_store import rope_and_store_kv
+
+__all__ = ["fused_add_rms_norm", "gated_act_and_mul", "rms_norm", "rope_and_store_kv", "store_kv"]
