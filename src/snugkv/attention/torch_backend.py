@@ -71,9 +71,11 @@ class TorchAttentionBackend(AttentionBackend):
         v: torch.Tensor | None,
         layer: AttentionLayer,
         forward_batch: ForwardBatch,
+        *,
+        save_kv: bool = True,
     ) -> torch.Tensor:
         pool = forward_batch.kv_pool
-        if k is not None:
+        if save_kv and k is not None:
             pool.set_kv(layer.layer_id, forward_batch.out_cache_loc, k, v)
         if forward_batch.is_decode:
             out = self._decode(q, layer, forward_batch)

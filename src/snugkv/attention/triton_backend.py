@@ -35,11 +35,13 @@ class TritonAttentionBackend(AttentionBackend):
         v: torch.Tensor | None,
         layer: AttentionLayer,
         forward_batch: ForwardBatch,
+        *,
+        save_kv: bool = True,
     ) -> torch.Tensor:
         pool = forward_batch.kv_pool
         if forward_batch.attn_metadata is None:
             self.init_forward_metadata(forward_batch)
-        if k is not None:
+        if save_kv and k is not None:
             pool.set_kv(layer.layer_id, forward_batch.out_cache_loc, k, v)
         k_buffer, v_buffer = pool.get_kv_buffer(layer.layer_id)
         slot_map = pool.slot_map(layer.layer_id)

@@ -17,7 +17,8 @@ Two modes:
   q `[T, layer.num_heads, layer.head_dim]`, k `[T, layer.num_kv_heads, layer.head_dim]`,
   v `[T, layer.num_kv_heads, layer.v_head_dim]`, all in the compute dtype.
 - The backend first writes k/v into the cache: `kv_cache.set_kv(layer.layer_id, out_cache_loc, k, v)`
-  (the cache casts to its storage dtype). `k is None` means the layer's K/V were written already.
+  (the cache casts to its storage dtype), unless `save_kv=False`: the caller wrote them already
+  (the fused RoPE + KV-store kernel does); k and v are still passed, extend kernels read them.
 - Then the new token j of row i, at position `qp = prefix_lens[i] + j`, attends to every key
   position `kp` of `req_to_token[req_pool_indices[i], :seq_lens[i]]` with `kp <= qp` and, for a
   sliding-window layer, `qp - kp < layer.sliding_window`; scores are scaled by `layer.scaling`;
@@ -93,6 +94,8 @@ class AttentionBackend(ABC):
         v: torch.Tensor | None,
         layer: AttentionLayer,
         forward_batch: ForwardBatch,
+        *,
+        save_kv: bool = True,
     ) -> torch.Tensor:
         """Write the new K/V, attend, return `[T, num_heads, v_head_dim]` (see the module docstring)."""
 

@@ -13,8 +13,17 @@ it sits at the bottom of the import graph, and layers, attention and models buil
 """
 
 from snugkv.kernels.activation import gated_act_and_mul
+from snugkv.kernels.device import fused_kernels, fused_kernels_enabled
 from snugkv.kernels.kv_store import store_kv
 from snugkv.kernels.norm import fused_add_rms_norm, rms_norm
 from snugkv.kernels.rope_store import rope_and_store_kv
 
-__all__ = ["fused_add_rms_norm", "gated_act_and_mul", "rms_norm", "rope_and_store_kv", "store_kv"]
+__all__ = [
+    "fused_add_rms_norm",
+    "fused_kernels",
+    "fused_kernels_enabled",
+    "gated_act_and_mul",
+    "rms_norm",
+    "rope_and_store_kv",
+    "store_kv",
+]

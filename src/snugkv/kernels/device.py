@@ -8,14 +8,36 @@ the Triton entry points stay public so tests can run them on CPU in the Triton i
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
+from collections.abc import Iterator
 
 import torch
+
+# SNUGKV_FUSED_KERNELS=0 runs the torch references on the GPU too: today's op-by-op layers, the
+# side-by-side baseline of `snugkv bench decode`.
+_fused = os.environ.get("SNUGKV_FUSED_KERNELS", "1").strip().lower() not in {"0", "false", "no", "off"}
 
 
 def runs_triton(tensor: torch.Tensor) -> bool:
     """True when the dispatchers should launch Triton for work on `tensor`'s device."""
-    return tensor.is_cuda
+    return _fused and tensor.is_cuda
+
+
+def fused_kernels_enabled() -> bool:
+    return _fused
+
+
+@contextlib.contextmanager
+def fused_kernels(enabled: bool) -> Iterator[None]:
+    """Run (and capture graphs of) the fused kernels, or their op-by-op references, inside the block."""
+    global _fused
+    previous, _fused = _fused, enabled
+    try:
+        yield
+    finally:
+        _fused = previous
 
 
 @functools.cache

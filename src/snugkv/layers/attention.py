@@ -11,6 +11,9 @@ import torch
 from torch import nn
 
 from snugkv.core.forward import ForwardBatch
+from snugkv.kernels import rope_and_store_kv
+from snugkv.layers.norm import RMSNorm
+from snugkv.layers.rotary import RotaryEmbedding
 
 
 class PagedAttention(nn.Module):
@@ -49,6 +52,42 @@ class PagedAttention(nn.Module):
     ) -> torch.Tensor:
         """q `[T, Hq, D]`, k `[T, Hkv, D]`, v `[T, Hkv, Dv]` -> `[T, Hq, Dv]`."""
         return forward_batch.attn_backend.forward(q, k, v, self, forward_batch)
+
+    def forward_qkv(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        forward_batch: ForwardBatch,
+        *,
+        q_norm: RMSNorm | None = None,
+        k_norm: RMSNorm | None = None,
+    ) -> torch.Tensor:
+        """Merged qkv `[T, (Hq + 2 Hkv) * D]` -> `[T, Hq, Dv]`: per-head q/k norms (if given) and
+        RoPE applied to qkv in place, K/V written into the pool, then attention."""
+        pool = forward_batch.kv_pool
+        k_buffer, v_buffer = pool.get_kv_buffer(self.layer_id)
+        q, k, v = rope_and_store_kv(
+            qkv,
+            positions,
+            rotary.cos_cache,
+            rotary.sin_cache,
+            k_buffer,
+            v_buffer,
+            forward_batch.out_cache_loc,
+            num_q_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            page_size=pool.page_size,
+            layout=str(pool.layout),
+            neox_style=rotary.neox_style,
+            q_norm_weight=None if q_norm is None else q_norm.weight,
+            k_norm_weight=None if k_norm is None else k_norm.weight,
+            norm_eps=1e-6 if q_norm is None else q_norm.eps,
+            gemma_norm=q_norm is not None and q_norm.gemma,
+            kv_slot_map=pool.slot_map(self.layer_id),
+        )
+        return forward_batch.attn_backend.forward(q, k, v, self, forward_batch, save_kv=False)
 
     def extra_repr(self) -> str:
         window = f", sliding_window={self.sliding_window}" if self.sliding_window else ""

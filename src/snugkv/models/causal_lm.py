@@ -16,6 +16,7 @@ from torch import nn
 
 from snugkv.core.forward import ForwardBatch
 from snugkv.distributed.group import TensorParallel
+from snugkv.layers.norm import RMSNorm
 from snugkv.layers.parallel_linear import ColumnParallelLinear, ParallelLMHead, VocabParallelEmbedding
 from snugkv.models.config import ModelConfig
 from snugkv.models.weights import StackedParam, load_named_tensors
@@ -24,12 +25,14 @@ from snugkv.models.weights import StackedParam, load_named_tensors
 class DecoderModel(nn.Module):
     """Embedding (times `embed_scale`), the decoder layers in order, the final norm.
 
-    Each layer is called as `layer(positions, hidden, forward_batch)` and returns the new hidden
-    states."""
+    Each layer is called as `layer(positions, hidden, residual, forward_batch)` and returns
+    `(hidden, residual)`: the residual add of a layer's last sublayer is deferred to the next norm,
+    which does it in the same kernel (`RMSNorm.add_and_norm`); the first layer gets `residual=None`.
+    """
 
     embed_tokens: VocabParallelEmbedding
     layers: nn.ModuleList
-    norm: nn.Module
+    norm: RMSNorm
     embed_scale: float = 1.0
 
     def forward(
@@ -38,9 +41,12 @@ class DecoderModel(nn.Module):
         x = self.embed_tokens(input_ids)
         if self.embed_scale != 1.0:
             x = x * self.embed_scale
+        residual: torch.Tensor | None = None
         for layer in self.layers:
-            x = layer(positions, x, forward_batch)
-        return self.norm(x)
+            x, residual = layer(positions, x, residual, forward_batch)
+        if residual is None:
+            return self.norm(x)
+        return self.norm.add_and_norm(x, residual)[0]
 
 
 class CausalLM(nn.Module):

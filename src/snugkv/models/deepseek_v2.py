@@ -185,9 +185,21 @@ class DeepseekV2DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config, tp)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), forward_batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        forward_batch: ForwardBatch,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As `LlamaDecoderLayer.forward`: the residual add runs inside the next norm."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(x), x
+        else:
+            hidden, residual = self.input_layernorm.add_and_norm(x, residual)
+        attn_out = self.self_attn(positions, hidden, forward_batch)
+        hidden, residual = self.post_attention_layernorm.add_and_norm(attn_out, residual)
+        return self.mlp(hidden), residual
 
 
 class DeepseekV2Model(DecoderModel):

@@ -103,14 +103,15 @@ class Gemma3Attention(nn.Module):
         )
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim))
-        k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim))
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb(positions, q, k)
-        out = self.attn(q, k, v, forward_batch)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        out = self.attn.forward_qkv(
+            self.qkv_proj(x),
+            positions,
+            self.rotary_emb,
+            forward_batch,
+            q_norm=self.q_norm,
+            k_norm=self.k_norm,
+        )
+        return self.o_proj(out.reshape(x.shape[0], self.q_size))
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -126,10 +127,24 @@ class Gemma3DecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config, tp)
         self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
-        attn_out = self.self_attn(positions, self.input_layernorm(x), forward_batch)
-        x = x + self.post_attention_layernorm(attn_out)
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        forward_batch: ForwardBatch,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sandwich norms, each residual add fused into the norm after it: `x` is the previous
+        layer's post-feedforward-normed output."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(x), x
+        else:
+            hidden, residual = self.input_layernorm.add_and_norm(x, residual)
+        attn_out = self.self_attn(positions, hidden, forward_batch)
+        hidden, residual = self.pre_feedforward_layernorm.add_and_norm(
+            attn_out, residual, pre_norm=self.post_attention_layernorm
+        )
+        return self.post_feedforward_layernorm(self.mlp(hidden)), residual
 
 
 class Gemma3Model(DecoderModel):
@@ -172,3 +187,11 @@ class Gemma3ForCausalLM(CausalLM):
         self.model = Gemma3Model(config, self.max_position, tp)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp=tp)
         self.tie_weights()
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits `[n, vocab]` for hidden rows `[n, hidden]`, soft-capped if the config says so."""
+        logits = self.lm_head(hidden)
+        if self.final_logit_softcapping:
+            cap = self.final_logit_softcapping
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()

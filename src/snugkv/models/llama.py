@@ -93,16 +93,15 @@ class LlamaAttention(nn.Module):
         )
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
-        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
-        out = self.attn(q, k, v, forward_batch)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        out = self.attn.forward_qkv(
+            self.qkv_proj(x),
+            positions,
+            self.rotary_emb,
+            forward_batch,
+            q_norm=self.q_norm,
+            k_norm=self.k_norm,
+        )
+        return self.o_proj(out.reshape(x.shape[0], self.q_size))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -120,9 +119,22 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config, tp)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), forward_batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        forward_batch: ForwardBatch,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`x` is the previous layer's output (its residual add is deferred to here, fused into this
+        layer's input norm); returns this layer's output and the residual stream."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(x), x
+        else:
+            hidden, residual = self.input_layernorm.add_and_norm(x, residual)
+        attn_out = self.self_attn(positions, hidden, forward_batch)
+        hidden, residual = self.post_attention_layernorm.add_and_norm(attn_out, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(DecoderModel):
