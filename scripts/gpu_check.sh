@@ -3,6 +3,7 @@
 #   device run:  bash scripts/gpu_check.sh
 #   tp on two GPUs (nvidia-h200-x2): STEPS="env tests tp" BENCH_ARGS="--dtype float32" bash scripts/gpu_check.sh
 #   (the tp server test needs the server's wheels: scripts/fetch_device_wheels.sh, carry .whl)
+#   one bench's own flags: ARGS_decode="--max-batch 64" (BENCH_ARGS goes to every bench)
 # Uses the machine's python3 (torch with CUDA); installs nothing that needs a network.
 set -uo pipefail
 # The device returns at most 8 files: results go to $OUT/work and are packed into
@@ -17,7 +18,7 @@ if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
-STEPS=${STEPS:-"env tests vmm kernels decode capacity serving"}
+STEPS=${STEPS:-"env tests vmm kernels attention decode capacity serving"}
 status=0
 step() { echo "=== $1 ($(date +%T))"; }
 
@@ -35,7 +36,8 @@ for s in $STEPS; do
       ;;
     *)
       step "bench $s"
-      timeout "${BENCH_TIMEOUT:-400}" python3 -m snugkv --log-level WARNING bench "$s" --out "$OUT" ${BENCH_ARGS:-} \
+      own="ARGS_$s"
+      timeout "${BENCH_TIMEOUT:-400}" python3 -m snugkv --log-level WARNING bench "$s" --out "$OUT" ${BENCH_ARGS:-} ${!own:-} \
         2>&1 | tee "$OUT/bench_$s.log" | grep -v "^Capturing" || status=1
       ;;
   esac

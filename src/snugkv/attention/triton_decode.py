@@ -28,6 +28,8 @@ read on the device, so the launch can be captured in a CUDA graph and replayed w
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -188,6 +190,21 @@ def _decode_reduce_kernel(
     tl.store(out_ptrs, out.to(Out.dtype.element_ty), mask=dv_mask)
 
 
+@dataclass(frozen=True, slots=True)
+class DecodeLaunch:
+    """Launch shape of the split-KV stage: keys per loop step, warps, software-pipeline stages."""
+
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def default_decode_launch(k_head_dim: int, device: torch.device) -> DecodeLaunch:
+    if device.type == "cpu":  # the interpreter: small blocks keep the CPU tests fast
+        return DecodeLaunch(block_n=16)
+    return DecodeLaunch(block_n=64 if k_head_dim <= 256 else 32)
+
+
 def decode_workspace(
     batch_size: int, num_q_heads: int, v_head_dim: int, num_kv_splits: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -216,6 +233,7 @@ def decode_attention(
     num_kv_splits: int = 8,
     partial_out: torch.Tensor | None = None,
     partial_lse: torch.Tensor | None = None,
+    launch: DecodeLaunch | None = None,
 ) -> torch.Tensor:
     """Write softmax(q k^T * sm_scale) v over each request's cached keys into `out` and return it.
 
@@ -251,11 +269,10 @@ def decode_attention(
         raise ValueError("partial_out must be fp32 [B, Hq, num_kv_splits, >= Dv] with a contiguous last dim")
 
     group = num_q_heads // num_kv_heads
-    on_cpu = q.device.type == "cpu"
+    launch = launch or default_decode_launch(k_head_dim, q.device)
     block_h = 16
     head_blocks = triton.cdiv(group, block_h)
     block_dk, block_dk_rest = key_dim_blocks(k_head_dim)
-    block_n = 16 if on_cpu else (64 if k_head_dim <= 256 else 32)
     _decode_partial_kernel[(batch_size, num_kv_heads * head_blocks, num_kv_splits)](
         q,
         k_buffer,
@@ -285,10 +302,10 @@ def decode_attention(
         BLOCK_DK_REST=block_dk_rest,
         BLOCK_DV=value_dim_block(v_head_dim),
         BLOCK_H=block_h,
-        BLOCK_N=block_n,
+        BLOCK_N=launch.block_n,
         DOT_DTYPE=dot_dtype(q.dtype, k_buffer.dtype, q.device),
-        num_warps=4,
-        num_stages=2,
+        num_warps=launch.num_warps,
+        num_stages=launch.num_stages,
     )
     _decode_reduce_kernel[(batch_size, num_q_heads)](
         partial_out,

@@ -3,18 +3,25 @@
 A Llama-3-8B-shaped model (bf16, random weights) decodes batches of 1..256 requests at context
 1k and 4k. Each step reads every weight once and every cached K/V once, so the floor is
 (weight bytes + KV bytes) / copy bandwidth, with the copy bandwidth measured in the same run.
-The same shapes then run through `transformers` (static cache, eager) for the ratio. KV is
-filled with random values first: nothing is timed on zeros.
+Beside it, a second floor: plain cuBLAS running only this model's weight GEMMs at the batch size,
+captured in one graph. The engine runs twice in the same process, with the fused Triton kernels
+and with their op-by-op torch references (the layers before fusion), and for each case the
+table gives the graph step, the eager step and, for the fused engine, the kernels the eager step
+launches by kind and per layer (torch profiler). `--transformers` adds the same shapes through
+transformers (static cache, eager). KV is filled with random values first: nothing is timed on
+zeros.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import time
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from snugkv.bench.report import emit
 from snugkv.core.sampling import SamplingParams
@@ -54,63 +61,146 @@ def time_cuda(fn: Any, iterations: int = 30, warmup: int = 5) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def snugkv_cases(model: str, cases: tuple[tuple[int, int], ...]) -> tuple[list[dict[str, Any]], int, int]:
+KERNEL_KINDS = (
+    ("gemm", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "cublas", "splitk")),
+    ("attention", ("decode", "extend", "attn", "attention")),
+    ("rope+kv-store", ("rope", "store", "index_put", "scatter")),
+    ("norm", ("norm", "rsqrt", "pow", "mean", "reduce")),
+    ("activation", ("act_and_mul", "silu", "gelu")),
+    ("copy", ("copy", "cat", "memcpy", "memset", "fill")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    lowered = name.lower()
+    for kind, needles in KERNEL_KINDS:
+        if any(needle in lowered for needle in needles):
+            return kind
+    return "elementwise/other"
+
+
+def kernel_breakdown(step: Any, num_layers: int, repeats: int = 3) -> dict[str, Any]:
+    """Kernels one `step()` launches, grouped by kind: milliseconds and counts per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            step()
+        torch.cuda.synchronize()
+    ms: collections.Counter[str] = collections.Counter()
+    count: collections.Counter[str] = collections.Counter()
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kind = kernel_kind(event.name)
+            ms[kind] += event.device_time_total / repeats / 1e3
+            count[kind] += 1
+    kernels = sum(count.values()) / repeats
+    return {
+        "kernels_per_step": round(kernels),
+        "kernels_per_layer": round(kernels / num_layers, 1),
+        "kernel_ms_by_kind": {kind: round(value, 3) for kind, value in ms.most_common()},
+        "kernels_by_kind": {kind: round(value / repeats) for kind, value in count.most_common()},
+    }
+
+
+def gemm_floor_s(model: torch.nn.Module, batch: int) -> float:
+    """Plain cuBLAS: every 2-D weight of the decoder layers and the LM head, one `F.linear` each at
+    this batch size, captured in one CUDA graph (median replay). What the GEMMs alone can reach."""
+    weights = [p for name, p in model.named_parameters() if p.dim() == 2 and "embed_tokens" not in name]
+    if getattr(model.config, "tie_word_embeddings", False):
+        weights.append(model.model.embed_tokens.weight)
+    inputs = {w.shape[1]: torch.randn(batch, w.shape[1], device=w.device, dtype=w.dtype) for w in weights}
+
+    def step() -> None:
+        for weight in weights:
+            F.linear(inputs[weight.shape[1]], weight)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    seconds = time_cuda(graph.replay)
+    del graph
+    return seconds
+
+
+def snugkv_cases(
+    model: str, cases: tuple[tuple[int, int], ...], *, fused: bool = True, breakdown: bool = False
+) -> tuple[list[dict[str, Any]], int, int]:
     from snugkv.core.forward import BatchRow
     from snugkv.engine import Engine, EngineArgs
+    from snugkv.kernels import fused_kernels
 
-    engine = Engine(
-        EngineArgs(
-            model=model,
-            load_format="dummy",
-            max_running_requests=256,
-            cuda_graph_max_bs=256,
-            chunked_prefill_size=8192,
-        )
-    )
-    runner = engine.runner
-    weight_bytes = sum(p.numel() * p.element_size() for p in engine.loaded.model.parameters())
-    kv_bytes_per_token = int(engine.pool.bytes_per_token)
-    for layer in range(engine.config.num_layers):  # random KV everywhere a case will read
-        for buffer in engine.pool.get_kv_buffer(layer):
-            rows = (
-                engine.pool.committed_tokens // engine.pool.page_size + 1
-                if buffer.dim() == 4
-                else engine.pool.committed_tokens
+    with fused_kernels(fused):
+        engine = Engine(
+            EngineArgs(
+                model=model,
+                load_format="dummy",
+                max_running_requests=256,
+                cuda_graph_max_bs=256,
+                chunked_prefill_size=8192,
             )
-            buffer[:rows].normal_()
-    del buffer  # a live view would keep the arena from closing
-    results = []
-    for batch, context in cases:
-        if batch * (context + engine.pool.page_size) > runner.allocator.available_tokens:
-            results.append({"batch": batch, "context": context, "note": "does not fit the KV pool"})
-            continue
-        rows, requests = [], []
-        for _ in range(batch):
-            row = runner.req_to_token_pool.alloc()
-            runner.allocate_slots([BatchRow(row, 0, [1] * context)])
-            rows.append(BatchRow(row, context, [1]))
-            requests.append(row)
-        slots = runner.allocate_slots(rows)
-        forward_batch = runner.build_batch(rows, slots)
-        with torch.inference_mode():
-            graph_s = time_cuda(lambda fb=forward_batch: runner.forward_batch(fb))
-            step_s = time_cuda(
-                lambda r=rows, s=slots, b=batch: runner.sample(runner.forward(r, s), [_GREEDY] * b)
-            )
-        results.append(
-            {
-                "batch": batch,
-                "context": context,
-                "graph_ms": graph_s * 1e3,
-                "step_ms": step_s * 1e3,
-                "weight_bytes": weight_bytes,
-                "kv_bytes": batch * (context + 1) * kv_bytes_per_token,
-            }
         )
-        for row in requests:
-            runner.free_request_slots(row, context + 1)
-            runner.req_to_token_pool.free(row)
-    engine.close()
+        runner = engine.runner
+        assert runner is not None
+        weight_bytes = sum(p.numel() * p.element_size() for p in engine.loaded.model.parameters())
+        kv_bytes_per_token = int(engine.pool.bytes_per_token)
+        for layer in range(engine.config.num_layers):  # random KV everywhere a case will read
+            for buffer in engine.pool.get_kv_buffer(layer):
+                rows = (
+                    engine.pool.committed_tokens // engine.pool.page_size + 1
+                    if buffer.dim() == 4
+                    else engine.pool.committed_tokens
+                )
+                buffer[:rows].normal_()
+        del buffer  # a live view would keep the arena from closing
+        results = []
+        for batch, context in cases:
+            if batch * (context + engine.pool.page_size) > runner.allocator.available_tokens:
+                results.append({"batch": batch, "context": context, "note": "does not fit the KV pool"})
+                continue
+            rows, requests = [], []
+            for _ in range(batch):
+                row = runner.req_to_token_pool.alloc()
+                assert row is not None
+                runner.allocate_slots([BatchRow(row, 0, [1] * context)])
+                rows.append(BatchRow(row, context, [1]))
+                requests.append(row)
+            slots = runner.allocate_slots(rows)
+            assert slots is not None
+            forward_batch = runner.build_batch(rows, slots)
+            with torch.inference_mode():
+                graph_s = time_cuda(lambda fb=forward_batch: runner.forward_batch(fb))
+                eager_s = time_cuda(lambda fb=forward_batch: runner.forward_eager(fb), iterations=10)
+                step_s = time_cuda(
+                    lambda r=rows, s=slots, b=batch: runner.sample(runner.forward(r, s), [_GREEDY] * b)
+                )
+                result: dict[str, Any] = {
+                    "batch": batch,
+                    "context": context,
+                    "graph_ms": graph_s * 1e3,
+                    "eager_ms": eager_s * 1e3,
+                    "step_ms": step_s * 1e3,
+                    "weight_bytes": weight_bytes,
+                    "kv_bytes": batch * (context + 1) * kv_bytes_per_token,
+                }
+                if breakdown:
+                    result["gemm_floor_ms"] = gemm_floor_s(engine.loaded.model, batch) * 1e3
+                    result.update(
+                        kernel_breakdown(
+                            lambda fb=forward_batch: runner.forward_eager(fb), engine.config.num_layers
+                        )
+                    )
+            results.append(result)
+            for row in requests:
+                runner.free_request_slots(row, context + 1)
+                runner.req_to_token_pool.free(row)
+        engine.close()
     return results, weight_bytes, kv_bytes_per_token
 
 
@@ -140,40 +230,53 @@ def transformers_cases(model: str, cases: tuple[tuple[int, int], ...]) -> dict[t
 
 def run(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
-        print("bench decode needs a CUDA GPU")
-        return 1
+        print("error: bench decode needs a CUDA GPU")
+        return 2
     bandwidth = copy_bandwidth_bytes_per_s()
     cases = tuple(c for c in CASES if c[0] <= args.max_batch)
     started = time.perf_counter()
-    results, _, _ = snugkv_cases(args.model, cases)
+    fused, _, _ = snugkv_cases(args.model, cases, fused=True, breakdown=True)
     gc.collect()
     torch.cuda.empty_cache()
+    unfused: list[dict[str, Any]] = []
+    if args.unfused:
+        unfused, _, _ = snugkv_cases(args.model, cases, fused=False)
+        gc.collect()
+        torch.cuda.empty_cache()
+    before = {(r["batch"], r["context"]): r for r in unfused if "graph_ms" in r}
     hf_ms = (
-        transformers_cases(args.model, tuple((r["batch"], r["context"]) for r in results if "graph_ms" in r))
+        transformers_cases(args.model, tuple((r["batch"], r["context"]) for r in fused if "graph_ms" in r))
         if args.transformers
         else {}
     )
     rows = []
-    for result in results:
+    for result in fused:
         if "graph_ms" not in result:
             rows.append({"batch": result["batch"], "context": result["context"], "note": result["note"]})
             continue
+        key = (result["batch"], result["context"])
         floor_ms = (result["weight_bytes"] + result["kv_bytes"]) / bandwidth * 1e3
-        hf = hf_ms.get((result["batch"], result["context"]), float("nan"))
-        rows.append(
-            {
-                "batch": result["batch"],
-                "context": result["context"],
-                "graph_step_ms": result["graph_ms"],
-                "engine_step_ms": result["step_ms"],
-                "floor_ms": floor_ms,
-                "graph_over_floor": result["graph_ms"] / floor_ms,
-                "step_over_floor": result["step_ms"] / floor_ms,
-                "transformers_ms": hf,
-                "transformers_over_snugkv": hf / result["step_ms"],
-                "tokens_per_s": result["batch"] / result["step_ms"] * 1e3,
-            }
-        )
+        row = {
+            "batch": result["batch"],
+            "context": result["context"],
+            "graph_step_ms": result["graph_ms"],
+            "engine_step_ms": result["step_ms"],
+            "eager_step_ms": result["eager_ms"],
+            "floor_ms": floor_ms,
+            "graph_over_floor": result["graph_ms"] / floor_ms,
+            "eager_over_graph": result["eager_ms"] / result["graph_ms"],
+            "gemm_floor_ms": result["gemm_floor_ms"],
+            "kernels_per_layer": result["kernels_per_layer"],
+            "tokens_per_s": result["batch"] / result["step_ms"] * 1e3,
+        }
+        if key in before:
+            row["unfused_graph_ms"] = before[key]["graph_ms"]
+            row["unfused_eager_ms"] = before[key]["eager_ms"]
+            row["unfused_over_fused"] = before[key]["graph_ms"] / result["graph_ms"]
+        if key in hf_ms:
+            row["transformers_ms"] = hf_ms[key]
+            row["transformers_over_snugkv"] = hf_ms[key] / result["step_ms"]
+        rows.append(row)
     emit(
         "decode",
         rows,
@@ -182,8 +285,27 @@ def run(args: argparse.Namespace) -> int:
             "copy_bandwidth_gb_per_s": bandwidth / 1e9,
             "seconds": time.perf_counter() - started,
             "model": args.model,
+            "kernel_breakdown": [
+                {
+                    key: r[key]
+                    for key in (
+                        "batch",
+                        "context",
+                        "kernels_per_step",
+                        "kernel_ms_by_kind",
+                        "kernels_by_kind",
+                    )
+                }
+                for r in fused
+                if "graph_ms" in r
+            ],
         },
     )
+    for r in fused:
+        if "graph_ms" in r:
+            print(
+                f"b{r['batch']} c{r['context']}: {r['kernels_per_step']} kernels, ms by kind {r['kernel_ms_by_kind']}"
+            )
     print(f"copy bandwidth (read + write): {bandwidth / 1e12:.2f} TB/s")
     return 0
 
@@ -191,4 +313,9 @@ def run(args: argparse.Namespace) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="configs/llama-3-8b")
     parser.add_argument("--max-batch", type=int, default=256)
-    parser.add_argument("--no-transformers", dest="transformers", action="store_false")
+    parser.add_argument(
+        "--transformers", action="store_true", help="also time transformers (eager, static cache)"
+    )
+    parser.add_argument(
+        "--no-unfused", dest="unfused", action="store_false", help="skip the op-by-op (unfused) engine"
+    )

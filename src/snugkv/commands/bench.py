@@ -6,6 +6,7 @@ import argparse
 import importlib
 
 BENCHMARKS = {
+    "attention": "snugkv.bench.attention",
     "vmm": "snugkv.bench.vmm",
     "capacity": "snugkv.bench.capacity",
     "decode": "snugkv.bench.decode",

@@ -1,0 +1,140 @@
+"""`snugkv bench attention`: Triton decode attention against its bandwidth floor, and the launch sweep.
+
+Decode attention reads every cached K/V byte of the batch once, so its floor is KV bytes / copy
+bandwidth (measured in the same run). For Llama-3-8B and Qwen3-0.6B attention shapes (bf16 and
+fp8 KV, both layouts, page size 16) at batch 1-256 and context 1k-4k, every combination of
+split count and launch shape (keys per step, warps, stages) is timed; the table gives the default
+launch's time beside the best one found, both against the floor. Requests' pages are spread over
+the pool in random order, as a pool that has served for a while holds them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import time
+from typing import Any
+
+import torch
+
+from snugkv.bench.report import emit
+
+SHAPES = {"llama-3-8b": (32, 8, 128), "qwen3-0.6b": (16, 8, 128)}  # q heads, KV heads, head dim
+CASES = ((1, 1024), (64, 1024), (256, 1024), (64, 4096))
+SPLITS = (4, 8, 16)
+BLOCK_N = (32, 64, 128)
+WARPS = (4, 8)
+STAGES = (2, 3)
+PAGE = 16
+
+
+def _case_tensors(
+    batch: int, context: int, heads: tuple[int, int, int], kv_dtype: torch.dtype, layout: str
+) -> dict[str, Any]:
+    num_q, num_kv, dim = heads
+    pages_per_request = -(-(context + 1) // PAGE)
+    num_pages = batch * pages_per_request + 1
+    shape = (num_pages, num_kv, PAGE, dim) if layout == "hnd" else (num_pages * PAGE, num_kv, dim)
+    k_buffer = torch.randn(shape, device="cuda").to(kv_dtype)
+    v_buffer = torch.randn(shape, device="cuda").to(kv_dtype)
+    order = torch.randperm(num_pages - 1, device="cuda") + 1  # page 0 is the dummy page
+    pages = order[: batch * pages_per_request].view(batch, pages_per_request)
+    slots = (pages[:, :, None] * PAGE + torch.arange(PAGE, device="cuda")).view(batch, -1)[:, :context]
+    table = torch.zeros(batch + 1, context + PAGE, dtype=torch.int32, device="cuda")
+    table[1:, :context] = slots.int()
+    return {
+        "q": torch.randn(batch, num_q, dim, device="cuda", dtype=torch.bfloat16),
+        "k": k_buffer,
+        "v": v_buffer,
+        "out": torch.empty(batch, num_q, dim, device="cuda", dtype=torch.bfloat16),
+        "table": table,
+        "rows": torch.arange(1, batch + 1, device="cuda"),
+        "seq_lens": torch.full((batch,), context, device="cuda"),
+        "kv_bytes": 2 * batch * context * num_kv * dim * k_buffer.element_size(),
+    }
+
+
+def _time(fn: Any) -> float:
+    from snugkv.bench.decode import time_cuda
+
+    return time_cuda(fn, iterations=20, warmup=3)
+
+
+def run(args: argparse.Namespace) -> int:
+    if not torch.cuda.is_available():
+        print("error: bench attention needs a CUDA GPU")
+        return 2
+    from snugkv.attention.triton_decode import DecodeLaunch, decode_attention, default_decode_launch
+    from snugkv.bench.decode import copy_bandwidth_bytes_per_s
+
+    started = time.perf_counter()
+    bandwidth = copy_bandwidth_bytes_per_s()
+    launches = [DecodeLaunch(n, w, s) for n, w, s in itertools.product(BLOCK_N, WARPS, STAGES)]
+    rows = []
+    for shape_name in args.shapes.split(","):
+        heads = SHAPES[shape_name]
+        for kv_name, layout, (batch, context) in itertools.product(
+            args.kv_dtypes.split(","), ("nhd", "hnd"), CASES
+        ):
+            kv_dtype = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}[kv_name]
+            t = _case_tensors(batch, context, heads, kv_dtype, layout)
+            floor_s = t["kv_bytes"] / bandwidth
+
+            def call(
+                splits: int,
+                launch: DecodeLaunch,
+                t: dict[str, Any] = t,
+                layout: str = layout,
+                scale: float = heads[2] ** -0.5,
+            ) -> None:
+                decode_attention(
+                    t["q"], t["k"], t["v"], t["out"], t["table"], t["rows"], t["seq_lens"],
+                    sm_scale=scale, page_size=PAGE, layout=layout, num_kv_splits=splits,
+                    launch=launch,
+                )  # fmt: skip
+
+            default = default_decode_launch(heads[2], torch.device("cuda"))
+            default_s = _time(lambda d=default: call(8, d))
+            best = (default_s, 8, default)
+            for splits, launch in itertools.product(SPLITS, launches):
+                try:
+                    seconds = _time(lambda s=splits, la=launch: call(s, la))
+                except Exception as exc:  # a launch shape this GPU cannot run (shared memory)
+                    print(
+                        f"skip {shape_name} {kv_name} {layout} b{batch} c{context} {splits} {launch}: {exc}"
+                    )
+                    continue
+                if seconds < best[0]:
+                    best = (seconds, splits, launch)
+            rows.append(
+                {
+                    "shape": shape_name,
+                    "kv": kv_name,
+                    "layout": layout,
+                    "batch": batch,
+                    "context": context,
+                    "floor_ms": floor_s * 1e3,
+                    "default_ms": default_s * 1e3,
+                    "default_over_floor": default_s / floor_s,
+                    "best_ms": best[0] * 1e3,
+                    "best_over_floor": best[0] / floor_s,
+                    "best_splits": best[1],
+                    "best_block_n": best[2].block_n,
+                    "best_warps": best[2].num_warps,
+                    "best_stages": best[2].num_stages,
+                }
+            )
+            print(rows[-1], flush=True)
+            del t
+    emit(
+        "attention",
+        rows,
+        args.out,
+        extra={"copy_bandwidth_gb_per_s": bandwidth / 1e9, "seconds": time.perf_counter() - started},
+    )
+    return 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--shapes", default="llama-3-8b", help=f"comma-separated: {', '.join(SHAPES)}")
+    parser.add_argument("--kv-dtypes", default="bf16,fp8", help="comma-separated: bf16, fp8")
