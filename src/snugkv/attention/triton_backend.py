@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from snugkv.attention.triton_decode import decode_attention, decode_workspace
+from snugkv.attention.triton_decode import decode_attention, decode_splits, decode_workspace
 from snugkv.attention.triton_extend import extend_attention
 from snugkv.core.forward import AttentionBackend, AttentionLayer, ForwardBatch
 
@@ -19,7 +19,8 @@ from snugkv.core.forward import AttentionBackend, AttentionLayer, ForwardBatch
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
 
-    def __init__(self, num_kv_splits: int = 8) -> None:
+    def __init__(self, num_kv_splits: int | None = None) -> None:
+        """`num_kv_splits`: a fixed split count for decode; None picks it by batch size."""
         self.num_kv_splits = num_kv_splits
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
@@ -47,7 +48,8 @@ class TritonAttentionBackend(AttentionBackend):
         slot_map = pool.slot_map(layer.layer_id)
         out = torch.empty((q.shape[0], layer.num_heads, layer.v_head_dim), dtype=q.dtype, device=q.device)
         if forward_batch.is_decode:
-            partial_out, partial_lse = self._workspace(forward_batch, layer, q.device)
+            splits = self.num_kv_splits or decode_splits(forward_batch.batch_size, layer.num_kv_heads)
+            partial_out, partial_lse = self._workspace(forward_batch, layer, splits, q.device)
             return decode_attention(
                 q,
                 k_buffer,
@@ -56,7 +58,7 @@ class TritonAttentionBackend(AttentionBackend):
                 forward_batch.req_to_token,
                 forward_batch.req_pool_indices,
                 forward_batch.seq_lens,
-                num_kv_splits=self.num_kv_splits,
+                num_kv_splits=splits,
                 partial_out=partial_out,
                 partial_lse=partial_lse,
                 sm_scale=layer.scaling,
@@ -88,10 +90,10 @@ class TritonAttentionBackend(AttentionBackend):
         )
 
     def _workspace(
-        self, forward_batch: ForwardBatch, layer: AttentionLayer, device: torch.device
+        self, forward_batch: ForwardBatch, layer: AttentionLayer, splits: int, device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (forward_batch.batch_size, layer.num_heads, layer.v_head_dim)
+        key = (forward_batch.batch_size, layer.num_heads, layer.v_head_dim, splits)
         cache = forward_batch.attn_metadata["workspace"]
         if key not in cache:
-            cache[key] = decode_workspace(*key, self.num_kv_splits, device)
+            cache[key] = decode_workspace(*key, device)
         return cache[key]

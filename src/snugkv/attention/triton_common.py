@@ -59,8 +59,10 @@ def value_dim_block(head_dim: int) -> int:
 def dot_dtype(q_dtype: torch.dtype, kv_dtype: torch.dtype, device: torch.device) -> tl.dtype:
     """The operand type of the kernels' matrix products; accumulation is always fp32.
 
-    16-bit queries meet keys of their own type (or fp8, which upcasts exactly) on the tensor cores;
-    every other mix runs in fp32 with IEEE products so nothing is silently rounded to TF32.
+    16-bit queries meet keys of their own type on the tensor cores; fp8 keys and values upcast
+    exactly to fp16 (a native conversion on the GPU, where fp8 to bf16 is not), and bf16 queries
+    are rounded to fp16 for the product (more mantissa, enough range for attention queries).
+    Every other mix runs in fp32 with IEEE products so nothing is silently rounded to TF32.
     The Triton CPU interpreter (triton 3.9) computes bf16 products wrongly, so it gets fp32.
     """
     low_precision = q_dtype in (torch.float16, torch.bfloat16) and (
@@ -68,6 +70,8 @@ def dot_dtype(q_dtype: torch.dtype, kv_dtype: torch.dtype, device: torch.device)
     )
     if not low_precision or (device.type == "cpu" and q_dtype == torch.bfloat16):
         return tl.float32
+    if kv_dtype in _FP8_DTYPES:
+        return tl.float16
     return _TL_DOT_DTYPES[q_dtype]
 
 

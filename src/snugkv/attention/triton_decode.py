@@ -200,9 +200,20 @@ class DecodeLaunch:
 
 
 def default_decode_launch(k_head_dim: int, device: torch.device) -> DecodeLaunch:
+    """Measured on the H200 (`snugkv bench attention`, docs/bench/attention.md)."""
     if device.type == "cpu":  # the interpreter: small blocks keep the CPU tests fast
         return DecodeLaunch(block_n=16)
-    return DecodeLaunch(block_n=64 if k_head_dim <= 256 else 32)
+    if k_head_dim > 256:
+        return DecodeLaunch(block_n=32)
+    return DecodeLaunch(block_n=128, num_warps=4, num_stages=3)
+
+
+def decode_splits(batch_size: int, num_kv_heads: int, programs_wanted: int = 512) -> int:
+    """Splits of each request's keys: enough programs to fill the GPU when the batch is small,
+    few (less partial-result traffic) when the batch alone fills it. Depends only on the batch
+    size, so a captured graph keeps it."""
+    splits = programs_wanted // max(batch_size * num_kv_heads, 1)
+    return min(max(splits, 4), 16)
 
 
 def decode_workspace(

@@ -21,10 +21,10 @@ from snugkv.bench.report import emit
 
 SHAPES = {"llama-3-8b": (32, 8, 128), "qwen3-0.6b": (16, 8, 128)}  # q heads, KV heads, head dim
 CASES = ((1, 1024), (64, 1024), (256, 1024), (64, 4096))
-SPLITS = (4, 8, 16)
-BLOCK_N = (32, 64, 128)
+SPLITS = (2, 4, 8, 16)
+BLOCK_N = (64, 128, 256)
 WARPS = (4, 8)
-STAGES = (2, 3)
+STAGES = (3, 4)
 PAGE = 16
 
 
@@ -54,17 +54,35 @@ def _case_tensors(
     }
 
 
-def _time(fn: Any) -> float:
+def _time(fn: Any, calls: int = 8) -> float:
+    """Seconds per `fn()`, timed as a CUDA graph of `calls` calls (a bare launch of a small kernel
+    would time the host's launch overhead, not the kernel)."""
     from snugkv.bench.decode import time_cuda
 
-    return time_cuda(fn, iterations=20, warmup=3)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # compiles outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    seconds = time_cuda(graph.replay, iterations=10, warmup=2) / calls
+    del graph
+    return seconds
 
 
 def run(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("error: bench attention needs a CUDA GPU")
         return 2
-    from snugkv.attention.triton_decode import DecodeLaunch, decode_attention, default_decode_launch
+    from snugkv.attention.triton_decode import (
+        DecodeLaunch,
+        decode_attention,
+        decode_splits,
+        default_decode_launch,
+    )
     from snugkv.bench.decode import copy_bandwidth_bytes_per_s
 
     started = time.perf_counter()
@@ -94,8 +112,9 @@ def run(args: argparse.Namespace) -> int:
                 )  # fmt: skip
 
             default = default_decode_launch(heads[2], torch.device("cuda"))
-            default_s = _time(lambda d=default: call(8, d))
-            best = (default_s, 8, default)
+            default_splits = decode_splits(batch, heads[1])
+            default_s = _time(lambda d=default, n=default_splits: call(n, d))
+            best = (default_s, default_splits, default)
             for splits, launch in itertools.product(SPLITS, launches):
                 try:
                     seconds = _time(lambda s=splits, la=launch: call(s, la))
@@ -108,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
                     best = (seconds, splits, launch)
             rows.append(
                 {
+                    "default_splits": default_splits,
                     "shape": shape_name,
                     "kv": kv_name,
                     "layout": layout,
@@ -138,3 +158,4 @@ def run(args: argparse.Namespace) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shapes", default="llama-3-8b", help=f"comma-separated: {', '.join(SHAPES)}")
     parser.add_argument("--kv-dtypes", default="bf16,fp8", help="comma-separated: bf16, fp8")
+    parser.add_argument("--layouts", default="nhd,hnd", help="comma-separated: nhd, hnd")
