@@ -11,13 +11,24 @@ import argparse
 import importlib
 import logging
 import sys
+from typing import NoReturn
 
 COMMANDS = ("demo", "generate", "chat", "serve", "memory", "bench")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+class CommandLineParser(argparse.ArgumentParser):
+    """argparse, but a mistake is one `error:` line naming the flag (no usage block), exit code 2.
+
+    Subcommand parsers are made of the same class (argparse uses the parent's class)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {message} (see '{self.prog} --help')\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="snugkv", description=__doc__.splitlines()[0])
-    parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
+    parser = CommandLineParser(prog="snugkv", description=__doc__.splitlines()[0])
+    _add_log_level(parser, default="INFO")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
         try:
@@ -27,14 +38,38 @@ def build_parser() -> argparse.ArgumentParser:
                 raise
             continue
         module.register(subparsers)
+    for subparser in _subparsers_below(parser):
+        # After the subcommand too; SUPPRESS keeps a value given before it when none comes after.
+        _add_log_level(subparser, default=argparse.SUPPRESS)
     return parser
+
+
+def _add_log_level(parser: argparse.ArgumentParser, default: str) -> None:
+    parser.add_argument(
+        "--log-level",
+        default=default,
+        type=str.upper,
+        choices=LOG_LEVELS,
+        metavar="LEVEL",
+        help="logging level: debug, info, warning, error (default: info)",
+    )
+
+
+def _subparsers_below(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """Every subcommand's parser, at any depth (`bench capacity` included)."""
+    found = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for subparser in dict.fromkeys(action.choices.values()):  # aliases share a parser
+                found += [subparser, *_subparsers_below(subparser)]
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(
-        level=args.log_level.upper(),
+        level=args.log_level,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
         stream=sys.stderr,

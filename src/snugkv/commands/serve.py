@@ -14,7 +14,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     add_engine_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0 picks a free one)")
+    parser.add_argument(
+        "--port", type=port_number, default=8000, help="port (default: 8000; 0 picks a free one)"
+    )
     parser.add_argument(
         "--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but /health)"
     )
@@ -26,6 +28,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--disable-prefix-cache", action="store_true", help="turn the radix prefix cache off")
     parser.set_defaults(func=run)
+
+
+def port_number(value: str) -> int:
+    """`--port`: 0 (any free port) to 65535."""
+    try:
+        port = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a port number; use 0 to 65535") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a TCP port; use 0 to 65535 (0 picks a free one)")
+    return port
 
 
 def build_async_engine(args: argparse.Namespace, metrics=None, tp=None):
