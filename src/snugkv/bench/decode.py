@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from snugkv.bench.report import emit
+from snugkv.bench.model_configs import benchmark_model
+from snugkv.bench.report import cuda_missing, emit
 from snugkv.memory.vmm import GIB
 from snugkv.sampling_params import SamplingParams
 
@@ -139,9 +140,8 @@ def transformers_cases(model: str, cases: tuple[tuple[int, int], ...]) -> dict[t
 
 
 def run(args: argparse.Namespace) -> int:
-    if not torch.cuda.is_available():
-        print("bench decode needs a CUDA GPU")
-        return 1
+    if cuda_missing("bench decode"):
+        return 2
     bandwidth = copy_bandwidth_bytes_per_s()
     cases = tuple(c for c in CASES if c[0] <= args.max_batch)
     started = time.perf_counter()
@@ -189,6 +189,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="configs/llama-3-8b")
+    parser.add_argument("--model", type=benchmark_model, default="llama-3-8b")
     parser.add_argument("--max-batch", type=int, default=256)
     parser.add_argument("--no-transformers", dest="transformers", action="store_false")
