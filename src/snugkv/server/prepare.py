@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from snugkv.sampling_params import InvalidRequest, SamplingParams
+from snugkv.sampling_params import MAX_LOGPROBS, InvalidRequest, SamplingParams
 from snugkv.server.engine_protocol import EngineClient, GenerateInput
 from snugkv.server.errors import APIError, bad_request, from_validation_error
 from snugkv.server.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
@@ -112,6 +112,11 @@ def prepare_chat(
         raise bad_request("tools are not supported by this server; remove them.", param="tools")
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs set to true.", param="top_logprobs")
+    if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:
+        raise bad_request(
+            f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {body.top_logprobs}.",
+            param="top_logprobs",
+        )
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
     sampling = _sampling(body, max_tokens, top_logprobs, engine.max_context_tokens)
