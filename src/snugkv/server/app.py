@@ -28,7 +28,7 @@ from snugkv.server.engine_protocol import EngineClient
 from snugkv.server.errors import NOT_FOUND, SERVER_ERROR, APIError, install_error_handlers
 from snugkv.server.formats import ChatFormat, CompletionFormat, ResponseFormat
 from snugkv.server.metrics import ServerMetrics
-from snugkv.server.middleware import BearerAuthMiddleware, BodySizeLimitMiddleware
+from snugkv.server.middleware import BearerAuthMiddleware, BodySizeLimitMiddleware, ShutdownCutoffMiddleware
 from snugkv.server.prepare import PreparedRequest, parse_body, prepare_chat, prepare_completion
 from snugkv.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from snugkv.server.serving import EventStreamResponse, collect_response, stream_events
@@ -54,6 +54,7 @@ def create_app(
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=max_body_bytes)
     if api_key:
         app.add_middleware(BearerAuthMiddleware, api_key=api_key)
+    app.add_middleware(ShutdownCutoffMiddleware)
     created = int(time.time())
 
     def model_card() -> ModelCard:

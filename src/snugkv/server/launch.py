@@ -19,6 +19,8 @@ from collections.abc import Callable, Iterator
 import uvicorn
 from fastapi import FastAPI
 
+from snugkv.server.http11 import HttpProtocol
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_HOST = "127.0.0.1"
@@ -51,7 +53,11 @@ def serve(
     `on_listening(url)` runs once the socket is bound."""
     try:
         config = uvicorn.Config(
-            app, log_level=log_level, timeout_graceful_shutdown=graceful_shutdown_s, lifespan="off"
+            app,
+            http=HttpProtocol,
+            log_level=log_level,
+            timeout_graceful_shutdown=graceful_shutdown_s,
+            lifespan="off",
         )
         server = _Server(config, on_stop_requested)
         if sock is None:
@@ -72,7 +78,7 @@ def serve(
 
 class _Server(uvicorn.Server):
     """uvicorn's server, telling the engine first when a signal asks it to stop, so in-flight
-    streams end properly (finish_reason "abort") before the graceful-shutdown deadline."""
+    streams end properly (finish_detail "abort") before the graceful-shutdown deadline."""
 
     def __init__(self, config: uvicorn.Config, on_stop_requested: Callable[[], None] | None) -> None:
         super().__init__(config)
