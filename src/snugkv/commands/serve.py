@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
 
 from snugkv.commands.engine_args import add_engine_arguments, engine_args_from
 
@@ -71,16 +73,31 @@ def _tokenizer_of(engine):
 
 def run(args: argparse.Namespace) -> int:
     from snugkv.distributed.launch import device_type_for, launch
-    from snugkv.server.launch import bind_socket
+    from snugkv.server.launch import GRACEFUL_SHUTDOWN_S, bind_socket
 
     # Hold the port now, so a taken one fails before the engine starts (listening comes later).
     sock = bind_socket(args.host, args.port, listen=False)
     with sock:
-        device_type = device_type_for(args.device)
         return int(
-            launch(_serve_rank, args.tp_size, (args,), device_type=device_type, leader_kwargs={"sock": sock})
+            launch(
+                _serve_rank,
+                args.tp_size,
+                (args,),
+                device_type=device_type_for(args.device),
+                leader_kwargs={"sock": sock},
+                on_helper_failure=_stop_serving,
+                helper_failure_grace_s=GRACEFUL_SHUTDOWN_S + 20,
+            )
             or 0
         )
+
+
+def _stop_serving() -> None:
+    """A helper rank died (--tp): this server cannot generate any more. Stop as SIGTERM stops it
+    (in-flight requests end, at the latest at the graceful-shutdown deadline, and the engine is
+    released); the launch then fails, so the process exits non-zero and a supervisor restarts it."""
+    logger.error("Stopping the server: a tensor-parallel rank is gone")
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _serve_rank(tp, args: argparse.Namespace, sock=None) -> int:
