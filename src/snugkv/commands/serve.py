@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import os
 import signal
@@ -10,6 +11,8 @@ import signal
 from snugkv.commands.engine_args import add_engine_arguments, engine_args_from
 
 logger = logging.getLogger(__name__)
+
+API_KEY_ENV = "SNUGKV_API_KEY"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -20,7 +23,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--port", type=port_number, default=8000, help="port (default: 8000; 0 picks a free one)"
     )
     parser.add_argument(
-        "--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but /health)"
+        "--api-key",
+        default=None,
+        help=f"require 'Authorization: Bearer KEY' on all but /health (default: ${API_KEY_ENV}, which "
+        "keeps the key out of `ps`)",
     )
     parser.add_argument(
         "--served-model-name", default=None, help="model name in the API (default: from the model)"
@@ -108,11 +114,13 @@ def _serve_rank(tp, args: argparse.Namespace, sock=None) -> int:
     from snugkv.server.launch import serve
     from snugkv.server.metrics import ServerMetrics
 
+    api_key = api_key_from(args)
+    warn_if_open(args.host, api_key)
     metrics = ServerMetrics()
     async_engine, name = build_async_engine(args, metrics, tp)
     app = create_app(
         async_engine,
-        api_key=args.api_key,
+        api_key=api_key,
         max_body_bytes=args.max_body_bytes,
         served_model_name=name,
         metrics=metrics,
@@ -126,6 +134,30 @@ def _serve_rank(tp, args: argparse.Namespace, sock=None) -> int:
         on_stop_requested=async_engine.abort_all,
     )
     return 0
+
+
+def api_key_from(args: argparse.Namespace) -> str | None:
+    """--api-key if given (even empty: no key), else $SNUGKV_API_KEY; None or "" means no key."""
+    return args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
+
+
+def warn_if_open(host: str, api_key: str | None) -> None:
+    """One warning when the server is reachable from other machines and asks for no key."""
+    if api_key or _is_loopback(host):
+        return
+    logger.warning(
+        "Serving on %s without an API key: anyone who can reach this address can use the model; "
+        "set %s (or pass --api-key)",
+        host,
+        API_KEY_ENV,
+    )
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a name
+        return host == "localhost"
 
 
 def _follow(tp, args: argparse.Namespace) -> int:
