@@ -1,4 +1,10 @@
-"""`snugkv serve`: the OpenAI-compatible server over the engine (default: SmolLM2 on CPU)."""
+"""`snugkv serve`: an OpenAI-compatible HTTP API for the model (default: SmolLM2-135M-Instruct).
+
+Serves POST /v1/completions and /v1/chat/completions (JSON or streamed as server-sent events),
+GET /v1/models, /health, /server_info and /metrics, on 127.0.0.1:8000 unless --host and --port
+say otherwise. Before opening it to other machines, set SNUGKV_API_KEY (or pass --api-key).
+Ctrl-C or SIGTERM stops it once in-flight requests end (at most 10 s).
+"""
 
 from __future__ import annotations
 
@@ -16,7 +22,7 @@ API_KEY_ENV = "SNUGKV_API_KEY"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    parser = subparsers.add_parser("serve", help="serve an OpenAI-compatible HTTP API", description=__doc__)
     add_engine_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
     parser.add_argument(
