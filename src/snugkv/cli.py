@@ -13,7 +13,21 @@ import logging
 import sys
 from typing import NoReturn
 
-COMMANDS = ("demo", "generate", "chat", "serve", "memory", "bench")
+DESCRIPTION = """\
+Run a language model on this machine: answer a prompt, chat in the terminal, or serve an
+OpenAI-compatible API. Without --model it uses SmolLM2-135M-Instruct (downloaded once). The KV
+cache takes exactly the memory that is left once the model is loaded and ready."""
+
+EPILOG = """\
+examples:
+  snugkv generate --chat "Why is the sky blue?"
+  snugkv chat
+  snugkv serve --port 8000          (then point an OpenAI client at http://127.0.0.1:8000/v1)
+  snugkv memory                     (how much KV cache fits here, without serving)
+
+'snugkv COMMAND --help' describes each command."""
+
+COMMANDS = ("generate", "chat", "serve", "memory", "memory_demo", "bench")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
@@ -27,7 +41,12 @@ class CommandLineParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = CommandLineParser(prog="snugkv", description=__doc__.splitlines()[0])
+    parser = CommandLineParser(
+        prog="snugkv",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     _add_log_level(parser, default="INFO")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
