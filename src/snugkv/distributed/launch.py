@@ -110,12 +110,19 @@ def launch(
             finished = True
         finally:
             destroy_tensor_parallel(meet_first=finished and not watch.helper_failed)  # nobody to meet
-    except BaseException:
+    except BaseException as exc:
+        # A collective that fails because a helper died is the helper's failure, not rank 0's.
+        dead = _dead_helpers(helpers) if isinstance(exc, RuntimeError) else []
         watch.stop()  # the helpers are about to be stopped on purpose
         for process in helpers.processes:
             if process.is_alive():
                 process.terminate()
         _join(helpers, raise_on_failure=False)
+        if dead:
+            raise RankFailed(
+                f"tensor-parallel {', '.join(dead)}, so rank 0 stopped ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0][:200]})"
+            ) from exc
         raise
     finally:
         watch.stop()
@@ -173,6 +180,21 @@ def _die_with_parent(parent_pid: int) -> None:
         pass
     if os.getppid() != parent_pid:  # rank 0 died before prctl took effect
         os._exit(1)
+
+
+def _dead_helpers(helpers: Any, wait_s: float = 1.0) -> list[str]:
+    """'rank N exited with CODE' for each helper that ended with an error; waits up to `wait_s`
+    for one to show, as a helper may close its connections an instant before it exits."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        dead = [
+            f"rank {index + 1} exited with {process.exitcode}"
+            for index, process in enumerate(helpers.processes)
+            if process.exitcode not in (None, 0)
+        ]
+        if dead or time.monotonic() > deadline:
+            return dead
+        time.sleep(0.05)
 
 
 def _join(helpers: Any, *, raise_on_failure: bool, timeout_s: float = HELPER_EXIT_TIMEOUT_S) -> None:
