@@ -55,3 +55,15 @@ def test_completion_top_logprobs_hold_the_sampled_token() -> None:
     state.absorb(finished("r-0", "length", [sampled]))
     response = CompletionFormat().response(prepared(1, logprobs=True), [state])
     assert response.choices[0].logprobs.top_logprobs == [{" dog": -0.2, " cat": -3.5}]
+
+
+def test_the_kv_capacity_the_engine_reports_bounds_the_sequence_limit() -> None:
+    from snugkv.server.prepare import SequenceLimit
+
+    class Engine:
+        max_context_tokens = 8192
+
+        def server_info(self) -> dict[str, int]:
+            return {"max_total_num_tokens": 4096, "kv_capacity_tokens": 1000, "page_size": 16}
+
+    assert SequenceLimit.of(Engine()) == SequenceLimit(1000 - 16 + 1, "this server's KV cache")

@@ -13,7 +13,9 @@ from typing import Any, Literal, Protocol
 
 from snugkv.sampling_params import SamplingParams
 
-FinishReason = Literal["stop", "length", "abort", "error"]
+# "abort" and "kv_capacity" (cut short because the KV cache cannot hold the next token) reach clients
+# as OpenAI's "length" with the engine's reason in `finish_detail` (server/formats.py).
+FinishReason = Literal["stop", "length", "abort", "kv_capacity", "error"]
 
 
 @dataclass(frozen=True, slots=True)

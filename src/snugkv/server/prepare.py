@@ -55,14 +55,18 @@ class SequenceLimit:
 
         The engine refuses a prompt that, with one page to grow into, is larger than its whole KV
         cache; checked here, such a request is a 400 whether streamed or not, and /v1/models says the
-        limit. (A sliding-window model's cache can be smaller still; the engine's own refusal stays.)
+        limit. (Without `kv_capacity_tokens` a sliding-window model's cache can be smaller still; the
+        engine's own refusal then stays the backstop.)
         """
         context = SequenceLimit(engine.max_context_tokens, "the model's context")
         try:
             info = engine.server_info()
         except Exception:
             return context
-        kv_tokens, page_tokens = info.get("max_total_num_tokens"), info.get("page_size") or 1
+        # `kv_capacity_tokens`, where the engine reports it, is what its allocator hands out (a
+        # sliding-window model's can be below max_total_num_tokens).
+        kv_tokens = info.get("kv_capacity_tokens", info.get("max_total_num_tokens"))
+        page_tokens = info.get("page_size") or 1
         if isinstance(kv_tokens, int) and 0 < kv_tokens - page_tokens + 1 < context.tokens:
             return SequenceLimit(kv_tokens - page_tokens + 1, "this server's KV cache")
         return context
