@@ -11,13 +11,43 @@ import argparse
 import importlib
 import logging
 import sys
+from typing import NoReturn
 
-COMMANDS = ("demo", "generate", "chat", "serve", "memory", "bench")
+DESCRIPTION = """\
+Run a language model on this machine: answer a prompt, chat in the terminal, or serve an
+OpenAI-compatible API. Without --model it uses SmolLM2-135M-Instruct (downloaded once). The KV
+cache takes exactly the memory that is left once the model is loaded and ready."""
+
+EPILOG = """\
+examples:
+  snugkv generate --chat "Why is the sky blue?"
+  snugkv chat
+  snugkv serve --port 8000          (then point an OpenAI client at http://127.0.0.1:8000/v1)
+  snugkv memory                     (how much KV cache fits here, without serving)
+
+'snugkv COMMAND --help' describes each command."""
+
+COMMANDS = ("generate", "chat", "serve", "memory", "memory_demo", "bench")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+class CommandLineParser(argparse.ArgumentParser):
+    """argparse, but a mistake is one `error:` line naming the flag (no usage block), exit code 2.
+
+    Subcommand parsers are made of the same class (argparse uses the parent's class)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {message} (see '{self.prog} --help')\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="snugkv", description=__doc__.splitlines()[0])
-    parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
+    parser = CommandLineParser(
+        prog="snugkv",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_log_level(parser, default="INFO")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
         try:
@@ -27,14 +57,38 @@ def build_parser() -> argparse.ArgumentParser:
                 raise
             continue
         module.register(subparsers)
+    for subparser in _subparsers_below(parser):
+        # After the subcommand too; SUPPRESS keeps a value given before it when none comes after.
+        _add_log_level(subparser, default=argparse.SUPPRESS)
     return parser
+
+
+def _add_log_level(parser: argparse.ArgumentParser, default: str) -> None:
+    parser.add_argument(
+        "--log-level",
+        default=default,
+        type=str.upper,
+        choices=LOG_LEVELS,
+        metavar="LEVEL",
+        help="logging level: debug, info, warning, error (default: info)",
+    )
+
+
+def _subparsers_below(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """Every subcommand's parser, at any depth (`bench capacity` included)."""
+    found = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for subparser in dict.fromkeys(action.choices.values()):  # aliases share a parser
+                found += [subparser, *_subparsers_below(subparser)]
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(
-        level=args.log_level.upper(),
+        level=args.log_level,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
         stream=sys.stderr,

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from snugkv.distributed.group import TensorParallel
-from snugkv.distributed.launch import launch
+from snugkv.distributed.launch import RankFailed, launch
 
 
 def pids_and_ranks(tp: TensorParallel) -> list[tuple[int, int]]:
@@ -47,6 +47,18 @@ def test_a_failing_helper_fails_the_launch_without_a_hang():
     with pytest.raises(Exception):  # noqa: B017 - gloo's peer error or RankFailed, whichever comes first
         launch(helper_raises, 2, device_type="cpu")
     assert time.monotonic() - started < 60
+    assert not dist.is_initialized()
+
+
+def helper_dies(tp: TensorParallel) -> None:
+    if tp.rank == 1:
+        os._exit(3)  # a crash: no exception, no goodbye
+    dist.barrier(group=tp.cpu_group)  # gloo fails here on rank 0
+
+
+def test_a_helper_that_dies_under_a_collective_is_reported_as_that_rank_failing():
+    with pytest.raises(RankFailed, match="rank 1 exited with 3"):
+        launch(helper_dies, 2, device_type="cpu")
     assert not dist.is_initialized()
 
 

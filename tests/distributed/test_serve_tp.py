@@ -31,27 +31,32 @@ PROMPTS = ["The capital of France is", "One, two, three,", "def add(a, b):", "On
 TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs (nvidia-h200-x2)")
 
 
-@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, TWO_GPUS])])
-def server(request, tiny_model, tmp_path_factory):
-    path, _, _ = tiny_model
-    log_path = tmp_path_factory.mktemp("serve-tp") / "server.log"
+def start_tp_server(model_path: Path, device: str, log_path: Path) -> tuple[str, subprocess.Popen]:
+    """`snugkv serve --tp 2` in its own process group; returns (base URL, process) once it serves."""
     command = [
-        sys.executable, "-m", "snugkv", "serve", "--model", str(path), "--tp", "2", "--device", request.param,
+        sys.executable, "-m", "snugkv", "serve", "--model", str(model_path), "--tp", "2", "--device", device,
         "--dtype", "float32", "--port", "0", "--max-total-tokens", "2048", "--max-running-requests", "8",
     ]  # fmt: skip
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
             command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
-    base_url = None
     deadline = time.monotonic() + 180
-    while base_url is None and time.monotonic() < deadline:
+    while time.monotonic() < deadline:
         assert process.poll() is None, log_path.read_text()
         for line in log_path.read_text(errors="replace").splitlines():
             if SERVING in line:
-                base_url = line.split(SERVING)[1].split()[0]
+                return line.split(SERVING)[1].split()[0], process
         time.sleep(0.1)
-    assert base_url, log_path.read_text()
+    process.kill()
+    raise AssertionError(f"the server did not start:\n{log_path.read_text()}")
+
+
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, TWO_GPUS])])
+def server(request, tiny_model, tmp_path_factory):
+    path, _, _ = tiny_model
+    log_path = tmp_path_factory.mktemp("serve-tp") / "server.log"
+    base_url, process = start_tp_server(path, request.param, log_path)
     yield base_url, process, log_path
     if process.poll() is None:
         process.kill()
@@ -114,3 +119,36 @@ def test_a_stop_signal_to_the_whole_process_group_stops_every_rank_cleanly(serve
     assert process.wait(timeout=60) == 0, log_path.read_text()
     log = log_path.read_text()
     assert "Traceback" not in log, log
+
+
+def helper_ranks(process: subprocess.Popen) -> list[int]:
+    children = Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text().split()
+    return [int(pid) for pid in children if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+
+
+def test_a_dead_helper_rank_fails_in_flight_requests_and_the_server_exits_non_zero(tiny_model, tmp_path):
+    """A supervisor restarts a server that exits; one that answers 503 forever it never restarts."""
+    path, _, _ = tiny_model
+    log_path = tmp_path / "server.log"
+    base_url, process = start_tp_server(path, "cpu", log_path)
+    try:
+        lines: list[str] = []
+        body = {"prompt": "tell", "max_tokens": 240, "ignore_eos": True, "stream": True}
+        with (
+            httpx.Client(base_url=base_url, timeout=60) as http,
+            http.stream("POST", "/v1/completions", json=body) as stream,
+        ):
+            for line in stream.iter_lines():
+                if line.startswith("data: ") and not lines:
+                    (helper,) = helper_ranks(process)
+                    os.kill(helper, signal.SIGKILL)
+                lines.append(line)
+        assert process.wait(timeout=90) != 0, log_path.read_text()
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    events = [line for line in lines if line.startswith("data: ")]
+    assert '"error"' in events[-2] and events[-1] == "data: [DONE]", events[-3:]
+    log = log_path.read_text()
+    assert "Stopped serving on" in log, log  # a graceful stop, not the watchdog's exit
+    assert log.rstrip().splitlines()[-1].startswith("error: a tensor-parallel helper rank failed"), log

@@ -79,3 +79,46 @@ def test_a_seeded_request_draws_the_same_tokens_whatever_else_is_in_the_batch():
 def test_invalid_sampling_params_say_what_to_change(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0, top_p=1e-46),  # 0 in float32
+        SamplingParams(temperature=100.0, top_p=1e-46),
+        SamplingParams(temperature=1e-46),
+        SamplingParams(temperature=1e-30, top_p=0.5, top_k=3),
+        SamplingParams(temperature=100.0, top_k=1),
+    ],
+    ids=["tiny-top-p", "hot-tiny-top-p", "tiny-temperature", "cold-top-p-top-k", "hot-top-k-1"],
+)
+def test_extreme_sampling_values_draw_the_most_likely_token(params):
+    logits = _logits()
+    for _ in range(10):
+        assert Sampler()(logits, [params] * 4).tolist() == logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("top_p", [1e-46, 1e-9, 0.3, 1.0])
+def test_top_p_always_keeps_the_argmax(top_p):
+    from snugkv.layers.sampler import _top_p_filter
+
+    probs = torch.softmax(_logits(rows=8) * 5, dim=-1)
+    kept = _top_p_filter(probs, torch.full((8,), top_p))
+    assert (kept.gather(1, probs.argmax(-1, keepdim=True)) > 0).all()
+
+
+def test_top_k_always_keeps_the_argmax():
+    from snugkv.layers.sampler import _top_k_filter
+
+    logits = _logits(rows=8)
+    for k in (1, 2, VOCAB):
+        kept = _top_k_filter(logits, torch.full((8,), k))
+        assert torch.isfinite(kept.gather(1, logits.argmax(-1, keepdim=True))).all()
+
+
+def test_a_zero_noise_draw_never_picks_a_masked_token(monkeypatch):
+    monkeypatch.setattr(torch.Tensor, "exponential_", lambda self, *args, **kwargs: self.zero_())
+    logits = _logits()
+    tokens = Sampler()(logits, [SamplingParams(temperature=1.0, top_k=2)] * 4)
+    allowed = torch.topk(logits, 2).indices
+    assert all(int(t) in allowed[row].tolist() for row, t in enumerate(tokens))

@@ -132,6 +132,20 @@ def test_shared_prefix_is_served_from_the_cache(tiny):
     engine.close()
 
 
+def test_an_idle_engine_reports_no_kv_in_use_and_its_prefix_cache_apart(tiny):
+    directory, _ = tiny
+    engine, scheduler, _ = make_scheduler(directory, page_size=4)
+    run_all(scheduler, prompts(3, seed=5))
+    stats = scheduler.stats()
+    assert scheduler.cache.cached_tokens > 0
+    assert stats["kv_cache_usage"] == 0.0
+    assert (
+        stats["kv_cache_cached_usage"]
+        == scheduler.cache.cached_tokens / engine.runner.allocator.capacity_tokens
+    )
+    engine.close()
+
+
 def test_abort_frees_slots_at_once_and_others_go_on(tiny):
     directory, model = tiny
     engine, scheduler, outputs = make_scheduler(directory, page_size=1, prefix_cache=False)
@@ -245,14 +259,16 @@ def run_to_end(scheduler: Scheduler, limit: int = 500) -> None:
     raise AssertionError(f"still working after {limit} steps: {len(scheduler.waiting)} waiting")
 
 
-def test_a_request_that_outgrows_the_whole_kv_cache_ends_with_length_and_blocks_nobody(tiny):
+def test_a_request_that_outgrows_the_whole_kv_cache_ends_with_kv_capacity_and_blocks_nobody(tiny):
     directory, _ = tiny
     engine, scheduler, outputs = make_scheduler(directory, max_total_tokens=64, page_size=4, chunk=32)
     capacity = engine.runner.allocator.capacity_tokens
     scheduler.add_request("big", list(range(3, 23)), SamplingParams(max_new_tokens=200, ignore_eos=True))
     run_to_end(scheduler)
     final = outputs["big"][-1]
-    assert final.finish_reason == "length" and final.prompt_tokens + final.completion_tokens + 4 > capacity
+    assert (
+        final.finish_reason == "kv_capacity" and final.prompt_tokens + final.completion_tokens + 4 > capacity
+    )
     scheduler.add_request("small", [5, 6, 7], SamplingParams(max_new_tokens=2, ignore_eos=True))
     run_to_end(scheduler)
     assert outputs["small"][-1].finish_reason == "length" and outputs["small"][-1].completion_tokens == 2

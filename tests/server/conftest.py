@@ -53,12 +53,14 @@ class ServerProcess:
         return self.process.returncode
 
 
-def start_server(log_dir: Path, *extra_args: str, wait_until_healthy: bool = True) -> ServerProcess:
+def start_server(
+    log_dir: Path, *extra_args: str, wait_until_healthy: bool = True, engine: str = ENGINE
+) -> ServerProcess:
     """Starts the server; returns once it answers /health (or, if not waiting, once its socket is bound)."""
     log_path = log_dir / "server.log"
     command = [
         sys.executable, "-m", "tests.server.serve_for_tests",
-        "--engine", ENGINE, "--port", "0", "--api-key", API_KEY, "--max-body-bytes", str(MAX_BODY_BYTES),
+        "--engine", engine, "--port", "0", "--api-key", API_KEY, "--max-body-bytes", str(MAX_BODY_BYTES),
         *extra_args,
     ]  # fmt: skip
     with open(log_path, "wb") as log:

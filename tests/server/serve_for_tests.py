@@ -50,7 +50,7 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, Callable[[], None]]:
         kv_layout="nhd",
         attention_backend=None,
         kv_sizing=None,
-        max_total_tokens=4096,
+        max_total_tokens=args.max_total_tokens,
         max_running_requests=48,
         context_length=args.max_context_tokens,
         chunked_prefill_size=256,
@@ -89,6 +89,9 @@ def main() -> None:
     parser.add_argument("--served-model-name", default="snugkv-test-model")
     parser.add_argument("--max-context-tokens", type=int, default=512)
     parser.add_argument("--model", default=None, help="real engine only (default: the embedded SmolLM2)")
+    parser.add_argument(
+        "--max-total-tokens", type=int, default=4096, help="real engine only: KV cache tokens"
+    )
     parser.add_argument("--tokenizer-gguf", default=None, help="fake engine only: use this GGUF's tokenizer")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

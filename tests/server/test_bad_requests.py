@@ -56,6 +56,13 @@ BAD_BODIES = {
         "top_logprobs",
         ["true"],
     ),
+    "too many top_logprobs": (
+        CHAT,
+        {"messages": HI, "logprobs": True, "top_logprobs": 1_000_000},
+        400,
+        "top_logprobs",
+        ["top_logprobs must be between"],
+    ),
     "empty stop string": (COMPLETIONS, {"prompt": "x", "stop": [""]}, 400, "stop", ["non-empty"]),
     "stop a number": (COMPLETIONS, {"prompt": "x", "stop": 5}, 400, "stop", ["string"]),
     "stop token id out of range": (

@@ -25,7 +25,7 @@ def cached_default_model() -> Path:
     try:
         return default_model_path(download=False)
     except DefaultModelUnavailable:
-        pytest.skip("the default SmolLM2 GGUF is not cached (run `snugkv demo` or the model tests once)")
+        pytest.skip("the default SmolLM2 GGUF is not cached (run `make demo` or the model tests once)")
 
 
 @pytest.fixture(scope="module")

@@ -94,6 +94,14 @@ def test_completion_logprobs_list_one_entry_per_token(client: httpx.Client) -> N
     assert logprobs["text_offset"] == sorted(logprobs["text_offset"])
 
 
+def test_completion_top_logprobs_hold_the_sampled_token(client: httpx.Client) -> None:
+    for logprobs, temperature in ((0, 0), (1, 1.5)):
+        body = {"prompt": "abc", "max_tokens": 6, "temperature": temperature, "seed": 3, "logprobs": logprobs}
+        choice = complete(client, **body)["choices"][0]["logprobs"]
+        for token, logprob, top in zip(choice["tokens"], choice["token_logprobs"], choice["top_logprobs"]):
+            assert top[token] == logprob and len(top) <= logprobs + 1, (token, top)
+
+
 def test_chat_logprobs_carry_top_alternatives(client: httpx.Client) -> None:
     response = client.post(
         "/v1/chat/completions",

@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 
 from snugkv.server.app import create_app
 from snugkv.server.launch import bind_socket, serve
-from tests.server.conftest import start_server
+from tests.server.conftest import API_KEY, ServerProcess, start_server
 from tests.server.fake_engine import FakeEngine
 from tests.server.serve_for_tests import SHUTDOWN_COMPLETE
 
@@ -98,3 +98,39 @@ def test_health_is_503_while_the_engine_is_unhealthy() -> None:
         response = client.get("/health")
         assert response.status_code == 503
         assert response.json()["error"]["type"] == "server_error"
+
+
+def _address(server: ServerProcess) -> tuple[str, int]:
+    host, port = server.base_url.removeprefix("http://").rsplit(":", 1)
+    return host, int(port)
+
+
+def test_a_1_mb_request_header_gets_431_not_a_reset(server: ServerProcess) -> None:
+    """Raw socket: the client sends all its headers before reading, as real clients do."""
+    request = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (1 << 20) + b"\r\n\r\n"
+    with socket.create_connection(_address(server), timeout=10) as sock:
+        sock.sendall(request)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 431 "), answer[:200]
+    assert b"request_header_fields_too_large" in answer
+    assert httpx.get(f"{server.base_url}/health", timeout=10).status_code == 200
+
+
+def test_a_client_stalled_mid_body_at_shutdown_gets_503_and_no_traceback(tmp_path: Path) -> None:
+    server = start_server(tmp_path, engine="fake")  # no engine work: the request never gets its body
+    with socket.create_connection(_address(server), timeout=30) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer " + API_KEY.encode() + b"\r\n"
+            b"Content-Length: 1000\r\n\r\n" + b'{"prompt": '
+        )
+        time.sleep(0.3)  # the server is waiting for the rest of the body
+        exit_code = server.stop(timeout_s=30)
+        answer = sock.recv(65536)
+    assert exit_code == 0, server.log()
+    assert answer.startswith(b"HTTP/1.1 503 "), answer[:200]
+    assert b"server_shutting_down" in answer
+    assert "Traceback" not in server.log() and "CancelledError" not in server.log(), server.log()
+    assert SHUTDOWN_COMPLETE in server.log()

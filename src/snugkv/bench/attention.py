@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from snugkv.bench.report import emit
+from snugkv.bench.report import cuda_missing, emit
 
 SHAPES = {"llama-3-8b": (32, 8, 128), "qwen3-0.6b": (16, 8, 128)}  # q heads, KV heads, head dim
 CASES = ((1, 1024), (64, 1024), (256, 1024), (64, 4096))
@@ -74,8 +74,7 @@ def _time(fn: Any, calls: int = 8) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    if not torch.cuda.is_available():
-        print("error: bench attention needs a CUDA GPU")
+    if cuda_missing("bench attention"):
         return 2
     from snugkv.attention.triton_decode import (
         DecodeLaunch,

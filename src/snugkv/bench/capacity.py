@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from snugkv.bench.report import emit
+from snugkv.bench.model_configs import benchmark_model
+from snugkv.bench.report import cuda_missing, emit
 from snugkv.core.sampling import SamplingParams
 from snugkv.memory.vmm import GIB, MIB
 
@@ -143,6 +144,8 @@ def worker(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    if cuda_missing("bench capacity"):
+        return 2
     if args.worker:
         return worker(args)
     results = []
@@ -168,12 +171,18 @@ def run(args: argparse.Namespace) -> int:
             ]
             if args.mem_fraction_static is not None:
                 command += ["--mem-fraction-static", str(args.mem_fraction_static)]
-            done = subprocess.run(
-                command, capture_output=True, text=True, timeout=args.timeout_s, check=False
-            )
+            try:
+                done = subprocess.run(
+                    command, capture_output=True, text=True, timeout=args.timeout_s, check=False
+                )
+            except subprocess.TimeoutExpired:
+                error = f"the worker did not finish within --timeout-s {args.timeout_s}"
+                results.append({"model": Path(model).name, "mode": mode, "error": error})
+                continue
             lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
             if not lines:
-                results.append({"model": Path(model).name, "mode": mode, "error": done.stderr[-600:]})
+                error = done.stderr[-600:] or f"the worker exited with {done.returncode} and no result"
+                results.append({"model": Path(model).name, "mode": mode, "error": error})
                 continue
             results.append(json.loads(lines[-1]))
             print(f"{Path(model).name} {mode}: {lines[-1][:200]}", flush=True)
@@ -202,6 +211,10 @@ def run(args: argparse.Namespace) -> int:
     emit("capacity", rows, args.out, extra={"results": results})
     if args.out:
         _plot(results, Path(args.out))
+    failed = [f"{r['model']} {r['mode']}" for r in results if "error" in r or r.get("oom")]
+    if failed:
+        print(f"error: {len(failed)} of {len(results)} rows failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -224,7 +237,13 @@ def _plot(results: list[dict[str, Any]], out_dir: Path) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--models", nargs="+", default=["configs/llama-3-8b", "configs/qwen3-0.6b"])
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        type=benchmark_model,
+        default=[benchmark_model("llama-3-8b"), benchmark_model("qwen3-0.6b")],
+        help="config paths or shipped config names (default: llama-3-8b qwen3-0.6b)",
+    )
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--timeout-s", type=int, default=300)
     parser.add_argument("--chunk", type=int, default=8192, help="largest prefill chunk (default: 8192)")
@@ -233,5 +252,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--mem-fraction-static", type=float, default=None, help="static-fraction mode only")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--model", type=benchmark_model, help=argparse.SUPPRESS)
     parser.add_argument("--mode", help=argparse.SUPPRESS)

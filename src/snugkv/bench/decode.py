@@ -23,7 +23,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from snugkv.bench.report import emit
+from snugkv.bench.model_configs import benchmark_model
+from snugkv.bench.report import cuda_missing, emit
 from snugkv.core.sampling import SamplingParams
 from snugkv.memory.vmm import GIB
 
@@ -229,8 +230,7 @@ def transformers_cases(model: str, cases: tuple[tuple[int, int], ...]) -> dict[t
 
 
 def run(args: argparse.Namespace) -> int:
-    if not torch.cuda.is_available():
-        print("error: bench decode needs a CUDA GPU")
+    if cuda_missing("bench decode"):
         return 2
     bandwidth = copy_bandwidth_bytes_per_s()
     cases = tuple(c for c in CASES if c[0] <= args.max_batch)
@@ -311,7 +311,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="configs/llama-3-8b")
+    parser.add_argument("--model", type=benchmark_model, default="llama-3-8b")
     parser.add_argument("--max-batch", type=int, default=256)
     parser.add_argument(
         "--transformers", action="store_true", help="also time transformers (eager, static cache)"

@@ -26,7 +26,7 @@ import torch
 
 from snugkv.attention import triton_store
 from snugkv.bench.decode import copy_bandwidth_bytes_per_s
-from snugkv.bench.report import emit
+from snugkv.bench.report import cuda_missing, emit
 from snugkv.kernels import fused_add_rms_norm, gated_act_and_mul, rope_and_store_kv
 from snugkv.layers.activation import GatedActivation
 from snugkv.layers.norm import RMSNorm
@@ -192,8 +192,7 @@ def _rope_pair(shape: ModelShape, tokens: int, layout: str, page_size: int, kv_d
 
 
 def run(args: argparse.Namespace) -> int:
-    if not torch.cuda.is_available():
-        print("bench kernels needs a CUDA GPU")
+    if cuda_missing("bench kernels"):
         return 2
     started = time.perf_counter()
     bandwidth = copy_bandwidth_bytes_per_s()

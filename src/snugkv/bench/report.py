@@ -6,11 +6,20 @@ import json
 import os
 import platform
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+
+
+def cuda_missing(what: str, hint: str = "") -> bool:
+    """True, after one `error:` line on stderr, when there is no CUDA GPU for `what` to run on."""
+    if torch.cuda.is_available():
+        return False
+    print(f"error: {what} needs a CUDA GPU; torch {torch.__version__} sees none here{hint}", file=sys.stderr)
+    return True
 
 
 def environment() -> dict[str, Any]:

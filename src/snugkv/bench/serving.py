@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from snugkv.bench.decode import copy_bandwidth_bytes_per_s
-from snugkv.bench.report import emit
+from snugkv.bench.model_configs import benchmark_model
+from snugkv.bench.report import cuda_missing, emit
 from snugkv.core.sampling import SamplingParams
 
 
@@ -149,9 +150,8 @@ def transformers_generate_batch(model: str, requests: list[tuple[list[int], int]
 def run(args: argparse.Namespace) -> int:
     from snugkv.engine import Engine, EngineArgs
 
-    if not torch.cuda.is_available():
-        print("bench serving needs a CUDA GPU")
-        return 1
+    if cuda_missing("bench serving"):
+        return 2
     bandwidth = copy_bandwidth_bytes_per_s()
     engine = Engine(
         EngineArgs(
@@ -227,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="configs/qwen3-0.6b")
+    parser.add_argument("--model", type=benchmark_model, default="qwen3-0.6b")
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--online-requests", type=int, default=128)
     parser.add_argument("--rates", type=float, nargs="*", default=[8.0, 32.0])

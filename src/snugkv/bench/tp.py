@@ -27,14 +27,15 @@ from typing import Any
 
 import torch
 
-from snugkv.bench.report import emit
+from snugkv.bench.model_configs import benchmark_model
+from snugkv.bench.report import cuda_missing, emit
 from snugkv.memory.vmm import GIB
 
 PROMPT_LENGTHS = (7, 33, 120, 250)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="configs/llama-3-8b")
+    parser.add_argument("--model", type=benchmark_model, default="llama-3-8b")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on GPU, float32 on CPU")
     parser.add_argument(
         "--device", default=None, help="cuda (NCCL, needs 2 GPUs for tp=2) or cpu (gloo; no decode timing)"
@@ -62,9 +63,8 @@ def fixed_prompts(vocab_size: int) -> list[list[int]]:
 
 def run(args: argparse.Namespace) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        print("bench tp --device cuda needs a CUDA GPU (or pass --device cpu)")
-        return 1
+    if device == "cuda" and cuda_missing("bench tp --device cuda", "; pass --device cpu to run over gloo"):
+        return 2
     gpu = device == "cuda"
     sizes = [1, 2] if not gpu or torch.cuda.device_count() >= 2 else [1]
     batches = args.batches if args.batches is not None else ("1,16,64" if gpu else "")

@@ -1,10 +1,53 @@
-"""Command-line flags for the engine, shared by serve, memory, chat and the benchmarks."""
+"""Command-line flags for the engine, shared by serve, memory, chat and the benchmarks.
+
+Values that can be checked without starting anything (`--tp`, `--device`) are checked as argparse
+types, so a mistake is one `error: argument --FLAG: ...` line before any model is read.
+"""
 
 from __future__ import annotations
 
 import argparse
 
 from snugkv.engine import EngineArgs
+
+
+def tensor_parallel_size(value: str) -> int:
+    """`--tp`: a whole number of ranks, at least 1."""
+    try:
+        size = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of ranks; pass 1 or more") from None
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"{size} ranks cannot run a model; pass 1 or more (one per GPU)")
+    return size
+
+
+def device_name(value: str) -> str:
+    """`--device`: cpu, cuda or cuda:N, and for CUDA one this torch build can use here."""
+    import torch
+
+    if value == "auto":
+        return value
+    try:
+        device = torch.device(value)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a device; use cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"snugkv runs on cpu or cuda (cuda:N), not on {device.type}")
+    if device.type == "cuda":
+        if torch.version.cuda is None:
+            raise argparse.ArgumentTypeError(
+                f"this torch ({torch.__version__}) is built without CUDA; use --device cpu, "
+                "or install a CUDA build of torch"
+            )
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise argparse.ArgumentTypeError("no CUDA GPU is visible to this process; use --device cpu")
+        if device.index is not None and device.index >= count:
+            raise argparse.ArgumentTypeError(
+                f"{value} does not exist: {count} GPU(s) are visible, cuda:0 to cuda:{count - 1}"
+            )
+    return value
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -21,7 +64,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="how to read the weights; dummy = random weights of the config's shape",
     )
     group.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 (GPU default), float16")
-    group.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if present)")
+    group.add_argument(
+        "--device", default=None, type=device_name, help="cpu, cuda, cuda:N (default: cuda if present)"
+    )
     group.add_argument(
         "--kv-dtype",
         default=None,
@@ -82,7 +127,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--tp",
         dest="tp_size",
-        type=int,
+        type=tensor_parallel_size,
         default=1,
         help="tensor-parallel ranks: one process per GPU, weights and KV heads split (default: 1)",
     )

@@ -64,14 +64,15 @@ class Session:
     """An engine, its tokenizer and a scheduler, for the interactive commands (generate, chat)."""
 
     def __init__(self, args: argparse.Namespace, tp: Any = None) -> None:
-        from snugkv.models.loader import resolve_model_source
+        from snugkv.distributed.group import TensorParallel
+        from snugkv.models.loader import read_model_config, resolve_model_source
         from snugkv.models.tokenizer import load_tokenizer
 
         self.args = args
-        from snugkv.distributed.group import TensorParallel
-
         self.tp = tp or TensorParallel()  # this rank (one process: the trivial one)
         self.source = resolve_model_source(args.model, args.load_format)
+        # The model's file is checked (a truncated GGUF says so) before transformers reads its tokenizer.
+        read_model_config(self.source)
         self.tokenizer = load_tokenizer(self.source)
 
     def start(self, max_total_tokens: int | None = None) -> None:

@@ -8,7 +8,10 @@ draws the ledger as a stacked bar.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
+from collections.abc import Iterator
 
 from snugkv.commands.engine_args import add_engine_arguments, engine_args_from
 from snugkv.memory.vmm import GIB
@@ -35,15 +38,18 @@ def _memory_rank(tp, args: argparse.Namespace) -> int:
     one line per rank."""
     from snugkv.engine import Engine
 
-    engine = Engine(engine_args_from(args), tp=tp)
+    with _engine_report_not_logged():
+        engine = Engine(engine_args_from(args), tp=tp)
     report = engine.report
     ledgers = _gather(tp, report.ledger)
     engine.close()
     if not tp.is_first_rank:
         return 0
+    ledger = report.ledger
     print(
         f"kv sizing: {report.mode}, max_total_num_tokens={report.max_total_num_tokens:,}, "
-        f"max_running_requests={report.max_running_requests}, sizing took {report.sizing_ms:.1f} ms"
+        f"max_running_requests={report.max_running_requests}, KV committed {ledger.kv_committed_bytes / GIB:.2f} GiB, "
+        f"free after {ledger.free_bytes / GIB:.2f} GiB, sizing took {report.sizing_ms:.1f} ms"
     )
     print(report.ledger.table())
     if len(ledgers) > 1:
@@ -70,6 +76,20 @@ def _memory_rank(tp, args: argparse.Namespace) -> int:
         )
         print(f"wrote {args.plot}")
     return 0
+
+
+@contextlib.contextmanager
+def _engine_report_not_logged() -> Iterator[None]:
+    """The engine logs its sizing line and ledger at INFO; this command prints them on stdout, so at
+    the default level the log's copies would show everything twice (--log-level debug keeps them)."""
+    engine_logger = logging.getLogger("snugkv.engine")
+    previous = engine_logger.level
+    if engine_logger.getEffectiveLevel() == logging.INFO:
+        engine_logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        engine_logger.setLevel(previous)
 
 
 def _gather(tp, ledger):

@@ -11,7 +11,9 @@ from typing import Literal
 
 from snugkv.core.sampling import SamplingParams
 
-FinishReason = Literal["stop", "length", "abort", "error"]
+# "abort" and "kv_capacity" (cut short because the KV cache cannot hold the next token) reach clients
+# as OpenAI's "length" with the engine's reason in `finish_detail` (server/formats.py).
+FinishReason = Literal["stop", "length", "abort", "kv_capacity", "error"]
 
 
 @dataclass(frozen=True, slots=True)

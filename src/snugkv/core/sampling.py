@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 import torch
 
 MAX_TOP_K = 1 << 20
+MAX_LOGPROBS = 20
+# Sampling this cold is the argmax in all but name (logit gaps are multiplied by 1e5), and colder still
+# the division overflows float32 logits to inf and the softmax to NaN: such rows are greedy (vLLM's bound).
+MIN_SAMPLING_TEMPERATURE = 1e-5
 
 
 class InvalidRequest(ValueError):
@@ -17,7 +21,8 @@ class InvalidRequest(ValueError):
 class SamplingParams:
     """How to pick the next tokens and when to stop.
 
-    `temperature == 0` (the default) means greedy; the server passes the API's own default.
+    `temperature == 0` (the default) means greedy, and so does any temperature below
+    `MIN_SAMPLING_TEMPERATURE`; the server passes the API's own default.
     `top_k == 0` means no top-k cut. Construction checks the ranges; `validate` also checks
     against the context. `seed` makes sampling
     reproducible per request. `stop` strings are matched on the decoded text and are not part of
@@ -41,7 +46,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < MIN_SAMPLING_TEMPERATURE or self.top_k == 1
 
     def make_generator(self, device: torch.device) -> torch.Generator | None:
         """The request's own random stream (seeded sampling is independent of the batch)."""
@@ -69,5 +74,5 @@ class SamplingParams:
             raise InvalidRequest(f"seed must be a non-negative 64-bit integer, got {self.seed}")
         if len(self.stop) > 16 or any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequest("stop must be at most 16 non-empty strings")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise InvalidRequest(f"logprobs must be between 0 and 20, got {self.logprobs}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise InvalidRequest(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")

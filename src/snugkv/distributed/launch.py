@@ -3,8 +3,10 @@
 Rank 0 stays in the process the user started, so it owns the terminal (stdin for `chat`, Ctrl-C,
 the server's socket) and its return value needs no pipe. The other ranks are helpers that follow
 rank 0: they ignore Ctrl-C (rank 0 decides when to stop and tells them), and die with it if it is
-killed (PR_SET_PDEATHSIG). A helper that fails takes the launch down with its exit code instead
-of leaving rank 0 waiting in a collective.
+killed (PR_SET_PDEATHSIG). A helper that fails takes the launch down instead of leaving rank 0
+waiting in a collective: rank 0 is told (`on_helper_failure`, e.g. a server stops the way SIGTERM
+stops it, failing its in-flight requests), the launch then ends with `RankFailed`, and if rank 0
+has not finished within the grace period the process exits with code 1.
 
 `launch(target, tp_size, args)` calls `target(tp, *args)` on every rank and returns rank 0's
 value. With `tp_size == 1` it calls `target` here with no process groups at all. Every process
@@ -37,7 +39,8 @@ from snugkv.distributed.setup import (
 
 logger = logging.getLogger(__name__)
 
-# After a helper fails, rank 0 gets this long to notice (a gloo peer error) before the process exits.
+# After a helper fails, rank 0 gets this long to finish (notice a gloo peer error, or stop as
+# `on_helper_failure` asks) before the process exits with code 1.
 HELPER_FAILURE_GRACE_S = 10.0
 # Once rank 0 is done, helpers have this long to release their engines and exit.
 HELPER_EXIT_TIMEOUT_S = 120.0
@@ -71,11 +74,15 @@ def launch(
     *,
     device_type: str | None = None,
     leader_kwargs: dict[str, Any] | None = None,
+    on_helper_failure: Callable[[], None] | None = None,
+    helper_failure_grace_s: float = HELPER_FAILURE_GRACE_S,
 ) -> Any:
     """Run `target(tp, *args)` on `tp_size` ranks; returns rank 0's result.
 
     `target` must be importable (a module-level function): spawned ranks import it by name.
     `leader_kwargs` go to rank 0's call only, unpickled (e.g. a socket bound before start-up).
+    `on_helper_failure()` runs (on a watch thread) when a helper dies while rank 0 still runs;
+    rank 0 then has `helper_failure_grace_s` to return before the process exits with code 1.
     """
     if tp_size < 1:
         raise ValueError(f"--tp must be >= 1, got {tp_size}")
@@ -93,7 +100,7 @@ def launch(
         join=False,
         start_method="spawn",
     )
-    watch = _HelperWatch(helpers)
+    watch = _HelperWatch(helpers, on_helper_failure, helper_failure_grace_s)
     threads = torch.get_num_threads()
     finished = False
     try:
@@ -102,13 +109,20 @@ def launch(
             value = target(tp, *args, **leader_kwargs)
             finished = True
         finally:
-            destroy_tensor_parallel(meet_first=finished)
-    except BaseException:
+            destroy_tensor_parallel(meet_first=finished and not watch.helper_failed)  # nobody to meet
+    except BaseException as exc:
+        # A collective that fails because a helper died is the helper's failure, not rank 0's.
+        dead = _dead_helpers(helpers) if isinstance(exc, RuntimeError) else []
         watch.stop()  # the helpers are about to be stopped on purpose
         for process in helpers.processes:
             if process.is_alive():
                 process.terminate()
         _join(helpers, raise_on_failure=False)
+        if dead:
+            raise RankFailed(
+                f"tensor-parallel {', '.join(dead)}, so rank 0 stopped ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0][:200]})"
+            ) from exc
         raise
     finally:
         watch.stop()
@@ -168,6 +182,21 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
+def _dead_helpers(helpers: Any, wait_s: float = 1.0) -> list[str]:
+    """'rank N exited with CODE' for each helper that ended with an error; waits up to `wait_s`
+    for one to show, as a helper may close its connections an instant before it exits."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        dead = [
+            f"rank {index + 1} exited with {process.exitcode}"
+            for index, process in enumerate(helpers.processes)
+            if process.exitcode not in (None, 0)
+        ]
+        if dead or time.monotonic() > deadline:
+            return dead
+        time.sleep(0.05)
+
+
 def _join(helpers: Any, *, raise_on_failure: bool, timeout_s: float = HELPER_EXIT_TIMEOUT_S) -> None:
     """Wait for the helpers to exit (rank 0 is done); one that hangs past `timeout_s` is killed."""
     deadline = time.monotonic() + timeout_s
@@ -188,11 +217,15 @@ def _join(helpers: Any, *, raise_on_failure: bool, timeout_s: float = HELPER_EXI
 
 
 class _HelperWatch:
-    """A thread that ends the process if a helper rank dies while rank 0 still runs: rank 0
-    could otherwise wait for it forever inside a collective (NCCL has no peer-death check)."""
+    """A thread that tells rank 0 when a helper rank dies while rank 0 still runs, and ends the
+    process if rank 0 does not finish in time: it could otherwise wait for the helper forever
+    inside a collective (NCCL has no peer-death check)."""
 
-    def __init__(self, helpers: Any) -> None:
+    def __init__(self, helpers: Any, on_failure: Callable[[], None] | None, grace_s: float) -> None:
         self._helpers = helpers
+        self._on_failure = on_failure
+        self._grace_s = grace_s
+        self.helper_failed = False
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="snugkv-rank-watch", daemon=True)
         self._thread.start()
@@ -206,10 +239,11 @@ class _HelperWatch:
                         index + 1,
                         process.exitcode,
                     )
-                    deadline = time.monotonic() + HELPER_FAILURE_GRACE_S
-                    while time.monotonic() < deadline and not self._done.is_set():
-                        time.sleep(0.1)
-                    if not self._done.is_set():
+                    self.helper_failed = True
+                    if self._on_failure is not None and not self._done.is_set():
+                        self._on_failure()
+                    if not self._done.wait(self._grace_s):
+                        logger.error("rank 0 did not stop within %.0f s; exiting", self._grace_s)
                         os._exit(1)
                     return
 

@@ -2,6 +2,8 @@
 
 Sampled rows use the exponential race: `argmax(probs / E)` with `E ~ Exp(1)` i.i.d. per token
 draws exactly from `probs`, needs no normalisation after top-k/top-p masking and no host sync.
+Whatever the values, the most likely token survives every filter, so a row can never be left with
+nothing to draw from (a `top_p` of 1e-46 is 0 in float32 and would otherwise mask every token).
 A request with a seed owns a `torch.Generator` (made by `SamplingParams.make_generator`) that
 draws its noise, so its tokens do not depend on what else is in the batch.
 """
@@ -41,6 +43,8 @@ class Sampler:
         for row, generator in enumerate(generators or ()):
             if generator is not None:
                 noise[row] = torch.empty(vocab, device=device).exponential_(generator=generator)
+        # A draw of exactly 0 would make a masked token 0/0 = NaN, which argmax picks.
+        noise.clamp_min_(torch.finfo(noise.dtype).tiny)
         sampled = torch.argmax(probs / noise, dim=-1)
         greedy = torch.tensor([p.greedy for p in params], device=device)
         return torch.where(greedy, greedy_tokens, sampled)
@@ -57,5 +61,7 @@ def _top_p_filter(probs: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
     """Keep the smallest set of most likely tokens whose mass reaches `top_ps[row]` (at least one)."""
     sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
     mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-    sorted_probs = sorted_probs.masked_fill(mass_before >= top_ps[:, None], 0.0)
+    drop = mass_before >= top_ps[:, None]
+    drop[:, 0] = False  # the most likely token: mass_before is 0 there, and a tiny top_p rounds to 0
+    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
     return torch.zeros_like(probs).scatter_(1, order, sorted_probs)

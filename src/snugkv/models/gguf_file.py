@@ -127,6 +127,17 @@ class GGUFFile:
         alignment = int(self.metadata.get("general.alignment", 32))
         start = -(-self._pos // alignment) * alignment
         self.tensors = [GGUFTensorInfo(n, s, t, start + o) for n, s, t, o in infos]
+        self._check_complete()
+
+    def _check_complete(self) -> None:
+        """A file cut short in its data section says so now, not as a reshape error in a reader."""
+        ends = [info.data_offset + size for info in self.tensors if (size := _data_bytes(info)) is not None]
+        needed = max(ends, default=0)
+        if needed > len(self._data):
+            raise GGUFFormatError(
+                f"{self.path} ends early: its tensors need {needed:,} bytes, the file has "
+                f"{len(self._data):,}; is the file complete?"
+            )
 
     # -- tensors ------------------------------------------------------------------------
     def raw(self, info: GGUFTensorInfo) -> np.ndarray:
@@ -166,3 +177,14 @@ class GGUFFile:
                 f"tensor {info.name} uses {qtype.name}, which cannot be dequantized"
             ) from exc
         return np.array(values, dtype=np.float32, copy=True)
+
+
+def _data_bytes(info: GGUFTensorInfo) -> int | None:
+    """Bytes of the tensor's data, or None for a type the `gguf` package does not know."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    try:
+        block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(info.ggml_type)]
+    except (ValueError, KeyError):  # raw() names the type when the tensor is read
+        return None
+    return int(np.prod(info.shape)) // block_size * type_size

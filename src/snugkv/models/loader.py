@@ -53,6 +53,11 @@ class ModelLoadError(ValueError):
     """The model argument does not name something snugkv can load; the message says what to pass."""
 
 
+class WeightsDoNotFit(ModelLoadError):
+    """The device ran out of memory while the weights were loaded; the message says what they
+    need, what is free and what to do."""
+
+
 @dataclass(frozen=True, slots=True)
 class ModelSource:
     """Where a model comes from: `kind` is "hf" (a directory), "gguf" (a file) or "config" (config.json)."""
@@ -249,8 +254,9 @@ def load_model(
     device_ = resolve_device(device)
     dtype_ = resolve_dtype(dtype, device_)
     config = read_model_config(source)
-    net = build_model(config, dtype_, device_, max_position=max_position)
+    out_of_memory = False
     try:
+        net = build_model(config, dtype_, device_, max_position=max_position)
         if load_format == "dummy":
             init_dummy_weights(net, seed=seed, std=float(config.hf.get("initializer_range") or 0.02))
         elif source.kind == "gguf":
@@ -260,6 +266,11 @@ def load_model(
             net.load_weights(iter_safetensors(safetensors_files(source.path)), source=str(source.path))
     except (WeightLoadError, GGUFError) as exc:
         raise ModelLoadError(str(exc)) from exc
+    except torch.OutOfMemoryError:  # e.g. another engine already holds the GPU
+        out_of_memory = True
+    if out_of_memory:  # outside the handler, so the half-loaded model is gone before free memory is read
+        net = None
+        raise WeightsDoNotFit(_weights_do_not_fit(config, dtype_, device_, max_position))
     seconds = time.perf_counter() - started
     logger.info(
         "Loaded %s (%s, %s) from %s in %.1f s%s",
@@ -271,3 +282,36 @@ def load_model(
         " with random weights" if load_format == "dummy" else "",
     )
     return LoadedModel(net, config, source, dtype_, device_, seconds)
+
+
+def device_memory_bytes(device: torch.device) -> tuple[int, int, int] | None:
+    """(free, total, held by this process's allocator) of a CUDA device, after emptying torch's
+    cache; None for the CPU."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    return int(free), int(total), int(torch.cuda.memory_reserved(device))
+
+
+def _weights_do_not_fit(
+    config: ModelConfig, dtype: torch.dtype, device: torch.device, max_position: int | None
+) -> str:
+    gib = 1 << 30
+    with torch.device("meta"), _default_dtype(dtype):  # sizes only: this rank's shard under --tp
+        model = get_model_class(config.architecture)(config, max_position=max_position)
+    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}.values()
+    needed = sum(t.numel() * t.element_size() for t in tensors) / gib
+    what = f"the weights of {config.architecture} need about {needed:.2f} GiB ({str(dtype).removeprefix('torch.')})"
+    memory = device_memory_bytes(device)
+    if memory is None:
+        return (
+            f"{what} and {device} ran out of memory loading them; free some memory or pass --dtype bfloat16"
+        )
+    free, total, held_here = (value / gib for value in memory)
+    others = max(total - free - held_here, 0.0)
+    return (
+        f"{what} but {device} has {free:.2f} of its {total:.2f} GiB free: other processes hold about "
+        f"{others:.2f} GiB (nvidia-smi lists them). Stop them or choose another GPU with --device cuda:N; "
+        "if another snugkv engine holds it, restart that one with --max-total-tokens so it leaves room"
+    )

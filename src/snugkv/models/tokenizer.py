@@ -12,6 +12,7 @@ import hashlib
 import logging
 import os
 import shutil
+import struct
 import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -86,7 +87,13 @@ def _load_gguf_tokenizer(path: Path) -> Any:
             logger.warning("Rebuilding the cached tokenizer at %s (%s)", cached, exc)
             shutil.rmtree(cached, ignore_errors=True)
     logger.info("Building the tokenizer from %s (cached for next time)", path.name)
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except (struct.error, ValueError, KeyError, IndexError) as exc:  # transformers' own GGUF reader
+        raise TokenizerUnavailable(
+            f"{path}: transformers cannot read the tokenizer in this GGUF ({type(exc).__name__}: {exc}); "
+            "is the file complete?"
+        ) from exc
     try:
         cached.parent.mkdir(parents=True, exist_ok=True)
         scratch = Path(tempfile.mkdtemp(dir=cached.parent, prefix="partial-"))

@@ -96,7 +96,8 @@ class AsyncEngine:
                 self.abort(request.rid)
 
     def abort(self, rid: str) -> None:
-        self.aborted_rids.append(rid)
+        if rid not in self.aborted_rids:  # a client that disconnects is aborted by the stream and the server
+            self.aborted_rids.append(rid)
         self._inbox.put(Abort(rid))
         self._wake.set()
 
@@ -125,6 +126,7 @@ class AsyncEngine:
             "chunked_prefill_size": args.chunked_prefill_size,
             "cuda_graph_max_bs": 0 if args.disable_cuda_graph else args.cuda_graph_max_bs,
             "device": str(self.engine.device),
+            "kv_capacity_tokens": self.scheduler.runner.allocator.capacity_tokens,
             "stats": self.scheduler.stats(),
             "step_errors": self.step_errors,
             "aborted_rids": list(self.aborted_rids),

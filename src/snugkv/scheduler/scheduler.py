@@ -281,7 +281,7 @@ class Scheduler:
         if len(request.output_ids) >= sampling.max_new_tokens or request.num_tokens >= self.context_length:
             return "length"
         if request.num_tokens + self.page_size > self.runner.allocator.capacity_tokens:
-            return "length"  # the KV cache could not hold its next token even with nothing else in it
+            return "kv_capacity"  # the KV cache could not hold its next token even with nothing else in it
         return None
 
     # -- leaving ------------------------------------------------------------------------
@@ -313,14 +313,18 @@ class Scheduler:
         self.slots.check_accounting([*self.waiting, *self.running])
 
     def stats(self) -> dict[str, Any]:
+        """`kv_cache_usage` counts the slots requests hold; prefix-cache entries the next admission
+        may evict are reported apart (`kv_cache_cached_usage`), so an idle engine reads 0 used."""
         allocator = self.runner.allocator
         capacity = max(allocator.capacity_tokens, 1)
+        cached = self.cache.cached_tokens
         return {
-            "kv_cache_usage": 1 - allocator.available_tokens / capacity,
+            "kv_cache_usage": (allocator.capacity_tokens - allocator.available_tokens - cached) / capacity,
+            "kv_cache_cached_usage": cached / capacity,
             "num_running_requests": len(self.running),
             "num_queued_requests": len(self.waiting),
             "prefix_cache_hit_rate": self.cache.hit_rate,
-            "prefix_cache_tokens": self.cache.cached_tokens,
+            "prefix_cache_tokens": cached,
             "num_retractions": self.num_retractions,
             "generated_tokens": self.generated_tokens,
         }

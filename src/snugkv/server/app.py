@@ -27,8 +27,14 @@ from snugkv.server.engine_protocol import EngineClient
 from snugkv.server.errors import NOT_FOUND, SERVER_ERROR, APIError, install_error_handlers
 from snugkv.server.formats import ChatFormat, CompletionFormat, ResponseFormat
 from snugkv.server.metrics import ServerMetrics
-from snugkv.server.middleware import BearerAuthMiddleware, BodySizeLimitMiddleware
-from snugkv.server.prepare import PreparedRequest, parse_body, prepare_chat, prepare_completion
+from snugkv.server.middleware import BearerAuthMiddleware, BodySizeLimitMiddleware, ShutdownCutoffMiddleware
+from snugkv.server.prepare import (
+    PreparedRequest,
+    SequenceLimit,
+    parse_body,
+    prepare_chat,
+    prepare_completion,
+)
 from snugkv.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from snugkv.server.serving import EventStreamResponse, collect_response, stream_events
 from snugkv.version import __version__
@@ -54,10 +60,12 @@ def create_app(
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=max_body_bytes)
     if api_key:
         app.add_middleware(BearerAuthMiddleware, api_key=api_key)
+    app.add_middleware(ShutdownCutoffMiddleware)
     created = int(time.time())
+    limit = SequenceLimit.of(engine)  # the engine is sized by now; the limit does not change
 
     def model_card() -> ModelCard:
-        return ModelCard(id=served_model_name, created=created, max_model_len=engine.max_context_tokens)
+        return ModelCard(id=served_model_name, created=created, max_model_len=limit.tokens)
 
     async def run(prepared: PreparedRequest, request: Request, response_format: ResponseFormat) -> Response:
         if prepared.stream:
@@ -67,12 +75,14 @@ def create_app(
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = parse_body(await request.body(), CompletionRequest)
-        return await run(prepare_completion(body, engine, served_model_name), request, CompletionFormat())
+        return await run(
+            prepare_completion(body, engine, served_model_name, limit), request, CompletionFormat()
+        )
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body = parse_body(await request.body(), ChatCompletionRequest)
-        return await run(prepare_chat(body, engine, served_model_name), request, ChatFormat())
+        return await run(prepare_chat(body, engine, served_model_name, limit), request, ChatFormat())
 
     @app.get("/v1/models")
     async def list_models() -> ModelList:

@@ -42,7 +42,8 @@ class ChoiceState:
     cached_tokens: int = 0
     text_chars: int = 0
     latest_text_offset: int = 0  # where the text of the output absorbed last starts
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # OpenAI's value
+    finish_detail: str | None = None  # the engine's own reason, where OpenAI's alone would mislead
 
     def absorb(self, output: GenerateOutput) -> None:
         self.text.append(output.text)
@@ -54,7 +55,21 @@ class ChoiceState:
         self.prompt_tokens = output.prompt_tokens or self.prompt_tokens
         self.cached_tokens = max(self.cached_tokens, output.cached_tokens)
         if output.finished:
-            self.finish_reason = output.finish_reason or "stop"
+            self.finish_reason, self.finish_detail = openai_finish_reason(output.finish_reason)
+
+
+def openai_finish_reason(engine_reason: str | None) -> tuple[str, str | None]:
+    """OpenAI's `finish_reason` for the engine's, and the engine's own when it differs.
+
+    The engine ends a request with "abort" when it is cut off before the model finished (the server
+    is stopping, or the request was cancelled). OpenAI has no such value: strict clients reject the
+    response and others treat it as an unknown kind of complete. "length" is the OpenAI value that
+    says the text is cut short ("stop" would say the model finished its answer), so an aborted choice
+    says "length" and keeps "abort" in `finish_detail`.
+    """
+    if engine_reason in (None, "stop", "length"):
+        return engine_reason or "stop", None
+    return "length", engine_reason
 
 
 def usage_of(prepared: PreparedRequest, choices: list[ChoiceState]) -> UsageInfo:
@@ -88,7 +103,11 @@ class CompletionFormat:
         if not output.text and not output.finished and not output.logprobs:
             return None
         choice = CompletionChoice(
-            index=index, text=output.text, logprobs=logprobs, finish_reason=state.finish_reason
+            index=index,
+            text=output.text,
+            logprobs=logprobs,
+            finish_reason=state.finish_reason,
+            finish_detail=state.finish_detail,
         )
         return CompletionChunk(
             id=prepared.request_id, created=prepared.created, model=prepared.model, choices=[choice]
@@ -110,6 +129,7 @@ class CompletionFormat:
                     text="".join(state.text),
                     logprobs=_completion_logprobs(state.logprobs, 0) if prepared.logprobs else None,
                     finish_reason=state.finish_reason,
+                    finish_detail=state.finish_detail,
                 )
                 for index, state in enumerate(choices)
             ],
@@ -135,7 +155,11 @@ class ChatFormat:
         logprobs = _chat_logprobs(output.logprobs) if prepared.logprobs else None
         delta = {"content": output.text} if output.text else {}
         choice = ChatStreamChoice(
-            index=index, delta=delta, logprobs=logprobs, finish_reason=state.finish_reason
+            index=index,
+            delta=delta,
+            logprobs=logprobs,
+            finish_reason=state.finish_reason,
+            finish_detail=state.finish_detail,
         )
         return self._chunk(prepared, [choice])
 
@@ -155,6 +179,7 @@ class ChatFormat:
                     message=AssistantMessage(content="".join(state.text)),
                     logprobs=_chat_logprobs(state.logprobs) if prepared.logprobs else None,
                     finish_reason=state.finish_reason,
+                    finish_detail=state.finish_detail,
                 )
                 for index, state in enumerate(choices)
             ],
@@ -178,9 +203,17 @@ def _completion_logprobs(entries: list[TokenLogprob], first_offset: int) -> Comp
     return CompletionLogprobs(
         tokens=[entry.token for entry in entries],
         token_logprobs=[entry.logprob for entry in entries],
-        top_logprobs=[dict(entry.top) for entry in entries],
+        top_logprobs=[_top_with_sampled(entry) for entry in entries],
         text_offset=offsets,
     )
+
+
+def _top_with_sampled(entry: TokenLogprob) -> dict[str, float]:
+    """The completions API's alternatives always hold the sampled token too (OpenAI and vLLM: up to
+    `logprobs + 1` entries), so a client can read every token's logprob from one place."""
+    top = dict(entry.top)
+    top.setdefault(entry.token, entry.logprob)
+    return top
 
 
 def _chat_logprobs(entries: list[TokenLogprob]) -> ChatLogprobs:

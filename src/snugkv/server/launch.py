@@ -9,6 +9,7 @@ SIGTERM lets uvicorn finish in-flight requests for a bounded time before calling
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import signal
 import socket
@@ -18,16 +19,22 @@ from collections.abc import Callable, Iterator
 import uvicorn
 from fastapi import FastAPI
 
+from snugkv.server.http11 import HttpProtocol
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 GRACEFUL_SHUTDOWN_S = 10
 BACKLOG = 2048
+MAX_PORT = 65535
 
 
 class ServerBindError(OSError):
-    """The address cannot be bound (port taken, bad host)."""
+    """The address cannot be bound (port taken, bad host); the message names the flag to change."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
 
 
 def serve(
@@ -46,7 +53,11 @@ def serve(
     `on_listening(url)` runs once the socket is bound."""
     try:
         config = uvicorn.Config(
-            app, log_level=log_level, timeout_graceful_shutdown=graceful_shutdown_s, lifespan="off"
+            app,
+            http=HttpProtocol,
+            log_level=log_level,
+            timeout_graceful_shutdown=graceful_shutdown_s,
+            lifespan="off",
         )
         server = _Server(config, on_stop_requested)
         if sock is None:
@@ -67,7 +78,7 @@ def serve(
 
 class _Server(uvicorn.Server):
     """uvicorn's server, telling the engine first when a signal asks it to stop, so in-flight
-    streams end properly (finish_reason "abort") before the graceful-shutdown deadline."""
+    streams end properly (finish_detail "abort") before the graceful-shutdown deadline."""
 
     def __init__(self, config: uvicorn.Config, on_stop_requested: Callable[[], None] | None) -> None:
         super().__init__(config)
@@ -82,6 +93,8 @@ class _Server(uvicorn.Server):
 def bind_socket(host: str, port: int, *, listen: bool = True) -> socket.socket:
     """A TCP socket bound to host:port. Without `listen`, the port is only held: connections are
     refused (not queued) until `serve` starts listening, e.g. while the engine starts up."""
+    if not 0 <= port <= MAX_PORT:
+        raise ServerBindError(errno.EINVAL, f"--port {port} is not a TCP port; use 0 to {MAX_PORT}")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -91,10 +104,23 @@ def bind_socket(host: str, port: int, *, listen: bool = True) -> socket.socket:
             sock.listen(BACKLOG)
     except OSError as exc:
         sock.close()
-        raise ServerBindError(
-            exc.errno, f"cannot listen on {host}:{port} ({exc.strerror}); choose another --port"
-        ) from exc
+        raise ServerBindError(exc.errno, _bind_failure(host, port, exc)) from exc
     return sock
+
+
+def _bind_failure(host: str, port: int, exc: OSError) -> str:
+    """Which flag to change: the host when it is not an address of this machine, else the port."""
+    if isinstance(exc, socket.gaierror):
+        return (
+            f"cannot listen on {host}:{port}: {host!r} is not an IP address or a name this machine "
+            "resolves; choose another --host (127.0.0.1 for this machine only, 0.0.0.0 for every interface)"
+        )
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return (
+            f"cannot listen on {host}:{port}: {host} is not an address of this machine; choose another "
+            "--host (127.0.0.1 for this machine only, 0.0.0.0 for every interface)"
+        )
+    return f"cannot listen on {host}:{port} ({exc.strerror}); choose another --port"
 
 
 def _url(host: str, port: int) -> str:

@@ -30,7 +30,8 @@ E2E_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 3
 # Keys the server reads from the engine's `metrics_snapshot()` (or `server_info()`), with the
 # setter each one feeds. Missing keys leave the gauge as it was.
 SNAPSHOT_KEYS = {
-    "kv_cache_usage": "set_kv_cache_usage",  # fraction of KV token slots in use, 0..1
+    "kv_cache_usage": "set_kv_cache_usage",  # fraction of KV token slots requests hold, 0..1
+    "kv_cache_cached_usage": "set_kv_cache_cached_usage",  # fraction held by evictable prefix-cache entries
     "num_running_requests": "set_num_running_requests",
     "num_queued_requests": "set_num_queued_requests",
     "prefix_cache_hit_rate": "set_prefix_cache_hit_rate",  # cached / prompt tokens, 0..1
@@ -42,7 +43,14 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.kv_cache_usage = Gauge(
-            f"{PREFIX}_kv_cache_usage_ratio", "Fraction of KV slots in use", registry=r
+            f"{PREFIX}_kv_cache_usage_ratio",
+            "Fraction of KV slots held by requests (evictable prefix-cache entries not counted)",
+            registry=r,
+        )
+        self.kv_cache_cached_usage = Gauge(
+            f"{PREFIX}_kv_cache_cached_ratio",
+            "Fraction of KV slots held by prefix-cache entries that admission may evict",
+            registry=r,
         )
         self.running = Gauge(f"{PREFIX}_num_requests_running", "Requests the engine is running", registry=r)
         self.queued = Gauge(f"{PREFIX}_num_requests_waiting", "Requests queued in the engine", registry=r)
@@ -90,6 +98,9 @@ class ServerMetrics:
     # What the engine reports.
     def set_kv_cache_usage(self, fraction: float) -> None:
         self.kv_cache_usage.set(fraction)
+
+    def set_kv_cache_cached_usage(self, fraction: float) -> None:
+        self.kv_cache_cached_usage.set(fraction)
 
     def set_num_running_requests(self, count: int) -> None:
         self.running.set(count)

@@ -1,19 +1,21 @@
-"""Gates in front of every route: the API key and the body size limit.
+"""Gates in front of every route: the API key and the body size limit; and the end of a request
+that the server's shutdown cuts off.
 
-Both are plain ASGI middleware so they act before FastAPI reads or parses anything: a request
+All are plain ASGI middleware so they act before FastAPI reads or parses anything: a request
 without the key is refused without its body being read, and an oversized body is refused as soon
 as its declared length or its received bytes pass the limit (chunked bodies included).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from snugkv.server.errors import AUTHENTICATION, error_body
+from snugkv.server.errors import AUTHENTICATION, SERVER_ERROR, error_body
 
 logger = logging.getLogger(__name__)
 
@@ -103,3 +105,49 @@ class BodySizeLimitMiddleware:
         response = JSONResponse(error_body(message, code="request_too_large"), status_code=413)
         response.headers["Connection"] = "close"
         await response(scope, receive, send)
+
+
+class ShutdownCutoffMiddleware:
+    """A request still running at the graceful-shutdown deadline (uvicorn cancels its task), e.g. a
+    client that stalled mid-body: a 503 in the OpenAI shape if nothing was sent yet, and one log
+    line, instead of a CancelledError traceback and a plain-text 500.
+
+    Only uvicorn cancels a request's task (a client that leaves is a disconnect message), so a
+    cancellation that reaches this middleware is the shutdown's.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_and_track(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_track)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()  # handled here: the request ends now
+            outcome = "its response was cut short" if started else "answered 503"
+            logger.warning(
+                "%s %s was still running at the shutdown deadline; %s",
+                scope["method"],
+                scope["path"],
+                outcome,
+            )
+            if not started:
+                message = "The server shut down before this request finished; send it again once it is back."
+                response = JSONResponse(
+                    error_body(message, type=SERVER_ERROR, code="server_shutting_down"),
+                    status_code=503,
+                    headers={"Connection": "close"},
+                )
+                await response(scope, receive, send)

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from snugkv.core.outputs import GenerateInput
-from snugkv.core.sampling import InvalidRequest, SamplingParams
+from snugkv.core.sampling import MAX_LOGPROBS, InvalidRequest, SamplingParams
 from snugkv.server.engine_protocol import EngineClient
 from snugkv.server.errors import APIError, bad_request, from_validation_error
 from snugkv.server.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
@@ -41,6 +41,36 @@ JSON_KINDS = {
 }
 
 RequestModel = TypeVar("RequestModel", bound=BaseModel)
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceLimit:
+    """The most tokens one request may take (prompt plus new tokens), and what sets that limit."""
+
+    tokens: int
+    what: str  # "the model's context" or "this server's KV cache"
+
+    @classmethod
+    def of(cls, engine: EngineClient) -> SequenceLimit:
+        """The model's context, or less when the KV cache is smaller (e.g. --max-total-tokens 64).
+
+        The engine refuses a prompt that, with one page to grow into, is larger than its whole KV
+        cache; checked here, such a request is a 400 whether streamed or not, and /v1/models says the
+        limit. (Without `kv_capacity_tokens` a sliding-window model's cache can be smaller still; the
+        engine's own refusal then stays the backstop.)
+        """
+        context = SequenceLimit(engine.max_context_tokens, "the model's context")
+        try:
+            info = engine.server_info()
+        except Exception:
+            return context
+        # `kv_capacity_tokens`, where the engine reports it, is what its allocator hands out (a
+        # sliding-window model's can be below max_total_num_tokens).
+        kv_tokens = info.get("kv_capacity_tokens", info.get("max_total_num_tokens"))
+        page_tokens = info.get("page_size") or 1
+        if isinstance(kv_tokens, int) and 0 < kv_tokens - page_tokens + 1 < context.tokens:
+            return SequenceLimit(kv_tokens - page_tokens + 1, "this server's KV cache")
+        return context
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +112,7 @@ def parse_body(raw: bytes, model: type[RequestModel]) -> RequestModel:
 
 
 def prepare_completion(
-    body: CompletionRequest, engine: EngineClient, served_model_name: str
+    body: CompletionRequest, engine: EngineClient, served_model_name: str, limit: SequenceLimit
 ) -> PreparedRequest:
     _check_common(body, served_model_name)
     _check_stop_token_ids(body, engine.tokenizer)
@@ -93,19 +123,17 @@ def prepare_completion(
     if body.best_of is not None and body.best_of != body.n:
         raise bad_request("best_of is not supported; remove it or set it equal to n.", param="best_of")
     max_tokens = body.max_tokens if body.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
-    sampling = _sampling(body, max_tokens, body.logprobs, engine.max_context_tokens)
+    sampling = _sampling(body, max_tokens, body.logprobs, limit)
     prompts = [_completion_prompt_ids(prompt, engine.tokenizer) for prompt in _split_prompts(body.prompt)]
     for index, ids in enumerate(prompts):
         name = "prompt" if len(prompts) == 1 else f"prompt[{index}]"
         _check_token_ids(ids, engine.tokenizer, name)
-        _check_fits(
-            len(ids), sampling.max_new_tokens, engine.max_context_tokens, what=f"The {name}", param="prompt"
-        )
+        _check_fits(len(ids), sampling.max_new_tokens, limit, what=f"The {name}", param="prompt")
     return _fan_out("cmpl", body, served_model_name, prompts, sampling, logprobs=body.logprobs is not None)
 
 
 def prepare_chat(
-    body: ChatCompletionRequest, engine: EngineClient, served_model_name: str
+    body: ChatCompletionRequest, engine: EngineClient, served_model_name: str, limit: SequenceLimit
 ) -> PreparedRequest:
     _check_common(body, served_model_name)
     _check_stop_token_ids(body, engine.tokenizer)
@@ -113,21 +141,25 @@ def prepare_chat(
         raise bad_request("tools are not supported by this server; remove them.", param="tools")
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs set to true.", param="top_logprobs")
+    if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:
+        raise bad_request(
+            f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {body.top_logprobs}.",
+            param="top_logprobs",
+        )
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    sampling = _sampling(body, max_tokens, top_logprobs, engine.max_context_tokens)
+    sampling = _sampling(body, max_tokens, top_logprobs, limit)
     ids = _chat_prompt_ids(body, engine.tokenizer)
-    context = engine.max_context_tokens
     if max_tokens is None:
-        if len(ids) >= context:
+        if len(ids) >= limit.tokens:
             raise bad_request(
-                f"The messages take {len(ids)} tokens, which leaves no room to answer in the model's context "
-                f"of {context} tokens; shorten the messages.",
+                f"The messages take {len(ids)} tokens, which leaves no room to answer in {limit.what} "
+                f"of {limit.tokens} tokens; shorten the messages.",
                 param="messages",
                 code="context_length_exceeded",
             )
-        sampling = dataclasses.replace(sampling, max_new_tokens=context - len(ids))
-    _check_fits(len(ids), sampling.max_new_tokens, context, what="The messages", param="messages")
+        sampling = dataclasses.replace(sampling, max_new_tokens=limit.tokens - len(ids))
+    _check_fits(len(ids), sampling.max_new_tokens, limit, what="The messages", param="messages")
     return _fan_out("chatcmpl", body, served_model_name, [ids], sampling, logprobs=body.logprobs)
 
 
@@ -150,9 +182,14 @@ def _check_common(body: GenerationRequest, served_model_name: str) -> None:
 
 
 def _sampling(
-    body: GenerationRequest, max_tokens: int | None, logprobs: int | None, context: int
+    body: GenerationRequest, max_tokens: int | None, logprobs: int | None, limit: SequenceLimit
 ) -> SamplingParams:
     """Sampling values checked against the engine's rules; `max_tokens=None` is settled later."""
+    if max_tokens is not None and max_tokens > limit.tokens:
+        raise bad_request(
+            f"max_tokens={max_tokens} exceeds {limit.what} of {limit.tokens} tokens; ask for fewer tokens.",
+            param="max_tokens",
+        )
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     top_k = body.top_k if body.top_k is not None else 0
     try:
@@ -167,7 +204,7 @@ def _sampling(
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
         )
-        sampling.validate(context)
+        sampling.validate(limit.tokens)
     except InvalidRequest as exc:
         message = str(exc)
         field = re.match(r"[a-z_]+", message)
@@ -232,21 +269,24 @@ def _vocab_size(tokenizer: Any) -> int | None:
         return size if isinstance(size, int) else None
 
 
-def _check_fits(prompt_tokens: int, max_new_tokens: int, context: int, *, what: str, param: str) -> None:
+def _check_fits(
+    prompt_tokens: int, max_new_tokens: int, limit: SequenceLimit, *, what: str, param: str
+) -> None:
+    limit_tokens = limit.tokens
     needed = prompt_tokens + max_new_tokens
-    if needed <= context:
+    if needed <= limit_tokens:
         return
-    over = needed - context
-    if prompt_tokens >= context:
+    over = needed - limit_tokens
+    if prompt_tokens >= limit_tokens:
         message = (
-            f"{what} takes {prompt_tokens} tokens, {prompt_tokens - context + 1} more than fit in the model's "
-            f"context of {context} tokens with room for one new token; shorten it."
+            f"{what} takes {prompt_tokens} tokens, {prompt_tokens - limit_tokens + 1} more than fit in "
+            f"{limit.what} of {limit_tokens} tokens with room for one new token; shorten it."
         )
     else:
         message = (
             f"{what} takes {prompt_tokens} tokens and max_tokens is {max_new_tokens}: {needed} tokens, "
-            f"{over} over the model's context of {context}; shorten the prompt or lower max_tokens "
-            f"to at most {context - prompt_tokens}."
+            f"{over} over {limit.what} of {limit_tokens}; shorten the prompt or lower max_tokens "
+            f"to at most {limit_tokens - prompt_tokens}."
         )
     raise bad_request(message, param=param, code="context_length_exceeded")
 

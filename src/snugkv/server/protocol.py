@@ -11,7 +11,14 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+)
 
 PromptInput = str | list[str] | list[int] | list[list[int]]
 
@@ -121,11 +128,24 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
-class CompletionChoice(BaseModel):
+class _Choice(BaseModel):
+    """A choice's `finish_detail` (snugkv's own reason when `finish_reason` alone would mislead, e.g.
+    "abort") appears only when set; the other fields keep OpenAI's explicit nulls."""
+
+    @model_serializer(mode="wrap")
+    def _omit_empty_finish_detail(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("finish_detail", "") is None:
+            del data["finish_detail"]
+        return data
+
+
+class CompletionChoice(_Choice):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    finish_detail: str | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -156,11 +176,12 @@ class AssistantMessage(BaseModel):
     content: str
 
 
-class ChatChoice(BaseModel):
+class ChatChoice(_Choice):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    finish_detail: str | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -172,11 +193,12 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo | None = None
 
 
-class ChatStreamChoice(BaseModel):
+class ChatStreamChoice(_Choice):
     index: int
     delta: dict[str, str]
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    finish_detail: str | None = None
 
 
 class ChatCompletionChunk(BaseModel):

@@ -1,7 +1,8 @@
-"""`snugkv demo`: the memory pipeline on this machine, step by step, with the host backend.
+"""`snugkv memory-demo`: how snugkv sizes its KV cache, step by step, in host RAM (no model, no GPU).
 
 Reserves address space for a SmolLM2-135M-shaped KV pool, backs the dummy page, then backs
 exactly what a RAM budget allows, writing into the highest slot to show it is really there.
+(`make demo` is something else: it answers a question with the default model.)
 """
 
 from __future__ import annotations
@@ -18,7 +19,11 @@ from snugkv.memory.vmm_factory import create_vmm
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("demo", help="show the reserve -> back -> size pipeline on this machine")
+    parser = subparsers.add_parser(
+        "memory-demo",
+        help="walk through reserving, backing and sizing a KV cache in RAM (no model)",
+        description=__doc__,
+    )
     parser.add_argument(
         "--budget-gib", type=float, default=0.5, help="RAM the KV cache may take (default 0.5)"
     )
@@ -27,7 +32,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     vmm = create_vmm("cpu", granularity_bytes=2 * MIB)
-    arena = KvArena(vmm, 64 * GIB, label="demo")
+    arena = KvArena(vmm, 64 * GIB, label="memory-demo")
     layers, kv_heads, head_dim = 30, 3, 64  # SmolLM2-135M
     upper_tokens = 1_000_000
     pool = MHAKVPool(

@@ -1,0 +1,31 @@
+"""The model shapes the benchmarks run: Hugging Face config.json files shipped inside the package
+(`snugkv/bench/configs/NAME/config.json`), so `snugkv bench` finds them from any directory.
+
+`--model` of a benchmark takes a path that exists, or the name of a shipped config (`llama-3-8b`;
+the repository-relative `configs/llama-3-8b` of earlier versions still works).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+CONFIGS_DIR = Path(__file__).with_name("configs")
+
+
+def shipped_configs() -> list[str]:
+    return sorted(path.parent.name for path in CONFIGS_DIR.glob("*/config.json"))
+
+
+def benchmark_model(value: str) -> str:
+    """A `--model` value as a path: the path itself if it exists, else the shipped config of that name."""
+    path = Path(value).expanduser()
+    if path.exists():
+        return str(path)
+    shipped = CONFIGS_DIR / path.name
+    if (shipped / "config.json").is_file():
+        return str(shipped)
+    raise argparse.ArgumentTypeError(
+        f"{value}: no such file or directory, and no shipped config of that name "
+        f"(shipped: {', '.join(shipped_configs())})"
+    )

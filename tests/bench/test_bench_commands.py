@@ -1,0 +1,66 @@
+"""`snugkv bench` as a user meets it: a GPU benchmark on a CPU says so in one line, the shipped
+model configs are found from any directory, and a failed row fails the run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from snugkv.bench import capacity
+from snugkv.bench.model_configs import benchmark_model
+from snugkv.cli import main
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a CPU-only machine")
+@pytest.mark.parametrize("benchmark", ["capacity", "decode", "serving", "kernels", "attention"])
+def test_a_gpu_benchmark_on_a_cpu_says_it_needs_a_cuda_gpu(capsys, benchmark):
+    assert main(["bench", benchmark]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: bench {benchmark} needs a CUDA GPU") and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("name", ["llama-3-8b", "qwen3-0.6b", "configs/llama-3-8b"])
+def test_shipped_configs_are_found_from_any_directory(tmp_path, monkeypatch, name):
+    monkeypatch.chdir(tmp_path)
+    assert (Path(benchmark_model(name)) / "config.json").is_file()
+
+
+def test_an_unknown_model_lists_the_shipped_configs(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(argparse.ArgumentTypeError, match=r"llama-3-8b, qwen3-0\.6b"):
+        benchmark_model("no-such-model")
+
+
+def test_bench_capacity_fails_when_a_row_failed(tmp_path, monkeypatch, capsys):
+    """One mode starts, one worker dies without a result: the table comes out and the exit code is 1."""
+    outcomes = iter(
+        [
+            json.dumps(
+                {"model": "qwen3-0.6b", "mode": "post-capture", "max_total_num_tokens": 64, "oom": False}
+            ),
+            "",
+        ]
+    )
+
+    real_run = subprocess.run
+
+    def fake_worker(command, **kwargs):
+        if "--worker" not in command:  # platform.processor() and the like
+            return real_run(command, **kwargs)
+        return subprocess.CompletedProcess(command, 1, stdout=next(outcomes), stderr="")
+
+    monkeypatch.setattr(capacity, "cuda_missing", lambda what: False)
+    monkeypatch.setattr(capacity.subprocess, "run", fake_worker)
+    parser = argparse.ArgumentParser()
+    capacity.add_arguments(parser)
+    args = parser.parse_args(["--models", "qwen3-0.6b", "--modes", "post-capture", "profiled"])
+    args.out = None
+    assert capacity.run(args) == 1
+    captured = capsys.readouterr()
+    assert "| qwen3-0.6b | profiled |" in captured.out
+    assert "1 of 2 rows failed: qwen3-0.6b profiled" in captured.err
