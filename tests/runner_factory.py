@@ -28,6 +28,7 @@ def create_runner(
     attention_backend: str = "auto",
     pool_mode: str = "static",
     cuda_graph_batch_sizes: Sequence[int] = (),
+    piecewise_token_buckets: Sequence[int] = (),
 ) -> ModelRunner:
     """With `pool_mode="post-capture"` the pool is virtual address space until the graphs are
     captured with only the dummy page backed; then `max_total_tokens` are backed."""
@@ -52,6 +53,8 @@ def create_runner(
     )
     if cuda_graph_batch_sizes:
         runner.capture_cuda_graphs(cuda_graph_batch_sizes)
+    if piecewise_token_buckets:
+        runner.capture_piecewise_graphs(piecewise_token_buckets)
     if pool.committed_tokens < max_total_tokens:  # post-capture: back the pool only now
         runner.finalize_kv_pool(max_total_tokens)
     return runner

@@ -34,6 +34,7 @@ from snugkv.models.loader import LoadedModel, load_model, resolve_device
 from snugkv.runner.cuda_graph import default_cuda_graph_batch_sizes
 from snugkv.runner.kv_cache import make_kv_pool
 from snugkv.runner.model_runner import ModelRunner
+from snugkv.runner.piecewise_graphs import default_token_buckets
 from snugkv.sizing.ledger import MemoryLedger, measure_ledger
 from snugkv.sizing.measure import (
     agree_min,
@@ -74,6 +75,9 @@ class EngineArgs:
     context_length: int | None = None
     chunked_prefill_size: int | None = None
     cuda_graph_max_bs: int | None = None
+    prefill_graph_max_tokens: int | None = (
+        None  # piecewise graphs (everything but attention) up to this many tokens
+    )
     disable_cuda_graph: bool = False
     gpu_memory_utilization: float = 0.9
     mem_fraction_static: float | None = None
@@ -96,6 +100,10 @@ class EngineArgs:
             )
         if self.host_kv_gib is not None and self.host_kv_gib <= 0:
             raise InvalidEngineArgs(f"--host-kv-gib must be positive, got {self.host_kv_gib}")
+        if self.prefill_graph_max_tokens is not None and self.prefill_graph_max_tokens < 0:
+            raise InvalidEngineArgs(
+                f"--prefill-graph-max-tokens must be 0 (off) or positive, got {self.prefill_graph_max_tokens}"
+            )
         if self.max_running_requests is not None and self.max_running_requests < 1:
             raise InvalidEngineArgs(
                 f"--max-running-requests must be at least 1, got {self.max_running_requests}"
@@ -103,13 +111,18 @@ class EngineArgs:
 
     def resolved(self, device: torch.device) -> EngineArgs:
         gpu = device.type == "cuda"
+        chunk = self.chunked_prefill_size or (8192 if gpu else 512)
+        prefill_graphs = self.prefill_graph_max_tokens
+        if prefill_graphs is None:
+            prefill_graphs = chunk if gpu else 0
         return replace(
             self,
             page_size=self.page_size or (16 if gpu else 1),
             attention_backend=self.attention_backend or ("triton" if gpu else "torch"),
             max_running_requests=self.max_running_requests or (256 if gpu else 16),
-            chunked_prefill_size=self.chunked_prefill_size or (8192 if gpu else 512),
+            chunked_prefill_size=chunk,
             cuda_graph_max_bs=self.cuda_graph_max_bs or (256 if gpu else 0),
+            prefill_graph_max_tokens=prefill_graphs,
             disable_cuda_graph=self.disable_cuda_graph or not gpu,
         )
 
@@ -314,14 +327,26 @@ class Engine:
         largest = min(self.args.cuda_graph_max_bs, self._max_running_requests)
         return default_cuda_graph_batch_sizes(largest)
 
+    def _prefill_graph_buckets(self) -> list[int]:
+        if self.args.disable_cuda_graph or not self.args.prefill_graph_max_tokens:
+            return []
+        return default_token_buckets(min(self.args.prefill_graph_max_tokens, self.context_length))
+
     def _capture(self, runner: ModelRunner) -> tuple[int, float]:
-        """Capture the decode graphs; returns the driver memory they took outside torch's
-        allocator (the ledger's own item) and the seconds it took."""
-        sizes = self._graph_batch_sizes()
-        if not sizes:
+        """Capture the decode graphs and the piecewise prefill graphs; returns the driver memory
+        they took outside torch's allocator (the ledger's own item) and the seconds it took."""
+        sizes, buckets = self._graph_batch_sizes(), self._prefill_graph_buckets()
+        if not sizes and not buckets:
             return 0, 0.0
+
+        def capture() -> None:
+            if sizes:
+                runner.capture_cuda_graphs(sizes)
+            if buckets:
+                runner.capture_piecewise_graphs(buckets)
+
         started = time.perf_counter()
-        taken = measure_capture(self.device, lambda: runner.capture_cuda_graphs(sizes))
+        taken = measure_capture(self.device, capture)
         return taken.driver_bytes, time.perf_counter() - started
 
     def _largest_eager_step(self, runner: ModelRunner) -> None:

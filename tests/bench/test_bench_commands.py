@@ -17,7 +17,7 @@ from snugkv.cli import main
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a CPU-only machine")
-@pytest.mark.parametrize("benchmark", ["capacity", "decode", "serving", "kernels", "attention"])
+@pytest.mark.parametrize("benchmark", ["capacity", "decode", "serving", "kernels", "attention", "prefill"])
 def test_a_gpu_benchmark_on_a_cpu_says_it_needs_a_cuda_gpu(capsys, benchmark):
     assert main(["bench", benchmark]) == 2
     err = capsys.readouterr().err.strip()

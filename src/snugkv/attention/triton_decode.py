@@ -213,7 +213,7 @@ def decode_splits(batch_size: int, num_kv_heads: int, programs_wanted: int = 512
     few (less partial-result traffic) when the batch alone fills it. Depends only on the batch
     size, so a captured graph keeps it."""
     splits = programs_wanted // max(batch_size * num_kv_heads, 1)
-    return min(max(splits, 4), 16)
+    return min(max(splits, 2), 16)
 
 
 def decode_workspace(

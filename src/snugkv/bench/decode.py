@@ -178,6 +178,9 @@ def snugkv_cases(
             with torch.inference_mode():
                 graph_s = time_cuda(lambda fb=forward_batch: runner.forward_batch(fb))
                 eager_s = time_cuda(lambda fb=forward_batch: runner.forward_eager(fb), iterations=10)
+                piecewise_s = float("nan")
+                if runner.piecewise_graphs is not None and runner.piecewise_graphs.can_run(forward_batch):
+                    piecewise_s = time_cuda(lambda fb=forward_batch: runner.forward_piecewise(fb))
                 step_s = time_cuda(
                     lambda r=rows, s=slots, b=batch: runner.sample(runner.forward(r, s), [_GREEDY] * b)
                 )
@@ -186,6 +189,7 @@ def snugkv_cases(
                     "context": context,
                     "graph_ms": graph_s * 1e3,
                     "eager_ms": eager_s * 1e3,
+                    "piecewise_ms": piecewise_s * 1e3,
                     "step_ms": step_s * 1e3,
                     "weight_bytes": weight_bytes,
                     "kv_bytes": batch * (context + 1) * kv_bytes_per_token,
@@ -265,6 +269,8 @@ def run(args: argparse.Namespace) -> int:
             "floor_ms": floor_ms,
             "graph_over_floor": result["graph_ms"] / floor_ms,
             "eager_over_graph": result["eager_ms"] / result["graph_ms"],
+            "piecewise_step_ms": result["piecewise_ms"],
+            "piecewise_over_graph": result["piecewise_ms"] / result["graph_ms"],
             "gemm_floor_ms": result["gemm_floor_ms"],
             "kernels_per_layer": result["kernels_per_layer"],
             "tokens_per_s": result["batch"] / result["step_ms"] * 1e3,

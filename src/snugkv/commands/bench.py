@@ -11,6 +11,7 @@ BENCHMARKS = {
     "capacity": "snugkv.bench.capacity",
     "decode": "snugkv.bench.decode",
     "kernels": "snugkv.bench.kernels",
+    "prefill": "snugkv.bench.prefill",
     "serving": "snugkv.bench.serving",
     "tp": "snugkv.bench.tp",
 }

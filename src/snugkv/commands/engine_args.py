@@ -104,7 +104,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--cuda-graph-max-bs", type=int, default=None, help="largest decode graph batch (default: 256)"
     )
-    group.add_argument("--disable-cuda-graph", action="store_true", help="run decode eagerly")
+    group.add_argument(
+        "--prefill-graph-max-tokens",
+        type=int,
+        default=None,
+        help="largest token count of the piecewise graphs that run prefill and large decode batches "
+        "(default: --chunked-prefill-size on a GPU; 0: run them eagerly)",
+    )
+    group.add_argument("--disable-cuda-graph", action="store_true", help="run every step eagerly")
     group.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="--kv-sizing profiled only")
     group.add_argument(
         "--mem-fraction-static", type=float, default=None, help="--kv-sizing static-fraction only"

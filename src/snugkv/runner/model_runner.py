@@ -34,6 +34,7 @@ from snugkv.memory.req_to_token import ReqToTokenPool
 from snugkv.models.causal_lm import CausalLM
 from snugkv.runner.cuda_graph import DecodeCudaGraphs
 from snugkv.runner.kv_cache import make_slot_allocator
+from snugkv.runner.piecewise_graphs import PiecewiseGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,7 @@ class ModelRunner:
         self.attn_backend = attn_backend
         self.sampler = Sampler()
         self.cuda_graphs: DecodeCudaGraphs | None = None
+        self.piecewise_graphs: PiecewiseGraphs | None = None
 
     @classmethod
     def build(
@@ -99,6 +101,7 @@ class ModelRunner:
         """Drop the graphs and every reference into the KV pool (an SWA allocator holds a view of
         the pool's slot map), so the pool's arena can be released. The runner cannot run after."""
         self.cuda_graphs = None
+        self.piecewise_graphs = None
         for name in ("allocator", "kv_pool"):
             if hasattr(self, name):
                 delattr(self, name)
@@ -168,11 +171,24 @@ class ModelRunner:
     def forward_batch(self, forward_batch: ForwardBatch) -> torch.Tensor:
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(forward_batch):
             return self.cuda_graphs.replay(forward_batch)
+        if self.piecewise_graphs is not None and self.piecewise_graphs.can_run(forward_batch):
+            return self.forward_piecewise(forward_batch)
         return self.forward_eager(forward_batch)
+
+    def forward_piecewise(self, forward_batch: ForwardBatch) -> torch.Tensor:
+        """Float32 logits through the piecewise graphs (they must cover the batch's token count)."""
+        if self.piecewise_graphs is None or not self.piecewise_graphs.can_run(forward_batch):
+            raise ValueError(f"no piecewise graph holds {forward_batch.num_tokens} tokens")
+        return self._logits(self.piecewise_graphs.replay(forward_batch), forward_batch)
 
     def forward_eager(self, forward_batch: ForwardBatch) -> torch.Tensor:
         self.attn_backend.init_forward_metadata(forward_batch)
-        hidden = self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
+        return self._logits(self._hidden(forward_batch), forward_batch)
+
+    def _hidden(self, forward_batch: ForwardBatch) -> torch.Tensor:
+        return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
+
+    def _logits(self, hidden: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         if forward_batch.is_decode and forward_batch.logits_indices.numel() == forward_batch.num_tokens:
             return self.model.compute_logits(hidden)
         return self.model.compute_logits(hidden[forward_batch.logits_indices])
@@ -201,3 +217,17 @@ class ModelRunner:
         )
         graphs.capture()
         self.cuda_graphs = graphs
+
+    def capture_piecewise_graphs(self, token_buckets: Sequence[int]) -> None:
+        """Capture everything but attention per token-count bucket (prefill and decode batches the
+        decode graphs do not cover); needs a CUDA device."""
+        self.kv_pool.ensure_prefix()  # padding tokens write the dummy slot
+        graphs = PiecewiseGraphs(
+            self._hidden,
+            req_to_token=self.req_to_token_pool.req_to_token,
+            kv_pool=self.kv_pool,
+            attn_backend=self.attn_backend,
+            token_buckets=token_buckets,
+        )
+        graphs.capture()
+        self.piecewise_graphs = graphs

@@ -125,6 +125,7 @@ class AsyncEngine:
             "context_length": self.max_context_tokens,
             "chunked_prefill_size": args.chunked_prefill_size,
             "cuda_graph_max_bs": 0 if args.disable_cuda_graph else args.cuda_graph_max_bs,
+            "prefill_graph_max_tokens": 0 if args.disable_cuda_graph else args.prefill_graph_max_tokens,
             "device": str(self.engine.device),
             "kv_capacity_tokens": self.scheduler.runner.allocator.capacity_tokens,
             "stats": self.scheduler.stats(),
