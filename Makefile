@@ -26,6 +26,7 @@ test: setup
 lint: setup
 	$(VENV)/bin/ruff check src tests
 	$(VENV)/bin/ruff format --check src tests
+	$(VENV)/bin/mypy
 
 gpu-check:
 	bash scripts/gpu_check.sh

@@ -27,6 +27,7 @@ from snugkv.bench.model_configs import benchmark_model
 from snugkv.bench.report import cuda_missing, emit
 from snugkv.core.sampling import SamplingParams
 from snugkv.memory.vmm import GIB
+from snugkv.models.causal_lm import CausalLM
 
 CASES = ((1, 1024), (16, 1024), (64, 1024), (256, 1024), (1, 4096), (16, 4096), (64, 4096), (256, 4096))
 
@@ -104,11 +105,11 @@ def kernel_breakdown(step: Any, num_layers: int, repeats: int = 3) -> dict[str, 
     }
 
 
-def gemm_floor_s(model: torch.nn.Module, batch: int) -> float:
+def gemm_floor_s(model: CausalLM, batch: int) -> float:
     """Plain cuBLAS: every 2-D weight of the decoder layers and the LM head, one `F.linear` each at
     this batch size, captured in one CUDA graph (median replay). What the GEMMs alone can reach."""
     weights = [p for name, p in model.named_parameters() if p.dim() == 2 and "embed_tokens" not in name]
-    if getattr(model.config, "tie_word_embeddings", False):
+    if model.config.tie_word_embeddings:
         weights.append(model.model.embed_tokens.weight)
     inputs = {w.shape[1]: torch.randn(batch, w.shape[1], device=w.device, dtype=w.dtype) for w in weights}
 
@@ -153,12 +154,12 @@ def snugkv_cases(
         kv_bytes_per_token = int(engine.pool.bytes_per_token)
         for layer in range(engine.config.num_layers):  # random KV everywhere a case will read
             for buffer in engine.pool.get_kv_buffer(layer):
-                rows = (
+                filled = (
                     engine.pool.committed_tokens // engine.pool.page_size + 1
                     if buffer.dim() == 4
                     else engine.pool.committed_tokens
                 )
-                buffer[:rows].normal_()
+                buffer[:filled].normal_()
         del buffer  # a live view would keep the arena from closing
         results = []
         for batch, context in cases:

@@ -169,15 +169,14 @@ def _rope_pair(shape: ModelShape, tokens: int, layout: str, page_size: int, kv_d
         q, k = rotary(positions, q, k)
         triton_store.store_kv(k_buffer, v_buffer, loc, k, v, page_size=page_size, layout=layout)
 
-    norm_weights = {}
-    if q_norm is not None and k_norm is not None:
-        norm_weights = {"q_norm_weight": q_norm.weight.detach(), "k_norm_weight": k_norm.weight.detach()}
+    q_norm_weight = None if q_norm is None else q_norm.weight.detach()
+    k_norm_weight = None if k_norm is None else k_norm.weight.detach()
 
     def fused() -> None:
         rope_and_store_kv(
             qkv, positions, rotary.cos_cache, rotary.sin_cache, k_buffer, v_buffer, loc,
             num_q_heads=hq, num_kv_heads=hkv, head_dim=head_dim, page_size=page_size, layout=layout,
-            norm_eps=EPS, **norm_weights,
+            norm_eps=EPS, q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight,
         )  # fmt: skip
 
     element = qkv.element_size()

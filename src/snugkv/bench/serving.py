@@ -89,8 +89,9 @@ def run_scheduler(
         torch.cuda.synchronize()
     elapsed = time.monotonic() - start
     output_tokens = sum(len(r.output_ids) for r in tracked)
-    ttft = sorted(r.first_token_s - r.arrival_s for r in tracked)
-    tpot = sorted((finished[r.rid] - r.first_token_s) / max(len(r.output_ids) - 1, 1) for r in tracked)
+    first_token = {r.rid: r.first_token_s or finished[r.rid] for r in tracked}
+    ttft = sorted(first_token[r.rid] - r.arrival_s for r in tracked)
+    tpot = sorted((finished[r.rid] - first_token[r.rid]) / max(len(r.output_ids) - 1, 1) for r in tracked)
     scheduler.check_slot_accounting()
     scheduler.cache.reset()
 

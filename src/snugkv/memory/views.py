@@ -64,7 +64,7 @@ _live_lock = threading.Lock()
 _ids = itertools.count(1)
 
 
-def _on_delete(managed: ctypes._Pointer) -> None:  # type: ignore[type-arg]
+def _on_delete(managed: ctypes._Pointer) -> None:
     try:
         with _live_lock:
             entry = _live.pop(managed.contents.manager_ctx, None)

@@ -269,7 +269,7 @@ def load_model(
     except torch.OutOfMemoryError:  # e.g. another engine already holds the GPU
         out_of_memory = True
     if out_of_memory:  # outside the handler, so the half-loaded model is gone before free memory is read
-        net = None
+        del net
         raise WeightsDoNotFit(_weights_do_not_fit(config, dtype_, device_, max_position))
     seconds = time.perf_counter() - started
     logger.info(

@@ -19,6 +19,7 @@ import bisect
 import logging
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -69,7 +70,7 @@ class DecodeCudaGraphs:
         self.kv_width = int(req_to_token.shape[1])
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        self.memory_pool: tuple[int, int] | None = None
+        self.memory_pool: Any = None  # torch.cuda.graph_pool_handle()
 
     def _batch(self, batch_size: int) -> ForwardBatch:
         return ForwardBatch(

@@ -27,6 +27,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -73,7 +74,7 @@ class _SplittingBackend(AttentionBackend):
 
     name = "piecewise-capture"
 
-    def __init__(self, pool: tuple[int, int]) -> None:
+    def __init__(self, pool: Any) -> None:  # torch.cuda.graph_pool_handle()
         self.pool = pool
         self.graphs: list[torch.cuda.CUDAGraph] = []
         self.calls: list[_AttentionCall] = []
@@ -126,7 +127,7 @@ class PiecewiseGraphs:
         self.positions = torch.zeros(size, dtype=torch.int64, device=device)
         self.out_cache_loc = torch.zeros(size, dtype=torch.int64, device=device)
         self.buckets: dict[int, _Bucket] = {}
-        self.memory_pool: tuple[int, int] | None = None
+        self.memory_pool: Any = None  # torch.cuda.graph_pool_handle()
 
     def _batch(self, num_tokens: int, backend: AttentionBackend) -> ForwardBatch:
         """One padding row of `num_tokens` new tokens on the dummy slot: what capture runs."""

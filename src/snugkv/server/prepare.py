@@ -360,7 +360,8 @@ def _fan_out(
             param="n",
         )
     request_id = f"{kind}-{uuid.uuid4().hex}"
-    inputs, prompt_of_choice = [], []
+    inputs: list[GenerateInput] = []
+    prompt_of_choice: list[int] = []
     for prompt_index, ids in enumerate(prompts):
         for _ in range(body.n):
             choice = len(inputs)

@@ -151,9 +151,9 @@ async def stream_events(
             async for index, output in fan_out:
                 state = choices[index]
                 state.absorb(output)
-                chunk = response_format.delta(prepared, index, output, state)
-                if chunk is not None:
-                    yield _sse(chunk)
+                delta = response_format.delta(prepared, index, output, state)
+                if delta is not None:
+                    yield _sse(delta)
                 if await request.is_disconnected():
                     return
         except APIError as exc:
