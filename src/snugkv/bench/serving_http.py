@@ -1,0 +1,114 @@
+"""The offline serving workload through the real HTTP server and a real client.
+
+`snugkv serve` runs as its own process (random weights of a shipped config); the official `openai`
+async client sends every request at once to `/v1/completions` (prompt token ids, `ignore_eos`,
+streamed so the first token's arrival is seen) and the figures are taken from what the client
+receives: output tokens per second over the wall time, time to first token. The server's own
+`/server_info` gives the KV size it sized, and its scheduler's GPU-idle share when it reports one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+import httpx
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def start_server(
+    model: str, extra: list[str], timeout_s: float = 300.0
+) -> tuple[subprocess.Popen[bytes], str]:
+    """`snugkv serve` on a free loopback port; returns the process and its base URL once healthy."""
+    port = _free_port()
+    command = [
+        sys.executable, "-m", "snugkv", "--log-level", "WARNING", "serve", "--model", model,
+        "--load-format", "dummy", "--host", "127.0.0.1", "--port", str(port), *extra,
+    ]  # fmt: skip
+    process = subprocess.Popen(command, env={**os.environ, "TQDM_DISABLE": "1"})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"snugkv serve exited with code {process.returncode} before it was healthy")
+        try:
+            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
+                return process, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(1.0)
+    process.terminate()
+    raise RuntimeError(f"snugkv serve was not healthy after {timeout_s:.0f} s")
+
+
+def stop_server(process: subprocess.Popen[bytes]) -> None:
+    process.terminate()
+    try:
+        process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+
+
+async def _drive(url: str, requests: list[tuple[list[int], int]]) -> dict[str, Any]:
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=f"{url}/v1", api_key="none", timeout=3600.0, max_retries=0)
+    served = (await client.models.list()).data[0].id
+    started = time.monotonic()
+
+    async def one(prompt: list[int], max_tokens: int) -> tuple[int, float]:
+        first: float | None = None
+        tokens = 0
+        stream = await client.completions.create(
+            model=served,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            temperature=0.0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].text and first is None:
+                first = time.monotonic()
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+        return tokens, (first or time.monotonic()) - started
+
+    results = await asyncio.gather(*(one(prompt, output) for prompt, output in requests))
+    elapsed = time.monotonic() - started
+    await client.close()
+    tokens = sum(count for count, _ in results)
+    ttft = sorted(first for _, first in results)
+    return {
+        "requests": len(requests),
+        "output_tokens": tokens,
+        "seconds": elapsed,
+        "output_tok_per_s": tokens / elapsed,
+        "ttft_p50_ms": ttft[len(ttft) // 2] * 1e3,
+    }
+
+
+def run_http(model: str, requests: list[tuple[list[int], int]], extra: list[str]) -> dict[str, Any]:
+    """The workload through a fresh server; its KV size and any scheduler figures ride along."""
+    process, url = start_server(model, extra)
+    try:
+        result = asyncio.run(_drive(url, requests))
+        info = httpx.get(f"{url}/server_info", timeout=10.0).json()
+        result["max_total_num_tokens"] = info.get("max_total_num_tokens")
+        stats = info.get("stats", {})
+        if "gpu_idle_fraction" in stats:
+            result["gpu_idle_fraction"] = stats["gpu_idle_fraction"]
+        return result
+    finally:
+        stop_server(process)
