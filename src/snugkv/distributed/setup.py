@@ -34,6 +34,7 @@ def disable_multicast() -> None:
 # How long a rank waits in a collective before giving up (SNUGKV_TP_TIMEOUT_S overrides it).
 DEFAULT_TIMEOUT_S = 600.0
 # Waiting for a person (the next chat turn) is not a hang: that group never times out in practice.
+JOIN_TIMEOUT_S = 300.0  # every rank has joined by then, or the launch fails
 WAIT_FOR_USER_TIMEOUT = timedelta(days=30)
 
 
@@ -52,6 +53,13 @@ def init_tensor_parallel(
     if timeout_s is None:
         timeout_s = float(os.environ.get("SNUGKV_TP_TIMEOUT_S", DEFAULT_TIMEOUT_S))
     timeout = timedelta(seconds=timeout_s)
+    # Joining waits for every rank to start (import torch, read the model): on a busy host that can
+    # take longer than a short collectives timeout, so the rendezvous gets its own.
+    store, _, _ = next(
+        dist.rendezvous(
+            init_method, rank, world_size, timeout=timedelta(seconds=max(timeout_s, JOIN_TIMEOUT_S))
+        )
+    )
     if device_type == "cuda":
         if torch.cuda.device_count() < world_size:
             raise RuntimeError(
@@ -60,7 +68,7 @@ def init_tensor_parallel(
         torch.cuda.set_device(rank)
         dist.init_process_group(
             "nccl",
-            init_method=init_method,
+            store=store,
             rank=rank,
             world_size=world_size,
             timeout=timeout,
@@ -69,9 +77,7 @@ def init_tensor_parallel(
     else:
         # Ranks share the host's cores: oversubscribed OpenMP threads spin against each other.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-        dist.init_process_group(
-            "gloo", init_method=init_method, rank=rank, world_size=world_size, timeout=timeout
-        )
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
     device_group = dist.group.WORLD
     cpu_group = dist.new_group(backend="gloo", timeout=timeout) if device_type == "cuda" else device_group
     wait_group = dist.new_group(backend="gloo", timeout=WAIT_FOR_USER_TIMEOUT)
