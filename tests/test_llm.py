@@ -333,6 +333,27 @@ def test_creating_and_closing_an_llm_twice_leaves_memory_where_it_was():
     assert max(resident[1:]) - resident[0] < tolerance, [r // MIB for r in resident]
 
 
+@pytest.mark.cuda
+def test_closing_gives_the_device_memory_back():
+    """Post-capture sizing takes nearly all free memory; after `close()` it is back within 64 MiB
+    (what stays: the CUDA context, loaded kernels, cuBLAS workspaces), and a second LLM leaks no more."""
+    model = REPO_ROOT / "configs" / "qwen3-0.6b"
+    torch.zeros(1, device="cuda")  # the CUDA context is not the LLM's to give back
+    torch.cuda.synchronize()
+    free_before = torch.cuda.mem_get_info()[0]
+    figures = []
+    for _ in range(2):
+        with LLM(model, load_format="dummy", max_running_requests=32, cuda_graph_max_bs=32) as llm:
+            params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+            llm.generate([[5, 6, 7, 8]] * 8, params, use_tqdm=False)
+            free_open = torch.cuda.mem_get_info()[0]
+        free_after = torch.cuda.mem_get_info()[0]
+        figures.append(((free_before - free_open) / MIB, (free_before - free_after) / MIB))
+    print("device memory taken while open / left after close, MiB:", figures)
+    assert all(taken_open > 4096 for taken_open, _ in figures), figures
+    assert all(left < 64 for _, left in figures), figures
+
+
 # -- package and README ---------------------------------------------------------------------------
 def test_import_snugkv_does_not_import_torch():
     code = "import sys, snugkv; assert 'torch' not in sys.modules; from snugkv import LLM, SamplingParams"

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import operator
 import os
 import weakref
 from collections.abc import Mapping, Sequence
@@ -131,6 +132,11 @@ class LLM:
             prefix_cache_tokens=scheduler.cache.cached_tokens,
         )
 
+    def stats(self) -> dict[str, Any]:
+        """The scheduler's counters, as the server's /metrics has them (KV cache usage, prefix-cache
+        hit rate, retractions, generated tokens)."""
+        return self._open().scheduler.stats()
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (on every rank); their slots become free."""
         self._open().turn([ranks.ResetPrefixCache()])
@@ -234,7 +240,11 @@ class _Runtime:
     def encode(self, prompt: PromptInput) -> list[int]:
         if isinstance(prompt, str):
             return self._require_tokenizer().encode(prompt)
-        return [int(token) for token in prompt]
+        try:
+            return [operator.index(token) for token in prompt]
+        except TypeError:
+            bad = next(token for token in prompt if not isinstance(token, Integral))
+            raise TypeError(f"a prompt of token ids holds {bad!r:.80}, which is not an integer") from None
 
     def encode_chat(self, conversation: Conversation, add_generation_prompt: bool, name: str) -> list[int]:
         tokenizer = self._require_tokenizer()
@@ -372,13 +382,10 @@ def _prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInp
         raise TypeError(
             f"prompts must be a string, a list of token ids, or a list of those; got {type(prompts).__name__}"
         )
-    if prompts and all(isinstance(p, Integral) for p in prompts):
+    if prompts and isinstance(prompts[0], Integral):
         return [prompts]  # type: ignore[list-item]
     for prompt in prompts:
-        if not (
-            isinstance(prompt, str)
-            or (isinstance(prompt, Sequence) and all(isinstance(t, Integral) for t in prompt))
-        ):
+        if not isinstance(prompt, str | Sequence):
             raise TypeError(f"each prompt must be a string or a list of token ids; got {prompt!r:.80}")
     return list(prompts)  # type: ignore[arg-type]
 
