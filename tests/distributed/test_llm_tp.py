@@ -4,6 +4,7 @@ object and stops with it, and greedy tokens equal transformers' (a tiny Llama sp
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -48,3 +49,20 @@ def test_the_helper_rank_lives_and_dies_with_the_llm(tiny_model, monkeypatch):
     assert not dist.is_initialized() and torch.get_num_threads() == threads
     with LLM(path, tp=2, device="cpu", max_total_tokens=1024) as again:  # the next one starts afresh
         assert again.generate(prompts[0], greedy, use_tqdm=False)[0].token_ids == outputs[0].token_ids
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_a_tensor_parallel_llm_on_two_gpus_gives_both_back():
+    model = Path(__file__).resolve().parents[2] / "configs" / "qwen3-0.6b"
+    free_before = [torch.cuda.mem_get_info(gpu)[0] for gpu in range(2)]
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    with LLM(model, load_format="dummy", tp=2, max_running_requests=16, cuda_graph_max_bs=16) as llm:
+        outputs = llm.generate([[5, 6, 7, 8]] * 4, params, use_tqdm=False)
+        assert [output.completion_tokens for output in outputs] == [8] * 4
+        assert len({tuple(output.token_ids) for output in outputs}) == 1  # greedy, one prompt
+        helpers = llm._runtime.helpers.processes.processes
+    assert [helper.exitcode for helper in helpers] == [0]
+    left = [(before - torch.cuda.mem_get_info(gpu)[0]) / (1 << 20) for gpu, before in enumerate(free_before)]
+    print("device memory left after close, MiB per GPU:", left)
+    assert all(mib < 64 for mib in left), left
