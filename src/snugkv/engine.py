@@ -22,15 +22,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from snugkv.attention.registry import attention_backend_names
 from snugkv.core.forward import BatchRow
 from snugkv.core.sampling import SamplingParams
 from snugkv.distributed.group import TensorParallel, use_tensor_parallel
 from snugkv.memory.kv_pool import KVPool, KVPoolSpec, PoolMode
+from snugkv.memory.layout import KVLayout
 from snugkv.memory.vmm import GIB, MIB, CommitError, VirtualMemory
 from snugkv.memory.vmm_factory import create_vmm
 from snugkv.memory.vmm_host import HostVmm, available_ram_bytes
 from snugkv.memory.vmm_plain import PlainMemory
-from snugkv.models.loader import LoadedModel, load_model, resolve_device
+from snugkv.models.loader import LOAD_FORMATS, LoadedModel, load_model, resolve_device
 from snugkv.runner.cuda_graph import default_cuda_graph_batch_sizes
 from snugkv.runner.kv_cache import make_kv_pool
 from snugkv.runner.model_runner import ModelRunner
@@ -90,6 +92,14 @@ class EngineArgs:
 
     def validate(self) -> None:
         """Refuse values no engine can run with, naming the flag (before `resolved` fills defaults)."""
+        for flag, value, choices in (
+            ("--load-format", self.load_format, LOAD_FORMATS),
+            ("--kv-layout", self.kv_layout, tuple(KVLayout)),
+            ("--attention-backend", self.attention_backend, attention_backend_names()),
+            ("--kv-sizing", self.kv_sizing, tuple(SizingMode)),
+        ):
+            if value is not None and value not in choices:
+                raise InvalidEngineArgs(f"{flag} must be one of {', '.join(choices)}, got {value!r}")
         if self.page_size is not None and self.page_size < 1:
             raise InvalidEngineArgs(f"--page-size must be at least 1, got {self.page_size}")
         page = self.page_size or 1
@@ -108,6 +118,8 @@ class EngineArgs:
             raise InvalidEngineArgs(
                 f"--max-running-requests must be at least 1, got {self.max_running_requests}"
             )
+        if self.tp_size < 1:
+            raise InvalidEngineArgs(f"--tp must be >= 1, got {self.tp_size}")
 
     def resolved(self, device: torch.device) -> EngineArgs:
         gpu = device.type == "cuda"

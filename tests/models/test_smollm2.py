@@ -27,10 +27,14 @@ def smollm2():
 
 @pytest.fixture(scope="module")
 def transformers_smollm2(smollm2):
+    return transformers_from_gguf(smollm2[0])
+
+
+def transformers_from_gguf(path):
+    """transformers' own reading of SmolLM2's GGUF (parser, dequantization, q/k un-permutation)."""
     from transformers import AutoConfig, LlamaForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    path = smollm2[0]
     config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     with torch.device("meta"):
         skeleton = LlamaForCausalLM(config)

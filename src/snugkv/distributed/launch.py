@@ -10,7 +10,8 @@ has not finished within the grace period the process exits with code 1.
 
 `launch(target, tp_size, args)` calls `target(tp, *args)` on every rank and returns rank 0's
 value. With `tp_size == 1` it calls `target` here with no process groups at all. Every process
-has the no-multicast variables set before NCCL is touched.
+has the no-multicast variables set before NCCL is touched. `start_helpers` is the same start for
+a rank 0 that outlives one call (`snugkv.LLM`): it returns, and `HelperRanks.stop` ends the helpers.
 """
 
 from __future__ import annotations
@@ -84,51 +85,116 @@ def launch(
     `on_helper_failure()` runs (on a watch thread) when a helper dies while rank 0 still runs;
     rank 0 then has `helper_failure_grace_s` to return before the process exits with code 1.
     """
-    if tp_size < 1:
-        raise ValueError(f"--tp must be >= 1, got {tp_size}")
-    disable_multicast()  # inherited by every helper, and set again inside each one
+    check_tp_size(tp_size)
     leader_kwargs = leader_kwargs or {}
     if tp_size == 1:
+        disable_multicast()
         return target(TensorParallel(), *args, **leader_kwargs)
-    device_type = device_type or default_device_type()
-    init_method = f"tcp://127.0.0.1:{free_port()}"
-    log_level = logging.getLogger().getEffectiveLevel()
-    helpers = mp.start_processes(
-        _helper_main,
-        args=(tp_size, init_method, device_type, target, args, log_level, os.getpid()),
-        nprocs=tp_size - 1,
-        join=False,
-        start_method="spawn",
+    tp, helpers = start_helpers(
+        target,
+        tp_size,
+        args,
+        device_type=device_type,
+        on_helper_failure=on_helper_failure,
+        helper_failure_grace_s=helper_failure_grace_s,
     )
-    watch = _HelperWatch(helpers, on_helper_failure, helper_failure_grace_s)
-    threads = torch.get_num_threads()
-    finished = False
     try:
-        tp = init_tensor_parallel(0, tp_size, init_method=init_method, device_type=device_type)
-        try:
-            value = target(tp, *args, **leader_kwargs)
-            finished = True
-        finally:
-            destroy_tensor_parallel(meet_first=finished and not watch.helper_failed)  # nobody to meet
+        value = target(tp, *args, **leader_kwargs)
     except BaseException as exc:
         # A collective that fails because a helper died is the helper's failure, not rank 0's.
-        dead = _dead_helpers(helpers) if isinstance(exc, RuntimeError) else []
-        watch.stop()  # the helpers are about to be stopped on purpose
-        for process in helpers.processes:
-            if process.is_alive():
-                process.terminate()
-        _join(helpers, raise_on_failure=False)
+        dead = _dead_helpers(helpers.processes) if isinstance(exc, RuntimeError) else []
+        helpers.stop(finished=False)
         if dead:
             raise RankFailed(
                 f"tensor-parallel {', '.join(dead)}, so rank 0 stopped ({type(exc).__name__}: "
                 f"{str(exc).splitlines()[0][:200]})"
             ) from exc
         raise
-    finally:
-        watch.stop()
-        torch.set_num_threads(threads)  # the CPU split between ranks ends with them
-    _join(helpers, raise_on_failure=True)
+    helpers.stop(finished=True)
     return value
+
+
+def check_tp_size(tp_size: int) -> None:
+    if tp_size < 1:
+        raise ValueError(f"--tp must be >= 1, got {tp_size}")
+
+
+def start_helpers(
+    target: Callable[..., Any],
+    tp_size: int,
+    args: tuple[Any, ...] = (),
+    *,
+    device_type: str | None = None,
+    on_helper_failure: Callable[[], None] | None = None,
+    helper_failure_grace_s: float = HELPER_FAILURE_GRACE_S,
+) -> tuple[TensorParallel, HelperRanks]:
+    """Spawn ranks 1..N-1 running `target(tp, *args)` and join this process to their groups as
+    rank 0; returns rank 0's `TensorParallel` and the helpers, which `stop` ends (for callers whose
+    rank 0 outlives one call, such as `snugkv.LLM`)."""
+    check_tp_size(tp_size)
+    disable_multicast()  # inherited by every helper, and set again inside each one
+    device_type = device_type or default_device_type()
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    log_level = logging.getLogger().getEffectiveLevel()
+    processes = mp.start_processes(
+        _helper_main,
+        args=(tp_size, init_method, device_type, target, args, log_level, os.getpid()),
+        nprocs=tp_size - 1,
+        join=False,
+        start_method="spawn",
+    )
+    helpers = HelperRanks(processes, on_helper_failure, helper_failure_grace_s)
+    try:
+        tp = init_tensor_parallel(0, tp_size, init_method=init_method, device_type=device_type)
+    except BaseException:
+        helpers.abandon()
+        raise
+    return tp, helpers
+
+
+class HelperRanks:
+    """The spawned ranks of a launch, watched while rank 0 works (see `_HelperWatch`)."""
+
+    def __init__(
+        self,
+        processes: Any,
+        on_failure: Callable[[], None] | None = None,
+        grace_s: float = HELPER_FAILURE_GRACE_S,
+    ) -> None:
+        self.processes = processes
+        self._watch = _HelperWatch(processes, on_failure, grace_s)
+        self._threads = torch.get_num_threads()
+
+    @property
+    def helper_failed(self) -> bool:
+        return self._watch.helper_failed
+
+    def stop(self, *, finished: bool) -> None:
+        """Rank 0 leaves the groups, then the helpers are waited for. `finished`: rank 0 ended
+        normally, so the helpers meet it at a barrier and must exit cleanly (else `RankFailed`);
+        otherwise they are stopped."""
+        try:
+            destroy_tensor_parallel(meet_first=finished and not self.helper_failed)  # nobody to meet
+        except BaseException:
+            self.abandon()
+            raise
+        if not finished:
+            self.abandon()
+            return
+        self._release()
+        _join(self.processes, raise_on_failure=True)
+
+    def abandon(self) -> None:
+        """Stop the helpers on purpose (rank 0 failed), without raising for their exit codes."""
+        self._release()
+        for process in self.processes.processes:
+            if process.is_alive():
+                process.terminate()
+        _join(self.processes, raise_on_failure=False)
+
+    def _release(self) -> None:
+        self._watch.stop()  # the helpers are about to exit
+        torch.set_num_threads(self._threads)  # the CPU split between ranks ends with them
 
 
 def _helper_main(

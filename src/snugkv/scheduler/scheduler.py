@@ -100,10 +100,20 @@ class Scheduler:
     # -- intake -----------------------------------------------------------------------
     def add_request(self, rid: str, prompt_ids: list[int], sampling: SamplingParams) -> Request:
         """Queue a request; raises `InvalidRequest` (nothing queued) when it cannot run."""
-        if not prompt_ids:
-            raise InvalidRequest("the prompt is empty; send at least one token")
+        self.check_request(prompt_ids, sampling)
         if rid in self.requests:
             raise InvalidRequest(f"request id {rid!r} is already in use")
+        request = Request(rid, list(prompt_ids), sampling, seq=next(self._arrivals))
+        request.generator = sampling.make_generator(self.runner.device)
+        self.requests[rid] = request
+        self.waiting.append(request)
+        return request
+
+    def check_request(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
+        """Raise `InvalidRequest`, saying what to change, if this prompt cannot run here; changes
+        nothing (a batch can be checked whole before any of it is queued)."""
+        if not prompt_ids:
+            raise InvalidRequest("the prompt is empty; send at least one token")
         sampling.validate(self.context_length)
         if len(prompt_ids) + 1 > self.context_length:
             raise InvalidRequest(
@@ -116,11 +126,6 @@ class Scheduler:
                 f"the prompt needs {len(prompt_ids)} KV slots but the whole KV cache holds {capacity}; "
                 "shorten the prompt"
             )
-        request = Request(rid, list(prompt_ids), sampling, seq=next(self._arrivals))
-        request.generator = sampling.make_generator(self.runner.device)
-        self.requests[rid] = request
-        self.waiting.append(request)
-        return request
 
     def abort(self, rid: str) -> None:
         """Mark a request aborted; its slots are freed at the start of the next step. Idempotent."""

@@ -1,0 +1,28 @@
+"""The Python API for offline work: `LLM(model).generate(prompts, SamplingParams(...))`.
+
+    llm       LLM: the engine in an object (generate, chat, memory, stats, close)
+    runtime   what an open LLM holds, and the loop of a call; GenerationError
+    options   keyword options -> EngineArgs, checked as the command line checks its flags
+    outputs   RequestOutput, RequestTimes, MemoryReport; the collector of the scheduler's outputs
+    ranks     the turns of rank 0 and the helper ranks with tp > 1
+
+It sits beside the server (floor 7): it drives the same scheduler and engine, and nothing below
+it knows it exists.
+"""
+
+from snugkv.core.sampling import InvalidRequest, SamplingParams
+from snugkv.engine import InvalidEngineArgs
+from snugkv.llm.llm import LLM
+from snugkv.llm.outputs import MemoryReport, RequestOutput, RequestTimes
+from snugkv.llm.runtime import GenerationError
+
+__all__ = [
+    "LLM",
+    "GenerationError",
+    "InvalidEngineArgs",
+    "InvalidRequest",
+    "MemoryReport",
+    "RequestOutput",
+    "RequestTimes",
+    "SamplingParams",
+]

@@ -1,0 +1,99 @@
+"""`LLM(**options)` -> `EngineArgs`: the engine's command-line flags as keyword arguments.
+
+An option is named as its flag with `_` for `-` (`page_size=16` is `--page-size 16`, `tp=2` is
+`--tp 2`, also spelled `tensor_parallel_size`). This module checks names and Python types; values
+are checked by `EngineArgs.validate`, the check the command line runs, with the same messages.
+Every refusal is an `InvalidEngineArgs` whose one line names the flag.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import numbers
+import os
+from typing import Any
+
+import torch
+
+from snugkv.engine import EngineArgs, InvalidEngineArgs
+
+ALIASES = {"tensor_parallel_size": "tp"}
+
+
+def flag_of(field_name: str) -> str:
+    """The command-line flag of an `EngineArgs` field."""
+    return "--tp" if field_name == "tp_size" else "--" + field_name.replace("_", "-")
+
+
+def _option_of(field_name: str) -> str:
+    return flag_of(field_name)[2:].replace("-", "_")
+
+
+# option name -> (EngineArgs field, the Python types its annotation allows)
+OPTIONS: dict[str, tuple[str, frozenset[str]]] = {
+    _option_of(field.name): (field.name, frozenset(kind.strip() for kind in str(field.type).split("|")))
+    for field in dataclasses.fields(EngineArgs)
+    if field.name != "model"
+}
+
+
+def engine_args_from_options(model: str | os.PathLike[str] | None, options: dict[str, Any]) -> EngineArgs:
+    """The `EngineArgs` of `LLM(model, **options)`, validated as the command line validates them."""
+    values: dict[str, Any] = {"model": _typed("--model", frozenset({"str", "None"}), model)}
+    given: dict[str, str] = {}  # field -> the name the caller used
+    for name, value in options.items():
+        known = OPTIONS.get(ALIASES.get(name, name))
+        if known is None:
+            raise InvalidEngineArgs(_unknown(name))
+        field, kinds = known
+        if field in given:
+            raise InvalidEngineArgs(
+                f"{given[field]} and {name} are the same option ({flag_of(field)}); pass one"
+            )
+        given[field] = name
+        values[field] = _typed(flag_of(field), kinds, value)
+    args = EngineArgs(**values)
+    args.validate()
+    return args
+
+
+def _unknown(name: str) -> str:
+    close = difflib.get_close_matches(name, [*OPTIONS, *ALIASES], n=1)
+    hint = (
+        f"did you mean {close[0]!r}?"
+        if close
+        else "the options are the engine flags of `snugkv serve --help`"
+    )
+    return f"{name!r} is not an engine option; {hint}"
+
+
+def _typed(flag: str, kinds: frozenset[str], value: Any) -> Any:
+    """`value` as the field's type, or a one-line refusal naming the flag."""
+    if value is None:
+        if "None" in kinds:
+            return None
+        raise InvalidEngineArgs(f"{flag} needs a value, got None")
+    if "bool" in kinds:
+        if isinstance(value, bool):
+            return value
+        expected = "True or False"
+    elif "int" in kinds:
+        if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+            return int(value)
+        expected = "an integer"
+    elif "float" in kinds:
+        if isinstance(value, numbers.Real) and not isinstance(value, bool):
+            return float(value)
+        expected = "a number"
+    else:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, os.PathLike):
+            return os.fspath(value)
+        if isinstance(
+            value, torch.dtype | torch.device
+        ):  # dtype=torch.bfloat16, device=torch.device("cuda", 1)
+            return str(value).removeprefix("torch.")
+        expected = "a string"
+    raise InvalidEngineArgs(f"{flag} must be {expected}, got {value!r}")

@@ -1,0 +1,148 @@
+"""What `LLM` hands back, and how it gathers it from the scheduler's output stream.
+
+`RequestOutput` is one prompt's whole result. `Collector` is the scheduler's `on_output` callback:
+it appends each request's increments (tokens, text, log-probabilities) and keeps the final one.
+`Progress` is the tqdm bar of a long call. None of them touches the scheduler's state.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from snugkv.core.outputs import FinishReason, GenerateOutput, TokenLogprob
+from snugkv.engine import StartupReport
+from snugkv.scheduler.request import Request
+from snugkv.sizing.ledger import MemoryLedger
+
+
+@dataclass(frozen=True, slots=True)
+class RequestTimes:
+    """When a request was queued, got its first token and finished (`time.monotonic()` seconds)."""
+
+    arrival_s: float
+    first_token_s: float
+    finished_s: float
+
+    @property
+    def time_to_first_token_s(self) -> float:
+        return self.first_token_s - self.arrival_s
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """One prompt's result. `prompt` is the text given (None for token ids and chats);
+    `logprobs` holds one entry per output token when the prompt's `SamplingParams.logprobs` asked."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+    cached_tokens: int  # prompt tokens served from the prefix cache
+    logprobs: list[TokenLogprob] | None
+    times: RequestTimes
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryReport:
+    """The start-up sizing (mode, `max_total_num_tokens`, the memory ledger, timings) and the KV
+    cache's slots now."""
+
+    sizing: StartupReport
+    capacity_tokens: int  # slots the allocator hands out
+    free_tokens: int
+    prefix_cache_tokens: int  # slots holding cached prefixes (reusable, evicted when needed)
+
+    @property
+    def ledger(self) -> MemoryLedger:
+        return self.sizing.ledger
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            **self.sizing.to_dict(),
+            "capacity_tokens": self.capacity_tokens,
+            "free_tokens": self.free_tokens,
+            "prefix_cache_tokens": self.prefix_cache_tokens,
+        }
+
+
+@dataclass(slots=True)
+class Stream:
+    """One request's output so far."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text_pieces: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    final: GenerateOutput | None = None
+    times: RequestTimes | None = None
+
+
+class Collector:
+    """The scheduler's `on_output` callback: the streams of the requests of the call in progress."""
+
+    def __init__(self) -> None:
+        self.streams: dict[str, Stream] = {}
+        self.output_tokens = 0
+        self.finished = 0
+
+    def expect(self, rids: list[str]) -> None:
+        self.streams = {rid: Stream() for rid in rids}
+        self.output_tokens = self.finished = 0
+
+    def on_output(self, request: Request, output: GenerateOutput) -> None:
+        stream = self.streams.get(output.rid)
+        if stream is None:
+            return
+        stream.token_ids.extend(output.token_ids)
+        if output.text:
+            stream.text_pieces.append(output.text)
+        stream.logprobs.extend(output.logprobs)
+        self.output_tokens += len(output.token_ids)
+        if output.finished:
+            now = time.monotonic()
+            stream.final = output
+            stream.times = RequestTimes(request.arrival_s, request.first_token_s or now, now)
+            self.finished += 1
+
+
+class Progress:
+    """A tqdm bar over finished prompts with the output tokens/s so far. It appears only once a
+    call has run for a second, so short calls print nothing."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self._bar: Any = None
+        if enabled and total:
+            from tqdm import tqdm
+
+            self._bar = tqdm(
+                total=total, desc="Processed prompts", unit="prompt", delay=1.0, dynamic_ncols=True
+            )
+        self._started = time.perf_counter()
+        self._shown_finished = 0
+        self._shown_at = 0.0
+
+    def update(self, collector: Collector) -> None:
+        if self._bar is None:
+            return
+        if collector.finished > self._shown_finished:
+            self._bar.update(collector.finished - self._shown_finished)
+            self._shown_finished = collector.finished
+        now = time.perf_counter()
+        if now - self._shown_at >= 0.5:
+            rate = collector.output_tokens / max(now - self._started, 1e-9)
+            self._bar.set_postfix_str(f"output {rate:,.0f} tok/s", refresh=False)
+            self._shown_at = now
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
