@@ -245,7 +245,23 @@ def run(args: argparse.Namespace) -> int:
         }
     )
     del engine
-    llm.close()  # weights, graphs and the KV arena go before transformers loads
+    llm.close()  # weights, graphs and the KV arena go before the server or transformers load
+    if args.http:
+        from snugkv.bench.serving_http import run_http
+
+        flags = ["--max-running-requests", str(args.max_batch), "--cuda-graph-max-bs", str(args.max_batch)]
+        flags += ["--chunked-prefill-size", str(args.chunk)]
+        http = run_http(args.model, offline, flags)
+        rows.append(
+            {
+                "engine": "snugkv serve (HTTP, openai client)",
+                "case": f"offline {args.requests} req, in/out U[100,1024]",
+                **http,
+                "floor_tok_per_s": floor,
+                "fraction_of_floor": http["output_tok_per_s"] / floor,
+            }
+        )
+        extra["http_over_in_process"] = http["output_tok_per_s"] / rows[1]["output_tok_per_s"]
     if args.transformers:
         hf = transformers_generate_batch(args.model, fixed)
         rows.append(
@@ -271,3 +287,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch", type=int, default=256)
     parser.add_argument("--chunk", type=int, default=8192)
     parser.add_argument("--no-transformers", dest="transformers", action="store_false")
+    parser.add_argument(
+        "--no-http", dest="http", action="store_false", help="skip the case through a real snugkv serve"
+    )
