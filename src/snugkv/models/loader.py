@@ -256,20 +256,12 @@ def load_model(
     config = read_model_config(source)
     out_of_memory = False
     try:
-        net = build_model(config, dtype_, device_, max_position=max_position)
-        if load_format == "dummy":
-            init_dummy_weights(net, seed=seed, std=float(config.hf.get("initializer_range") or 0.02))
-        elif source.kind == "gguf":
-            gguf = open_gguf(source.path)
-            net.load_weights(iter_gguf_tensors(gguf, dict(config.hf)), source=str(source.path))
-        else:
-            net.load_weights(iter_safetensors(safetensors_files(source.path)), source=str(source.path))
+        net = _build_and_load(config, source, load_format, dtype_, device_, seed, max_position)
     except (WeightLoadError, GGUFError) as exc:
         raise ModelLoadError(str(exc)) from exc
     except torch.OutOfMemoryError:  # e.g. another engine already holds the GPU
         out_of_memory = True
     if out_of_memory:  # outside the handler, so the half-loaded model is gone before free memory is read
-        del net
         raise WeightsDoNotFit(_weights_do_not_fit(config, dtype_, device_, max_position))
     seconds = time.perf_counter() - started
     logger.info(
@@ -282,6 +274,25 @@ def load_model(
         " with random weights" if load_format == "dummy" else "",
     )
     return LoadedModel(net, config, source, dtype_, device_, seconds)
+
+
+def _build_and_load(
+    config: ModelConfig,
+    source: ModelSource,
+    load_format: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int,
+    max_position: int | None,
+) -> CausalLM:
+    net = build_model(config, dtype, device, max_position=max_position)
+    if load_format == "dummy":
+        init_dummy_weights(net, seed=seed, std=float(config.hf.get("initializer_range") or 0.02))
+    elif source.kind == "gguf":
+        net.load_weights(iter_gguf_tensors(open_gguf(source.path), dict(config.hf)), source=str(source.path))
+    else:
+        net.load_weights(iter_safetensors(safetensors_files(source.path)), source=str(source.path))
+    return net
 
 
 def device_memory_bytes(device: torch.device) -> tuple[int, int, int] | None:
