@@ -21,6 +21,7 @@ import torch
 
 from snugkv.memory.arena import ArenaBuffer, KvArena
 from snugkv.memory.layout import BufferLayout, KVLayout, parse_kv_dtype
+from snugkv.memory.moves import KvMoves, PageMoves
 from snugkv.memory.vmm import GIB, VirtualMemory
 from snugkv.memory.vmm_factory import create_vmm
 from snugkv.memory.vmm_plain import PlainMemory
@@ -241,6 +242,34 @@ class KVPool:
     def _drop_views(self) -> None:
         raise NotImplementedError
 
+    # -- moving pages (a shrink under live requests, snugkv.memory.moves) --------------------
+    def move_pages(self, moves: KvMoves) -> int:
+        """Copy every moved page's KV, in every buffer, to its destination page, bit for bit;
+        returns the bytes copied. The sources keep their contents (until they are decommitted)."""
+        copied = 0
+        for group, page_moves in self._moves_by_group(moves).items():
+            if page_moves.num_pages:
+                for buffer in self._kv_tensors(group):
+                    copied += self._copy_pages(buffer, page_moves)
+        return copied
+
+    def _moves_by_group(self, moves: KvMoves) -> dict[str, PageMoves]:
+        return {DEFAULT_GROUP: moves.full}
+
+    def _kv_tensors(self, group: str) -> list[torch.Tensor]:
+        """The KV buffers of a group (not per-slot tables such as a slot map)."""
+        raise NotImplementedError
+
+    def _copy_pages(self, buffer: torch.Tensor, moves: PageMoves) -> int:
+        if self.layout is KVLayout.PAGE_MAJOR:
+            sources, destinations = moves.src_pages, moves.dst_pages
+        else:
+            sources, destinations = moves.slots(self.page_size)
+        raw = buffer.view(torch.uint8)  # the bytes themselves, whatever the dtype (fp8, NaN payloads)
+        rows = raw.index_select(0, sources.to(raw.device))
+        raw.index_copy_(0, destinations.to(raw.device), rows)
+        return rows.numel()
+
     # -- what attention reads and writes (snugkv.core.forward.KVCache) -----------------------
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
@@ -308,6 +337,9 @@ class MHAKVPool(KVPool):
             raise ValueError("an MHA pool stores K and V: pass both")
         self._store(self.k_buffers[layer_id], loc, k)
         self._store(self.v_buffers[layer_id], loc, v)
+
+    def _kv_tensors(self, group: str) -> list[torch.Tensor]:
+        return [*self.k_buffers.values(), *self.v_buffers.values()]
 
     def _drop_views(self) -> None:
         self.k_buffers.clear()
