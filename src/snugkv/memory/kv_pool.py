@@ -19,7 +19,7 @@ from enum import StrEnum
 
 import torch
 
-from snugkv.memory.arena import ArenaBuffer, KvArena
+from snugkv.memory.arena import DEFAULT_CHUNK_BYTES, ArenaBuffer, KvArena
 from snugkv.memory.layout import BufferLayout, KVLayout, parse_kv_dtype
 from snugkv.memory.moves import KvMoves, PageMoves
 from snugkv.memory.vmm import GIB, VirtualMemory
@@ -39,8 +39,9 @@ class PoolMode(StrEnum):
 @dataclass(frozen=True, slots=True)
 class KVPoolSpec:
     """How a pool stores KV, whatever its kind: storage dtype, page size, layout, device, whether it
-    is backed now (static) or after graph capture (post-capture), and the memory backend
-    (None: the device's default, see `_default_memory`)."""
+    is backed now (static) or after graph capture (post-capture), the memory backend (None: the
+    device's default, see `_default_memory`) and the largest extension its arena commits
+    (`KvArena.chunk_bytes`: what a later shrink can drop whole)."""
 
     dtype: torch.dtype
     page_size: int
@@ -48,6 +49,7 @@ class KVPoolSpec:
     device: torch.device
     mode: PoolMode = PoolMode.STATIC
     memory: VirtualMemory | None = None
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
 
     @classmethod
     def of(
@@ -59,12 +61,19 @@ class KVPoolSpec:
         device: torch.device | str,
         mode: PoolMode | str = PoolMode.STATIC,
         memory: VirtualMemory | None = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     ) -> KVPoolSpec:
         """A spec from user-facing names ("bfloat16", "hnd", "post-capture"), checked."""
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         return cls(
-            parse_kv_dtype(dtype), page_size, KVLayout(layout), torch.device(device), PoolMode(mode), memory
+            parse_kv_dtype(dtype),
+            page_size,
+            KVLayout(layout),
+            torch.device(device),
+            PoolMode(mode),
+            memory,
+            chunk_bytes,
         )
 
 
@@ -118,7 +127,7 @@ class KVPool:
                 for group, layouts in layouts_by_group.items()
                 for layout in layouts
             )
-            self._arena = KvArena(vmm, need, label=type(self).__name__)
+            self._arena = KvArena(vmm, need, label=type(self).__name__, chunk_bytes=self.spec.chunk_bytes)
         views: dict[str, torch.Tensor] = {}
         for group, layouts in layouts_by_group.items():
             placed = [self._arena.add_buffer(layout, upper[group]) for layout in layouts]
@@ -227,6 +236,14 @@ class KVPool:
         num_tokens = num_tokens // self.page_size * self.page_size
         self._back(num_tokens)
         return num_tokens
+
+    def release_backing(self) -> int:
+        """Decommit every byte, the dummy page included (the engine sleeps: nothing runs until
+        `ensure_prefix` and `finalize_backing` back it again); returns the bytes released."""
+        released = self.committed_bytes
+        self.arena.commit({name: 0 for name in self._targets(0)})
+        self.committed_tokens = 0
+        return released
 
     def close(self) -> None:
         """Drop this pool's views; release the arena too when the pool made it."""

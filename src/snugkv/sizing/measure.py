@@ -50,6 +50,16 @@ def device_memory(device: torch.device) -> tuple[int, int]:
     return int(free), int(total)
 
 
+def engine_device_bytes(memory: VirtualMemory, baseline_free_bytes: int) -> int:
+    """Device memory this engine holds now: on CUDA all it took since the baseline was read (weights,
+    graphs, buffers, KV, cached blocks are handed back first); on CPU what its backend committed
+    (the KV cache: weights and activations live in general RAM)."""
+    if memory.device.type == "cuda":
+        return baseline_free_bytes - device_memory(memory.device)[0]
+    free, total = memory.mem_get_info()
+    return total - free
+
+
 @dataclass(frozen=True, slots=True)
 class CaptureMemory:
     """What capturing the decode graphs took: all of it, and the driver's part outside torch's
