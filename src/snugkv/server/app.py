@@ -6,6 +6,7 @@ Routes:
     GET  /health                                       200 when the engine is healthy, else 503 (no key)
     GET  /server_info, /get_server_info                the engine's sizing, ledger and arguments
     GET  /metrics                                      Prometheus text
+    POST /kv/resize, GET /kv                           elastic memory (see `elastic_routes`)
 
 Request checking lives in `prepare`, running on the engine in `serving`, response shapes in
 `formats`, the key and body limit in `middleware`. The app keeps no per-request state of its own.
@@ -23,6 +24,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import Response
 
+from snugkv.server.elastic_routes import install_elastic_routes
 from snugkv.server.engine_protocol import EngineClient
 from snugkv.server.errors import NOT_FOUND, SERVER_ERROR, APIError, install_error_handlers
 from snugkv.server.formats import ChatFormat, CompletionFormat, ResponseFormat
@@ -107,6 +109,7 @@ def create_app(
 
     app.add_api_route("/server_info", server_info, methods=["GET"])
     app.add_api_route("/get_server_info", server_info, methods=["GET"])
+    install_elastic_routes(app, engine)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
