@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -39,7 +39,7 @@ from snugkv.memory.vmm import GIB, MIB, CommitError, VirtualMemory
 from snugkv.memory.vmm_factory import create_vmm
 from snugkv.memory.vmm_host import HostVmm, available_ram_bytes
 from snugkv.memory.vmm_plain import PlainMemory
-from snugkv.models.loader import LoadedModel, load_model, resolve_device
+from snugkv.models.loader import LoadedModel, fill_weights, load_model, resolve_device
 from snugkv.runner import kv_resize
 from snugkv.runner.cuda_graph import default_cuda_graph_batch_sizes
 from snugkv.runner.kv_cache import make_kv_pool
@@ -63,6 +63,7 @@ from snugkv.sizing.modes import (
 )
 from snugkv.sizing.post_capture import (
     SizingError,
+    finalize_with_retry,
     recap_running_requests,
     size_post_capture,
     tokens_for_budget,
@@ -70,6 +71,8 @@ from snugkv.sizing.post_capture import (
 from snugkv.sizing.resize import KvResize, KvResizeError, ResizeLimits, cap_tokens, check_free_gib
 
 logger = logging.getLogger(__name__)
+
+SLEEP_TAGS = frozenset({"weights", "kv_cache"})  # what sleep can release (vLLM's and SGLang's names)
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,7 +215,9 @@ class Engine:
             torch.cuda.set_device(self.device)
             torch.zeros(1, device=self.device)  # CUDA context first, so the baseline includes it
 
-        # 1. Load weights (baseline before, so the ledger can tell them apart).
+        # 1. Load weights (baseline before, so the ledger can tell them apart). Post-capture places
+        # them in virtual memory too, so sleep can release them without breaking a graph.
+        self.mode = resolve_mode(args.kv_sizing, self.device)
         baseline_free, _ = device_memory(self.device)
         with use_tensor_parallel(tp):  # the model is built sharded for this rank
             self.loaded: LoadedModel = load_model(
@@ -222,6 +227,7 @@ class Engine:
                 device=self.device,
                 seed=args.weights_seed,
                 max_position=args.context_length,
+                weights_memory=self._weights_memory(),
             )
         if tp.enabled and not self.loaded.model.supports_tensor_parallel:
             raise ValueError(
@@ -232,7 +238,6 @@ class Engine:
         self.context_length = args.context_length or self.config.max_position_embeddings
         load_s = time.perf_counter() - started
 
-        self.mode = resolve_mode(args.kv_sizing, self.device)
         self.memory = self._memory_backend()
         self.baseline_free_bytes = baseline_free
         self.kv_events: deque[dict[str, Any]] = deque(maxlen=32)  # resizes, sleeps, wakes (newest last)
@@ -266,6 +271,8 @@ class Engine:
             kv_committed_bytes=self.pool.committed_bytes,
             kv_reserved_va_bytes=self.pool.arena.reserved_bytes,
             kv_in_torch_allocator=isinstance(self.memory, PlainMemory),
+            weights_in_torch_allocator=self.loaded.weights is None,
+            weights_resident=self.loaded.weights is None or self.loaded.weights.resident,
             graph_executables_bytes=self._graph_driver_bytes,
             activation_peak_bytes=self._activation_peak_bytes,
             headroom_bytes=self.headroom_bytes,
@@ -282,6 +289,13 @@ class Engine:
         if self.mode is SizingMode.POST_CAPTURE:
             return create_vmm(self.device)
         return PlainMemory(self.device)
+
+    def _weights_memory(self) -> VirtualMemory | None:
+        """Virtual memory for the weights where the KV cache has it too (post-capture); on CPU an
+        mmap backend of its own, so the weights never count against the KV budget."""
+        if self.mode is not SizingMode.POST_CAPTURE:
+            return None
+        return HostVmm() if self.device.type == "cpu" else create_vmm(self.device)
 
     def _host_kv_bytes(self) -> int:
         if self.args.host_kv_gib is not None:
@@ -718,6 +732,130 @@ class Engine:
             "sleeping_tags": sorted(self.sleeping_tags),
             "events": list(self.kv_events),
         }
+
+    # -- sleep and wake ---------------------------------------------------------------------
+    def check_sleep(self, level: int, tags: Collection[str] | None) -> frozenset[str]:
+        """The tags a sleep at `level` releases, or `KvResizeError` saying why it cannot."""
+        if level not in (1, 2):
+            raise KvResizeError(
+                f"level must be 1 (weights kept in host memory) or 2 (weights dropped), got {level!r}",
+                param="level",
+            )
+        chosen = self._check_tags(tags)
+        if self.mode is not SizingMode.POST_CAPTURE or self.loaded.weights is None:
+            raise KvResizeError(
+                f"this engine sized its KV cache with --kv-sizing {self.mode}, which keeps the weights and the "
+                "KV cache in torch's allocator; start it with --kv-sizing post-capture to sleep",
+                status=409,
+            )
+        return chosen
+
+    @staticmethod
+    def _check_tags(tags: Collection[str] | None) -> frozenset[str]:
+        chosen = frozenset(tags) if tags else SLEEP_TAGS
+        unknown = sorted(chosen - SLEEP_TAGS)
+        if unknown:
+            raise KvResizeError(
+                f"unknown tag(s) {', '.join(unknown)}; tags are {', '.join(sorted(SLEEP_TAGS))}", param="tags"
+            )
+        return chosen
+
+    def sleep(self, level: int = 1, tags: Collection[str] | None = None) -> KvResize:
+        """Release the KV cache and/or the weights (`tags`, default both); every KV slot must be free
+        when the KV cache goes (the scheduler's elastic module retracts first). Level 1 copies the
+        weights to host memory, level 2 drops them (wake reloads them from the model files).
+        Graphs are kept: weights and KV come back at the same addresses."""
+        chosen = self.check_sleep(level, tags) - self.sleeping_tags
+        runner = self.runner
+        if runner is None:
+            raise KvResizeError("the engine is closed", status=409)
+        allocator = runner.allocator
+        if "kv_cache" in chosen and allocator.available_tokens != allocator.capacity_tokens:
+            raise KvResizeError(
+                f"{allocator.capacity_tokens - allocator.available_tokens} KV tokens are still held; finish or "
+                "retract the requests and empty the prefix cache before the KV cache sleeps",
+                status=409,
+            )
+        started = time.perf_counter()
+        old_tokens, old_bytes = self.pool.committed_tokens, self.pool.committed_bytes
+        if "kv_cache" in chosen:
+            kv_resize.release(runner)
+        if "weights" in chosen and self.loaded.weights is not None:
+            self.loaded.weights.offload(keep=level == 1)
+            self.sleep_level = level
+        settle(self.device)
+        self.sleeping_tags |= chosen
+        tokens = 0 if "kv_cache" in self.sleeping_tags else old_tokens
+        change = KvResize(
+            "sleep",
+            old_tokens,
+            tokens,
+            old_bytes,
+            self.pool.committed_bytes,
+            self.report.max_running_requests,
+            (time.perf_counter() - started) * 1e3,
+        )
+        self._record(change)
+        return change
+
+    def wake_up(self, tags: Collection[str] | None = None) -> KvResize:
+        """Take back what sleep released (`tags`, default all). The weights return at their
+        addresses (copied back, or loaded again after level 2); the KV cache is sized again from
+        free memory measured now (MIN over ranks, less the headroom, under the caps), not the old
+        number, and committed at its old addresses, so the captured graphs run as they are."""
+        chosen = self._check_tags(tags) & self.sleeping_tags
+        if "kv_cache" in chosen and "weights" in self.sleeping_tags - chosen:
+            raise KvResizeError(
+                "wake the weights before the KV cache (the KV cache is sized from what they leave free): "
+                "pass tags=weights first, or both",
+                status=409,
+                param="tags",
+            )
+        runner = self.runner
+        if runner is None:
+            raise KvResizeError("the engine is closed", status=409)
+        started = time.perf_counter()
+        weights = self.loaded.weights
+        if "weights" in chosen and weights is not None and not weights.restore():
+            with use_tensor_parallel(self.tp):  # level 2: the same files (or seed) again
+                fill_weights(self.loaded)
+        tokens, max_running = self.pool.committed_tokens, self.report.max_running_requests
+        if "kv_cache" in chosen:
+            tokens = self._back_kv_again(runner)
+            max_running = self._recap(runner, tokens)
+        self.sleeping_tags -= chosen
+        change = KvResize(
+            "wake",
+            0,
+            tokens,
+            0,
+            self.pool.committed_bytes,
+            max_running,
+            (time.perf_counter() - started) * 1e3,
+        )
+        self._record(change)
+        return change
+
+    def _back_kv_again(self, runner: ModelRunner) -> int:
+        self.pool.ensure_prefix()
+        free = measure_free(self.memory, self.group)
+        kv_cap = self._kv_cap_bytes(self.pool, self.headroom_bytes)
+        tokens = agree_min(
+            tokens_for_budget(
+                self.pool, free.min_bytes, self.headroom_bytes, self.args.max_total_tokens, kv_cap
+            ),
+            self.group,
+        )
+        if tokens < 2 * self._page_size:
+            self.pool.release_backing()
+            raise KvResizeError(
+                f"no memory to wake the KV cache into: {free.min_bytes / GIB:.2f} GiB free, "
+                f"{self.headroom_bytes / GIB:.2f} GiB kept as activation headroom; free device memory and wake again",
+                status=409,
+            )
+        tokens, _ = finalize_with_retry(self.pool, tokens, self.group)
+        runner.allocator.resize(tokens)
+        return tokens
 
     # -- shutdown -----------------------------------------------------------------------
     def close(self) -> None:

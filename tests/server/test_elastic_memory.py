@@ -165,3 +165,82 @@ def test_shrink_and_grow_under_concurrent_greedy_requests_change_no_token(
     metrics = http.get("/metrics").text
     assert f"snugkv_kv_max_total_num_tokens {float(FULL)}" in metrics
     assert info["kv_events"][-1] == {key: results[-1][key] for key in info["kv_events"][-1]}
+
+
+def greedy_texts(http: httpx.Client, prompts: list[str]) -> list[str]:
+    texts = []
+    for prompt in prompts:
+        body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+        response = http.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        texts.append(response.json()["choices"][0]["text"])
+    return texts
+
+
+@pytest.mark.parametrize("release", ["sleep", "release_memory_occupation"])
+def test_sleep_answers_503_then_wake_gives_the_same_greedy_outputs(
+    elastic_server: ServerProcess, http: httpx.Client, release: str
+) -> None:
+    pid = elastic_server.process.pid
+    expected = greedy_texts(http, PROMPTS[:3])
+    weights_bytes = http.get("/is_sleeping").json()["weights_committed_bytes"]
+    assert weights_bytes > 400 << 20  # SmolLM2's 135M parameters in float32
+    before = rss_bytes(pid)
+    if release == "sleep":
+        slept = http.post("/sleep", params={"level": 1})
+    else:  # SGLang's name, level 2: the weights are dropped and read again from the GGUF on wake
+        slept = http.post("/release_memory_occupation", json={"tags": ["weights", "kv_cache"], "level": 2})
+    assert slept.status_code == 200, slept.text
+    state = http.get("/is_sleeping").json()
+    assert state["is_sleeping"] and state["sleeping_tags"] == ["kv_cache", "weights"]
+    assert state["kv_committed_bytes"] == 0 and state["weights_committed_bytes"] == 0
+    # Level 1 on CPU copies the weights into ordinary host memory: only the KV cache leaves the
+    # process. Level 2 drops the weights too.
+    released = slept.json()["from_committed_bytes"] + (weights_bytes if release != "sleep" else 0)
+    assert abs(before - rss_bytes(pid) - released) < 48 << 20, (before - rss_bytes(pid), released)
+    body = {"prompt": "hello", "max_tokens": 4}
+    assert "asleep" in openai_error(http.post("/v1/completions", json=body), 503)
+    assert "asleep" in openai_error(http.post("/kv/resize", json={"max_total_num_tokens": 512}), 409)
+    if release == "sleep":
+        woke = http.post("/wake_up", params={"tags": "weights,kv_cache"})
+    else:
+        woke = http.post("/resume_memory_occupation", json={})
+    assert woke.status_code == 200, woke.text
+    assert woke.json()["to_tokens"] == FULL and not woke.json()["is_sleeping"]
+    assert http.get("/is_sleeping").json()["is_sleeping"] is False
+    assert greedy_texts(http, PROMPTS[:3]) == expected
+
+
+def test_a_request_in_flight_waits_through_a_sleep_and_finishes(
+    elastic_server: ServerProcess, http: httpx.Client
+) -> None:
+    result: dict = {}
+
+    def long_request() -> None:
+        with elastic_server.client(timeout=300.0) as client:
+            body = {"prompt": "Count slowly:", "max_tokens": 48, "temperature": 0, "ignore_eos": True}
+            result["response"] = client.post("/v1/completions", json=body)
+
+    thread = threading.Thread(target=long_request)
+    thread.start()
+    wait_for(lambda: http.get("/kv").json()["num_running_requests"] == 1, what="the request to run")
+    assert http.post("/sleep").status_code == 200
+    assert http.get("/kv").json()["num_queued_requests"] == 1  # retracted to the queue, not lost
+    time.sleep(0.3)
+    assert http.post("/wake_up").status_code == 200
+    thread.join(timeout=300)
+    response = result["response"]
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 48
+
+
+@pytest.mark.parametrize(
+    ("path", "params", "says"),
+    [("/sleep", {"level": 3}, "level must be 1"), ("/sleep", {"level": "x"}, "level must be 1 or 2"),
+     ("/wake_up", {"tags": "gpu"}, "unknown tag(s) gpu")],
+)  # fmt: skip
+def test_bad_sleep_and_wake_requests_get_a_400(
+    http: httpx.Client, path: str, params: dict, says: str
+) -> None:
+    assert says in openai_error(http.post(path, params=params), 400)
+    assert http.get("/is_sleeping").json()["is_sleeping"] is False

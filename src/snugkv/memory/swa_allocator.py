@@ -237,6 +237,8 @@ class SWAAllocator:
                 "SWAAllocator: allocated window pages are not exactly the paired ones "
                 "(a window page is paired twice, leaked, or paired while free)"
             )
+        if self._full.capacity_tokens == 0:  # names no slot; its pool may be released (the engine sleeps)
+            return
         mapping = self.full_to_swa[: self._full.capacity_tokens + size].to("cpu").view(-1, size)
         offsets = torch.arange(size, dtype=torch.int64)
         if not torch.equal(mapping[0], offsets):

@@ -26,7 +26,7 @@ from snugkv.core.outputs import GenerateInput, GenerateOutput
 from snugkv.core.sampling import InvalidRequest
 from snugkv.engine import Engine
 from snugkv.scheduler import elastic, lockstep
-from snugkv.scheduler.lockstep import Abort, AbortAll, Add, Command, ResizeKV, Stop
+from snugkv.scheduler.lockstep import Abort, AbortAll, Add, Command, ResizeKV, Sleep, Stop, WakeUp
 from snugkv.scheduler.request import Request
 from snugkv.scheduler.scheduler import Scheduler
 
@@ -139,8 +139,30 @@ class AsyncEngine:
     async def kv_info(self) -> dict[str, Any]:
         return await self._query(elastic.kv_info)  # type: ignore[no-any-return]
 
+    async def sleep(self, *, level: int = 1, tags: tuple[str, ...] = ()) -> dict[str, Any]:
+        """Release memory on every rank (requests in flight wait in the queue); raises
+        `KvResizeError` when the engine cannot."""
+        result = await self._control(Sleep(level, tuple(tags)))
+        return {**result.to_dict(), **self.sleep_state()}
+
+    async def wake_up(self, *, tags: tuple[str, ...] = ()) -> dict[str, Any]:
+        result = await self._control(WakeUp(tuple(tags)))
+        return {**result.to_dict(), **self.sleep_state()}
+
     def is_sleeping(self) -> bool:
         return self.engine.is_sleeping
+
+    def sleep_state(self) -> dict[str, Any]:
+        engine = self.engine
+        weights = engine.loaded.weights
+        return {
+            "is_sleeping": engine.is_sleeping,
+            "sleeping_tags": sorted(engine.sleeping_tags),
+            "level": engine.sleep_level if "weights" in engine.sleeping_tags else None,
+            "weights_in_host_memory": weights is not None and weights.holds_host_copy,
+            "kv_committed_bytes": engine.pool.committed_bytes,
+            "weights_committed_bytes": weights.committed_bytes if weights is not None else None,
+        }
 
     async def _control(self, command: Command) -> Any:
         loop = asyncio.get_running_loop()

@@ -1,4 +1,4 @@
-"""Elastic memory on the scheduler thread: resizing the KV cache between steps.
+"""Elastic memory on the scheduler thread: resizing the KV cache, sleeping and waking, between steps.
 
 A shrink never fails a request. The new size must hold the largest live request (its tokens plus
 one page), else it is refused naming that bound. Then the prefix cache gives up its unlocked
@@ -8,6 +8,9 @@ retracted, newest first (their KV goes to the cache, they wait and are recompute
 engine moves the live pages below the bound (the cache follows through `remap_slots`) and
 decommits the rest. A grow only commits. Every rank runs this on the same commands, so every rank
 evicts, retracts and moves alike.
+
+Sleep retracts every request in flight (they wait in the queue; nothing is lost), empties the
+prefix cache and pauses the scheduler; wake sizes the KV cache again and lets the queue run.
 
 This module holds the policy of who gives way; the memory itself moves in
 snugkv.runner.kv_resize and the token counts are the engine's.
@@ -116,3 +119,40 @@ def kv_info(scheduler: Scheduler) -> dict[str, Any]:
         "num_running_requests": len(scheduler.running),
         "num_queued_requests": len(scheduler.waiting),
     }
+
+
+def sleep(scheduler: Scheduler, *, level: int = 1, tags: tuple[str, ...] = ()) -> KvResize:
+    """Pause the scheduler and release memory. Requests in flight are retracted (they wait in the
+    queue, nothing is lost) and the prefix cache is emptied when the KV cache goes."""
+    engine = engine_of(scheduler)
+    chosen = engine.check_sleep(level, tags)
+    if "kv_cache" in chosen - engine.sleeping_tags:
+        for request in sorted(
+            (r for r in (*scheduler.running, *scheduler.waiting) if r.is_admitted), key=lambda r: -r.seq
+        ):
+            if request in scheduler.running:
+                scheduler._retract(request)
+            else:
+                scheduler.slots.release(request)
+        scheduler.cache.reset()
+    scheduler.paused = True
+    return engine.sleep(level, tags)
+
+
+def wake_up(scheduler: Scheduler, *, tags: tuple[str, ...] = ()) -> KvResize:
+    """Take memory back; once nothing sleeps, the queue runs again. A queued request the re-sized
+    cache can no longer hold ends with an error saying so (the only request a wake can fail)."""
+    engine = engine_of(scheduler)
+    result = engine.wake_up(tags)
+    if not engine.is_sleeping:
+        scheduler.max_running_requests = result.max_running_requests
+        capacity = scheduler.runner.allocator.capacity_tokens
+        for request in [r for r in scheduler.waiting if r.num_tokens + scheduler.page_size > capacity]:
+            scheduler.waiting.remove(request)
+            request.error = (
+                f"the KV cache woke up holding {capacity} tokens, fewer than this request needs "
+                f"({request.num_tokens} and a page); send it again shorter"
+            )
+            scheduler._finish(request, "error")
+        scheduler.paused = False
+    return result

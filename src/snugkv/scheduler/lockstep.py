@@ -57,7 +57,21 @@ class ResizeKV:
     free_gib: float | None = None
 
 
-Command = Add | Abort | AbortAll | Stop | ResizeKV
+@dataclass(frozen=True, slots=True)
+class Sleep:
+    """Release the weights and/or the KV cache (`tags`, empty: both); level 1 keeps the weights in
+    host memory, level 2 drops them."""
+
+    level: int = 1
+    tags: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class WakeUp:
+    tags: tuple[str, ...] = ()
+
+
+Command = Add | Abort | AbortAll | Stop | ResizeKV | Sleep | WakeUp
 
 
 def share(tp: TensorParallel, commands: list[Command] | None) -> list[Command]:
@@ -79,6 +93,10 @@ def apply(scheduler: Scheduler, command: Command) -> Any:
         return elastic.resize_kv(
             scheduler, max_total_num_tokens=command.max_total_num_tokens, free_gib=command.free_gib
         )
+    elif isinstance(command, Sleep):
+        return elastic.sleep(scheduler, level=command.level, tags=command.tags)
+    elif isinstance(command, WakeUp):
+        return elastic.wake_up(scheduler, tags=command.tags)
     return None
 
 

@@ -117,7 +117,7 @@ class Scheduler:
                 "(prompt plus at least one new token); shorten the prompt"
             )
         capacity = self.runner.allocator.capacity_tokens
-        if len(prompt_ids) + self.page_size > capacity:
+        if len(prompt_ids) + self.page_size > capacity and not self.paused:  # asleep: wake checks it
             raise InvalidRequest(
                 f"the prompt needs {len(prompt_ids)} KV slots but the whole KV cache holds {capacity}; "
                 "shorten the prompt"
