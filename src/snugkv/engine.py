@@ -242,12 +242,12 @@ class Engine:
         self.baseline_free_bytes = baseline_free
         self.kv_events: deque[dict[str, Any]] = deque(maxlen=32)  # resizes, sleeps, wakes (newest last)
         self.kv_event_count = 0  # every one so far (the history keeps the last 32)
+        self._graph_driver_bytes = 0  # set once the graphs are captured
         self.sleeping_tags: frozenset[str] = frozenset()  # what sleep released: "weights", "kv_cache"
         self.sleep_level = 0  # of the last sleep: 1 keeps the weights on the host, 2 drops them
         sized = self._start_post_capture() if self.mode is SizingMode.POST_CAPTURE else self._start_static()
         self.runner, self.pool = sized.runner, sized.pool
         self.headroom_bytes = sized.headroom_bytes
-        self._graph_driver_bytes = sized.graph_driver_bytes
         self._activation_peak_bytes = sized.activation_peak_bytes
         ledger = self._measure_ledger()
         self.report = StartupReport(
@@ -410,6 +410,7 @@ class Engine:
         # 3. Back the dummy page, 4. capture the decode graphs against the fixed addresses.
         runner = self._build_runner(pool)
         graph_driver_bytes, capture_s = self._capture(runner)
+        self._graph_driver_bytes = graph_driver_bytes
         # 5. Measure: the activation peak of the largest eager step, then free memory.
         peak = measure_peak_bytes(self.device, lambda: self._largest_eager_step(runner))
         headroom = peak + self.args.headroom_margin_mib * MIB if self.device.type == "cuda" else 0
@@ -481,16 +482,26 @@ class Engine:
         runner.req_to_token_pool.cap_requests(max_running)
         return max_running
 
+    def _engine_device_bytes(self, pool: KVPool | None) -> int:
+        """What `--max-device-memory` counts: the engine's own device memory (weights, graphs,
+        buffers, KV), not the CUDA context nor other processes."""
+        outside_torch = self._graph_driver_bytes
+        if pool is not None and not isinstance(self.memory, PlainMemory):
+            outside_torch += pool.committed_bytes
+        if self.loaded.weights is not None:
+            outside_torch += self.loaded.weights.committed_bytes
+        return engine_device_bytes(self.memory, outside_torch)
+
     def _kv_cap_bytes(self, pool: KVPool, headroom_bytes: int) -> int | None:
         """What `--max-device-memory` leaves the KV cache: the cap less everything else the engine
         holds now and the activation headroom (None without a cap)."""
         if self.args.max_device_memory_gib is None:
             return None
-        others = engine_device_bytes(self.memory, self.baseline_free_bytes) - pool.committed_bytes
+        others = self._engine_device_bytes(pool) - pool.committed_bytes
         return int(self.args.max_device_memory_gib * GIB) - others - headroom_bytes
 
     def _cap_too_small(self, pool: KVPool, headroom_bytes: int) -> str:
-        others = engine_device_bytes(self.memory, self.baseline_free_bytes) - pool.committed_bytes
+        others = self._engine_device_bytes(pool) - pool.committed_bytes
         need = others + headroom_bytes + pool.bytes_for_tokens(2 * self._page_size)
         return (
             f"--max-device-memory {self.args.max_device_memory_gib:g} GiB leaves no room for the KV cache: "
@@ -527,19 +538,22 @@ class Engine:
             ).kv_budget_bytes
         if self.args.max_device_memory_gib is not None:  # the cap: what the engine holds now plus KV and peak
             cap_bytes = int(self.args.max_device_memory_gib * GIB)
-            used = engine_device_bytes(self.memory, self.baseline_free_bytes)
+            used = self._engine_device_bytes(pool=None)
             budget = min(budget, cap_bytes - used - peak)
         tokens = static_kv_tokens(budget, bytes_per_token, page, self.args.max_total_tokens)
         tokens = agree_min(tokens, self.group)  # tp: every rank the same count
         if tokens <= 0:
             raise SizingError(
                 f"--kv-sizing {self.mode} leaves no memory for the KV cache ({budget / GIB:.2f} GiB budget); "
-                "raise --gpu-memory-utilization / --mem-fraction-static or use post-capture sizing"
+                "raise --gpu-memory-utilization / --mem-fraction-static"
+                + (" / --max-device-memory" if self.args.max_device_memory_gib is not None else "")
+                + " or use post-capture sizing"
             )
         pool = self._pool(PoolMode.STATIC, tokens)
         runner = self._build_runner(pool)
         sizing_ms = (time.perf_counter() - measured) * 1e3
         graph_driver_bytes, capture_s = self._capture(runner)
+        self._graph_driver_bytes = graph_driver_bytes
         self._check_usable(runner)
         max_running = self._recap(runner, pool.committed_tokens)
         self._log(

@@ -164,6 +164,10 @@ def test_max_device_memory_caps_start_up_and_every_resize(model_dir):
     engine.resize_kv(cap_tokens // 2 // PAGE * PAGE)
     engine.resize_kv(cap_tokens)
     assert engine.pool.committed_bytes <= 0.01 * GIB
+    scheduler = Scheduler.for_engine(engine)
+    elastic.sleep(scheduler)
+    woke = elastic.wake_up(scheduler)  # sized from free memory again, and the cap holds again
+    assert woke.to_tokens == cap_tokens and engine.pool.committed_bytes <= 0.01 * GIB
     engine.close()
 
 

@@ -128,3 +128,27 @@ def test_graph_replay_equals_eager_after_sleep_and_wake(level):
     assert torch.equal(replayed, eager)
     assert torch.equal(eager, before)  # the same weights (copied back, or the same seed again)
     engine.close()
+
+
+def test_max_device_memory_holds_at_start_up_on_resize_and_on_wake():
+    from snugkv.memory.vmm import GIB
+    from snugkv.sizing.resize import KvResizeError
+
+    cap = 3 * GIB
+    engine = start(max_device_memory_gib=3.0)
+
+    def held() -> int:  # everything the engine took since its baseline (other processes aside)
+        return engine.baseline_free_bytes - free_bytes()
+
+    assert held() <= cap + 256 * MIB  # kernel modules loaded outside torch's allocator are the slack
+    assert held() >= cap - 512 * MIB  # and it did use the room it was given
+    limit = engine.kv_limits().cap_tokens
+    with pytest.raises(KvResizeError, match="--max-device-memory 3 GiB"):
+        engine.resize_kv(limit + 1024)
+    engine.resize_kv(limit // 2 // 16 * 16)
+    engine.resize_kv(limit)
+    assert held() <= cap + 256 * MIB
+    engine.sleep(level=1)
+    engine.wake_up()
+    assert held() <= cap + 256 * MIB
+    engine.close()
