@@ -12,6 +12,7 @@ BENCHMARKS = {
     "kernels": "snugkv.bench.kernels",
     "serving": "snugkv.bench.serving",
     "tp": "snugkv.bench.tp",
+    "elastic": "snugkv.bench.elastic",
 }
 
 

@@ -170,9 +170,22 @@ class KvArena:
         for buffer, target in plans:
             if target < buffer.committed_bytes:
                 self._drop_above(buffer, target)
+        unsplit: list[tuple[str, int, str]] = []  # buffers left with their whole top extension
         for buffer, target in plans:
             if target < buffer.committed_bytes:
-                self._split_top(buffer, target)
+                reason = self._split_top(buffer, target)
+                if reason is not None:
+                    unsplit.append((buffer.name, buffer.committed_bytes - target, reason))
+        if unsplit:
+            logger.warning(
+                "%s arena: %d buffer(s) keep %.1f MiB more than asked (%s, ...): no room to split their top "
+                "extension (%s); a later shrink or a smaller --kv-chunk-mib gives it back",
+                self.label,
+                len(unsplit),
+                sum(extra for _, extra, _ in unsplit) / MIB,
+                unsplit[0][0],
+                unsplit[0][2],
+            )
         added: list[tuple[ArenaBuffer, Extension]] = []
         try:
             for buffer, target in plans:
@@ -212,26 +225,19 @@ class KvArena:
         while buffer.extensions and buffer.extensions[-1].address >= end:
             self.vmm.decommit(buffer.extensions.pop())
 
-    def _split_top(self, buffer: ArenaBuffer, target: int) -> None:
+    def _split_top(self, buffer: ArenaBuffer, target: int) -> str | None:
         """Replace the top extension, which straddles `target`, by one holding only its bytes below
         `target`, contents kept. Without memory for the moment both exist, the whole extension
-        stays (at most one chunk more than asked stays committed) and the arena says so."""
+        stays (at most one chunk more than asked stays committed): returns why, else None."""
         top = buffer.extensions[-1]
         kept = self.base_address + buffer.offset + target - top.address
         if kept > self.chunk_bytes:  # never made by this arena; nothing to split it through
-            return
+            return "an extension larger than a chunk"
         scratch = self._scratch()
         try:
             fresh = self.vmm.commit(scratch, kept)
         except CommitError as exc:
-            logger.warning(
-                "%s arena: %s keeps %.1f MiB more than asked (no room to split its top extension: %s)",
-                self.label,
-                buffer.name,
-                (top.size_bytes - kept) / MIB,
-                exc,
-            )
-            return
+            return str(exc)
         try:
             self._copy(scratch, top.address, kept)
             self._synchronize()
@@ -240,6 +246,7 @@ class KvArena:
             raise
         self.vmm.decommit(buffer.extensions.pop())
         buffer.extensions.append(self.vmm.remap(fresh, top.address))
+        return None
 
     def _scratch(self) -> int:
         if self._scratch_address is None:
