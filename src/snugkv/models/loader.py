@@ -308,8 +308,7 @@ def load_model(
         seconds,
         " with random weights" if load_format == "dummy" else "",
     )
-    weights = getattr(net, "weight_arena", None)
-    return LoadedModel(net, config, source, dtype_, device_, seconds, load_format, seed, weights)
+    return LoadedModel(net, config, source, dtype_, device_, seconds, load_format, seed, net.weight_arena)
 
 
 def _fill(net: CausalLM, config: ModelConfig, source: ModelSource, load_format: str, seed: int) -> None:
