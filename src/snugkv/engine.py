@@ -597,7 +597,8 @@ class Engine:
             max_device_memory_gib=self.args.max_device_memory_gib,
         )
 
-    def _check_resizable(self) -> ModelRunner:
+    def check_resizable(self) -> ModelRunner:
+        """The runner, or `KvResizeError` saying why the KV cache cannot change size now."""
         if self.runner is None:
             raise KvResizeError("the engine is closed", status=409)
         if self.mode is not SizingMode.POST_CAPTURE or isinstance(self.memory, PlainMemory):
@@ -615,7 +616,7 @@ class Engine:
     def kv_tokens_for_free_gib(self, free_gib: float) -> int:
         """The KV size that leaves `free_gib` of device memory free beyond the activation headroom,
         measured now as the MIN over ranks (and kept under the caps)."""
-        self._check_resizable()
+        self.check_resizable()
         free_gib = check_free_gib(free_gib)
         free = measure_free(self.memory, self.group)
         tokens = tokens_for_budget(
@@ -651,7 +652,7 @@ class Engine:
         Every allocator and `max_running_requests` follow; graphs stay valid. Raises
         `KvResizeError` naming the limit when the count is out of bounds or the engine cannot.
         """
-        runner = self._check_resizable()
+        runner = self.check_resizable()
         tokens = self.kv_limits().check(max_total_num_tokens)
         started = time.perf_counter()
         old_tokens, old_bytes = self.pool.committed_tokens, self.pool.committed_bytes
@@ -867,7 +868,11 @@ class Engine:
                 f"{self.headroom_bytes / GIB:.2f} GiB kept as activation headroom; free device memory and wake again",
                 status=409,
             )
-        tokens, _ = finalize_with_retry(self.pool, tokens, self.group)
+        try:
+            tokens, _ = finalize_with_retry(self.pool, tokens, self.group)
+        except SizingError as exc:  # memory taken meanwhile, on some rank: every rank stays asleep
+            self.pool.release_backing()
+            raise KvResizeError(str(exc), status=409) from exc
         runner.allocator.resize(tokens)
         return tokens
 

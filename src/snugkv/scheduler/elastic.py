@@ -53,6 +53,7 @@ def resize_kv(
 ) -> KvResize:
     """Resize to `max_total_num_tokens`, or to what leaves `free_gib` of device memory free."""
     engine = engine_of(scheduler)
+    engine.check_resizable()  # asleep or sized without virtual memory: refused before any value
     if (max_total_num_tokens is None) == (free_gib is None):
         raise KvResizeError("give exactly one of max_total_num_tokens and free_gib")
     if free_gib is not None:
