@@ -73,6 +73,7 @@ from snugkv.sizing.resize import KvResize, KvResizeError, ResizeLimits, cap_toke
 logger = logging.getLogger(__name__)
 
 SLEEP_TAGS = frozenset({"weights", "kv_cache"})  # what sleep can release (vLLM's and SGLang's names)
+KEPT_TAGS = frozenset({"cuda_graph"})  # SGLang's tag for the graphs: accepted, they stay (no re-capture)
 
 
 @dataclass(frozen=True, slots=True)
@@ -767,13 +768,15 @@ class Engine:
 
     @staticmethod
     def _check_tags(tags: Collection[str] | None) -> frozenset[str]:
-        chosen = frozenset(tags) if tags else SLEEP_TAGS
-        unknown = sorted(chosen - SLEEP_TAGS)
+        """The tags to act on (none given: all); `cuda_graph` is accepted and left alone."""
+        if not tags:
+            return SLEEP_TAGS
+        given = frozenset(tags)
+        unknown = sorted(given - SLEEP_TAGS - KEPT_TAGS)
         if unknown:
-            raise KvResizeError(
-                f"unknown tag(s) {', '.join(unknown)}; tags are {', '.join(sorted(SLEEP_TAGS))}", param="tags"
-            )
-        return chosen
+            names = ", ".join(sorted(SLEEP_TAGS | KEPT_TAGS))
+            raise KvResizeError(f"unknown tag(s) {', '.join(unknown)}; tags are {names}", param="tags")
+        return given & SLEEP_TAGS
 
     def sleep(self, level: int = 1, tags: Collection[str] | None = None) -> KvResize:
         """Release the KV cache and/or the weights (`tags`, default both); every KV slot must be free

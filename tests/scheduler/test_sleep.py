@@ -124,6 +124,8 @@ def test_partial_wakes_follow_the_tags(model_dir):
     assert not engine.is_sleeping and not scheduler.paused
     with pytest.raises(KvResizeError, match="unknown tag"):
         elastic.sleep(scheduler, tags=("gpu",))
+    elastic.sleep(scheduler, tags=("cuda_graph",))  # SGLang's graph tag: the graphs stay, nothing sleeps
+    assert not engine.is_sleeping and not scheduler.paused
     with pytest.raises(KvResizeError, match="level must be 1"):
         elastic.sleep(scheduler, level=3)
     engine.close()

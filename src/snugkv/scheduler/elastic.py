@@ -136,8 +136,9 @@ def sleep(scheduler: Scheduler, *, level: int = 1, tags: tuple[str, ...] = ()) -
             else:
                 scheduler.slots.release(request)
         scheduler.cache.reset()
-    scheduler.paused = True
-    return engine.sleep(level, tags)
+    result = engine.sleep(level, tags)
+    scheduler.paused = engine.is_sleeping  # (tags naming only the graphs release nothing)
+    return result
 
 
 def wake_up(scheduler: Scheduler, *, tags: tuple[str, ...] = ()) -> KvResize:
