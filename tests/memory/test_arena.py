@@ -145,3 +145,78 @@ def test_a_backend_error_that_is_not_out_of_memory_also_rolls_the_commit_back():
     pool.finalize_backing(2048)  # the pool is usable afterwards
     assert pool.committed_tokens == 2048
     pool.close()
+
+
+def chunked_arena(chunk_mib: int = 4, capacity_bytes: int | None = None) -> KvArena:
+    vmm = HostVmm(granularity_bytes=2 * MIB, capacity_bytes=capacity_bytes)
+    return KvArena(vmm, 1024 * MIB, label="chunked", chunk_bytes=chunk_mib * MIB)
+
+
+def fill_pattern(arena: KvArena, name: str, size_bytes: int) -> torch.Tensor:
+    view = arena.view(next(b for b in arena.buffers if b.name == name)).view(torch.uint8).reshape(-1)
+    pattern = torch.randint(
+        0, 256, (size_bytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(7)
+    )
+    view[:size_bytes] = pattern
+    del view
+    return pattern
+
+
+def read_bytes(arena: KvArena, name: str, size_bytes: int) -> torch.Tensor:
+    view = arena.view(next(b for b in arena.buffers if b.name == name)).view(torch.uint8).reshape(-1)
+    return view[:size_bytes].clone()
+
+
+def test_growth_commits_extensions_of_at_most_one_chunk_cut_at_chunk_multiples():
+    arena = chunked_arena(chunk_mib=4)
+    buffer = arena.add_buffer(k_layout(), 100_000)
+    arena.commit({"k": 3 * MIB})
+    arena.commit({"k": 13 * MIB})
+    sizes = [extension.size_bytes // MIB for extension in buffer.extensions]
+    assert sizes == [4, 4, 4, 2]  # 0-4 (first growth), then 4-8, 8-12, 12-14
+    starts = [
+        (extension.address - arena.base_address - buffer.offset) // MIB for extension in buffer.extensions
+    ]
+    assert starts == [0, 4, 8, 12]
+    assert arena.vmm.committed_bytes == 14 * MIB
+
+
+def test_shrink_keeps_every_byte_below_the_new_end_and_gives_the_rest_back():
+    arena = chunked_arena(chunk_mib=4)
+    arena.add_buffer(k_layout("a"), 100_000)
+    arena.add_buffer(k_layout("b"), 100_000)
+    arena.commit({"a": 14 * MIB, "b": 10 * MIB})
+    a_pattern, b_pattern = fill_pattern(arena, "a", 14 * MIB), fill_pattern(arena, "b", 10 * MIB)
+    arena.commit({"a": 6 * MIB + 1, "b": 2 * MIB})  # a: split inside its second chunk; b: a whole chunk kept
+    a, b = arena.buffers
+    assert a.committed_bytes == 8 * MIB and b.committed_bytes == 2 * MIB  # target rounded up to a granule
+    assert arena.vmm.committed_bytes == 10 * MIB
+    assert torch.equal(read_bytes(arena, "a", 8 * MIB), a_pattern[: 8 * MIB])
+    assert torch.equal(read_bytes(arena, "b", 2 * MIB), b_pattern[: 2 * MIB])
+    arena.commit({"a": 12 * MIB, "b": 10 * MIB})  # grows again after a split, chunks still bounded
+    assert max(extension.size_bytes for extension in a.extensions) <= 4 * MIB
+    assert torch.equal(read_bytes(arena, "a", 8 * MIB), a_pattern[: 8 * MIB])
+
+
+def test_a_shrink_without_room_for_the_split_keeps_the_straddling_extension_whole():
+    arena = chunked_arena(chunk_mib=8, capacity_bytes=16 * MIB)
+    buffer = arena.add_buffer(k_layout(), 100_000)
+    arena.commit({"k": 16 * MIB})  # the backend is full
+    pattern = fill_pattern(arena, "k", 16 * MIB)
+    arena.commit({"k": 10 * MIB})  # drops nothing whole; the split needs 2 MiB it cannot get
+    assert buffer.committed_bytes == 16 * MIB
+    assert torch.equal(read_bytes(arena, "k", 16 * MIB), pattern)
+    arena.commit({"k": 6 * MIB})  # the top chunk goes whole, which makes room to split the next
+    assert buffer.committed_bytes == 6 * MIB and arena.vmm.committed_bytes == 6 * MIB
+    assert torch.equal(read_bytes(arena, "k", 6 * MIB), pattern[: 6 * MIB])
+
+
+def test_close_releases_the_scratch_range_too():
+    arena = chunked_arena()
+    arena.add_buffer(k_layout(), 100_000)
+    arena.commit({"k": 8 * MIB})
+    arena.commit({"k": 5 * MIB})  # splits the second chunk through the scratch range
+    assert arena._scratch_address is not None
+    gc.collect()
+    arena.close()
+    assert arena.vmm.committed_bytes == 0

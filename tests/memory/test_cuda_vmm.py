@@ -144,3 +144,43 @@ def test_fp8_pool_on_gpu_round_trips_e4m3_values(vmm):
     assert torch.equal(pool.get_kv_buffer(0)[0][2, :, 8].float(), values[0])
     pool.close()
     pool.arena.close()
+
+
+def test_remap_keeps_the_contents_of_a_gpu_extension(vmm):
+    base = vmm.reserve(8 * vmm.granularity_bytes)
+    size = 2 * vmm.granularity_bytes
+    extension = vmm.commit(base + 4 * vmm.granularity_bytes, size)
+    from snugkv.memory.views import byte_view
+
+    source = byte_view(extension.address, size, torch.device("cuda"), owner=vmm, on_release=lambda: None)
+    source.copy_(torch.arange(size, device="cuda").to(torch.uint8))
+    del source
+    torch.cuda.synchronize()
+    moved = vmm.remap(extension, base)
+    view = byte_view(base, size, torch.device("cuda"), owner=vmm, on_release=lambda: None)
+    assert torch.equal(view, torch.arange(size, device="cuda").to(torch.uint8))
+    del view
+    vmm.decommit(moved)
+    vmm.release(base, 8 * vmm.granularity_bytes)
+
+
+def test_a_pool_shrink_frees_the_decommitted_bytes_and_keeps_the_rest_bit_for_bit(vmm):
+    """Device free memory moves by the resized bytes, within one granule per buffer."""
+    pool = make_pool(vmm, "post-capture")
+    pool.ensure_prefix()
+    pool.finalize_backing(300_000)
+    k = torch.randn(100_000, 8, 128, device="cuda", dtype=torch.bfloat16)
+    loc = torch.arange(1, 100_001, device="cuda")
+    pool.set_kv(7, loc, k, k * 2)
+    granule, buffers = vmm.granularity_bytes, 64
+    for tokens in (150_001, 100_000, 250_000, 100_000):
+        before, committed = free_bytes(), pool.committed_bytes
+        pool.finalize_backing(tokens)
+        moved = pool.committed_bytes - committed
+        assert abs((before - free_bytes()) - moved) <= buffers * granule, tokens
+        assert 0 <= pool.committed_bytes - pool.bytes_for_tokens(tokens) < buffers * granule
+        key, value = pool.get_kv_buffer(7)
+        assert torch.equal(key[1:100_001], k) and torch.equal(value[1:100_001], k * 2)
+        del key, value
+    pool.close()
+    pool.arena.close()

@@ -92,3 +92,27 @@ def test_random_workload_keeps_free_plus_cached_equal_to_capacity(page_size):
         assert slots.unique().numel() == slots.numel()
         assert cache.cached_tokens + cache.allocator.available_tokens == cache.allocator.capacity_tokens
         cache.allocator.check_integrity()
+
+
+def test_evict_at_or_above_drops_unlocked_entries_reaching_the_bound_and_keeps_locked_ones():
+    cache = make_cache(4, capacity=64)
+    low = cache_request(cache, list(range(8)))  # pages 1-2
+    locked = cache_request(cache, list(range(100, 108)))  # pages 3-4
+    high = cache_request(cache, list(range(200, 208)))  # pages 5-6
+    cache.lock(cache.match_prefix(list(range(100, 108))).node)
+    freed = cache.evict_at_or_above(12)  # slot 12 = page 3
+    assert freed == 8  # only the unlocked high entry
+    assert cache.match_prefix(list(range(200, 208))).num_tokens == 0
+    assert torch.equal(cache.match_prefix(list(range(100, 108))).slots, locked)
+    assert torch.equal(cache.match_prefix(list(range(8))).slots, low)
+    assert cache.cached_tokens == 16 and int(high.min()) >= 20
+
+
+def test_remap_slots_follows_moved_pages():
+    from snugkv.memory.moves import PageMoves
+
+    cache = make_cache(4, capacity=64)
+    slots = cache_request(cache, list(range(8)))
+    assert slots.tolist() == list(range(4, 12))
+    cache.remap_slots(PageMoves(torch.tensor([2]), torch.tensor([7])))
+    assert cache.match_prefix(list(range(8))).slots.tolist() == [4, 5, 6, 7, 28, 29, 30, 31]

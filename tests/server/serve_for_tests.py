@@ -63,6 +63,8 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, Callable[[], None]]:
         seed=0,
         served_model_name=args.served_model_name,
         disable_prefix_cache=False,
+        kv_chunk_mib=args.kv_chunk_mib,
+        max_device_memory_gib=args.max_device_memory,
     )
     engine, _ = build_async_engine(engine_args)
     return engine, engine.stop
@@ -93,6 +95,8 @@ def main() -> None:
         "--max-total-tokens", type=int, default=4096, help="real engine only: KV cache tokens"
     )
     parser.add_argument("--tokenizer-gguf", default=None, help="fake engine only: use this GGUF's tokenizer")
+    parser.add_argument("--kv-chunk-mib", type=int, default=256, help="real engine only")
+    parser.add_argument("--max-device-memory", type=float, default=None, help="real engine only (GiB)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 

@@ -14,6 +14,7 @@ BENCHMARKS = {
     "prefill": "snugkv.bench.prefill",
     "serving": "snugkv.bench.serving",
     "tp": "snugkv.bench.tp",
+    "elastic": "snugkv.bench.elastic",
 }
 
 

@@ -129,6 +129,22 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="CPU: RAM for the KV cache (default: 25%% of free RAM, at most 1)",
     )
     group.add_argument(
+        "--max-device-memory",
+        dest="max_device_memory_gib",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="cap on the device memory the engine holds (weights, graphs, buffers, activation headroom "
+        "and KV; the CUDA context and other processes are not counted; on CPU it bounds the KV cache), "
+        "kept at start-up, on every KV resize and on wake",
+    )
+    group.add_argument(
+        "--kv-chunk-mib",
+        type=int,
+        default=256,
+        help="largest KV extension in MiB: a run-time shrink drops whole ones (default: 256)",
+    )
+    group.add_argument(
         "--weights-seed", type=int, default=0, help="seed of random (--load-format dummy) weights"
     )
     group.add_argument(

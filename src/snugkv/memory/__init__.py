@@ -20,4 +20,6 @@ Modules, in data-flow order:
     arena      one reserved range, named buffers, commit watermarks
     kv_pool    MHA pool; mla_pool, swa_pool for the other attention kinds
     allocator, req_to_token, swa_allocator   slot bookkeeping
+    moves      the page moves that let a cache shrink under live requests
+    weight_arena   model weights in virtual memory (released and taken back at the same addresses)
 """

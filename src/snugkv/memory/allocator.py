@@ -20,6 +20,8 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from snugkv.memory.moves import KvMoves, PageMoves
+
 DEBUG_ENV_VAR = "SNUGKV_DEBUG_ALLOCATOR"
 _CPU = torch.device("cpu")
 
@@ -90,6 +92,16 @@ class SlotAllocator(Protocol):
 
     def resize(self, capacity_tokens: int) -> None:
         """Set the usable capacity (a page multiple). Shrinking needs every slot above it free."""
+        ...
+
+    def plan_shrink(self, capacity_tokens: int) -> KvMoves | None:
+        """Moves that free every page above `capacity_tokens`: each handed-out page there goes to
+        the lowest free page below it. None when too few pages below are free. Changes nothing."""
+        ...
+
+    def apply_moves(self, moves: KvMoves) -> None:
+        """Take a plan from `plan_shrink` into the bookkeeping (destinations handed out, sources
+        free). The caller copies the KV and rewrites whatever names the moved slots."""
         ...
 
     def check_integrity(self) -> None:
@@ -173,12 +185,15 @@ class PageFreeList(ABC):
     def alloc_decode(self, seq_lens: torch.Tensor, last_loc: torch.Tensor) -> torch.Tensor | None:
         """One slot per request for position `seq_lens[i] - 1` (seq_lens include the new token)."""
 
-    def resize(self, capacity_tokens: int) -> None:
-        """Set the usable capacity. Shrinking needs every slot above the new capacity free."""
+    def _check_capacity(self, capacity_tokens: int) -> None:
         if capacity_tokens < 0 or capacity_tokens % self._page_size:
             raise ValueError(
                 f"capacity must be a non-negative multiple of page_size={self._page_size}, got {capacity_tokens}"
             )
+
+    def resize(self, capacity_tokens: int) -> None:
+        """Set the usable capacity. Shrinking needs every slot above the new capacity free."""
+        self._check_capacity(capacity_tokens)
         new_num_pages = capacity_tokens // self._page_size + 1
         old_num_pages = self._num_pages
         self._merge_released()
@@ -200,6 +215,41 @@ class PageFreeList(ABC):
             keep = int(torch.searchsorted(self._free_pages, new_num_pages))
             self._free_pages = self._free_pages[:keep]
         self._num_pages = new_num_pages
+        self._done(None)
+
+    def plan_shrink(self, capacity_tokens: int) -> KvMoves | None:
+        """See `SlotAllocator.plan_shrink`."""
+        pages = self.plan_page_moves(capacity_tokens)
+        return None if pages is None else KvMoves(full=pages)
+
+    def plan_page_moves(self, capacity_tokens: int) -> PageMoves | None:
+        """Handed-out pages above `capacity_tokens` paired with the lowest free pages below it."""
+        self._check_capacity(capacity_tokens)
+        self._merge_released()
+        new_num_pages = capacity_tokens // self._page_size + 1
+        if new_num_pages >= self._num_pages:
+            return PageMoves()
+        sources = torch.nonzero(self._page_in_use[new_num_pages:]).reshape(-1) + new_num_pages
+        free_below = self._free_pages[: int(torch.searchsorted(self._free_pages, new_num_pages))]
+        if sources.numel() > free_below.numel():
+            return None
+        return PageMoves(sources, free_below[: sources.numel()].clone())
+
+    def apply_moves(self, moves: KvMoves) -> None:
+        """See `SlotAllocator.apply_moves`."""
+        self.apply_page_moves(moves.full)
+
+    def apply_page_moves(self, moves: PageMoves) -> None:
+        if not moves.num_pages:
+            return
+        self._merge_released()
+        sources, destinations = moves.src_pages, moves.dst_pages
+        if not bool(self._page_in_use[sources].all()) or bool(self._page_in_use[destinations].any()):
+            raise ValueError("page moves must go from handed-out pages to free ones; plan them again")
+        self._page_in_use[sources] = False
+        self._page_in_use[destinations] = True
+        keep = ~torch.isin(self._free_pages, destinations)
+        self._free_pages = _merge_sorted(self._free_pages[keep], torch.sort(sources).values)
         self._done(None)
 
     def check_integrity(self) -> None:

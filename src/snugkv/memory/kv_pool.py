@@ -19,8 +19,9 @@ from enum import StrEnum
 
 import torch
 
-from snugkv.memory.arena import ArenaBuffer, KvArena
+from snugkv.memory.arena import DEFAULT_CHUNK_BYTES, ArenaBuffer, KvArena
 from snugkv.memory.layout import BufferLayout, KVLayout, parse_kv_dtype
+from snugkv.memory.moves import KvMoves, PageMoves
 from snugkv.memory.vmm import GIB, VirtualMemory
 from snugkv.memory.vmm_factory import create_vmm
 from snugkv.memory.vmm_plain import PlainMemory
@@ -38,8 +39,9 @@ class PoolMode(StrEnum):
 @dataclass(frozen=True, slots=True)
 class KVPoolSpec:
     """How a pool stores KV, whatever its kind: storage dtype, page size, layout, device, whether it
-    is backed now (static) or after graph capture (post-capture), and the memory backend
-    (None: the device's default, see `_default_memory`)."""
+    is backed now (static) or after graph capture (post-capture), the memory backend (None: the
+    device's default, see `_default_memory`) and the largest extension its arena commits
+    (`KvArena.chunk_bytes`: what a later shrink can drop whole)."""
 
     dtype: torch.dtype
     page_size: int
@@ -47,6 +49,7 @@ class KVPoolSpec:
     device: torch.device
     mode: PoolMode = PoolMode.STATIC
     memory: VirtualMemory | None = None
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
 
     @classmethod
     def of(
@@ -58,12 +61,19 @@ class KVPoolSpec:
         device: torch.device | str,
         mode: PoolMode | str = PoolMode.STATIC,
         memory: VirtualMemory | None = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     ) -> KVPoolSpec:
         """A spec from user-facing names ("bfloat16", "hnd", "post-capture"), checked."""
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         return cls(
-            parse_kv_dtype(dtype), page_size, KVLayout(layout), torch.device(device), PoolMode(mode), memory
+            parse_kv_dtype(dtype),
+            page_size,
+            KVLayout(layout),
+            torch.device(device),
+            PoolMode(mode),
+            memory,
+            chunk_bytes,
         )
 
 
@@ -117,7 +127,7 @@ class KVPool:
                 for group, layouts in layouts_by_group.items()
                 for layout in layouts
             )
-            self._arena = KvArena(vmm, need, label=type(self).__name__)
+            self._arena = KvArena(vmm, need, label=type(self).__name__, chunk_bytes=self.spec.chunk_bytes)
         views: dict[str, torch.Tensor] = {}
         for group, layouts in layouts_by_group.items():
             placed = [self._arena.add_buffer(layout, upper[group]) for layout in layouts]
@@ -227,6 +237,14 @@ class KVPool:
         self._back(num_tokens)
         return num_tokens
 
+    def release_backing(self) -> int:
+        """Decommit every byte, the dummy page included (the engine sleeps: nothing runs until
+        `ensure_prefix` and `finalize_backing` back it again); returns the bytes released."""
+        released = self.committed_bytes
+        self.arena.commit({name: 0 for name in self._targets(0)})
+        self.committed_tokens = 0
+        return released
+
     def close(self) -> None:
         """Drop this pool's views; release the arena too when the pool made it."""
         self._drop_views()
@@ -240,6 +258,34 @@ class KVPool:
 
     def _drop_views(self) -> None:
         raise NotImplementedError
+
+    # -- moving pages (a shrink under live requests, snugkv.memory.moves) --------------------
+    def move_pages(self, moves: KvMoves) -> int:
+        """Copy every moved page's KV, in every buffer, to its destination page, bit for bit;
+        returns the bytes copied. The sources keep their contents (until they are decommitted)."""
+        copied = 0
+        for group, page_moves in self._moves_by_group(moves).items():
+            if page_moves.num_pages:
+                for buffer in self._kv_tensors(group):
+                    copied += self._copy_pages(buffer, page_moves)
+        return copied
+
+    def _moves_by_group(self, moves: KvMoves) -> dict[str, PageMoves]:
+        return {DEFAULT_GROUP: moves.full}
+
+    def _kv_tensors(self, group: str) -> list[torch.Tensor]:
+        """The KV buffers of a group (not per-slot tables such as a slot map)."""
+        raise NotImplementedError
+
+    def _copy_pages(self, buffer: torch.Tensor, moves: PageMoves) -> int:
+        if self.layout is KVLayout.PAGE_MAJOR:
+            sources, destinations = moves.src_pages, moves.dst_pages
+        else:
+            sources, destinations = moves.slots(self.page_size)
+        raw = buffer.view(torch.uint8)  # the bytes themselves, whatever the dtype (fp8, NaN payloads)
+        rows = raw.index_select(0, sources.to(raw.device))
+        raw.index_copy_(0, destinations.to(raw.device), rows)
+        return rows.numel()
 
     # -- what attention reads and writes (snugkv.core.forward.KVCache) -----------------------
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -308,6 +354,9 @@ class MHAKVPool(KVPool):
             raise ValueError("an MHA pool stores K and V: pass both")
         self._store(self.k_buffers[layer_id], loc, k)
         self._store(self.v_buffers[layer_id], loc, v)
+
+    def _kv_tensors(self, group: str) -> list[torch.Tensor]:
+        return [*self.k_buffers.values(), *self.v_buffers.values()]
 
     def _drop_views(self) -> None:
         self.k_buffers.clear()

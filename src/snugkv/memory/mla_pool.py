@@ -47,5 +47,8 @@ class MLAKVPool(KVPool):
         """Write `latent [n, 1, kv_lora_rank + rope]`; V is part of the latent, so `v` is ignored."""
         self._store(self.latent_buffers[layer_id], loc, latent)
 
+    def _kv_tensors(self, group: str) -> list[torch.Tensor]:
+        return list(self.latent_buffers)
+
     def _drop_views(self) -> None:
         self.latent_buffers.clear()

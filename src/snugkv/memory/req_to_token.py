@@ -12,6 +12,8 @@ import bisect
 
 import torch
 
+from snugkv.memory.moves import PageMoves
+
 
 class ReqToTokenPool:
     """Rows of the request-to-token table, handed out lowest first.
@@ -76,6 +78,15 @@ class ReqToTokenPool:
                 f"table's 0..{self.max_context_len - 1}; raise max_context_len or shorten the request"
             )
         self.req_to_token[req_idx, start:end] = slots.to(device=self.device, dtype=torch.int32)
+
+    def remap_slots(self, moves: PageMoves, page_size: int) -> None:
+        """Point every handed-out row at the new place of each moved page (a shrink moved them);
+        graphs read slots through this table, so they follow without being captured again."""
+        rows = [row for row in range(1, self.max_requests + 1) if self._in_use[row]]
+        if not rows or not moves.num_pages:
+            return
+        index = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        self.req_to_token[index] = moves.remap_slots(self.req_to_token[index], page_size)
 
     def _check_in_use(self, req_idx: int, action: str) -> None:
         if req_idx == 0:

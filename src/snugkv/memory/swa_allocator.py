@@ -27,6 +27,7 @@ from snugkv.memory.allocator import (
     debug_from_env,
     make_allocator,
 )
+from snugkv.memory.moves import KvMoves
 
 
 class SWAAllocator:
@@ -187,6 +188,36 @@ class SWAAllocator:
         self._swa_page_of = torch.cat([self._swa_page_of[:num_pages], grown])
         self._after_op()
 
+    def plan_shrink(self, capacity_tokens: int) -> KvMoves | None:
+        """As SlotAllocator.plan_shrink: full pages above `capacity_tokens` and window pages above
+        the window pool's share of it, each to the lowest free page below its bound."""
+        full = self._full.plan_page_moves(capacity_tokens)
+        window = self._swa.plan_page_moves(self._swa_tokens_for(capacity_tokens))
+        if full is None or window is None:
+            return None
+        return KvMoves(full=full, window=window)
+
+    def apply_moves(self, moves: KvMoves) -> None:
+        """As SlotAllocator.apply_moves; also re-pairs the moved pages and rewrites `full_to_swa`."""
+        size, mapping = self._page_size, self.full_to_swa
+        offsets = torch.arange(size, dtype=torch.int64)
+        self._full.apply_page_moves(moves.full)
+        self._swa.apply_page_moves(moves.window)
+        if moves.full.num_pages:  # a full page takes its window page (and mapping) along
+            sources, destinations = moves.full.slots(size)
+            mapping[destinations.to(mapping.device)] = mapping[sources.to(mapping.device)]
+            mapping[sources.to(mapping.device)] = 0
+            self._swa_page_of[moves.full.dst_pages] = self._swa_page_of[moves.full.src_pages]
+            self._swa_page_of[moves.full.src_pages] = 0
+        if moves.window.num_pages:  # the full pages paired with a moved window page follow it
+            full_pages = torch.nonzero(torch.isin(self._swa_page_of, moves.window.src_pages)).reshape(-1)
+            window_pages = moves.window.remap_pages(self._swa_page_of[full_pages])
+            self._swa_page_of[full_pages] = window_pages
+            slots = (full_pages[:, None] * size + offsets).reshape(-1).to(mapping.device)
+            moved = (window_pages[:, None] * size + offsets).reshape(-1).to(mapping.device)
+            mapping[slots] = torch.where(mapping[slots] != 0, moved, 0)
+        self._after_op()
+
     def check_integrity(self) -> None:
         """Raise AllocatorIntegrityError unless both pools are sound, window pages are paired
         one-to-one with allocated full pages, and the mapping agrees with the pairing."""
@@ -206,6 +237,8 @@ class SWAAllocator:
                 "SWAAllocator: allocated window pages are not exactly the paired ones "
                 "(a window page is paired twice, leaked, or paired while free)"
             )
+        if self._full.capacity_tokens == 0:  # names no slot; its pool may be released (the engine sleeps)
+            return
         mapping = self.full_to_swa[: self._full.capacity_tokens + size].to("cpu").view(-1, size)
         offsets = torch.arange(size, dtype=torch.int64)
         if not torch.equal(mapping[0], offsets):

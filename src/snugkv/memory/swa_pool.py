@@ -14,6 +14,7 @@ import torch
 from snugkv.memory.arena import KvArena
 from snugkv.memory.kv_pool import DEFAULT_GROUP, KVPool, KVPoolSpec
 from snugkv.memory.layout import BufferLayout, KVLayout
+from snugkv.memory.moves import KvMoves, PageMoves
 
 SWA_GROUP = "swa"
 
@@ -108,6 +109,15 @@ class SWAKVPool(KVPool):
             loc = slot_map[loc]
         self._store(self.k_buffers[layer_id], loc, k)
         self._store(self.v_buffers[layer_id], loc, v)
+
+    def _moves_by_group(self, moves: KvMoves) -> dict[str, PageMoves]:
+        return {DEFAULT_GROUP: moves.full, SWA_GROUP: moves.window}
+
+    def _kv_tensors(self, group: str) -> list[torch.Tensor]:
+        layers = [
+            layer for layer in range(self.num_layers) if (layer in self.swa_layer_ids) == (group == SWA_GROUP)
+        ]
+        return [buffer for layer in layers for buffer in (self.k_buffers[layer], self.v_buffers[layer])]
 
     def _drop_views(self) -> None:
         self.k_buffers.clear()

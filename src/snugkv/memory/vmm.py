@@ -49,8 +49,11 @@ class VirtualMemory(ABC):
     Contract: `reserve` returns a granularity-aligned address and costs no physical memory.
     `commit` backs `[address, address + size)` with one new extension or raises
     `CommitError` having rolled back everything it created. `decommit` returns an extension's
-    physical memory; the addresses stay reserved. `release` frees a reserved range; the caller
-    must have decommitted every extension in it first.
+    physical memory; the addresses stay reserved. `remap` moves an extension's physical memory,
+    contents and all, to another reserved span of the same size (the old span stays reserved,
+    unbacked): it is how a shrink keeps the data of a partly kept extension, since a driver
+    mapping can only be unmapped whole. `release` frees a reserved range; the caller must have
+    decommitted every extension in it first.
     """
 
     name: str
@@ -69,6 +72,10 @@ class VirtualMemory(ABC):
 
     @abstractmethod
     def decommit(self, extension: Extension) -> None: ...
+
+    @abstractmethod
+    def remap(self, extension: Extension, address: int) -> Extension:
+        """Map `extension`'s memory at `address` instead (contents kept); returns the moved extension."""
 
     @abstractmethod
     def release(self, address: int, size_bytes: int) -> None: ...

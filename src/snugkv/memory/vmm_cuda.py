@@ -135,6 +135,28 @@ class CudaVmm(VirtualMemory):
             _check(drv.cuMemUnmap(extension.address, extension.size_bytes), "cuMemUnmap")
             _check(drv.cuMemRelease(extension.handle), "cuMemRelease")
 
+    def remap(self, extension: Extension, address: int) -> Extension:
+        """Unmap the handle and map it at `address`; the physical memory (and its contents) stays."""
+        size = extension.size_bytes
+        if address % self._granularity_bytes:
+            raise ValueError(f"remap target 0x{address:x} must be granularity-aligned")
+        with self._lock:
+            self._make_current()
+            _check(drv.cuMemUnmap(extension.address, size), "cuMemUnmap")
+            mapped = False
+            try:
+                _check(drv.cuMemMap(address, size, 0, extension.handle, 0), "cuMemMap")
+                mapped = True
+                _check(drv.cuMemSetAccess(address, size, [self._access], 1), "cuMemSetAccess")
+            except VmmError:  # put the memory back where it was, so the caller still owns a mapping
+                if mapped:
+                    drv.cuMemUnmap(address, size)
+                old = extension.address
+                _check(drv.cuMemMap(old, size, 0, extension.handle, 0), "cuMemMap (restore)")
+                _check(drv.cuMemSetAccess(old, size, [self._access], 1), "cuMemSetAccess (restore)")
+                raise
+        return Extension(address, size, extension.handle)
+
     def release(self, address: int, size_bytes: int) -> None:
         self._make_current()
         _check(drv.cuMemAddressFree(address, self.align_up(size_bytes)), "cuMemAddressFree")

@@ -18,6 +18,7 @@ from snugkv.core.forward import ForwardBatch
 from snugkv.distributed.group import TensorParallel
 from snugkv.layers.norm import RMSNorm
 from snugkv.layers.parallel_linear import ColumnParallelLinear, ParallelLMHead, VocabParallelEmbedding
+from snugkv.memory.weight_arena import WeightArena
 from snugkv.models.config import ModelConfig
 from snugkv.models.weights import StackedParam, load_named_tensors
 
@@ -58,6 +59,7 @@ class CausalLM(nn.Module):
     stacked_params: tuple[StackedParam, ...] = ()  # checkpoint tensors merged into one parameter
     ignored_weights: tuple[str, ...] = ("rotary_emb.inv_freq",)  # checkpoint tensors computed here
     max_position: int  # positions the rotary caches were built for (the most a context can hold)
+    weight_arena: WeightArena | None = None  # where the parameters live when placed in virtual memory
 
     @property
     def num_kv_heads_per_rank(self) -> int:

@@ -8,7 +8,11 @@ Accepted sources:
 - with `load_format="dummy"`: any of the above, or a bare config.json, for random weights.
 
 The model is built on the meta device in the target dtype, materialised on the target device
-and filled from the checkpoint; every parameter must be covered (snugkv.models.weights).
+and filled from the checkpoint; every parameter must be covered (snugkv.models.weights). Given a
+virtual-memory backend, the parameters are materialised in a `WeightArena` instead of torch's
+allocator, so the engine can release their memory and take it back at the same addresses
+(sleep and wake) without capturing its graphs again; `fill_weights` loads them again after a
+sleep that dropped them.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from typing import Any, Literal
 
 import torch
 
+from snugkv.memory.vmm import CommitError, VirtualMemory
+from snugkv.memory.weight_arena import WeightArena, aligned
 from snugkv.models.causal_lm import CausalLM
 from snugkv.models.config import ConfigError, ModelConfig
 from snugkv.models.gguf_loader import GGUFError, config_from_gguf, is_gguf_file, iter_gguf_tensors, open_gguf
@@ -74,6 +80,9 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device
     load_seconds: float
+    load_format: str = "auto"
+    seed: int = 0
+    weights: WeightArena | None = None  # where the parameters live when placed in virtual memory
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -208,10 +217,43 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
+def _materialize_in_arena(model: CausalLM, device: torch.device, memory: VirtualMemory) -> WeightArena:
+    """Give every parameter (each shared one once) a tensor in one new `WeightArena`, buffers plain
+    tensors on `device`; the arena hangs on the model as `weight_arena`."""
+    owners: dict[int, list[tuple[torch.nn.Module, str]]] = {}
+    params: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                owners.setdefault(id(param), []).append((module, name))
+                params[id(param)] = param
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = torch.empty_like(buffer, device=device)
+    offsets, size = {}, 0
+    for key, param in params.items():
+        offsets[key] = size
+        size += aligned(param.numel() * param.element_size())
+    arena = WeightArena(memory, max(size, 1))
+    for key, param in params.items():
+        tensor = arena.tensor(offsets[key], param.dtype, tuple(param.shape))
+        placed = torch.nn.Parameter(tensor, requires_grad=False)
+        for module, name in owners[key]:
+            module._parameters[name] = placed
+    model.weight_arena = arena
+    return arena
+
+
 def build_model(
-    config: ModelConfig, dtype: torch.dtype, device: torch.device, *, max_position: int | None = None
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    max_position: int | None = None,
+    weights_memory: VirtualMemory | None = None,
 ) -> CausalLM:
-    """An uninitialised model of `config`'s architecture on `device` (weights not loaded)."""
+    """An uninitialised model of `config`'s architecture on `device` (weights not loaded); with
+    `weights_memory`, its parameters live in a `WeightArena` over that backend."""
     try:
         model_class = get_model_class(config.architecture)
     except UnsupportedArchitectureError as exc:
@@ -221,7 +263,10 @@ def build_model(
             model = model_class(config, max_position=max_position)
     except ConfigError as exc:  # an architecture's own checks (an option snugkv does not run)
         raise ModelLoadError(str(exc)) from exc
-    model = model.to_empty(device=device)
+    if weights_memory is None:
+        model = model.to_empty(device=device)
+    else:
+        _materialize_in_arena(model, device, weights_memory)
     model.tie_weights()  # materialising gives each module its own tensor
     for module in model.modules():
         init_buffers = getattr(module, "init_buffers", None)
@@ -240,10 +285,12 @@ def load_model(
     device: str | torch.device | None = None,
     seed: int = 0,
     max_position: int | None = None,
+    weights_memory: VirtualMemory | None = None,
 ) -> LoadedModel:
     """Load `model` (see the module docstring) in `dtype` on `device`.
 
-    `max_position` bounds the rotary cache (default: the config's max_position_embeddings).
+    `max_position` bounds the rotary cache (default: the config's max_position_embeddings);
+    `weights_memory` places the parameters in a `WeightArena` over that backend.
     """
     started = time.perf_counter()
     source = resolve_model_source(model, load_format)
@@ -256,10 +303,10 @@ def load_model(
     config = read_model_config(source)
     out_of_memory = False
     try:
-        net = _build_and_load(config, source, load_format, dtype_, device_, seed, max_position)
-    except (WeightLoadError, GGUFError) as exc:
-        raise ModelLoadError(str(exc)) from exc
-    except torch.OutOfMemoryError:  # e.g. another engine already holds the GPU
+        net = _build_and_load(
+            config, source, load_format, dtype_, device_, seed, max_position, weights_memory
+        )
+    except (torch.OutOfMemoryError, CommitError):  # e.g. another engine already holds the GPU
         out_of_memory = True
     if out_of_memory:  # outside the handler, so the half-loaded model is gone before free memory is read
         raise WeightsDoNotFit(_weights_do_not_fit(config, dtype_, device_, max_position))
@@ -273,7 +320,26 @@ def load_model(
         seconds,
         " with random weights" if load_format == "dummy" else "",
     )
-    return LoadedModel(net, config, source, dtype_, device_, seconds)
+    return LoadedModel(net, config, source, dtype_, device_, seconds, load_format, seed, net.weight_arena)
+
+
+def _fill(net: CausalLM, config: ModelConfig, source: ModelSource, load_format: str, seed: int) -> None:
+    try:
+        if load_format == "dummy":
+            init_dummy_weights(net, seed=seed, std=float(config.hf.get("initializer_range") or 0.02))
+        elif source.kind == "gguf":
+            gguf = open_gguf(source.path)
+            net.load_weights(iter_gguf_tensors(gguf, dict(config.hf)), source=str(source.path))
+        else:
+            net.load_weights(iter_safetensors(safetensors_files(source.path)), source=str(source.path))
+    except (WeightLoadError, GGUFError) as exc:
+        raise ModelLoadError(str(exc)) from exc
+
+
+def fill_weights(loaded: LoadedModel) -> None:
+    """Load the weights again into the same tensors (after a sleep that dropped them): the same
+    files, or the same random weights from the same seed."""
+    _fill(loaded.model, loaded.config, loaded.source, loaded.load_format, loaded.seed)
 
 
 def _build_and_load(
@@ -284,14 +350,10 @@ def _build_and_load(
     device: torch.device,
     seed: int,
     max_position: int | None,
+    weights_memory: Any,
 ) -> CausalLM:
-    net = build_model(config, dtype, device, max_position=max_position)
-    if load_format == "dummy":
-        init_dummy_weights(net, seed=seed, std=float(config.hf.get("initializer_range") or 0.02))
-    elif source.kind == "gguf":
-        net.load_weights(iter_gguf_tensors(open_gguf(source.path), dict(config.hf)), source=str(source.path))
-    else:
-        net.load_weights(iter_safetensors(safetensors_files(source.path)), source=str(source.path))
+    net = build_model(config, dtype, device, max_position=max_position, weights_memory=weights_memory)
+    _fill(net, config, source, load_format, seed)
     return net
 
 

@@ -18,15 +18,15 @@ import logging
 import queue
 import threading
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from snugkv.core.outputs import GenerateInput, GenerateOutput
 from snugkv.core.sampling import InvalidRequest
 from snugkv.engine import Engine
-from snugkv.scheduler import lockstep
-from snugkv.scheduler.lockstep import Abort, AbortAll, Add, Command, Stop
+from snugkv.scheduler import elastic, lockstep
+from snugkv.scheduler.lockstep import Abort, AbortAll, Add, Command, ResizeKV, Sleep, Stop, WakeUp
 from snugkv.scheduler.request import Request
 from snugkv.scheduler.scheduler import Scheduler
 
@@ -43,7 +43,25 @@ class Submit:
     outputs: asyncio.Queue[GenerateOutput]
 
 
-InboxItem = Submit | Abort | AbortAll
+@dataclass(frozen=True, slots=True)
+class Control:
+    """A command every rank applies (a KV resize, sleep, wake) whose result goes back to `reply`."""
+
+    command: Command
+    loop: asyncio.AbstractEventLoop
+    reply: asyncio.Future[Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Query:
+    """A read of the scheduler's state on rank 0 alone, between steps (never shared)."""
+
+    read: Callable[[Scheduler], Any]
+    loop: asyncio.AbstractEventLoop
+    reply: asyncio.Future[Any]
+
+
+InboxItem = Submit | Abort | AbortAll | Control | Query
 
 
 class AsyncEngine:
@@ -73,6 +91,8 @@ class AsyncEngine:
         self.step_errors = 0
         self._accounting_checked = False
         self.slot_accounting: dict[str, Any] = {"checked": False}
+        self._replies: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future[Any]]] = {}
+        self._queries: list[Query] = []
         self._thread = threading.Thread(target=self._loop, name="snugkv-scheduler", daemon=True)
         self._thread.start()
 
@@ -109,8 +129,69 @@ class AsyncEngine:
     def check_health(self) -> bool:
         return self._thread.is_alive() and not self._stopped.is_set() and self._broken is None
 
+    # -- elastic memory (run on the scheduler thread between steps) ---------------------
+    async def resize_kv(
+        self, *, max_total_num_tokens: int | None = None, free_gib: float | None = None
+    ) -> dict[str, Any]:
+        """Resize the KV cache on every rank; raises `KvResizeError` naming the limit."""
+        result = await self._control(ResizeKV(max_total_num_tokens, free_gib))
+        return {**result.to_dict(), "kv": await self.kv_info()}
+
+    async def kv_info(self) -> dict[str, Any]:
+        return await self._query(elastic.kv_info)
+
+    async def sleep(self, *, level: int = 1, tags: tuple[str, ...] = ()) -> dict[str, Any]:
+        """Release memory on every rank (requests in flight wait in the queue); raises
+        `KvResizeError` when the engine cannot."""
+        result = await self._control(Sleep(level, tuple(tags)))
+        return {**result.to_dict(), **self.sleep_state()}
+
+    async def wake_up(self, *, tags: tuple[str, ...] = ()) -> dict[str, Any]:
+        result = await self._control(WakeUp(tuple(tags)))
+        return {**result.to_dict(), **self.sleep_state()}
+
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping
+
+    def sleep_state(self) -> dict[str, Any]:
+        engine = self.engine
+        weights = engine.loaded.weights
+        return {
+            "is_sleeping": engine.is_sleeping,
+            "sleeping_tags": sorted(engine.sleeping_tags),
+            "level": engine.sleep_level if "weights" in engine.sleeping_tags else None,
+            "weights_in_host_memory": weights is not None and weights.holds_host_copy,
+            "kv_committed_bytes": engine.pool.committed_bytes,
+            "weights_committed_bytes": weights.committed_bytes if weights is not None else None,
+        }
+
+    async def _control(self, command: Command) -> Any:
+        loop = asyncio.get_running_loop()
+        reply: asyncio.Future[Any] = loop.create_future()
+        self._inbox.put(Control(command, loop, reply))
+        self._wake.set()
+        if self._broken is not None:
+            raise RuntimeError(self._broken)
+        return await reply
+
+    async def _query(self, read: Callable[[Scheduler], Any]) -> Any:
+        loop = asyncio.get_running_loop()
+        reply: asyncio.Future[Any] = loop.create_future()
+        self._inbox.put(Query(read, loop, reply))
+        self._wake.set()
+        if self._broken is not None:
+            raise RuntimeError(self._broken)
+        return await reply
+
     def metrics_snapshot(self) -> dict[str, Any]:
-        return self.scheduler.stats()
+        engine = self.engine
+        return {
+            **self.scheduler.stats(),
+            "kv_max_total_num_tokens": engine.pool.committed_tokens,
+            "kv_committed_bytes": engine.pool.committed_bytes,
+            "kv_resizes": engine.kv_event_count,
+            "sleep_level": engine.sleep_level if engine.is_sleeping else 0,
+        }
 
     def server_info(self) -> dict[str, Any]:
         args = self.engine.args
@@ -130,6 +211,8 @@ class AsyncEngine:
             "kv_capacity_tokens": self.scheduler.runner.allocator.capacity_tokens,
             "stats": self.scheduler.stats(),
             "step_errors": self.step_errors,
+            "is_sleeping": self.engine.is_sleeping,
+            "kv_events": list(self.engine.kv_events),
             "aborted_rids": list(self.aborted_rids),
             "slot_accounting_when_idle": self.slot_accounting,
         }
@@ -144,8 +227,13 @@ class AsyncEngine:
             self._fail_every_stream(self._broken)
 
     def _fail_every_stream(self, message: str) -> None:
-        """End every open stream, and every request still in the inbox, with `message`."""
+        """End every open stream, every request still in the inbox and every waiting control or
+        query, with `message`."""
         self._take_inbox()  # registers the streams of requests that were never applied
+        for loop, reply in [*self._replies.values(), *((q.loop, q.reply) for q in self._queries)]:
+            _settle(loop, reply, error=RuntimeError(message))
+        self._replies.clear()
+        self._queries.clear()
         for rid, (loop, outputs) in list(self._streams.items()):
             self._streams.pop(rid, None)
             with contextlib.suppress(RuntimeError):
@@ -173,8 +261,9 @@ class AsyncEngine:
             if stopping:
                 commands.append(Stop())
             lockstep.share(self.engine.tp, commands)  # the other ranks apply the same, in order
-            for command in commands:
-                self._apply(command)
+            for index, command in enumerate(commands):
+                self._apply(command, self._replies.pop(index, None))
+            self._answer_queries()
             if stopping:
                 return
             if not self.scheduler.has_work:
@@ -212,13 +301,21 @@ class AsyncEngine:
         }
 
     def _take_inbox(self) -> list[Command]:
-        """This turn's commands; a new request's stream is registered as it is taken."""
+        """This turn's commands; a new request's stream is registered as it is taken, a control's
+        reply under its command's index, a query set aside for after the commands."""
         commands: list[Command] = []
         while True:
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 return commands
+            if isinstance(item, Control):
+                self._replies[len(commands)] = (item.loop, item.reply)
+                commands.append(item.command)
+                continue
+            if isinstance(item, Query):
+                self._queries.append(item)
+                continue
             if not isinstance(item, Submit):
                 commands.append(item)
                 continue
@@ -232,7 +329,19 @@ class AsyncEngine:
             self._streams[request.rid] = (item.loop, item.outputs)
             commands.append(Add(request.rid, request.input_ids, request.sampling))
 
-    def _apply(self, command: Command) -> None:
+    def _apply(
+        self, command: Command, reply: tuple[asyncio.AbstractEventLoop, asyncio.Future[Any]] | None
+    ) -> None:
+        if reply is not None:  # a control: its outcome, success or error, goes to whoever asked
+            try:
+                result = lockstep.apply(self.scheduler, command)
+            except Exception as exc:
+                _settle(*reply, error=exc)
+            else:
+                _settle(*reply, result=result)
+            if self.metrics is not None:
+                self.metrics.update_from_snapshot(self.metrics_snapshot())
+            return
         try:
             lockstep.apply(self.scheduler, command)
         except (
@@ -248,6 +357,16 @@ class AsyncEngine:
             )
             with contextlib.suppress(RuntimeError):  # the client's loop is gone (server shutting down)
                 loop.call_soon_threadsafe(outputs.put_nowait, failed)
+
+    def _answer_queries(self) -> None:
+        while self._queries:
+            query = self._queries.pop(0)
+            try:
+                result = query.read(self.scheduler)
+            except Exception as exc:
+                _settle(query.loop, query.reply, error=exc)
+            else:
+                _settle(query.loop, query.reply, result=result)
 
     def _on_output(self, request: Request, output: GenerateOutput) -> None:
         stream = self._streams.get(request.rid)
@@ -265,3 +384,24 @@ class AsyncEngine:
         self._wake.set()
         self._thread.join()  # a step in flight finishes first: its pools must outlive it
         self.engine.close()
+
+
+def _settle(
+    loop: asyncio.AbstractEventLoop,
+    reply: asyncio.Future[Any],
+    *,
+    result: Any = None,
+    error: BaseException | None = None,
+) -> None:
+    """Resolve a future of another thread's loop (nothing when the caller's loop is gone)."""
+
+    def resolve() -> None:
+        if reply.done():
+            return
+        if error is not None:
+            reply.set_exception(error)
+        else:
+            reply.set_result(result)
+
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(resolve)

@@ -1,7 +1,7 @@
 """Keeping the schedulers of tensor-parallel ranks in step.
 
 Only rank 0 hears clients. At every turn of its loop it sends that turn's commands (requests
-added, aborts, stop) to the other ranks over the CPU group, and every rank applies the same
+added, aborts, KV resizes, sleep and wake, stop) to the other ranks over the CPU group, and every rank applies the same
 commands, in the same order, to its own scheduler, then steps if there is work. A scheduler is
 deterministic given its commands and the sampled tokens (which rank 0 broadcasts inside
 `ModelRunner.sample`), so every rank batches the same rows and meets the others in the same
@@ -16,10 +16,13 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 from snugkv.core.sampling import InvalidRequest, SamplingParams
 from snugkv.distributed.group import TensorParallel
+from snugkv.scheduler import elastic
 from snugkv.scheduler.scheduler import Scheduler
+from snugkv.sizing.resize import KvResizeError
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +49,29 @@ class Stop:
     pass
 
 
-Command = Add | Abort | AbortAll | Stop
+@dataclass(frozen=True, slots=True)
+class ResizeKV:
+    """Resize the KV cache to a token count, or to what leaves `free_gib` free (MIN over ranks)."""
+
+    max_total_num_tokens: int | None = None
+    free_gib: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Sleep:
+    """Release the weights and/or the KV cache (`tags`, empty: both); level 1 keeps the weights in
+    host memory, level 2 drops them."""
+
+    level: int = 1
+    tags: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class WakeUp:
+    tags: tuple[str, ...] = ()
+
+
+Command = Add | Abort | AbortAll | Stop | ResizeKV | Sleep | WakeUp
 
 
 def share(tp: TensorParallel, commands: list[Command] | None) -> list[Command]:
@@ -54,8 +79,9 @@ def share(tp: TensorParallel, commands: list[Command] | None) -> list[Command]:
     return tp.broadcast_object_from_first(commands)
 
 
-def apply(scheduler: Scheduler, command: Command) -> None:
-    """One command on this rank's scheduler; `Add` raises `InvalidRequest` on every rank alike."""
+def apply(scheduler: Scheduler, command: Command) -> Any:
+    """One command on this rank's scheduler; returns what an elastic-memory command did. `Add` raises
+    `InvalidRequest` and the elastic commands `KvResizeError` on every rank alike."""
     if isinstance(command, Add):
         scheduler.add_request(command.rid, command.input_ids, command.sampling)
     elif isinstance(command, Abort):
@@ -63,6 +89,15 @@ def apply(scheduler: Scheduler, command: Command) -> None:
     elif isinstance(command, AbortAll):
         for rid in list(scheduler.requests):
             scheduler.abort(rid)
+    elif isinstance(command, ResizeKV):
+        return elastic.resize_kv(
+            scheduler, max_total_num_tokens=command.max_total_num_tokens, free_gib=command.free_gib
+        )
+    elif isinstance(command, Sleep):
+        return elastic.sleep(scheduler, level=command.level, tags=command.tags)
+    elif isinstance(command, WakeUp):
+        return elastic.wake_up(scheduler, tags=command.tags)
+    return None
 
 
 def step_once(scheduler: Scheduler, tp: TensorParallel) -> Exception | None:
@@ -99,7 +134,7 @@ def follow(scheduler: Scheduler, tp: TensorParallel) -> None:
         for command in commands:
             if isinstance(command, Stop):
                 return
-            with contextlib.suppress(InvalidRequest):  # rank 0 refused it too and told the client
+            with contextlib.suppress(InvalidRequest, KvResizeError):  # rank 0 refused it too and said so
                 apply(scheduler, command)
         if scheduler.has_work:
             error = step_once(scheduler, tp)

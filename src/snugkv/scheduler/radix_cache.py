@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from snugkv.memory.allocator import SlotAllocator
+from snugkv.memory.moves import PageMoves
 
 _ids = itertools.count()
 
@@ -188,6 +189,51 @@ class RadixCache:
             if parent is not self.root and not parent.children and parent.lock_count == 0:
                 heapq.heappush(heap, (parent.last_access, parent.node_id, parent))
         return freed
+
+    def evict_at_or_above(self, first_slot: int) -> int:
+        """Evict every unlocked entry holding a slot >= `first_slot` (with its subtree: an unlocked
+        node has only unlocked descendants); returns tokens freed. Locked entries stay: a shrink
+        moves their pages instead."""
+        freed, stack = 0, [self.root]
+        while stack:
+            node = stack.pop()
+            for key, child in list(node.children.items()):
+                if child.lock_count == 0 and self._reaches(child, first_slot):
+                    del node.children[key]
+                    freed += self._free_subtree(child)
+                else:
+                    stack.append(child)
+        return freed
+
+    def _reaches(self, node: TreeNode, first_slot: int) -> bool:
+        stack = [node]
+        while stack:
+            current = stack.pop()
+            if current.value.numel() and int(current.value.max()) >= first_slot:
+                return True
+            stack.extend(current.children.values())
+        return False
+
+    def _free_subtree(self, node: TreeNode) -> int:
+        values, stack = [], [node]
+        while stack:
+            current = stack.pop()
+            values.append(current.value)
+            stack.extend(current.children.values())
+        slots = torch.cat(values)
+        self.allocator.free(slots)
+        self._cached_tokens -= slots.numel()
+        return int(slots.numel())
+
+    def remap_slots(self, moves: PageMoves) -> None:
+        """Follow a shrink that moved pages the cache holds (locked entries of running requests)."""
+        if not moves.num_pages:
+            return
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            node.value = moves.remap_slots(node.value, self.page_size)
+            stack.extend(node.children.values())
 
     def _leaves(self) -> list[TreeNode]:
         leaves, stack = [], [self.root]

@@ -75,6 +75,10 @@ class Scheduler:
         self.num_retractions = 0
         self.generated_tokens = 0
         self._arrivals = itertools.count()
+        self.engine: Any = (
+            None  # the Engine of `for_engine`, which elastic memory (scheduler.elastic) resizes
+        )
+        self.paused = False  # the engine sleeps: requests wait in the queue and no step runs
 
     @classmethod
     def for_engine(
@@ -87,7 +91,7 @@ class Scheduler:
     ) -> Scheduler:
         """The scheduler an `Engine` runs under: its runner, EOS ids, re-capped request limit and
         prefill chunk (every tensor-parallel rank builds the same one)."""
-        return cls(
+        scheduler = cls(
             engine.runner,
             tokenizer=tokenizer,
             eos_token_ids=engine.config.eos_token_ids,
@@ -96,6 +100,8 @@ class Scheduler:
             enable_prefix_cache=enable_prefix_cache,
             on_output=on_output,
         )
+        scheduler.engine = engine
+        return scheduler
 
     # -- intake -----------------------------------------------------------------------
     def add_request(self, rid: str, prompt_ids: list[int], sampling: SamplingParams) -> Request:
@@ -121,7 +127,7 @@ class Scheduler:
                 "(prompt plus at least one new token); shorten the prompt"
             )
         capacity = self.runner.allocator.capacity_tokens
-        if len(prompt_ids) + self.page_size > capacity:
+        if len(prompt_ids) + self.page_size > capacity and not self.paused:  # asleep: wake checks it
             raise InvalidRequest(
                 f"the prompt needs {len(prompt_ids)} KV slots but the whole KV cache holds {capacity}; "
                 "shorten the prompt"
@@ -135,7 +141,7 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return not self.paused and bool(self.waiting or self.running)
 
     # -- one step -----------------------------------------------------------------------
     def step(self) -> None:

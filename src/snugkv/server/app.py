@@ -6,6 +6,8 @@ Routes:
     GET  /health                                       200 when the engine is healthy, else 503 (no key)
     GET  /server_info, /get_server_info                the engine's sizing, ledger and arguments
     GET  /metrics                                      Prometheus text
+    POST /kv/resize, GET /kv                           elastic memory (see `elastic_routes`)
+    POST /sleep, /wake_up, GET /is_sleeping            sleep and wake (and SGLang's names for them)
 
 Request checking lives in `prepare`, running on the engine in `serving`, response shapes in
 `formats`, the key and body limit in `middleware`. The app keeps no per-request state of its own.
@@ -23,6 +25,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import Response
 
+from snugkv.server.elastic_routes import install_elastic_routes, install_sleep_routes
 from snugkv.server.engine_protocol import EngineClient
 from snugkv.server.errors import NOT_FOUND, SERVER_ERROR, APIError, install_error_handlers
 from snugkv.server.formats import ChatFormat, CompletionFormat, ResponseFormat
@@ -68,6 +71,15 @@ def create_app(
         return ModelCard(id=served_model_name, created=created, max_model_len=limit.tokens)
 
     async def run(prepared: PreparedRequest, request: Request, response_format: ResponseFormat) -> Response:
+        is_sleeping = getattr(engine, "is_sleeping", None)
+        if is_sleeping is not None and is_sleeping():
+            raise APIError(
+                503,
+                "The engine is asleep: its memory is released. Wake it (POST /wake_up or "
+                "/resume_memory_occupation), then send the request again.",
+                type=SERVER_ERROR,
+                code="engine_asleep",
+            )
         if prepared.stream:
             return EventStreamResponse(stream_events(prepared, engine, metrics, request, response_format))
         return await collect_response(prepared, engine, metrics, request, response_format)
@@ -117,6 +129,8 @@ def create_app(
 
     app.add_api_route("/server_info", server_info, methods=["GET"])
     app.add_api_route("/get_server_info", server_info, methods=["GET"])
+    install_elastic_routes(app, engine)
+    install_sleep_routes(app, engine)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

@@ -35,6 +35,10 @@ SNAPSHOT_KEYS = {
     "num_running_requests": "set_num_running_requests",
     "num_queued_requests": "set_num_queued_requests",
     "prefix_cache_hit_rate": "set_prefix_cache_hit_rate",  # cached / prompt tokens, 0..1
+    "kv_max_total_num_tokens": "set_kv_max_total_num_tokens",  # the KV cache's size now (it may resize)
+    "kv_committed_bytes": "set_kv_committed_bytes",
+    "kv_resizes": "set_kv_resizes",  # resizes, sleeps and wakes so far
+    "sleep_level": "set_sleep_level",  # 0 awake, 1 or 2 asleep
 }
 
 
@@ -63,6 +67,18 @@ class ServerMetrics:
             f"{PREFIX}_generation_tokens_per_second",
             f"Generated tokens per second over the last {THROUGHPUT_WINDOW_S:.0f} s",
             registry=r,
+        )
+        self.kv_tokens = Gauge(
+            f"{PREFIX}_kv_max_total_num_tokens", "KV cache size in tokens (changes on resize)", registry=r
+        )
+        self.kv_committed = Gauge(
+            f"{PREFIX}_kv_committed_bytes", "Device memory backing the KV cache", registry=r
+        )
+        self.kv_resizes = Gauge(
+            f"{PREFIX}_kv_resize_events", "KV resizes, sleeps and wakes recorded by the engine", registry=r
+        )
+        self.sleep_level = Gauge(
+            f"{PREFIX}_sleep_level", "0 awake; 1 or 2 asleep (vLLM's levels)", registry=r
         )
         self.in_flight = Gauge(
             f"{PREFIX}_http_requests_in_flight", "Generation requests being served", registry=r
@@ -111,6 +127,18 @@ class ServerMetrics:
     def set_prefix_cache_hit_rate(self, fraction: float) -> None:
         self._engine_reports_hit_rate = True
         self.prefix_hit_rate.set(fraction)
+
+    def set_kv_max_total_num_tokens(self, tokens: int) -> None:
+        self.kv_tokens.set(tokens)
+
+    def set_kv_committed_bytes(self, size_bytes: int) -> None:
+        self.kv_committed.set(size_bytes)
+
+    def set_kv_resizes(self, count: int) -> None:
+        self.kv_resizes.set(count)
+
+    def set_sleep_level(self, level: int) -> None:
+        self.sleep_level.set(level)
 
     def update_from_snapshot(self, snapshot: Mapping[str, object]) -> None:
         for key, setter in SNAPSHOT_KEYS.items():

@@ -29,7 +29,7 @@ class MemoryLedger:
     kv_reserved_va_bytes: int  # address space only, not memory
     activation_peak_bytes: int  # measured peak of the largest eager step
     headroom_bytes: int  # memory left free on purpose: activation peak plus the stated margin
-    weights_in_device_memory: bool = True  # False on CPU: weights live in general RAM
+    weights_in_device_memory: bool = True  # False on CPU (general RAM) and while the weights sleep
     graph_executables_bytes: int = 0  # driver memory taken while capturing, outside torch's allocator
 
     @property
@@ -94,6 +94,8 @@ def measure_ledger(
     kv_committed_bytes: int,
     kv_reserved_va_bytes: int,
     kv_in_torch_allocator: bool,
+    weights_in_torch_allocator: bool = True,
+    weights_resident: bool = True,
     graph_executables_bytes: int,
     activation_peak_bytes: int,
     headroom_bytes: int,
@@ -109,7 +111,8 @@ def measure_ledger(
         free, total = device_memory(device)
         baseline = total - baseline_free_bytes
         kv_in_torch = kv_committed_bytes if kv_in_torch_allocator else 0
-        graphs_and_buffers = torch.cuda.memory_reserved(device) - weights_bytes - kv_in_torch
+        weights_in_torch = weights_bytes if weights_in_torch_allocator else 0
+        graphs_and_buffers = torch.cuda.memory_reserved(device) - weights_in_torch - kv_in_torch
         name = torch.cuda.get_device_name(device)
     else:
         free, total = memory.mem_get_info()
@@ -126,5 +129,5 @@ def measure_ledger(
         kv_reserved_va_bytes=kv_reserved_va_bytes,
         activation_peak_bytes=activation_peak_bytes,
         headroom_bytes=headroom_bytes,
-        weights_in_device_memory=device.type == "cuda",
+        weights_in_device_memory=device.type == "cuda" and weights_resident,
     )

@@ -50,6 +50,18 @@ def device_memory(device: torch.device) -> tuple[int, int]:
     return int(free), int(total)
 
 
+def engine_device_bytes(memory: VirtualMemory, outside_torch_bytes: int) -> int:
+    """Device memory this engine holds now, counted at its sources so other processes never count:
+    on CUDA, torch's reserved memory (graph pool, buffers, cached blocks are handed back first) plus
+    what it holds outside torch's allocator (`outside_torch_bytes`: arenas, graph executables); on
+    CPU what its backend committed (the KV cache: weights and activations live in general RAM)."""
+    if memory.device.type == "cuda":
+        settle(memory.device)
+        return int(torch.cuda.memory_reserved(memory.device)) + outside_torch_bytes
+    free, total = memory.mem_get_info()
+    return total - free
+
+
 @dataclass(frozen=True, slots=True)
 class CaptureMemory:
     """What capturing the decode graphs took: all of it, and the driver's part outside torch's

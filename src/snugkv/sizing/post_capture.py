@@ -39,10 +39,17 @@ class SizingResult:
 
 
 def tokens_for_budget(
-    pool: KVPool, free_bytes: int, headroom_bytes: int, max_total_tokens: int | None
+    pool: KVPool,
+    free_bytes: int,
+    headroom_bytes: int,
+    max_total_tokens: int | None,
+    kv_cap_bytes: int | None = None,
 ) -> int:
-    """The most tokens whose backing fits `free - headroom` (what the pool already backs counts as usable)."""
+    """The most tokens whose backing fits `free - headroom` (what the pool already backs counts as
+    usable) and, under `--max-device-memory`, `kv_cap_bytes` (what the cap leaves the KV cache)."""
     budget = free_bytes - headroom_bytes + pool.committed_bytes
+    if kv_cap_bytes is not None:
+        budget = min(budget, kv_cap_bytes)
     tokens = pool.max_tokens_within(budget)
     if max_total_tokens is not None:
         tokens = min(tokens, max_total_tokens // pool.page_size * pool.page_size)
@@ -81,9 +88,10 @@ def size_post_capture(
     headroom_bytes: int,
     max_total_tokens: int | None = None,
     group: dist.ProcessGroup | None = None,
+    kv_cap_bytes: int | None = None,
 ) -> SizingResult:
     start = time.perf_counter()
-    tokens = tokens_for_budget(pool, free.min_bytes, headroom_bytes, max_total_tokens)
+    tokens = tokens_for_budget(pool, free.min_bytes, headroom_bytes, max_total_tokens, kv_cap_bytes)
     tokens = agree_min(tokens, group)
     if tokens <= 0:
         raise SizingError(

@@ -1,0 +1,287 @@
+"""`snugkv bench elastic`: resizing the KV cache, sleeping and waking, on a GPU.
+
+A Llama-3-8B-shaped engine (bf16, random weights, post-capture, decode graphs up to batch 256)
+is measured four ways:
+- resize: shrink and grow by 10, 50 and 100 GiB on an idle pool, and a shrink that must move live
+  KV (pages held above the new bound, copied below it), against the issue's target of 50 ms plus
+  the copy time at the copy bandwidth measured in the same run;
+- sleep and wake at levels 1 and 2 (no graph is captured again), with the device memory left in
+  use while asleep, and a check that greedy tokens after the wake equal those before the sleep;
+- serving: generated tokens per second of a batch of 256 requests run steadily, and the same batch
+  with the KV cache shrunk (moving live KV) and grown back every few steps; every request must
+  finish, with the outputs of the steady run.
+The arena's chunk size can be swept (`--chunk-mib 256 1024`): it trades driver handles on a grow
+against copy work and transient memory on a shrink (see snugkv.memory.arena).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+from typing import Any
+
+import torch
+
+from snugkv.bench.report import emit
+from snugkv.core.sampling import SamplingParams
+from snugkv.memory.vmm import GIB
+
+DELTAS_GIB = (10, 50, 100)
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)
+
+
+def _sync() -> None:
+    torch.cuda.synchronize()
+
+
+def _start(model: str, chunk_mib: int) -> Any:
+    from snugkv.engine import Engine, EngineArgs
+
+    return Engine(
+        EngineArgs(
+            model=model,
+            load_format="dummy",
+            max_running_requests=256,
+            cuda_graph_max_bs=256,
+            kv_chunk_mib=chunk_mib,
+        )
+    )
+
+
+def _timed_resize(engine: Any, tokens: int) -> tuple[float, Any]:
+    _sync()
+    started = time.perf_counter()
+    result = engine.resize_kv(tokens)
+    _sync()
+    return (time.perf_counter() - started) * 1e3, result
+
+
+def _hold_top_pages(engine: Any, hold_tokens: int) -> None:
+    """Hand out every page, then give back all but the top `hold_tokens`: live KV that a shrink
+    must move (no request owns it; `_release_all` gives it back)."""
+    allocator = engine.runner.allocator
+    slots = allocator.alloc(allocator.available_tokens // allocator.page_size * allocator.page_size)
+    allocator.free(slots[: slots.numel() - hold_tokens])
+
+
+def _release_all(engine: Any) -> None:
+    allocator = engine.runner.allocator
+    pages = allocator.allocated_pages()
+    if pages.numel():
+        allocator.free(pages * allocator.page_size)
+
+
+def resize_rows(
+    engine: Any, bandwidth: float, chunk_mib: int, move_gib: float, deltas_gib: tuple[float, ...] = DELTAS_GIB
+) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    full = engine.pool.committed_tokens
+    per_gib = GIB / engine.pool.bytes_per_token
+    page = engine.pool.page_size
+    for delta_gib in deltas_gib:
+        delta = int(delta_gib * per_gib) // page * page
+        if delta + 2 * page > full:
+            rows.append(
+                {"case": f"shrink/grow {delta_gib:g} GiB", "chunk_mib": chunk_mib, "note": "pool too small"}
+            )
+            continue
+        shrink_ms, shrunk = _timed_resize(engine, full - delta)
+        grow_ms, grown = _timed_resize(engine, full)
+        rows.append(
+            {
+                "case": f"shrink/grow {delta_gib:g} GiB",
+                "chunk_mib": chunk_mib,
+                "resized_gib": (shrunk.from_committed_bytes - shrunk.to_committed_bytes) / GIB,
+                "shrink_ms": shrink_ms,
+                "grow_ms": grow_ms,
+                "engine_shrink_ms": shrunk.took_ms,
+                "engine_grow_ms": grown.took_ms,
+                "target_ms": 50.0,
+                "met": shrink_ms <= 50 and grow_ms <= 50,
+            }
+        )
+        hold = min(int(move_gib * per_gib) // page * page, delta)
+        _hold_top_pages(engine, hold)
+        moved_ms, moved = _timed_resize(engine, full - delta)
+        _release_all(engine)
+        _timed_resize(engine, full)
+        copy_ms = 2 * moved.copied_bytes / bandwidth * 1e3  # read and write
+        rows.append(
+            {
+                "case": f"shrink {delta_gib:g} GiB moving {moved.copied_bytes / GIB:.1f} GiB live KV",
+                "chunk_mib": chunk_mib,
+                "resized_gib": (moved.from_committed_bytes - moved.to_committed_bytes) / GIB,
+                "shrink_ms": moved_ms,
+                "engine_shrink_ms": moved.took_ms,
+                "copy_ms_at_bandwidth": copy_ms,
+                "target_ms": 50.0 + copy_ms,
+                "met": moved_ms <= 50.0 + copy_ms,
+            }
+        )
+    return rows
+
+
+def _greedy_tokens(engine: Any) -> list[list[int]]:
+    from snugkv.scheduler.scheduler import Scheduler
+
+    outputs: dict[str, list[int]] = {}
+    scheduler = Scheduler.for_engine(
+        engine, on_output=lambda r, o: outputs.setdefault(o.rid, []).extend(o.token_ids)
+    )
+    for index in range(4):
+        scheduler.add_request(str(index), [(index * 31 + j) % 5000 + 100 for j in range(64)], GREEDY)
+    while scheduler.has_work:
+        scheduler.step()
+    scheduler.cache.reset()
+    return [outputs[str(index)] for index in range(4)]
+
+
+def _device_used_bytes() -> int:
+    free, total = torch.cuda.mem_get_info()
+    return int(total - free)
+
+
+def sleep_rows(engine: Any) -> list[dict[str, Any]]:
+    rows = []
+    before_tokens = _greedy_tokens(engine)
+    for level in (1, 2):
+        gc.collect()
+        torch.cuda.empty_cache()
+        awake_used = _device_used_bytes()
+        _sync()
+        started = time.perf_counter()
+        engine.sleep(level=level)
+        _sync()
+        sleep_s = time.perf_counter() - started
+        asleep_used = _device_used_bytes()
+        asleep_reserved = torch.cuda.memory_reserved()
+        started = time.perf_counter()
+        woke = engine.wake_up()
+        _sync()
+        wake_s = time.perf_counter() - started
+        same = _greedy_tokens(engine) == before_tokens
+        rows.append(
+            {
+                "case": f"sleep level {level}",
+                "sleep_s": sleep_s,
+                "wake_s": wake_s,
+                "wake_target_s": 2.0,
+                "met": wake_s <= 2.0,
+                "recaptured": False,
+                "awake_device_used_gib": awake_used / GIB,
+                "asleep_device_used_gib": asleep_used / GIB,
+                "baseline_gib": engine.report.ledger.baseline_bytes / GIB,
+                "asleep_beyond_baseline_gib": (asleep_used - engine.report.ledger.baseline_bytes) / GIB,
+                "asleep_torch_reserved_gib": asleep_reserved / GIB,
+                "asleep_target_gib": 1.0,
+                "woke_tokens": woke.to_tokens,
+                "same_greedy_tokens": same,
+            }
+        )
+    return rows
+
+
+def _serve(engine: Any, requests: int, prompt: int, output: int, resize_every: int) -> dict[str, Any]:
+    """Generated tokens per second of `requests` greedy requests (half stop at a quarter of
+    `output`); with `resize_every`, the KV cache shrinks to just above what the running requests
+    hold (evicting the cache, moving live KV) and grows back, each every `resize_every` steps."""
+    from snugkv.scheduler import elastic
+    from snugkv.scheduler.scheduler import Scheduler
+
+    outputs: dict[str, list[int]] = {}
+    scheduler = Scheduler.for_engine(
+        engine, on_output=lambda r, o: outputs.setdefault(o.rid, []).extend(o.token_ids)
+    )
+    for index in range(requests):  # every other request stops early: holes below the live pages
+        new_tokens = output if index % 2 else output // 4
+        sampling = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
+        scheduler.add_request(str(index), [(index * 17 + j) % 30000 + 100 for j in range(prompt)], sampling)
+    full, page = engine.pool.committed_tokens, engine.pool.page_size
+    pauses: list[float] = []
+    moved = steps = 0
+    _sync()
+    started = time.perf_counter()
+    while scheduler.has_work:
+        if resize_every and steps and steps % resize_every == 0 and not scheduler.waiting:
+            shrunk = engine.pool.committed_tokens < full
+            room = 4 * page * len(scheduler.running)
+            target = full if shrunk else -(-(scheduler.held_tokens() + room) // page) * page
+            began = time.perf_counter()
+            result = elastic.resize_kv(scheduler, max_total_num_tokens=min(full, max(target, 2 * page)))
+            _sync()
+            pauses.append((time.perf_counter() - began) * 1e3)
+            moved += result.moved_pages
+        scheduler.step()
+        steps += 1
+    _sync()
+    seconds = time.perf_counter() - started
+    if engine.pool.committed_tokens != full:
+        engine.resize_kv(full)
+    scheduler.cache.reset()
+    expected = [output if index % 2 else output // 4 for index in range(requests)]
+    return {
+        "finished": sum(len(outputs.get(str(i), ())) == n for i, n in enumerate(expected)),
+        "tokens_per_s": scheduler.generated_tokens / seconds,
+        "resizes": len(pauses),
+        "moved_pages": moved,
+        "pause_ms_mean": sum(pauses) / len(pauses) if pauses else 0.0,
+        "pause_ms_max": max(pauses, default=0.0),
+        "retractions": scheduler.num_retractions,
+        "outputs": [outputs[str(index)] for index in range(requests)],
+    }
+
+
+def serving_rows(
+    engine: Any, requests: int, prompt: int, output: int, resize_every: int
+) -> list[dict[str, Any]]:
+    steady = _serve(engine, requests, prompt, output, 0)
+    resizing = _serve(engine, requests, prompt, output, resize_every)
+    same = steady.pop("outputs") == resizing.pop("outputs")
+    return [
+        {"case": f"serving {requests} x ({prompt} in, {output} out), steady", **steady},
+        {
+            "case": f"serving, shrink and grow every {resize_every} steps",
+            **resizing,
+            "vs_steady": resizing["tokens_per_s"] / steady["tokens_per_s"],
+            "same_outputs": same,
+        },
+    ]
+
+
+def run(args: argparse.Namespace) -> int:
+    if not torch.cuda.is_available():
+        print("bench elastic needs a CUDA GPU")
+        return 2
+    from snugkv.bench.decode import copy_bandwidth_bytes_per_s
+
+    bandwidth = copy_bandwidth_bytes_per_s()
+    rows: list[dict[str, Any]] = []
+    extra: dict[str, Any] = {"model": args.model, "copy_bandwidth_gb_per_s": bandwidth / 1e9}
+    for index, chunk_mib in enumerate(args.chunk_mib):
+        engine = _start(args.model, chunk_mib)
+        extra.setdefault("max_total_num_tokens", engine.report.max_total_num_tokens)
+        extra.setdefault("kv_committed_gib", engine.pool.committed_bytes / GIB)
+        extra.setdefault("startup_timings", engine.report.timings)
+        rows += resize_rows(engine, bandwidth, chunk_mib, args.move_gib, tuple(args.deltas_gib))
+        if index == 0:  # sleep and serving do not depend on the chunk size
+            rows += sleep_rows(engine)
+            rows += serving_rows(engine, args.requests, args.prompt, args.output, args.resize_every)
+        engine.close()
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+    emit("elastic", rows, args.out, extra=extra)
+    print(f"copy bandwidth (read + write): {bandwidth / 1e12:.2f} TB/s")
+    return 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="configs/llama-3-8b")
+    parser.add_argument("--chunk-mib", type=int, nargs="+", default=[256], help="arena chunk sizes to sweep")
+    parser.add_argument("--deltas-gib", type=float, nargs="+", default=list(DELTAS_GIB), help="resize steps")
+    parser.add_argument("--move-gib", type=float, default=4.0, help="live KV a loaded shrink moves")
+    parser.add_argument("--requests", type=int, default=256, help="the batch a resize must not lose one of")
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--output", type=int, default=256)
+    parser.add_argument("--resize-every", type=int, default=32, help="steps between resizes while serving")

@@ -1,0 +1,79 @@
+"""Changing a serving runner's KV cache: grow, shrink under live requests, release, back again.
+
+Every step keeps the captured graphs valid: buffers keep their addresses, and graphs read slots
+through the request-to-token table, which a shrink rewrites. The order makes failures harmless:
+a grow commits before the allocator hands anything out (all or nothing); a shrink copies the moved
+pages first (sources untouched, destinations still free), then updates the bookkeeping, then
+decommits. Which requests to evict or retract so that a shrink fits is the scheduler's policy
+(snugkv.scheduler.elastic); the token count is the engine's (snugkv.engine). This module only
+moves memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from snugkv.memory.moves import KvMoves
+from snugkv.runner.model_runner import ModelRunner
+
+
+class ShrinkDoesNotFit(ValueError):
+    """More pages are in use than the smaller cache holds; free some first (the message says how many)."""
+
+
+@dataclass(frozen=True, slots=True)
+class MoveStats:
+    """What a shrink moved: pages of the full pool and of a window sub-pool, and the KV bytes copied."""
+
+    moved_pages: int = 0
+    moved_window_pages: int = 0
+    copied_bytes: int = 0
+
+
+def grow(runner: ModelRunner, num_tokens: int) -> None:
+    """Back `num_tokens` and let the allocator hand them out; a `CommitError` changes nothing."""
+    backed = runner.kv_pool.finalize_backing(num_tokens)
+    runner.allocator.resize(backed)
+
+
+def shrink(
+    runner: ModelRunner, num_tokens: int, on_move: Callable[[KvMoves], None] | None = None
+) -> MoveStats:
+    """Move every page in use above `num_tokens` below it, then decommit the rest.
+
+    `on_move` rewrites the slots other holders name (the prefix cache); the request-to-token table
+    is rewritten here. Raises `ShrinkDoesNotFit`, with nothing changed, when the pages in use do
+    not fit below the new bound.
+    """
+    allocator = runner.allocator
+    plan = allocator.plan_shrink(num_tokens)
+    if plan is None:
+        in_use = allocator.capacity_tokens - allocator.available_tokens
+        raise ShrinkDoesNotFit(
+            f"{in_use} KV tokens are in use (requests and the prefix cache), more than {num_tokens} "
+            "hold; free some (evict the cache, retract requests) before shrinking"
+        )
+    copied = runner.kv_pool.move_pages(plan)
+    allocator.apply_moves(plan)
+    runner.req_to_token_pool.remap_slots(plan.full, runner.kv_pool.page_size)
+    if on_move is not None:
+        on_move(plan)
+    allocator.resize(num_tokens)
+    runner.kv_pool.finalize_backing(num_tokens)
+    return MoveStats(plan.full.num_pages, plan.window.num_pages, copied)
+
+
+def release(runner: ModelRunner) -> int:
+    """Decommit the whole KV cache, the dummy page included (the engine sleeps); every slot must be
+    free. Returns the bytes released."""
+    runner.allocator.resize(0)
+    return runner.kv_pool.release_backing()
+
+
+def back_again(runner: ModelRunner, num_tokens: int) -> int:
+    """After `release`: back the dummy page, then `num_tokens`; returns the page-aligned count."""
+    runner.kv_pool.ensure_prefix()
+    backed = runner.kv_pool.finalize_backing(num_tokens)
+    runner.allocator.resize(backed)
+    return backed

@@ -1,0 +1,160 @@
+"""Elastic memory on the scheduler thread: resizing the KV cache, sleeping and waking, between steps.
+
+A shrink never fails a request. The new size must hold the largest live request (its tokens plus
+one page), else it is refused naming that bound. Then the prefix cache gives up its unlocked
+entries above the new bound; if what stays in use still does not fit below it, more cache entries
+go (least recently used first), and only when the cache has nothing left to give are requests
+retracted, newest first (their KV goes to the cache, they wait and are recomputed). Finally the
+engine moves the live pages below the bound (the cache follows through `remap_slots`) and
+decommits the rest. A grow only commits. Every rank runs this on the same commands, so every rank
+evicts, retracts and moves alike.
+
+Sleep retracts every request in flight (they wait in the queue; nothing is lost), empties the
+prefix cache and pauses the scheduler; wake sizes the KV cache again and lets the queue run.
+
+This module holds the policy of who gives way; the memory itself moves in
+snugkv.runner.kv_resize and the token counts are the engine's.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from snugkv.engine import Engine
+from snugkv.scheduler.request import Request
+from snugkv.scheduler.scheduler import Scheduler
+from snugkv.sizing.resize import KvResize, KvResizeError
+
+logger = logging.getLogger(__name__)
+
+
+def engine_of(scheduler: Scheduler) -> Engine:
+    engine = scheduler.engine
+    if engine is None:
+        raise KvResizeError(
+            "this scheduler runs without an engine (Scheduler.for_engine builds one)", status=409
+        )
+    return engine
+
+
+def smallest_size(scheduler: Scheduler) -> tuple[int, Request | None]:
+    """The fewest tokens the cache can shrink to without failing a live request: the largest one's
+    tokens plus a page (room for its next token), at least two pages; and that request."""
+    page = scheduler.page_size
+    largest = max((*scheduler.waiting, *scheduler.running), key=lambda r: r.num_tokens, default=None)
+    if largest is None:
+        return 2 * page, None
+    return max(2 * page, -(-largest.num_tokens // page) * page + page), largest
+
+
+def resize_kv(
+    scheduler: Scheduler, *, max_total_num_tokens: int | None = None, free_gib: float | None = None
+) -> KvResize:
+    """Resize to `max_total_num_tokens`, or to what leaves `free_gib` of device memory free."""
+    engine = engine_of(scheduler)
+    engine.check_resizable()  # asleep or sized without virtual memory: refused before any value
+    if (max_total_num_tokens is None) == (free_gib is None):
+        raise KvResizeError("give exactly one of max_total_num_tokens and free_gib")
+    if free_gib is not None:
+        tokens = engine.kv_tokens_for_free_gib(free_gib)
+        param = "free_gib"
+    else:
+        tokens = engine.kv_limits().check(max_total_num_tokens)
+        param = "max_total_num_tokens"
+    evicted = retracted = 0
+    if tokens < engine.pool.committed_tokens:
+        minimum, largest = smallest_size(scheduler)
+        if tokens < minimum and largest is not None:
+            raise KvResizeError(
+                f"{param} asks for {tokens} KV tokens, but request {largest.rid} holds {largest.num_tokens} "
+                f"and needs a page more: the cache can shrink to {minimum} tokens now without failing a "
+                "request; ask for at least that, or wait for it to finish",
+                param=param,
+            )
+        evicted, retracted = _make_room(scheduler, tokens)
+    result = engine.resize_kv(
+        tokens,
+        on_move=lambda moves: scheduler.cache.remap_slots(moves.full),
+        evicted_tokens=evicted,
+        retracted_requests=retracted,
+    )
+    scheduler.max_running_requests = result.max_running_requests
+    return result
+
+
+def _make_room(scheduler: Scheduler, tokens: int) -> tuple[int, int]:
+    """Free pages until what is in use fits below `tokens`: cache entries above the bound, then
+    any unlocked cache entries, then retract requests newest first. Returns (evicted, retracted)."""
+    allocator, cache, page = scheduler.runner.allocator, scheduler.cache, scheduler.page_size
+    evicted = cache.evict_at_or_above(tokens + page)  # slot tokens + page is the first past the new end
+    retracted = 0
+    while allocator.plan_shrink(tokens) is None:
+        if cache.evictable_tokens:
+            in_use = allocator.capacity_tokens - allocator.available_tokens
+            evicted += cache.evict(max(in_use - tokens, page))
+            continue
+        admitted = [r for r in (*scheduler.running, *scheduler.waiting) if r.is_admitted]
+        if not admitted:  # nothing left to give: the slots leaked (a bug, never a user error)
+            raise RuntimeError(f"KV shrink to {tokens} tokens: nothing left to evict or retract")
+        victim = max(admitted, key=lambda r: r.seq)
+        if victim in scheduler.running:
+            scheduler._retract(victim)  # to the cache, and back to the queue's head
+        else:  # admitted but its prompt only partly computed: it keeps its place in the queue
+            scheduler.slots.release(victim)
+        retracted += 1
+    return evicted, retracted
+
+
+def kv_info(scheduler: Scheduler) -> dict[str, Any]:
+    """GET /kv: the engine's view plus what the requests hold and the smallest size now."""
+    engine = engine_of(scheduler)
+    minimum, largest = smallest_size(scheduler)
+    return {
+        **engine.kv_info(),
+        "held_by_requests_tokens": scheduler.held_tokens(),
+        "cached_tokens": scheduler.cache.cached_tokens,
+        "evictable_cached_tokens": scheduler.cache.evictable_tokens,
+        "min_tokens_without_failing_a_request": minimum,
+        "largest_request": None if largest is None else {"rid": largest.rid, "tokens": largest.num_tokens},
+        "num_running_requests": len(scheduler.running),
+        "num_queued_requests": len(scheduler.waiting),
+    }
+
+
+def sleep(scheduler: Scheduler, *, level: int = 1, tags: tuple[str, ...] = ()) -> KvResize:
+    """Pause the scheduler and release memory. Requests in flight are retracted (they wait in the
+    queue, nothing is lost) and the prefix cache is emptied when the KV cache goes."""
+    engine = engine_of(scheduler)
+    chosen = engine.check_sleep(level, tags)
+    if "kv_cache" in chosen - engine.sleeping_tags:
+        for request in sorted(
+            (r for r in (*scheduler.running, *scheduler.waiting) if r.is_admitted), key=lambda r: -r.seq
+        ):
+            if request in scheduler.running:
+                scheduler._retract(request)
+            else:
+                scheduler.slots.release(request)
+        scheduler.cache.reset()
+    result = engine.sleep(level, tags)
+    scheduler.paused = engine.is_sleeping  # (tags naming only the graphs release nothing)
+    return result
+
+
+def wake_up(scheduler: Scheduler, *, tags: tuple[str, ...] = ()) -> KvResize:
+    """Take memory back; once nothing sleeps, the queue runs again. A queued request the re-sized
+    cache can no longer hold ends with an error saying so (the only request a wake can fail)."""
+    engine = engine_of(scheduler)
+    result = engine.wake_up(tags)
+    if not engine.is_sleeping:
+        scheduler.max_running_requests = result.max_running_requests
+        capacity = scheduler.runner.allocator.capacity_tokens
+        for request in [r for r in scheduler.waiting if r.num_tokens + scheduler.page_size > capacity]:
+            scheduler.waiting.remove(request)
+            request.error = (
+                f"the KV cache woke up holding {capacity} tokens, fewer than this request needs "
+                f"({request.num_tokens} and a page); send it again shorter"
+            )
+            scheduler._finish(request, "error")
+        scheduler.paused = False
+    return result

@@ -1,0 +1,151 @@
+"""HTTP routes of elastic memory: resizing the KV cache while serving, sleeping and waking.
+
+    POST /kv/resize   {"max_total_num_tokens": N} or {"free_gib": X}: grow or shrink the KV cache
+    GET  /kv          its size now, committed and reserved bytes, usage, what a resize would need
+    POST /sleep?level=1|2                release the KV cache and the weights (vLLM's names; level 1
+                                         keeps the weights in host memory, level 2 drops them)
+    POST /wake_up[?tags=weights,kv_cache]  take them back (all by default)
+    GET  /is_sleeping
+    POST /release_memory_occupation, /resume_memory_occupation   SGLang's names for the same, with
+                                         an optional body {"tags": [...]} (and "level" to release)
+
+While asleep, generation requests get a 503 (app.py) and requests already queued wait.
+
+Every route reaches the engine through the async engine's elastic methods, which run on the
+scheduler thread between steps (and on every tensor-parallel rank). A refused resize is a 400 (a
+value outside the limits, named in the message) or a 409 (the engine's state refuses it: asleep,
+sized without virtual memory, memory taken meanwhile). An engine without elastic memory answers 501.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi import FastAPI, Request
+
+from snugkv.server.errors import SERVER_ERROR, APIError
+from snugkv.sizing.resize import KvResizeError
+
+RESIZE_EXAMPLE = '{"max_total_num_tokens": 65536} or {"free_gib": 4}'
+
+
+def _elastic(engine: Any, method: str) -> Any:
+    function = getattr(engine, method, None)
+    if function is None:
+        raise APIError(501, f"This engine cannot change its memory at run time (it has no {method}).")
+    return function
+
+
+def api_error(exc: KvResizeError) -> APIError:
+    return APIError(exc.status, str(exc), param=exc.param, code="kv_resize_refused")
+
+
+async def _json_object(request: Request, example: str) -> dict[str, Any]:
+    raw = await request.body()
+    try:
+        body = json.loads(raw) if raw.strip() else None
+    except json.JSONDecodeError as exc:
+        raise APIError(
+            400, f"The body is not valid JSON ({exc.msg}); send an object such as {example}."
+        ) from exc
+    if not isinstance(body, dict):
+        raise APIError(400, f"The body must be a JSON object such as {example}.")
+    return body
+
+
+def install_elastic_routes(app: FastAPI, engine: Any) -> None:
+    @app.post("/kv/resize")
+    async def resize_kv(request: Request) -> Any:
+        resize = _elastic(engine, "resize_kv")
+        body = await _json_object(request, RESIZE_EXAMPLE)
+        known = {"max_total_num_tokens", "free_gib"}
+        unknown = sorted(set(body) - known)
+        if unknown:
+            raise APIError(
+                400, f"Unknown field(s) {', '.join(unknown)}; send {RESIZE_EXAMPLE}.", param=unknown[0]
+            )
+        if len(set(body) & known) != 1:
+            raise APIError(
+                400, f"Give exactly one of max_total_num_tokens and free_gib, e.g. {RESIZE_EXAMPLE}."
+            )
+        try:
+            return await resize(**body)
+        except KvResizeError as exc:
+            raise api_error(exc) from exc
+
+    @app.get("/kv")
+    async def kv_info() -> Any:
+        try:
+            return await _elastic(engine, "kv_info")()
+        except KvResizeError as exc:
+            raise api_error(exc) from exc
+        except RuntimeError as exc:  # the scheduler loop is gone
+            raise APIError(503, f"The engine cannot answer: {exc}", type=SERVER_ERROR) from exc
+
+
+def _level(value: object) -> int:
+    try:
+        return int(str(value))
+    except ValueError:
+        raise APIError(400, f"level must be 1 or 2, got {value!r}.", param="level") from None
+
+
+def _query_tags(request: Request) -> tuple[str, ...]:
+    """`?tags=weights,kv_cache` or `?tags=weights&tags=kv_cache` (none: all)."""
+    return tuple(
+        tag.strip()
+        for value in request.query_params.getlist("tags")
+        for tag in value.split(",")
+        if tag.strip()
+    )
+
+
+async def _body_tags(request: Request) -> tuple[tuple[str, ...], object]:
+    """SGLang's optional body: {"tags": [...]} (and, to release, a "level")."""
+    raw = await request.body()
+    if not raw.strip():
+        return (), None
+    body = await _json_object(request, '{"tags": ["weights", "kv_cache"]}')
+    tags = body.get("tags") or []
+    if not isinstance(tags, list) or not all(isinstance(tag, str) for tag in tags):
+        raise APIError(400, 'tags must be a list of names such as ["weights", "kv_cache"].', param="tags")
+    return tuple(tags), body.get("level")
+
+
+def install_sleep_routes(app: FastAPI, engine: Any) -> None:
+    async def sleep_with(level: int, tags: tuple[str, ...]) -> Any:
+        sleep = _elastic(engine, "sleep")
+        try:
+            return await sleep(level=level, tags=tags)
+        except KvResizeError as exc:
+            raise api_error(exc) from exc
+
+    async def wake_with(tags: tuple[str, ...]) -> Any:
+        wake_up = _elastic(engine, "wake_up")
+        try:
+            return await wake_up(tags=tags)
+        except KvResizeError as exc:
+            raise api_error(exc) from exc
+
+    @app.post("/sleep")
+    async def sleep(request: Request) -> Any:
+        return await sleep_with(_level(request.query_params.get("level", "1")), _query_tags(request))
+
+    @app.post("/wake_up")
+    async def wake_up(request: Request) -> Any:
+        return await wake_with(_query_tags(request))
+
+    @app.get("/is_sleeping")
+    async def is_sleeping() -> Any:
+        return _elastic(engine, "sleep_state")()
+
+    @app.post("/release_memory_occupation")
+    async def release_memory_occupation(request: Request) -> Any:
+        tags, level = await _body_tags(request)
+        return await sleep_with(_level(level if level is not None else 1), tags)
+
+    @app.post("/resume_memory_occupation")
+    async def resume_memory_occupation(request: Request) -> Any:
+        tags, _ = await _body_tags(request)
+        return await wake_with(tags)
