@@ -83,6 +83,7 @@ class EngineArgs:
     )
     swa_full_tokens_ratio: float = 0.8
     tp_size: int = 1  # tensor-parallel ranks; > 1 runs one engine per rank (snugkv.distributed.launch)
+    disable_overlap_schedule: bool = False  # the scheduler reads each step's tokens before the next
 
     def validate(self) -> None:
         """Refuse values no engine can run with, naming the flag (before `resolved` fills defaults)."""

@@ -1,0 +1,238 @@
+"""Overlapped scheduling: the host launches step N+1 before it reads step N's tokens, and nothing a
+client sees changes: the same tokens, text, stop reasons and log-probabilities as the synchronous
+scheduler, the extra token of a request that ended is never read, and every slot comes back."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+
+from snugkv.core.forward import FUTURE_TOKEN
+from snugkv.core.sampling import SamplingParams
+from tests.models.hf_tiny import hf_greedy, save_tiny_hf_model
+from tests.scheduler.test_scheduler import collected, make_scheduler, prompts
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tiny-llama-overlap")
+    model = save_tiny_hf_model("llama", directory)
+    return directory, model
+
+
+class Letters:
+    """A tokenizer whose text is one letter per token, so stop strings are easy to hit."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(97 + i % 26) for i in ids)
+
+
+def mixed_workload(seed: int) -> list[tuple[str, list[int], SamplingParams]]:
+    """Varied prompts (some sharing a prefix), lengths, greedy and seeded sampling, stop strings,
+    stop token ids, EOS, log-probabilities."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, 300) for _ in range(12)]
+    requests = []
+    for index in range(14):
+        prompt = [rng.randrange(3, 300) for _ in range(rng.randrange(2, 40))]
+        if index % 3 == 0:
+            prompt = shared + prompt
+        sampling = SamplingParams(max_new_tokens=rng.randrange(1, 24), ignore_eos=index % 4 != 0)
+        if index % 2:
+            sampling = dataclasses.replace(sampling, temperature=0.9, top_p=0.95, top_k=40, seed=100 + index)
+        if index % 5 == 1:
+            sampling = dataclasses.replace(sampling, stop=("e", "kq", "t"))
+        if index % 5 == 2:
+            sampling = dataclasses.replace(sampling, stop_token_ids=tuple(range(index, 320, 8)))
+        if index % 4 == 3:
+            sampling = dataclasses.replace(sampling, logprobs=2)
+        requests.append((f"m{index}", prompt, sampling))
+    return requests
+
+
+def run_mixed(directory, *, overlap: bool, **engine) -> tuple[dict, int]:
+    """The mixed workload, fed in three waves while earlier requests decode, one request aborted
+    mid-flight; slot accounting is checked after every step."""
+    _, scheduler, outputs = make_scheduler(directory, tokenizer=Letters(), overlap=overlap, **engine)
+    workload = mixed_workload(seed=3)
+    waves = [workload[:6], workload[6:10], workload[10:]]
+    steps = 0
+    while waves or scheduler.has_work:
+        if waves and steps % 3 == 0:
+            for rid, prompt, sampling in waves.pop(0):
+                scheduler.add_request(rid, prompt, sampling)
+        if steps == 4:
+            scheduler.abort("m1")
+        scheduler.step()
+        scheduler.check_slot_accounting()
+        steps += 1
+        assert steps < 2000
+    scheduler.cache.reset()
+    allocator = scheduler.runner.allocator
+    assert allocator.available_tokens == allocator.capacity_tokens
+    scheduler.runner.close()
+    return outputs, scheduler.num_retractions
+
+
+def client_view(outputs: list) -> list:
+    """What a client reads; log-probabilities to 4 decimals (a batch of another size rounds the
+    logits' last bits differently: the overlapped batch may hold a request that just ended)."""
+    return [
+        (
+            o.token_ids,
+            o.text,
+            o.finished,
+            o.finish_reason,
+            o.completion_tokens,
+            [(lp.token_id, round(lp.logprob, 4), [(t, round(v, 4)) for t, v in lp.top]) for lp in o.logprobs],
+            o.error,
+        )
+        for o in outputs
+    ]
+
+
+@pytest.mark.parametrize(
+    "engine",
+    [
+        {"page_size": 1, "chunk": 64},
+        {"page_size": 4, "chunk": 16},
+        {"page_size": 4, "chunk": 32, "max_total_tokens": 96},  # small enough to retract
+    ],
+    ids=["page1", "page4-chunked", "page4-tiny-pool"],
+)
+def test_overlapped_and_synchronous_scheduling_give_clients_the_same_outputs(tiny, engine):
+    directory, _ = tiny
+    overlapped, retractions = run_mixed(directory, overlap=True, **engine)
+    synchronous, sync_retractions = run_mixed(directory, overlap=False, **engine)
+    if "max_total_tokens" in engine:
+        assert retractions > 0 and sync_retractions > 0
+    assert overlapped.keys() == synchronous.keys()
+    for rid in synchronous:
+        if rid == "m1":  # aborted after as many step() calls: the overlapped one is a step behind
+            assert overlapped[rid][-1].finish_reason == synchronous[rid][-1].finish_reason == "abort"
+            continue
+        assert client_view(overlapped[rid]) == client_view(synchronous[rid]), rid
+        assert overlapped[rid][-1].cached_tokens == synchronous[rid][-1].cached_tokens, rid
+    reasons = [o[-1].finish_reason for o in synchronous.values()]
+    assert reasons.count("stop") >= 3 and {"length", "abort"} <= set(reasons), reasons
+    assert any(o.logprobs for items in synchronous.values() for o in items)
+
+
+def test_the_next_decode_step_is_launched_before_the_last_step_is_read(tiny):
+    directory, model = tiny
+    engine, scheduler, outputs = make_scheduler(directory)
+    forwards: list[tuple[list, int]] = []
+    real_forward = engine.runner.forward
+
+    def forward(rows, slots):
+        forwards.append(([row.token_ids[0] for row in rows], len(outputs.get("r", []))))
+        return real_forward(rows, slots)
+
+    engine.runner.forward = forward
+    prompt = [5, 6, 7, 8]
+    scheduler.add_request("r", prompt, SamplingParams(max_new_tokens=4, ignore_eos=True))
+    while scheduler.has_work:
+        scheduler.step()
+    assert collected(outputs)["r"] == hf_greedy(model, prompt, 4)
+    # prefill, then decodes that read their input on the device, each launched while the
+    # previous token had not been sent yet; the fourth decode is the extra step, never read
+    assert [tokens for tokens, _ in forwards[1:]] == [[FUTURE_TOKEN]] * 4
+    assert [sent for _, sent in forwards] == [0, 0, 1, 2, 3]
+    assert outputs["r"][-1].completion_tokens == 4 and outputs["r"][-1].finish_reason == "length"
+    scheduler.check_slot_accounting()
+    engine.close()
+
+
+def test_a_request_that_ended_gives_back_the_slot_of_its_extra_step_at_once(tiny):
+    directory, _ = tiny
+    engine, scheduler, outputs = make_scheduler(directory, page_size=1, prefix_cache=False)
+    allocator = engine.runner.allocator
+    scheduler.add_request("short", [5, 6, 7], SamplingParams(max_new_tokens=2, ignore_eos=True))
+    scheduler.add_request("long", [8, 9, 10], SamplingParams(max_new_tokens=30, ignore_eos=True))
+    while "short" not in outputs or not outputs["short"][-1].finished:
+        scheduler.step()
+        scheduler.check_slot_accounting()
+    # "long" holds its computed tokens and one in flight; "short" holds nothing, not even the slot
+    # of the step launched after its last token
+    long = scheduler.requests["long"]
+    assert long.in_flight == 1
+    assert capacity_used(allocator) == long.kv_len + long.in_flight
+    assert [o.completion_tokens for o in outputs["short"]][-1] == 2
+    while scheduler.has_work:
+        scheduler.step()
+    assert sum(len(o.token_ids) for o in outputs["long"]) == 30
+    assert allocator.available_tokens == allocator.capacity_tokens
+    engine.close()
+
+
+def capacity_used(allocator) -> int:
+    return allocator.capacity_tokens - allocator.available_tokens
+
+
+def test_an_abort_while_its_step_is_in_flight_frees_the_step_and_skips_its_token(tiny):
+    directory, model = tiny
+    engine, scheduler, outputs = make_scheduler(directory, page_size=4)
+    prompt_list = prompts(2, seed=21)
+    for index, prompt in enumerate(prompt_list):
+        scheduler.add_request(f"r{index}", prompt, SamplingParams(max_new_tokens=12, ignore_eos=True))
+    for _ in range(3):
+        scheduler.step()
+    assert scheduler.requests["r0"].in_flight == 1
+    sent = len(collected(outputs)["r0"])
+    scheduler.abort("r0")
+    scheduler.step()
+    assert outputs["r0"][-1].finish_reason == "abort" and len(collected(outputs)["r0"]) == sent
+    scheduler.check_slot_accounting()
+    while scheduler.has_work:
+        scheduler.step()
+    assert collected(outputs)["r1"] == hf_greedy(model, prompt_list[1], 12)
+    scheduler.check_slot_accounting()
+    engine.close()
+
+
+def test_a_waiting_request_makes_the_step_synchronous_and_joins_as_it_would(tiny):
+    """A request that arrives while others decode is admitted at the next step, after the host
+    read the step in flight, as in synchronous scheduling."""
+    directory, model = tiny
+    engine, scheduler, outputs = make_scheduler(directory)
+    first, second = prompts(2, seed=4)
+    scheduler.add_request("first", first, SamplingParams(max_new_tokens=10, ignore_eos=True))
+    for _ in range(3):
+        scheduler.step()
+    sent = len(collected(outputs)["first"])
+    scheduler.add_request("second", second, SamplingParams(max_new_tokens=10, ignore_eos=True))
+    scheduler.step()  # reads the step in flight, then launches the prefill of "second"
+    launched = scheduler._in_flight
+    assert not launched.batch.decode and not launched.overlapped
+    assert len(collected(outputs)["first"]) == sent + 1
+    assert not scheduler.waiting and len(scheduler.running) == 2
+    while scheduler.has_work:
+        scheduler.step()
+    got = collected(outputs)
+    assert got["first"] == hf_greedy(model, first, 10) and got["second"] == hf_greedy(model, second, 10)
+    times = scheduler.times.as_dict()
+    assert times["overlapped_steps"] > 0 and times["device_busy_s"] > 0
+    assert 0 <= times["device_idle_fraction"] < 1
+    engine.close()
+
+
+def test_the_overlap_flag_reaches_the_scheduler(tiny):
+    import argparse
+
+    from snugkv.commands.engine_args import add_engine_arguments, engine_args_from
+    from snugkv.engine import Engine
+    from snugkv.scheduler.scheduler import Scheduler
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    directory, _ = tiny
+    for flags, overlap in (([], True), (["--disable-overlap-schedule"], False)):
+        args = engine_args_from(
+            parser.parse_args(["--model", str(directory), "--host-kv-gib", "0.02", *flags])
+        )
+        assert args.disable_overlap_schedule is not overlap
+        engine = Engine(args)
+        assert Scheduler.for_engine(engine).overlap is overlap
+        engine.close()
