@@ -16,10 +16,17 @@ from tests.models.hf_tiny import save_tiny_hf_model
 
 
 @pytest.fixture()
-def async_engine(tmp_path):
+def async_engine(tmp_path, request):
     save_tiny_hf_model("llama", tmp_path)
+    overlap = getattr(request, "param", True)
     engine = Engine(
-        EngineArgs(model=str(tmp_path), dtype="float32", host_kv_gib=0.02, max_running_requests=4)
+        EngineArgs(
+            model=str(tmp_path),
+            dtype="float32",
+            host_kv_gib=0.02,
+            max_running_requests=4,
+            disable_overlap_schedule=not overlap,
+        )
     )
     async_engine = AsyncEngine(engine, tokenizer=None, model_name="tiny")
     yield async_engine
@@ -41,6 +48,7 @@ def wait_idle(engine: AsyncEngine) -> dict:
     raise AssertionError("the engine did not go idle")
 
 
+@pytest.mark.parametrize("async_engine", [True, False], ids=["overlap", "sync"], indirect=True)
 def test_a_failing_step_ends_its_requests_with_the_error_and_the_engine_goes_on(async_engine):
     original_step = async_engine.scheduler.step
     calls = {"count": 0}

@@ -8,6 +8,7 @@ import dataclasses
 import random
 
 import pytest
+import torch
 
 from snugkv.core.forward import FUTURE_TOKEN
 from snugkv.core.sampling import SamplingParams
@@ -236,3 +237,113 @@ def test_the_overlap_flag_reaches_the_scheduler(tiny):
         engine = Engine(args)
         assert Scheduler.for_engine(engine).overlap is overlap
         engine.close()
+
+
+@pytest.mark.parametrize("where", ["launching step N+1", "reading step N"])
+def test_a_failure_with_two_steps_on_their_way_loses_no_request_and_no_slot(tiny, where):
+    """Decode step N+1 is launched while step N is unread: a failure in either half ends every
+    request once (`fail_all`), frees the slots of both steps, and the engine serves on."""
+    directory, model = tiny
+    engine, scheduler, outputs = make_scheduler(directory, page_size=4)
+    prompt_list = prompts(3, seed=13)
+    for index, prompt in enumerate(prompt_list):
+        scheduler.add_request(f"r{index}", prompt, SamplingParams(max_new_tokens=20, ignore_eos=True))
+    for _ in range(4):
+        scheduler.step()
+    assert scheduler._in_flight is not None and not scheduler.waiting
+    real_forward, real_stop_reason = engine.runner.forward, scheduler._stop_reason
+    calls = {"stop_reason": 0}
+
+    def forward(rows, slots):
+        raise RuntimeError("injected")
+
+    def stop_reason(request):
+        calls["stop_reason"] += 1
+        if calls["stop_reason"] == 2:
+            assert scheduler._in_flight is not None  # step N+1 is on its way
+            raise RuntimeError("injected")
+        return real_stop_reason(request)
+
+    if where == "launching step N+1":
+        engine.runner.forward = forward
+    else:
+        scheduler._stop_reason = stop_reason
+    with pytest.raises(RuntimeError, match="injected"):
+        scheduler.step()
+    scheduler.fail_all("injected failure")
+    assert not scheduler.has_work and not scheduler.requests
+    for rid in ("r0", "r1", "r2"):
+        finals = [output for output in outputs[rid] if output.finished]
+        assert len(finals) == 1 and finals[0].finish_reason == "error", (rid, finals)
+    scheduler.check_slot_accounting()
+    scheduler.cache.reset()
+    allocator = engine.runner.allocator
+    assert allocator.available_tokens == allocator.capacity_tokens
+    engine.runner.forward, scheduler._stop_reason = real_forward, real_stop_reason
+    scheduler.add_request("after", prompt_list[0], SamplingParams(max_new_tokens=6, ignore_eos=True))
+    while scheduler.has_work:
+        scheduler.step()
+    assert collected(outputs)["after"] == hf_greedy(model, prompt_list[0], 6)
+    engine.close()
+
+
+def gpu_scheduler(directory, *, page_size: int, overlap: bool):
+    from snugkv.engine import Engine, EngineArgs
+    from snugkv.scheduler.scheduler import Scheduler
+
+    engine = Engine(
+        EngineArgs(
+            model=str(directory),
+            device="cuda",
+            dtype="float32",
+            page_size=page_size,
+            max_total_tokens=4096,
+            max_running_requests=8,
+            cuda_graph_max_bs=8,
+        )
+    )
+    outputs: dict[str, list] = {}
+    scheduler = Scheduler.for_engine(
+        engine, tokenizer=Letters(), on_output=lambda r, o: outputs.setdefault(o.rid, []).append(o)
+    )
+    scheduler.overlap = overlap
+    return engine, scheduler, outputs
+
+
+def add_gpu_workload(scheduler) -> None:
+    for index, (rid, prompt, sampling) in enumerate(mixed_workload(seed=5)[:8]):
+        scheduler.add_request(rid, prompt, dataclasses.replace(sampling, max_new_tokens=12 + 3 * index))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_on_a_gpu_overlapped_decode_steps_never_wait_for_the_gpu_and_match_synchronous_ones(tiny, page_size):
+    """With every request decoding, a step (launch N+1, read N: outputs, stop strings,
+    log-probabilities, requests that end and free their slots) makes no call that waits for the
+    stream (torch's sync debug mode raises on one); the outputs equal synchronous scheduling's."""
+    directory, _ = tiny
+    engine, scheduler, overlapped = gpu_scheduler(directory, page_size=page_size, overlap=True)
+    add_gpu_workload(scheduler)
+    while scheduler.waiting:
+        scheduler.step()
+    checked = 0
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        while scheduler.has_work and not scheduler.waiting:
+            scheduler.step()
+            checked += 1
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    while scheduler.has_work:
+        scheduler.step()
+    assert checked > 10 and scheduler.times.overlapped_steps >= checked - 1
+    scheduler.check_slot_accounting()
+    engine.close()
+
+    engine, scheduler, synchronous = gpu_scheduler(directory, page_size=page_size, overlap=False)
+    add_gpu_workload(scheduler)
+    while scheduler.has_work:
+        scheduler.step()
+    engine.close()
+    for rid in synchronous:
+        assert client_view(overlapped[rid]) == client_view(synchronous[rid]), rid
