@@ -110,11 +110,12 @@ class ForwardMode(StrEnum):
     DECODE = "decode"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class BatchRow:
     """One request's share of a forward: `token_ids` go at positions `prefix_len ...`.
 
     `need_logits` is False for a non-final prefill chunk, whose next token nobody samples.
+    Not frozen: one is built per request per step, and a frozen `__init__` costs three times more.
     """
 
     req_pool_idx: int

@@ -248,9 +248,7 @@ class Scheduler:
         while self.running:
             rows = [
                 BatchRow(
-                    r.table_row,
-                    r.kv_len + r.in_flight,
-                    [FUTURE_TOKEN if r.in_flight else r.last_token],
+                    r.table_row, r.kv_len + r.in_flight, [FUTURE_TOKEN] if r.in_flight else [r.last_token]
                 )
                 for r in self.running
             ]
@@ -362,9 +360,10 @@ class Scheduler:
                 request.text = request.text[:index]
                 request.stopped_by_string = True
                 return "stop"
-        if len(request.output_ids) >= sampling.max_new_tokens or request.num_tokens >= self.context_length:
+        num_tokens = request.num_tokens
+        if len(request.output_ids) >= sampling.max_new_tokens or num_tokens >= self.context_length:
             return "length"
-        if request.num_tokens + self.page_size > self.runner.allocator.capacity_tokens:
+        if num_tokens + self.page_size > self.runner.allocator.capacity_tokens:
             return "kv_capacity"  # the KV cache could not hold its next token even with nothing else in it
         return None
 
