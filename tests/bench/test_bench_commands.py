@@ -84,3 +84,12 @@ def test_bench_serving_reports_the_gpu_idle_fraction_with_overlap_on_and_off(tmp
     assert 0 <= result["gpu_idle_fraction"] < 1
     steps_read, steps = map(int, result["overlapped_steps"].split("/"))
     assert steps > 0 and (steps_read > 0) == overlap
+
+
+def test_bench_host_times_the_scheduler_with_the_model_stubbed_on_a_cpu(capsys):
+    assert main(["bench", "host", "--batch", "8", "--prompt", "8", "--steps", "20", "--repeats", "2"]) == 0
+    table = capsys.readouterr().out
+    for mode in ("on", "off"):
+        assert (
+            f"| {mode} | steady: 8 requests decoding |" in table and f"| {mode} | drain: 8 requests" in table
+        )

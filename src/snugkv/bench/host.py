@@ -52,7 +52,6 @@ def _engine(args: argparse.Namespace, directory: Path) -> Any:
     from snugkv.engine import Engine, EngineArgs
 
     context = args.prompt + args.steps * 4 + 64
-    extra = {} if args.overlap is None else {"disable_overlap_schedule": not args.overlap}
     engine = Engine(
         EngineArgs(
             model=_tiny_config(directory, context),
@@ -64,7 +63,7 @@ def _engine(args: argparse.Namespace, directory: Path) -> Any:
             max_total_tokens=args.batch * (context + args.page_size),
             chunked_prefill_size=8192,
             host_kv_gib=0.5,
-            **extra,
+            disable_cuda_graph=True,  # the stub replaces the forward
         )
     )
     logits = torch.zeros(args.batch, STUB_VOCAB, device=engine.device)
@@ -72,13 +71,15 @@ def _engine(args: argparse.Namespace, directory: Path) -> Any:
     return engine
 
 
-def _scheduler(engine: Any) -> Any:
+def _scheduler(engine: Any, overlap: bool) -> Any:
     from snugkv.scheduler.scheduler import Scheduler
 
     finished: dict[str, float] = {}
-    return Scheduler.for_engine(
+    scheduler = Scheduler.for_engine(
         engine, on_output=lambda r, o: finished.__setitem__(o.rid, time.monotonic()) if o.finished else None
     )
+    scheduler.overlap = overlap
+    return scheduler
 
 
 def _add(scheduler: Any, count: int, prompt_len: int, max_new: list[int], seed: int) -> None:
@@ -90,8 +91,8 @@ def _add(scheduler: Any, count: int, prompt_len: int, max_new: list[int], seed: 
         )
 
 
-def steady(engine: Any, args: argparse.Namespace) -> dict[str, Any]:
-    scheduler = _scheduler(engine)
+def steady(engine: Any, args: argparse.Namespace, overlap: bool) -> dict[str, Any]:
+    scheduler = _scheduler(engine, overlap)
     _add(scheduler, args.batch, args.prompt, [args.steps * 3] * args.batch, seed=0)
     while scheduler.waiting:  # prefill
         scheduler.step()
@@ -120,8 +121,8 @@ def steady(engine: Any, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def drain(engine: Any, args: argparse.Namespace) -> dict[str, Any]:
-    scheduler = _scheduler(engine)
+def drain(engine: Any, args: argparse.Namespace, overlap: bool) -> dict[str, Any]:
+    scheduler = _scheduler(engine, overlap)
     rng = random.Random(1)
     max_new = [rng.randint(args.steps // 4, args.steps) for _ in range(args.batch)]
     _add(scheduler, args.batch, args.prompt, max_new, seed=1)
@@ -147,10 +148,10 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as directory:
         engine = _engine(args, Path(directory))
-        rows = [steady(engine, args), drain(engine, args)]
-        mode = {None: "default", True: "on", False: "off"}[args.overlap]
-        for row in rows:
-            row["overlap"] = mode
+        rows = []
+        for mode in ("on", "off") if args.overlap == "both" else (args.overlap,):
+            for case in (steady, drain):
+                rows.append({"overlap": mode, **case(engine, args, overlap=mode == "on")})
         engine.close()
     emit("host", rows, args.out, extra={"batch": args.batch, "device": args.device})
     return 0
@@ -166,7 +167,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument(
         "--overlap",
-        type=lambda value: value == "on",
-        default=None,
-        help="on or off (default: the engine's default)",
+        choices=("on", "off", "both"),
+        default="both",
+        help="overlapped scheduling on, off, or both side by side (default)",
     )
