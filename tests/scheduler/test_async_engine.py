@@ -127,3 +127,15 @@ def test_a_dead_scheduler_loop_fails_open_and_new_requests_instead_of_leaving_th
     assert open_one[-1].finish_reason == "error" and "injected loop failure" in open_one[-1].error
     assert after == [after[-1]] and after[-1].finish_reason == "error", after
     assert not async_engine.check_health()
+
+
+def test_server_info_counts_the_steps_and_the_device_time_they_took(async_engine):
+    before = async_engine.server_info()["step_times"]
+    outputs = asyncio.run(collect(async_engine, "counted", [5, 6, 7], 8))
+    assert outputs[-1].finish_reason == "length"
+    wait_idle(async_engine)
+    info = async_engine.server_info()
+    after = info["step_times"]
+    assert info["overlap_schedule"] is True
+    assert after["steps"] >= before["steps"] + 8 and after["overlapped_steps"] > before["overlapped_steps"]
+    assert after["device_busy_s"] > before["device_busy_s"]

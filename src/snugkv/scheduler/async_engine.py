@@ -125,9 +125,17 @@ class AsyncEngine:
             "context_length": self.max_context_tokens,
             "chunked_prefill_size": args.chunked_prefill_size,
             "cuda_graph_max_bs": 0 if args.disable_cuda_graph else args.cuda_graph_max_bs,
+            "overlap_schedule": self.scheduler.overlap,
             "device": str(self.engine.device),
             "kv_capacity_tokens": self.scheduler.runner.allocator.capacity_tokens,
             "stats": self.scheduler.stats(),
+            # Counters since start: a client takes the GPU-idle fraction of a run as
+            # 1 - (change in device_busy_s) / (its wall time).
+            "step_times": {
+                key: value
+                for key, value in self.scheduler.times.as_dict().items()
+                if key != "device_idle_fraction"
+            },
             "step_errors": self.step_errors,
             "aborted_rids": list(self.aborted_rids),
             "slot_accounting_when_idle": self.slot_accounting,
