@@ -38,13 +38,16 @@ class OutputBuilder:
         self, log_probs: torch.Tensor | None, requests: Sequence[Request], tokens: Sequence[int]
     ) -> list[TokenLogprob | None]:
         """The sampled token's log-probability (and the top alternatives) for every row whose
-        request asked for them, from `log_prob_rows` on the host; None for the others."""
+        request asked for them, from `log_prob_rows` on the host; None for the others and for a
+        request that ended while its step ran (that token is never read)."""
         wanted = [i for i, request in enumerate(requests) if request.sampling.logprobs is not None]
         result: list[TokenLogprob | None] = [None] * len(requests)
         if not wanted or log_probs is None:
             return result
         for position, index in enumerate(wanted):
             request, token = requests[index], tokens[index]
+            if request.finished:
+                continue
             top_n = request.sampling.logprobs or 0
             top = torch.topk(log_probs[position], top_n) if top_n else None
             result[index] = TokenLogprob(

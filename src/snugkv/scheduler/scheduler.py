@@ -149,7 +149,7 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._in_flight)
+        return bool(self.waiting or self.running) or self._in_flight is not None
 
     # -- one step -----------------------------------------------------------------------
     def step(self) -> None:
