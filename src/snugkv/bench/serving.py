@@ -117,6 +117,7 @@ def run_scheduler(
         "retractions": scheduler.num_retractions,
         "overlap": "on" if overlap else "off",
         "gpu_idle_fraction": times["device_idle_fraction"],
+        "host_wait_s": times["host_wait_s"],
         "overlapped_steps": f"{times['overlapped_steps']}/{times['steps']}",
     }
 

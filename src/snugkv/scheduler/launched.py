@@ -9,7 +9,8 @@ after it, so the host can queue step N+1 before it reads step N's tokens.
 `StepTimes` adds up how long the device was busy with the steps: on a GPU from events recorded
 just before each step's forward and after its copies (the stream runs steps one after another,
 so these spans never overlap and a gap between them is time the GPU waited for the host); on a
-CPU, where the forward is synchronous, from the host clock around the same calls.
+CPU, where the forward is synchronous, from the host clock around the same calls. It also adds
+up how long the host waited for results: near zero means the host is the bottleneck.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class LaunchedStep:
     started: Any  # a CUDA event or a perf_counter reading
     done: Any = None
     overlapped: bool = False  # queued while the step before it was still unread
+    waited_s: float = 0.0  # how long `results` waited for the device
 
     def finish_launch(self, device: torch.device) -> None:
         """Mark the end of what this step queued (after the copies to the host)."""
@@ -60,7 +62,9 @@ class LaunchedStep:
     def results(self) -> tuple[list[int], torch.Tensor | None]:
         """The sampled tokens (in `sampled_rows` order) and the log-probability rows, once on the host."""
         if isinstance(self.done, torch.cuda.Event):
+            started = time.perf_counter()
             self.done.synchronize()
+            self.waited_s = time.perf_counter() - started
         tokens = self.tokens.tolist() if self.tokens is not None else []
         return tokens, self.log_probs
 
@@ -78,16 +82,18 @@ class StepTimes:
     steps: int = 0
     overlapped_steps: int = 0
     device_busy_s: float = 0.0
+    host_wait_s: float = 0.0
     started_s: float = field(default_factory=time.perf_counter)
 
     def add(self, step: LaunchedStep) -> None:
         self.steps += 1
         self.overlapped_steps += step.overlapped
         self.device_busy_s += step.busy_s()
+        self.host_wait_s += step.waited_s
 
     def reset(self) -> None:
         self.steps = self.overlapped_steps = 0
-        self.device_busy_s = 0.0
+        self.device_busy_s = self.host_wait_s = 0.0
         self.started_s = time.perf_counter()
 
     def as_dict(self, wall_s: float | None = None) -> dict[str, Any]:
@@ -97,5 +103,6 @@ class StepTimes:
             "steps": self.steps,
             "overlapped_steps": self.overlapped_steps,
             "device_busy_s": self.device_busy_s,
+            "host_wait_s": self.host_wait_s,
             "device_idle_fraction": max(0.0, 1 - self.device_busy_s / wall_s) if wall_s > 0 else 0.0,
         }
