@@ -110,7 +110,7 @@ class TensorParallel:
         queued on the stream and the host does not wait (identity at tp=1)."""
         if self.enabled:
             group = self.device_group
-            dist.broadcast(tensor, src=dist.get_global_rank(group, 0), group=group)
+            dist.broadcast(tensor, src=0 if group is None else dist.get_global_rank(group, 0), group=group)
         return tensor
 
     def any_rank(self, flag: bool) -> bool:

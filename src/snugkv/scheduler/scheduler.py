@@ -293,7 +293,7 @@ class Scheduler:
                 logits,
                 [r.sampling for r in sampled],
                 [r.generator for r in sampled],
-                [r.req_pool_idx for r in sampled],
+                [r.table_row for r in sampled],
             )
             log_probs = self.outputs.log_prob_rows(logits, sampled)
         launched = LaunchedStep(
