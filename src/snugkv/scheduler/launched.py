@@ -7,10 +7,12 @@ copies says when they arrived. `results()` waits on that event only, not on the 
 after it, so the host can queue step N+1 before it reads step N's tokens.
 
 `StepTimes` adds up how long the device was busy with the steps: on a GPU from events recorded
-just before each step's forward and after its copies (the stream runs steps one after another,
-so these spans never overlap and a gap between them is time the GPU waited for the host); on a
-CPU, where the forward is synchronous, from the host clock around the same calls. It also adds
-up how long the host waited for results: near zero means the host is the bottleneck.
+as each step's forward is called and after its copies (the stream runs steps one after another,
+so these spans never overlap and a gap between them is time the GPU waited for the host; a span
+also holds the host's building of the batch, a fraction of a millisecond, so it overstates the
+busy time a little when the GPU waits); on a CPU, where the forward is synchronous, from the host
+clock around the same calls. It also adds up how long the host waited for results: near zero
+means the host is the bottleneck.
 """
 
 from __future__ import annotations
