@@ -103,7 +103,11 @@ class ModelRunner:
 
     def close(self) -> None:
         """Drop the graphs and every reference into the KV pool (an SWA allocator holds a view of
-        the pool's slot map), so the pool's arena can be released. The runner cannot run after."""
+        the pool's slot map), so the pool's arena can be released. The runner cannot run after.
+        A step may still be running (an overlapped scheduler launches one before it reads the
+        last): it finishes first."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         self.cuda_graphs = None
         for name in ("allocator", "kv_pool"):
             if hasattr(self, name):
