@@ -27,7 +27,8 @@ freed with the request (it is in `in_flight`); a request aborted meanwhile is sk
 The host reads step N before launching (a synchronous step) whenever the next batch depends on
 it: when a prefill may run (requests wait and a seat is free: what is admitted follows what
 step N ends and frees, and a prompt's next chunk follows its last), and when the decode batch
-does not fit (retraction must choose among the requests step N leaves running). Overlapped or
+does not fit (retraction must choose among the requests step N leaves running); so while
+requests wait with seats free but no room in the KV cache, every step is synchronous. Overlapped or
 not, every request is fed the same tokens, so greedy and seeded outputs are the same; what may
 differ is the step at which a waiting request is admitted (one later at most) and, under memory
 pressure, which prefix-cache entries are evicted. With tensor parallelism the sampled tokens go
