@@ -64,3 +64,32 @@ def test_bench_capacity_fails_when_a_row_failed(tmp_path, monkeypatch, capsys):
     captured = capsys.readouterr()
     assert "| qwen3-0.6b | profiled |" in captured.out
     assert "1 of 2 rows failed: qwen3-0.6b profiled" in captured.err
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_bench_serving_reports_the_gpu_idle_fraction_with_overlap_on_and_off(tmp_path, overlap):
+    """The in-process run the serving bench times, on a CPU with a tiny model: same tokens either
+    way, and an idle fraction in [0, 1)."""
+    from snugkv.bench.serving import run_scheduler, workload
+    from snugkv.engine import Engine, EngineArgs
+    from tests.models.hf_tiny import save_tiny_hf_model
+
+    save_tiny_hf_model("llama", tmp_path)
+    engine = Engine(
+        EngineArgs(model=str(tmp_path), dtype="float32", host_kv_gib=0.02, max_running_requests=4)
+    )
+    result = run_scheduler(engine, workload(6, seed=0, vocab=300, low=4, high=12), overlap=overlap)
+    engine.close()
+    assert result["requests"] == 6 and result["overlap"] == ("on" if overlap else "off")
+    assert 0 <= result["gpu_idle_fraction"] < 1
+    steps_read, steps = map(int, result["overlapped_steps"].split("/"))
+    assert steps > 0 and (steps_read > 0) == overlap
+
+
+def test_bench_host_times_the_scheduler_with_the_model_stubbed_on_a_cpu(capsys):
+    assert main(["bench", "host", "--batch", "8", "--prompt", "8", "--steps", "20", "--repeats", "2"]) == 0
+    table = capsys.readouterr().out
+    for mode in ("on", "off"):
+        assert (
+            f"| {mode} | steady: 8 requests decoding |" in table and f"| {mode} | drain: 8 requests" in table
+        )

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from snugkv.attention.torch_backend import TorchAttentionBackend
-from snugkv.core.forward import BatchRow, ForwardBatch, ForwardMode
+from snugkv.core.forward import FUTURE_TOKEN, BatchRow, ForwardBatch, ForwardMode
+from snugkv.core.sampling import SamplingParams
 from tests.runner.tiny_runner import tiny_runner
 
 
@@ -40,6 +41,8 @@ def test_all_single_token_rows_make_a_decode_batch():
         ([], "at least one row"),
         ([BatchRow(1, 0, [])], "adds no tokens"),
         ([BatchRow(1, -1, [3])], "prefix_len"),
+        ([BatchRow(1, 0, [3, FUTURE_TOKEN])], "only a decode batch"),
+        ([BatchRow(1, 2, [FUTURE_TOKEN], need_logits=False)], "only a decode batch"),
     ],
 )
 def test_malformed_rows_are_rejected(rows, message):
@@ -79,3 +82,38 @@ def test_allocate_slots_refuses_rows_longer_than_the_context():
     row = runner.req_to_token_pool.alloc()
     with pytest.raises(ValueError, match="context holds 8"):
         runner.allocate_slots([BatchRow(row, 0, [1] * 9)])
+
+
+def test_a_decode_row_reads_the_token_the_previous_step_sampled_on_the_device():
+    runner = tiny_runner(page_size=4)
+    rows_idx = [runner.req_to_token_pool.alloc() for _ in range(2)]
+    prefill = [BatchRow(rows_idx[0], 0, [5, 6, 7]), BatchRow(rows_idx[1], 0, [9, 10])]
+    logits = runner.forward(prefill, runner.allocate_slots(prefill))
+    tokens = runner.sample_on_device(logits, [SamplingParams()] * 2, None, rows_idx)
+    known = tokens.tolist()
+    ahead = [BatchRow(rows_idx[0], 3, [FUTURE_TOKEN]), BatchRow(rows_idx[1], 2, [known[1]])]
+    from_device = runner.forward(ahead, runner.allocate_slots(ahead)).clone()
+    for row, length in zip(rows_idx, (3, 2)):
+        runner.free_request_slots(row, length + 1)
+    again = runner.forward(prefill, runner.allocate_slots(prefill))
+    assert runner.sampler(again, [SamplingParams()] * 2).tolist() == known
+    plain = [BatchRow(rows_idx[0], 3, [known[0]]), BatchRow(rows_idx[1], 2, [known[1]])]
+    torch.testing.assert_close(
+        runner.forward(plain, runner.allocate_slots(plain)), from_device, rtol=0, atol=0
+    )
+
+
+def test_the_host_copy_of_the_table_follows_every_write_and_a_stray_write_is_caught():
+    runner = tiny_runner(page_size=4)
+    pool = runner.req_to_token_pool
+    row = pool.alloc()
+    runner.allocate_slots([BatchRow(row, 0, [1, 2, 3])])
+    runner.allocate_slots([BatchRow(row, 3, [4])])
+    other = pool.alloc()
+    pool.write(other, 0, pool.slots_of(row, 2))  # a shared prefix, as admission writes it
+    assert pool.slots_of(row, 4).tolist() == pool.req_to_token[row, :4].tolist() == [4, 5, 6, 7]
+    assert pool.req_to_token[other, :2].tolist() == [4, 5]
+    pool.check_host_copy()
+    pool.req_to_token[row, 1] = 99  # a write that bypassed the pool
+    with pytest.raises(RuntimeError, match="position 1 holds slot 99 on the device but 5 in the host copy"):
+        pool.check_host_copy()

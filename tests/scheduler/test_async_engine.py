@@ -16,10 +16,17 @@ from tests.models.hf_tiny import save_tiny_hf_model
 
 
 @pytest.fixture()
-def async_engine(tmp_path):
+def async_engine(tmp_path, request):
     save_tiny_hf_model("llama", tmp_path)
+    overlap = getattr(request, "param", True)
     engine = Engine(
-        EngineArgs(model=str(tmp_path), dtype="float32", host_kv_gib=0.02, max_running_requests=4)
+        EngineArgs(
+            model=str(tmp_path),
+            dtype="float32",
+            host_kv_gib=0.02,
+            max_running_requests=4,
+            disable_overlap_schedule=not overlap,
+        )
     )
     async_engine = AsyncEngine(engine, tokenizer=None, model_name="tiny")
     yield async_engine
@@ -41,6 +48,7 @@ def wait_idle(engine: AsyncEngine) -> dict:
     raise AssertionError("the engine did not go idle")
 
 
+@pytest.mark.parametrize("async_engine", [True, False], ids=["overlap", "sync"], indirect=True)
 def test_a_failing_step_ends_its_requests_with_the_error_and_the_engine_goes_on(async_engine):
     original_step = async_engine.scheduler.step
     calls = {"count": 0}
@@ -119,3 +127,15 @@ def test_a_dead_scheduler_loop_fails_open_and_new_requests_instead_of_leaving_th
     assert open_one[-1].finish_reason == "error" and "injected loop failure" in open_one[-1].error
     assert after == [after[-1]] and after[-1].finish_reason == "error", after
     assert not async_engine.check_health()
+
+
+def test_server_info_counts_the_steps_and_the_device_time_they_took(async_engine):
+    before = async_engine.server_info()["step_times"]
+    outputs = asyncio.run(collect(async_engine, "counted", [5, 6, 7], 8))
+    assert outputs[-1].finish_reason == "length"
+    wait_idle(async_engine)
+    info = async_engine.server_info()
+    after = info["step_times"]
+    assert info["overlap_schedule"] is True
+    assert after["steps"] >= before["steps"] + 8 and after["overlapped_steps"] > before["overlapped_steps"]
+    assert after["device_busy_s"] > before["device_busy_s"]

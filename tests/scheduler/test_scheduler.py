@@ -32,6 +32,7 @@ def make_scheduler(
     prefix_cache=True,
     layout="nhd",
     tokenizer=None,
+    overlap=True,
 ):
     engine = Engine(
         EngineArgs(
@@ -53,6 +54,7 @@ def make_scheduler(
         chunked_prefill_size=chunk,
         enable_prefix_cache=prefix_cache,
         on_output=lambda request, output: outputs.setdefault(output.rid, []).append(output),
+        overlap=overlap,
     )
     return engine, scheduler, outputs
 
@@ -85,10 +87,15 @@ def collected(outputs) -> dict[str, list[int]]:
     return {rid: [t for o in items for t in o.token_ids] for rid, items in outputs.items()}
 
 
-@pytest.mark.parametrize(("page_size", "layout", "chunk"), [(1, "nhd", 64), (4, "hnd", 7)])
-def test_batched_greedy_tokens_equal_the_transformers_oracle(tiny, page_size, layout, chunk):
+@pytest.mark.parametrize(
+    ("page_size", "layout", "chunk", "overlap"),
+    [(1, "nhd", 64, True), (4, "hnd", 7, True), (4, "nhd", 7, False)],
+)
+def test_batched_greedy_tokens_equal_the_transformers_oracle(tiny, page_size, layout, chunk, overlap):
     directory, model = tiny
-    engine, scheduler, outputs = make_scheduler(directory, page_size=page_size, layout=layout, chunk=chunk)
+    engine, scheduler, outputs = make_scheduler(
+        directory, page_size=page_size, layout=layout, chunk=chunk, overlap=overlap
+    )
     prompt_list = prompts(5, seed=page_size, shared_prefix=9)
     run_all(scheduler, prompt_list)
     got = collected(outputs)
@@ -200,13 +207,14 @@ def test_stop_strings_and_seeded_sampling_are_reproducible(tiny):
     assert results[0] == results[1] and len(results[0]) == 16
 
 
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
 @pytest.mark.parametrize("page_size", [1, 4])
 @pytest.mark.parametrize("where", ["prefill forward", "decode forward", "after sampling"])
-def test_a_step_that_fails_midway_loses_no_request_and_no_slot(tiny, page_size, where):
+def test_a_step_that_fails_midway_loses_no_request_and_no_slot(tiny, page_size, where, overlap):
     """Whatever point of a step raises, `fail_all` ends every request exactly once, with an error,
-    and every slot (also those taken for the failed step) is back."""
+    and every slot (also those taken for the failed step, and for a step still in flight) is back."""
     directory, model = tiny
-    engine, scheduler, outputs = make_scheduler(directory, page_size=page_size, chunk=16)
+    engine, scheduler, outputs = make_scheduler(directory, page_size=page_size, chunk=16, overlap=overlap)
     prompt_list = prompts(4, seed=9)
     for index, prompt in enumerate(prompt_list[:3]):
         scheduler.add_request(f"r{index}", prompt, SamplingParams(max_new_tokens=20, ignore_eos=True))

@@ -1,8 +1,11 @@
 """`snugkv bench serving`: offline throughput and online latency on the small-engine workload.
 
 Offline: 256 requests, input and output lengths uniform in [100, 1024], random prompt ids,
-`ignore_eos`, all submitted at once, twice on one engine: straight to a scheduler of the benchmark's
-own and through `LLM.generate` (the Python API, the same scheduler behind it), side by side.
+`ignore_eos`, all submitted at once, side by side on one engine: straight to a scheduler of the
+benchmark's own with overlapped scheduling and without it, and through `LLM.generate` (the Python
+API, the same scheduler behind it); then through a real `snugkv serve` and the openai client.
+`gpu_idle_fraction` is 1 - (time the GPU spent in steps, from CUDA events around each) / wall time:
+the share of the run the GPU waited for the host.
 Online: Poisson arrivals at several rates; TTFT and TPOT percentiles. Then a side-by-side
 subset with one fixed output length through snugkv and through transformers' own continuous
 batching (`generate_batch`), since that API takes one generation config. The bandwidth floor
@@ -58,7 +61,10 @@ def floor_tokens_per_s(
 
 
 def run_scheduler(
-    engine: Any, requests: list[tuple[list[int], int]], arrivals: list[float] | None = None
+    engine: Any,
+    requests: list[tuple[list[int], int]],
+    arrivals: list[float] | None = None,
+    overlap: bool = True,
 ) -> dict[str, Any]:
     from snugkv.scheduler.scheduler import Scheduler
 
@@ -68,9 +74,11 @@ def run_scheduler(
         max_running_requests=engine.report.max_running_requests,
         chunked_prefill_size=engine.args.chunked_prefill_size,
         on_output=lambda r, o: finished.__setitem__(o.rid, time.monotonic()) if o.finished else None,
+        overlap=overlap,
     )
     tracked = []
     start = time.monotonic()
+    scheduler.times.reset()
     pending = list(enumerate(requests))
     while pending or scheduler.has_work:
         now = time.monotonic()
@@ -89,6 +97,7 @@ def run_scheduler(
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
     elapsed = time.monotonic() - start
+    times = scheduler.times.as_dict(elapsed)
     output_tokens = sum(len(r.output_ids) for r in tracked)
     first_token = {r.rid: r.first_token_s or finished[r.rid] for r in tracked}
     ttft = sorted(first_token[r.rid] - r.arrival_s for r in tracked)
@@ -105,6 +114,10 @@ def run_scheduler(
         "tpot_p50_ms": _percentile_ms(tpot, 0.5),
         "tpot_p99_ms": _percentile_ms(tpot, 0.99),
         "retractions": scheduler.num_retractions,
+        "overlap": "on" if overlap else "off",
+        "gpu_idle_fraction": times["device_idle_fraction"],
+        "host_wait_s": times["host_wait_s"],
+        "overlapped_steps": f"{times['overlapped_steps']}/{times['steps']}",
     }
 
 
@@ -209,8 +222,9 @@ def run(args: argparse.Namespace) -> int:
     offline = workload(args.requests, seed=0, vocab=vocab)
     floor = floor_tokens_per_s(offline, weight_bytes, kv_per_token, bandwidth, args.max_batch)
     for name, result in (
-        ("snugkv", run_scheduler(engine, offline)),
+        ("snugkv (overlap)", run_scheduler(engine, offline)),
         ("snugkv LLM.generate", run_llm(llm, offline)),
+        ("snugkv (no overlap)", run_scheduler(engine, offline, overlap=False)),
     ):
         rows.append(
             {
@@ -221,7 +235,9 @@ def run(args: argparse.Namespace) -> int:
                 "fraction_of_floor": result["output_tok_per_s"] / floor,
             }
         )
-    extra["llm_generate_over_scheduler_direct"] = rows[-1]["output_tok_per_s"] / rows[-2]["output_tok_per_s"]
+    overlapped, through_llm, synchronous = (row["output_tok_per_s"] for row in rows[-3:])
+    extra["llm_generate_over_scheduler_direct"] = through_llm / overlapped
+    extra["overlap_speedup"] = overlapped / synchronous
     for rate in args.rates:
         online = workload(args.online_requests, seed=int(rate * 10), vocab=vocab)
         rng = random.Random(int(rate))
@@ -261,7 +277,7 @@ def run(args: argparse.Namespace) -> int:
                 "fraction_of_floor": http["output_tok_per_s"] / floor,
             }
         )
-        extra["http_over_in_process"] = http["output_tok_per_s"] / rows[1]["output_tok_per_s"]
+        extra["http_over_in_process"] = http["output_tok_per_s"] / overlapped
     if args.transformers:
         hf = transformers_generate_batch(args.model, fixed)
         rows.append(

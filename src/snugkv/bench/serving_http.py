@@ -4,7 +4,8 @@
 async client sends every request at once to `/v1/completions` (prompt token ids, `ignore_eos`,
 streamed so the first token's arrival is seen) and the figures are taken from what the client
 receives: output tokens per second over the wall time, time to first token. The server's own
-`/server_info` gives the KV size it sized, and its scheduler's GPU-idle share when it reports one.
+`/server_info` gives the KV size it sized, and the GPU-idle share of the run from its scheduler's
+device-busy seconds (CUDA events around each step).
 """
 
 from __future__ import annotations
@@ -103,12 +104,14 @@ def run_http(model: str, requests: list[tuple[list[int], int]], extra: list[str]
     """The workload through a fresh server; its KV size and any scheduler figures ride along."""
     process, url = start_server(model, extra)
     try:
+        before = httpx.get(f"{url}/server_info", timeout=10.0).json().get("step_times", {})
         result = asyncio.run(_drive(url, requests))
         info = httpx.get(f"{url}/server_info", timeout=10.0).json()
         result["max_total_num_tokens"] = info.get("max_total_num_tokens")
-        stats = info.get("stats", {})
-        if "gpu_idle_fraction" in stats:
-            result["gpu_idle_fraction"] = stats["gpu_idle_fraction"]
+        after = info.get("step_times", {})
+        if "device_busy_s" in after:  # the share of the run the GPU waited for the host
+            busy = after["device_busy_s"] - before.get("device_busy_s", 0.0)
+            result["gpu_idle_fraction"] = max(0.0, 1 - busy / result["seconds"])
         return result
     finally:
         stop_server(process)

@@ -10,6 +10,7 @@ BENCHMARKS = {
     "vmm": "snugkv.bench.vmm",
     "capacity": "snugkv.bench.capacity",
     "decode": "snugkv.bench.decode",
+    "host": "snugkv.bench.host",
     "kernels": "snugkv.bench.kernels",
     "prefill": "snugkv.bench.prefill",
     "serving": "snugkv.bench.serving",

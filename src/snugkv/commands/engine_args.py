@@ -112,6 +112,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: --chunked-prefill-size on a GPU; 0: run them eagerly)",
     )
     group.add_argument("--disable-cuda-graph", action="store_true", help="run every step eagerly")
+    group.add_argument(
+        "--disable-overlap-schedule",
+        action="store_true",
+        help="read each step's tokens before launching the next (default: the GPU runs the next "
+        "step while the host handles the last one's tokens)",
+    )
     group.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="--kv-sizing profiled only")
     group.add_argument(
         "--mem-fraction-static", type=float, default=None, help="--kv-sizing static-fraction only"

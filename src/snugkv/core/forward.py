@@ -8,7 +8,9 @@ written into `req_to_token` before the batch is built; this module never allocat
 
 Two modes:
 - DECODE: every row adds exactly one token. Only device tensors are read during the forward
-  (the CPU mirrors may be None), so the forward can be captured in a CUDA graph.
+  (the CPU mirrors may be None), so the forward can be captured in a CUDA graph. A decode row's
+  token may be `FUTURE_TOKEN`: the token the previous step sampled for that request, not yet on
+  the host; the runner fills it in on the device before the forward (runner.future_tokens).
 - EXTEND: anything else (prefill, prefix-cached extend, chunked prefill, rows mixed with decode
   rows). Backends may read the CPU mirrors of the lengths.
 
@@ -100,16 +102,20 @@ class AttentionBackend(ABC):
         """Write the new K/V, attend, return `[T, num_heads, v_head_dim]` (see the module docstring)."""
 
 
+FUTURE_TOKEN = -1  # a decode row's input that the previous step sampled and the host has not read
+
+
 class ForwardMode(StrEnum):
     EXTEND = "extend"
     DECODE = "decode"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class BatchRow:
     """One request's share of a forward: `token_ids` go at positions `prefix_len ...`.
 
     `need_logits` is False for a non-final prefill chunk, whose next token nobody samples.
+    Not frozen: one is built per request per step, and a frozen `__init__` costs three times more.
     """
 
     req_pool_idx: int
@@ -130,7 +136,8 @@ class ForwardBatch:
     new token of each row that needs them). `kv_width` bounds how many key columns a gathering
     decode path reads per row; graphs set it to the table width so the shape is static, eager
     batches leave it None (meaning `max(seq_lens)`). `attn_metadata` is the attention backend's
-    own per-batch state, set by `AttentionBackend.init_forward_metadata`.
+    own per-batch state, set by `AttentionBackend.init_forward_metadata`. `reads_future_tokens`:
+    some decode row's input id is `FUTURE_TOKEN`, filled in on the device before the forward.
     """
 
     mode: ForwardMode
@@ -151,6 +158,7 @@ class ForwardBatch:
     extend_lens_cpu: tuple[int, ...] | None = None
     kv_width: int | None = None
     attn_metadata: Any = None
+    reads_future_tokens: bool = False
 
     @property
     def batch_size(self) -> int:
@@ -200,6 +208,11 @@ class ForwardBatch:
                 total += length
             positions = [position for p, s in zip(prefix_lens, seq_lens) for position in range(p, s)]
             input_ids = [t for row in rows for t in row.token_ids]
+            if min(input_ids) < 0:
+                raise ValueError(
+                    "only a decode batch (one token per row, every row sampled) may take the "
+                    "previous step's token (FUTURE_TOKEN)"
+                )
             logits_rows = [
                 start + length - 1 for row, start, length in zip(rows, starts, extend_lens) if row.need_logits
             ]
@@ -238,4 +251,5 @@ class ForwardBatch:
             seq_lens_cpu=tuple(seq_lens),
             prefix_lens_cpu=tuple(prefix_lens),
             extend_lens_cpu=tuple(extend_lens),
+            reads_future_tokens=decode and min(input_ids) < 0,
         )

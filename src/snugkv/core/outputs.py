@@ -31,9 +31,10 @@ class TokenLogprob:
     top: list[tuple[str, float]] = field(default_factory=list)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class GenerateOutput:
-    """One step of a request's stream: the tokens and text added since the previous output."""
+    """One step of a request's stream: the tokens and text added since the previous output.
+    Not frozen: one is built per request per step, and a frozen `__init__` costs twice as much."""
 
     rid: str
     token_ids: list[int]

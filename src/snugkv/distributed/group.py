@@ -2,8 +2,9 @@
 
 One small frozen object holds everything a sharded layer needs to know. At `world_size == 1` every
 collective is the identity and nothing touches `torch.distributed`, so tp=1 runs exactly the
-single-process code. Tensors go over `device_group` (NCCL on GPU, gloo on CPU); control values
-(sampled token ids, sizing) go over `cpu_group` (always gloo).
+single-process code. Tensors go over `device_group` (NCCL on GPU, gloo on CPU), and so do the
+scheduler's sampled token ids (they stay on the device); control values (sizing, the token ids
+of the runner's synchronous `sample`) go over `cpu_group` (always gloo).
 
 The only module-level state is the "current" object that model constructors read while a model
 is built (`use_tensor_parallel`): the loader builds models with a fixed signature, so this is how a
@@ -103,6 +104,14 @@ class TensorParallel:
         group = self._cpu()
         dist.broadcast(tensor, src=dist.get_global_rank(group, 0), group=group)
         return tensor.tolist()
+
+    def broadcast_tensor_from_first(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `tensor` on every rank, in place, over the device group: on a GPU (NCCL) it is
+        queued on the stream and the host does not wait (identity at tp=1)."""
+        if self.enabled:
+            group = self.device_group
+            dist.broadcast(tensor, src=0 if group is None else dist.get_global_rank(group, 0), group=group)
+        return tensor
 
     def any_rank(self, flag: bool) -> bool:
         """True on every rank if `flag` is True on any rank, over the CPU group."""

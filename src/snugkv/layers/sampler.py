@@ -5,7 +5,8 @@ draws exactly from `probs`, needs no normalisation after top-k/top-p masking and
 Whatever the values, the most likely token survives every filter, so a row can never be left with
 nothing to draw from (a `top_p` of 1e-46 is 0 in float32 and would otherwise mask every token).
 A request with a seed owns a `torch.Generator` (made by `SamplingParams.make_generator`) that
-draws its noise, so its tokens do not depend on what else is in the batch.
+draws its noise, so its tokens do not depend on what else is in the batch. The per-row parameters
+reach the device through pinned memory, so sampling never waits for the GPU's queue.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from snugkv.core.sampling import SamplingParams
+from snugkv.core.transfer import to_device
 
 
 class Sampler:
@@ -31,14 +33,16 @@ class Sampler:
         if all(p.greedy for p in params):
             return greedy_tokens
         device, vocab = logits.device, logits.shape[-1]
-        temperatures = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
+        temperatures = to_device(
+            [p.temperature if not p.greedy else 1.0 for p in params], torch.float32, device
+        )
         scaled = logits.float() / temperatures[:, None]
         top_ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
         if any(k < vocab for k in top_ks):
-            scaled = _top_k_filter(scaled, torch.tensor(top_ks, device=device))
+            scaled = _top_k_filter(scaled, to_device(top_ks, torch.int64, device))
         probs = torch.softmax(scaled, dim=-1)
         if any(p.top_p < 1 for p in params):
-            probs = _top_p_filter(probs, torch.tensor([p.top_p for p in params], device=device))
+            probs = _top_p_filter(probs, to_device([p.top_p for p in params], torch.float32, device))
         noise = torch.empty_like(probs).exponential_()
         for row, generator in enumerate(generators or ()):
             if generator is not None:
@@ -46,7 +50,7 @@ class Sampler:
         # A draw of exactly 0 would make a masked token 0/0 = NaN, which argmax picks.
         noise.clamp_min_(torch.finfo(noise.dtype).tiny)
         sampled = torch.argmax(probs / noise, dim=-1)
-        greedy = torch.tensor([p.greedy for p in params], device=device)
+        greedy = to_device([p.greedy for p in params], torch.bool, device)
         return torch.where(greedy, greedy_tokens, sampled)
 
 

@@ -4,7 +4,9 @@ MLA models (a `kv_lora_rank` in the config) get the latent pool; models mixing s
 and full-attention layers get the hybrid SWA pool with the window layers in the smaller
 sub-pool; everything else gets the MHA pool (a model whose every layer slides keeps one pool
 and masks). The allocator always matches the pool: paged or token, SWA over both sub-pools;
-every allocator resizes by one count (`SlotAllocator.resize`).
+every allocator resizes by one count (`SlotAllocator.resize`). Allocators hand out slots on the
+CPU, where their free lists live: the runner sends them to the device with its table write, so
+taking slots never waits for the step the GPU is running.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ def make_slot_allocator(pool: KVPool, capacity_tokens: int) -> SlotAllocator:
             pool.tokens_per_group(capacity_tokens)[SWA_GROUP],
             pool.page_size,
             full_to_swa,
-            device=pool.device,
+            device="cpu",
             swa_tokens_for=lambda full_tokens: pool.tokens_per_group(full_tokens)[SWA_GROUP],
         )
-    return make_allocator(capacity_tokens, pool.page_size, pool.device)
+    return make_allocator(capacity_tokens, pool.page_size, "cpu")

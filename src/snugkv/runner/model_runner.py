@@ -7,9 +7,12 @@ The caller (the scheduler, or the generate loop) decides which requests run; per
 3. calls `forward(rows, out_cache_loc)` for float32 logits of the rows that need them (a decode
    batch replayed from a CUDA graph returns a view of the graph's output: use it before the
    next forward),
-4. calls `sample(logits, params, generators)` for the next tokens,
+4. calls `sample(logits, params, generators)` for the next tokens as a list (the host waits for
+   the step), or `sample_on_device(...)` for a device tensor (the host does not wait): those
+   tokens are also kept per table row, and a next decode row may name one as `FUTURE_TOKEN`,
 and when a request ends frees its slots (`free_request_slots`, or the prefix cache takes them)
-and its table row.
+and its table row. Nothing on the decode path makes the host wait for the GPU: slots come from
+the allocator and the table's host copy, and go to the device in one queued copy.
 
 `ModelRunner.build` is the one way to assemble a runner (the engine and the tests use it): the
 pool's dummy page backed, the request-to-token table, the pool's allocator, the attention
@@ -26,6 +29,7 @@ import torch
 from snugkv.attention.registry import make_attention_backend
 from snugkv.core.forward import AttentionBackend, BatchRow, ForwardBatch
 from snugkv.core.sampling import SamplingParams
+from snugkv.core.transfer import to_device
 from snugkv.distributed.group import TensorParallel
 from snugkv.layers.sampler import Sampler
 from snugkv.memory.allocator import SlotAllocator
@@ -33,6 +37,7 @@ from snugkv.memory.kv_pool import KVPool
 from snugkv.memory.req_to_token import ReqToTokenPool
 from snugkv.models.causal_lm import CausalLM
 from snugkv.runner.cuda_graph import DecodeCudaGraphs
+from snugkv.runner.future_tokens import FutureTokens
 from snugkv.runner.kv_cache import make_slot_allocator
 from snugkv.runner.piecewise_graphs import PiecewiseGraphs
 
@@ -59,6 +64,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.cuda_graphs: DecodeCudaGraphs | None = None
         self.piecewise_graphs: PiecewiseGraphs | None = None
+        self.future_tokens = FutureTokens(req_to_token_pool.max_requests + 1, self.device)
 
     @classmethod
     def build(
@@ -99,7 +105,11 @@ class ModelRunner:
 
     def close(self) -> None:
         """Drop the graphs and every reference into the KV pool (an SWA allocator holds a view of
-        the pool's slot map), so the pool's arena can be released. The runner cannot run after."""
+        the pool's slot map), so the pool's arena can be released. The runner cannot run after.
+        A step may still be running (an overlapped scheduler launches one before it reads the
+        last): it finishes first."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         self.cuda_graphs = None
         self.piecewise_graphs = None
         for name in ("allocator", "kv_pool"):
@@ -117,40 +127,44 @@ class ModelRunner:
 
     # -- slots ----------------------------------------------------------------------------
     def allocate_slots(self, rows: Sequence[BatchRow]) -> torch.Tensor | None:
-        """Slots for every row's new tokens, written into the table; None if the pool is full.
+        """Slots for every row's new tokens (on the device), written into the table; None if the
+        pool is full.
 
         Rows must own their table row, and positions `0 .. prefix_len - 1` must already be in it.
         """
+        req_indices, prefix_lens, extend_lens = [], [], []
         for row in rows:
-            if row.seq_len > self.max_context_len:
-                raise ValueError(
-                    f"request row {row.req_pool_idx} would hold {row.seq_len} tokens; the context holds "
-                    f"{self.max_context_len}"
-                )
-        table = self.req_to_token_pool.req_to_token
-        req_idx = torch.tensor([row.req_pool_idx for row in rows], dtype=torch.int64, device=self.device)
-        prefix = torch.tensor([row.prefix_len for row in rows], dtype=torch.int64, device=self.device)
-        seq = torch.tensor([row.seq_len for row in rows], dtype=torch.int64, device=self.device)
+            req_indices.append(row.req_pool_idx)
+            prefix_lens.append(row.prefix_len)
+            extend_lens.append(len(row.token_ids))
+        longest = max(map(sum, zip(prefix_lens, extend_lens)), default=0)
+        if longest > self.max_context_len:
+            row = next(row for row in rows if row.seq_len == longest)
+            raise ValueError(
+                f"request row {row.req_pool_idx} would hold {row.seq_len} tokens; the context holds "
+                f"{self.max_context_len}"
+            )
+        req_idx = torch.tensor(req_indices, dtype=torch.int64)
+        prefix = torch.tensor(prefix_lens, dtype=torch.int64)
+        table = self.req_to_token_pool.req_to_token_host
         last_loc = torch.where(prefix > 0, table[req_idx, (prefix - 1).clamp(min=0)].long(), -1)
-        if all(len(row.token_ids) == 1 and row.prefix_len > 0 for row in rows):
-            slots = self.allocator.alloc_decode(seq, last_loc)
+        if min(extend_lens, default=0) == max(extend_lens) == 1 and min(prefix_lens) > 0:
+            slots = self.allocator.alloc_decode(prefix + 1, last_loc)
+            owner, positions = req_idx, prefix
         else:
-            slots = self.allocator.alloc_extend(prefix, seq, last_loc)
+            lengths = torch.tensor(extend_lens, dtype=torch.int64)
+            slots = self.allocator.alloc_extend(prefix, prefix + lengths, last_loc)
+            owner = torch.repeat_interleave(req_idx, lengths)
+            starts = torch.cumsum(lengths, 0) - lengths
+            positions = torch.arange(owner.numel()) - torch.repeat_interleave(starts - prefix, lengths)
         if slots is None:
             return None
-        slots = slots.to(self.device)
-        lengths = seq - prefix
-        owner = torch.repeat_interleave(req_idx, lengths)
-        starts = torch.cumsum(lengths, 0) - lengths
-        positions = torch.arange(slots.numel(), device=self.device) - torch.repeat_interleave(starts, lengths)
-        positions += torch.repeat_interleave(prefix, lengths)
-        table[owner, positions] = slots.to(table.dtype)
-        return slots
+        return self.req_to_token_pool.write_positions(owner, positions, slots.to("cpu", torch.int64))
 
     def free_request_slots(self, req_pool_idx: int, num_tokens: int) -> None:
         """Return the slots of positions `0 .. num_tokens - 1` of a request to the allocator."""
         if num_tokens > 0:
-            self.allocator.free(self.req_to_token_pool.req_to_token[req_pool_idx, :num_tokens])
+            self.allocator.free(self.req_to_token_pool.slots_of(req_pool_idx, num_tokens))
 
     # -- forward --------------------------------------------------------------------------
     def build_batch(self, rows: Sequence[BatchRow], out_cache_loc: torch.Tensor) -> ForwardBatch:
@@ -165,7 +179,12 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, rows: Sequence[BatchRow], out_cache_loc: torch.Tensor) -> torch.Tensor:
         """Float32 logits `[rows needing logits, vocab]`, in row order."""
-        return self.forward_batch(self.build_batch(rows, out_cache_loc))
+        forward_batch = self.build_batch(rows, out_cache_loc)
+        if forward_batch.reads_future_tokens:
+            forward_batch.input_ids = self.future_tokens.resolve(
+                forward_batch.input_ids, forward_batch.req_pool_indices
+            )
+        return self.forward_batch(forward_batch)
 
     @torch.inference_mode()
     def forward_batch(self, forward_batch: ForwardBatch) -> torch.Tensor:
@@ -203,6 +222,22 @@ class ModelRunner:
         """Next token ids; with tensor parallelism every rank samples and rank 0's tokens win,
         so all ranks feed the same tokens to the next step even if their logits differ in the last bit."""
         return self.tp.broadcast_from_first(self.sampler(logits, params, generators).tolist())
+
+    @torch.inference_mode()
+    def sample_on_device(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None] | None,
+        req_pool_indices: Sequence[int],
+    ) -> torch.Tensor:
+        """Next token ids `[rows]` as a device tensor, without waiting for the GPU; each is also
+        kept for its table row (`req_pool_indices`), where a next decode row's `FUTURE_TOKEN`
+        finds it. With tensor parallelism rank 0's tokens go to every rank over the device group,
+        queued on the stream like the sampling itself."""
+        tokens = self.tp.broadcast_tensor_from_first(self.sampler(logits, params, generators))
+        self.future_tokens.store(to_device(req_pool_indices, torch.int64, self.device), tokens)
+        return tokens
 
     # -- graphs ---------------------------------------------------------------------------
     def capture_cuda_graphs(self, batch_sizes: Sequence[int]) -> None:

@@ -207,9 +207,17 @@ class AsyncEngine:
             "chunked_prefill_size": args.chunked_prefill_size,
             "cuda_graph_max_bs": 0 if args.disable_cuda_graph else args.cuda_graph_max_bs,
             "prefill_graph_max_tokens": 0 if args.disable_cuda_graph else args.prefill_graph_max_tokens,
+            "overlap_schedule": self.scheduler.overlap,
             "device": str(self.engine.device),
             "kv_capacity_tokens": self.scheduler.runner.allocator.capacity_tokens,
             "stats": self.scheduler.stats(),
+            # Counters since start: a client takes the GPU-idle fraction of a run as
+            # 1 - (change in device_busy_s) / (its wall time).
+            "step_times": {
+                key: value
+                for key, value in self.scheduler.times.as_dict().items()
+                if key != "device_idle_fraction"
+            },
             "step_errors": self.step_errors,
             "is_sleeping": self.engine.is_sleeping,
             "kv_events": list(self.engine.kv_events),

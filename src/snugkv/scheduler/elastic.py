@@ -54,6 +54,7 @@ def resize_kv(
     """Resize to `max_total_num_tokens`, or to what leaves `free_gib` of device memory free."""
     engine = engine_of(scheduler)
     engine.check_resizable()  # asleep or sized without virtual memory: refused before any value
+    scheduler.finish_in_flight()  # a launched step's slots and tokens are settled before pages move
     if (max_total_num_tokens is None) == (free_gib is None):
         raise KvResizeError("give exactly one of max_total_num_tokens and free_gib")
     if free_gib is not None:
@@ -127,6 +128,7 @@ def sleep(scheduler: Scheduler, *, level: int = 1, tags: tuple[str, ...] = ()) -
     queue, nothing is lost) and the prefix cache is emptied when the KV cache goes."""
     engine = engine_of(scheduler)
     chosen = engine.check_sleep(level, tags)
+    scheduler.finish_in_flight()  # the launched step reads the KV cache and weights about to go
     if "kv_cache" in chosen - engine.sleeping_tags:
         for request in sorted(
             (r for r in (*scheduler.running, *scheduler.waiting) if r.is_admitted), key=lambda r: -r.seq
@@ -145,6 +147,7 @@ def wake_up(scheduler: Scheduler, *, tags: tuple[str, ...] = ()) -> KvResize:
     """Take memory back; once nothing sleeps, the queue runs again. A queued request the re-sized
     cache can no longer hold ends with an error saying so (the only request a wake can fail)."""
     engine = engine_of(scheduler)
+    scheduler.finish_in_flight()
     result = engine.wake_up(tags)
     if not engine.is_sleeping:
         scheduler.max_running_requests = result.max_running_requests

@@ -4,7 +4,7 @@ Only rank 0 hears clients. At every turn of its loop it sends that turn's comman
 added, aborts, KV resizes, sleep and wake, stop) to the other ranks over the CPU group, and every rank applies the same
 commands, in the same order, to its own scheduler, then steps if there is work. A scheduler is
 deterministic given its commands and the sampled tokens (which rank 0 broadcasts inside
-`ModelRunner.sample`), so every rank batches the same rows and meets the others in the same
+`ModelRunner.sample_on_device`), so every rank batches the same rows and meets the others in the same
 collectives. Rank 0 sends a turn even when idle (an empty one every few tens of ms), so the
 others never sit in a collective long enough to time out.
 

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from snugkv.core.outputs import GenerateOutput, TokenLogprob
+from snugkv.core.transfer import to_device
 from snugkv.scheduler.detokenizer import detokenize
 from snugkv.scheduler.request import Request
 
@@ -24,18 +25,29 @@ class OutputBuilder:
         self.tokenizer = tokenizer
         self.on_output = on_output
 
+    def log_prob_rows(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor | None:
+        """Log-probabilities `[rows, vocab]` of the rows whose request asked for them, computed
+        where the logits are (queued there: the host does not wait); None if no row asked."""
+        wanted = [i for i, request in enumerate(requests) if request.sampling.logprobs is not None]
+        if not wanted:
+            return None
+        index = to_device(wanted, torch.int64, logits.device)
+        return torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
+
     def logprobs(
-        self, logits: torch.Tensor, requests: Sequence[Request], tokens: Sequence[int]
+        self, log_probs: torch.Tensor | None, requests: Sequence[Request], tokens: Sequence[int]
     ) -> list[TokenLogprob | None]:
         """The sampled token's log-probability (and the top alternatives) for every row whose
-        request asked for them; None for the others."""
+        request asked for them, from `log_prob_rows` on the host; None for the others and for a
+        request that ended while its step ran (that token is never read)."""
         wanted = [i for i, request in enumerate(requests) if request.sampling.logprobs is not None]
         result: list[TokenLogprob | None] = [None] * len(requests)
-        if not wanted:
+        if not wanted or log_probs is None:
             return result
-        log_probs = torch.log_softmax(logits[wanted].float(), dim=-1).cpu()
         for position, index in enumerate(wanted):
             request, token = requests[index], tokens[index]
+            if request.finished:
+                continue
             top_n = request.sampling.logprobs or 0
             top = torch.topk(log_probs[position], top_n) if top_n else None
             result[index] = TokenLogprob(

@@ -3,7 +3,9 @@
 Slot ownership along the request's row of the request-to-token table:
 `[0, prefix_len)` are prefix-cache slots (locked through `prefix_node`), `[prefix_len, kv_len)`
 are slots the request allocated itself. `kv_len` tokens have KV in the pool; the last sampled
-token never does until the next step computes it.
+token never does until the next step computes it. Positions `[kv_len, kv_len + in_flight)` belong
+to steps launched but not read back yet (overlapped scheduling): their slots are the request's,
+and their KV counts only once the host has read the step (a failed or discarded step's is freed).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ class Request:
     prefix_node: TreeNode | None = None
     prefix_len: int = 0
     kv_len: int = 0
-    in_flight: int = 0  # slots taken for the step now running, past kv_len (freed if that step fails)
+    in_flight: int = 0  # tokens of launched steps not read back yet: their slots lie past kv_len
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
     generator: torch.Generator | None = None
     finish_reason: str | None = None

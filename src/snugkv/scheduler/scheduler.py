@@ -9,7 +9,31 @@ a dropped request. After any workload every slot is back: `check_slot_accounting
 
 The scheduler runs on one thread (the engine's loop); it never blocks on I/O. Outputs leave
 through the `on_output` callback. This module is the policy (who runs, when a request ends); the
-slots' life is `scheduler.slots`, what leaves is `scheduler.outputs`.
+slots' life is `scheduler.slots`, what leaves is `scheduler.outputs`, a step on its way is
+`scheduler.launched`.
+
+Overlapped scheduling (on unless `overlap=False`, `--disable-overlap-schedule`): a step is
+launched (forward and sampling queued on the device, tokens on their way to pinned host memory)
+and its results are read one `step()` later, after the next step is queued, so the GPU runs
+step N+1 while the host moves step N's requests on (stop checks, stop strings, detokenizing,
+outputs, freeing). What does not depend on the sampled tokens happens at launch: `in_flight`
+counts a request's launched tokens (their slots lie past `kv_len`, so a release frees them), a
+prefilled request joins `running`, a non-final chunk goes back to `waiting`. The next decode
+batch is built from that state: a request whose token is still on the device gets
+`FUTURE_TOKEN`, which the runner fills in on the device from what the sampler stored. A request
+that ends at step N is already in step N+1: that extra token is never read, and its slot is
+freed with the request (it is in `in_flight`); a request aborted meanwhile is skipped alike.
+
+The host reads step N before launching (a synchronous step) whenever the next batch depends on
+it: when a prefill may run (requests wait and a seat is free: what is admitted follows what
+step N ends and frees, and a prompt's next chunk follows its last), and when the decode batch
+does not fit (retraction must choose among the requests step N leaves running); so while
+requests wait with seats free but no room in the KV cache, every step is synchronous. Overlapped or
+not, every request is fed the same tokens, so greedy and seeded outputs are the same; what may
+differ is the step at which a waiting request is admitted (one later at most) and, under memory
+pressure, which prefix-cache entries are evicted. With tensor parallelism the sampled tokens go
+from rank 0 to the others over the device group (`ModelRunner.sample_on_device`), so every
+rank overlaps alike and makes the same choices.
 """
 
 from __future__ import annotations
@@ -19,15 +43,16 @@ import logging
 import time
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from snugkv.core.forward import BatchRow
+from snugkv.core.forward import FUTURE_TOKEN, BatchRow
 from snugkv.core.sampling import InvalidRequest, SamplingParams
+from snugkv.core.transfer import to_host
 from snugkv.runner.model_runner import ModelRunner
 from snugkv.scheduler.detokenizer import detokenize, find_stop
+from snugkv.scheduler.launched import LaunchedStep, ScheduledBatch, StepTimes, clock
 from snugkv.scheduler.outputs import OutputBuilder, OutputCallback
 from snugkv.scheduler.radix_cache import RadixCache
 from snugkv.scheduler.request import Request
@@ -36,16 +61,6 @@ from snugkv.scheduler.slots import RequestSlots, SlotAccountingError
 __all__ = ["OutputCallback", "Scheduler", "SlotAccountingError"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class ScheduledBatch:
-    """One step's work: a row per request (in `requests` order) and the slots of their new tokens."""
-
-    rows: list[BatchRow]
-    requests: list[Request]
-    slots: torch.Tensor
-    decode: bool
 
 
 class Scheduler:
@@ -59,8 +74,10 @@ class Scheduler:
         chunked_prefill_size: int,
         enable_prefix_cache: bool = True,
         on_output: OutputCallback | None = None,
+        overlap: bool = True,
     ) -> None:
         self.runner = runner
+        self.overlap = overlap
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_running_requests = max_running_requests
         self.chunked_prefill_size = chunked_prefill_size
@@ -74,11 +91,13 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_retractions = 0
         self.generated_tokens = 0
+        self.times = StepTimes()
         self._arrivals = itertools.count()
         self.engine: Any = (
             None  # the Engine of `for_engine`, which elastic memory (scheduler.elastic) resizes
         )
         self.paused = False  # the engine sleeps: requests wait in the queue and no step runs
+        self._in_flight: LaunchedStep | None = None  # launched; its results are not read yet
 
     @classmethod
     def for_engine(
@@ -89,8 +108,8 @@ class Scheduler:
         enable_prefix_cache: bool = True,
         on_output: OutputCallback | None = None,
     ) -> Scheduler:
-        """The scheduler an `Engine` runs under: its runner, EOS ids, re-capped request limit and
-        prefill chunk (every tensor-parallel rank builds the same one)."""
+        """The scheduler an `Engine` runs under: its runner, EOS ids, re-capped request limit,
+        prefill chunk and overlap setting (every tensor-parallel rank builds the same one)."""
         scheduler = cls(
             engine.runner,
             tokenizer=tokenizer,
@@ -99,6 +118,7 @@ class Scheduler:
             chunked_prefill_size=engine.args.chunked_prefill_size,
             enable_prefix_cache=enable_prefix_cache,
             on_output=on_output,
+            overlap=not engine.args.disable_overlap_schedule,
         )
         scheduler.engine = engine
         return scheduler
@@ -141,22 +161,48 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return not self.paused and bool(self.waiting or self.running)
+        return (not self.paused and bool(self.waiting or self.running)) or self._in_flight is not None
 
     # -- one step -----------------------------------------------------------------------
     def step(self) -> None:
+        """Launch the next step, then read the results of the step before it (overlapped); or
+        read the step in flight first, then launch (synchronous). A step that raised leaves the
+        scheduler to `fail_all`."""
         self._drop_aborted()
-        batch = self._schedule_prefill() or self._schedule_decode()
-        if batch is None:
+        if self.paused:  # asleep: only the step already launched is read
+            self.finish_in_flight()
             return
+        previous, batch = self._in_flight, None
         try:
-            self._run(batch)
+            if previous is not None and self.overlap and not self._prefill_may_run():
+                batch = self._schedule_decode(retract=False)
+            if batch is None:
+                self.finish_in_flight()
+                previous = None
+                batch = self._schedule_prefill() or self._schedule_decode(retract=True)
+                if batch is None:
+                    return
+            self._in_flight = self._launch(batch, overlapped=previous is not None)
+            if previous is not None:
+                self._complete(previous)
+            if not self.overlap:
+                self.finish_in_flight()
         except Exception:
-            self._requeue_after_failure(batch.requests)
+            self._requeue_after_failure(batch.requests if batch is not None else [])
             raise
 
+    def finish_in_flight(self) -> None:
+        """Read the results of the step in flight, if any, and move its requests on. Anything
+        that changes slots or the KV pool behind the scheduler's back calls this first."""
+        launched, self._in_flight = self._in_flight, None
+        if launched is not None:
+            self._complete(launched)
+
+    def _prefill_may_run(self) -> bool:
+        return bool(self.waiting) and len(self.running) < self.max_running_requests
+
     def _requeue_after_failure(self, batch: list[Request]) -> None:
-        """After `_run` raised: every request of the batch that did not finish is in a queue again
+        """After a step raised: every request of the batch that did not finish is in a queue again
         (so `fail_all` reaches it), and no finished one is left in `running`."""
         self.running = [request for request in self.running if not request.finished]
         queued = {id(request) for request in (*self.waiting, *self.running)}
@@ -210,13 +256,23 @@ class Scheduler:
             return None
         return ScheduledBatch(rows, batch, torch.cat(slot_parts), decode=False)
 
-    def _schedule_decode(self) -> ScheduledBatch | None:
+    def _schedule_decode(self, *, retract: bool) -> ScheduledBatch | None:
+        """Every running request by one token. A request whose last token is still on the device
+        (a step in flight) reads it there (`FUTURE_TOKEN`). When the pool runs short: retract the
+        newest request and try again, or (`retract=False`) give up and return None."""
         while self.running:
-            rows = [BatchRow(r.table_row, r.kv_len, [r.last_token]) for r in self.running]
+            rows = [
+                BatchRow(
+                    r.table_row, r.kv_len + r.in_flight, [FUTURE_TOKEN] if r.in_flight else [r.last_token]
+                )
+                for r in self.running
+            ]
             self.slots.make_room(len(rows) * self.page_size)
             slots = self.runner.allocate_slots(rows)
             if slots is not None:
                 return ScheduledBatch(rows, list(self.running), slots, decode=True)
+            if not retract:
+                return None
             self._retract(max(self.running, key=lambda r: r.seq))  # the newest; never wall time
         return None
 
@@ -234,35 +290,67 @@ class Scheduler:
         )
 
     # -- running a batch --------------------------------------------------------------
-    def _run(self, scheduled: ScheduledBatch) -> None:
-        """Forward, sample, and move each request on: a decode batch is `self.running`; a prefill
-        batch came from `waiting` and joins `running` once its prompt is done."""
-        rows, batch, decode = scheduled.rows, scheduled.requests, scheduled.decode
+    def _launch(self, scheduled: ScheduledBatch, *, overlapped: bool) -> LaunchedStep:
+        """Queue the forward and the sampling, start the tokens' copy to the host, and move on what
+        does not depend on them: the new tokens are in flight, a prefilled request runs from now
+        on (a non-final chunk waits for the next)."""
+        rows, batch = scheduled.rows, scheduled.requests
         for row, request in zip(rows, batch):
-            request.in_flight = len(row.token_ids)
+            request.in_flight += len(row.token_ids)
+        device = self.runner.device
+        started = clock(device)
         logits = self.runner.forward(rows, scheduled.slots)
-        sampling_rows = [(row, request) for row, request in zip(rows, batch) if row.need_logits]
-        tokens = (
-            self.runner.sample(
-                logits, [r.sampling for _, r in sampling_rows], [r.generator for _, r in sampling_rows]
+        sampled_rows = [index for index, row in enumerate(rows) if row.need_logits]
+        tokens = log_probs = None
+        if sampled_rows:
+            sampled = [batch[index] for index in sampled_rows]
+            tokens = self.runner.sample_on_device(
+                logits,
+                [r.sampling for r in sampled],
+                [r.generator for r in sampled],
+                [r.table_row for r in sampled],
             )
-            if sampling_rows
-            else []
+            log_probs = self.outputs.log_prob_rows(logits, sampled)
+        launched = LaunchedStep(
+            scheduled,
+            sampled_rows,
+            tokens=None if tokens is None else to_host(tokens),
+            log_probs=None if log_probs is None else to_host(log_probs),
+            started=started,
+            overlapped=overlapped,
         )
-        logprobs = self.outputs.logprobs(logits, [request for _, request in sampling_rows], tokens)
-        sampled = iter(zip(tokens, logprobs))
+        launched.finish_launch(device)
+        if not scheduled.decode:
+            for row, request in zip(rows, batch):
+                if row.need_logits:
+                    self.running.append(request)
+                else:
+                    self.waiting.appendleft(request)  # the rest of its prompt comes next step
+        return launched
+
+    def _complete(self, launched: LaunchedStep) -> None:
+        """Read a launched step's tokens and move each of its requests on; a request that ended
+        while the step ran (it ended a step earlier, or was aborted) is skipped."""
+        tokens, log_probs = launched.results()
+        self.times.add(launched)
+        rows, batch = launched.batch.rows, launched.batch.requests
+        sampled = [batch[index] for index in launched.sampled_rows]
+        logprobs = self.outputs.logprobs(log_probs, sampled, tokens)
         now = time.monotonic()
         finished_any = False
+        sample_index = 0
         for row, request in zip(rows, batch):
-            request.kv_len += len(row.token_ids)
-            request.in_flight = 0
-            if not row.need_logits:
-                self.waiting.appendleft(request)  # the rest of its prompt comes next step
+            index = sample_index
+            sample_index += row.need_logits
+            if request.finished:
                 continue
-            token, logprob = next(sampled)
-            request.output_ids.append(int(token))
-            if logprob is not None:
-                request.logprobs.append(logprob)
+            request.kv_len += len(row.token_ids)
+            request.in_flight -= len(row.token_ids)
+            if not row.need_logits:
+                continue
+            request.output_ids.append(tokens[index])
+            if logprobs[index] is not None:
+                request.logprobs.append(logprobs[index])
             request.first_token_s = request.first_token_s or now
             self.generated_tokens += 1
             reason = self._stop_reason(request)
@@ -270,10 +358,8 @@ class Scheduler:
                 finished_any = True
                 self._finish(request, reason)
             else:
-                if not decode:
-                    self.running.append(request)
                 self.outputs.emit(request)
-        if decode and finished_any:
+        if finished_any:
             self.running = [request for request in self.running if not request.finished]
 
     def _stop_reason(self, request: Request) -> str | None:
@@ -289,9 +375,10 @@ class Scheduler:
                 request.text = request.text[:index]
                 request.stopped_by_string = True
                 return "stop"
-        if len(request.output_ids) >= sampling.max_new_tokens or request.num_tokens >= self.context_length:
+        num_tokens = request.num_tokens
+        if len(request.output_ids) >= sampling.max_new_tokens or num_tokens >= self.context_length:
             return "length"
-        if request.num_tokens + self.page_size > self.runner.allocator.capacity_tokens:
+        if num_tokens + self.page_size > self.runner.allocator.capacity_tokens:
             return "kv_capacity"  # the KV cache could not hold its next token even with nothing else in it
         return None
 
@@ -305,7 +392,9 @@ class Scheduler:
             self.requests.pop(request.rid, None)
 
     def fail_all(self, message: str) -> None:
-        """End every request with `message` (after a step failed) and give back their slots."""
+        """End every request with `message` (after a step failed) and give back their slots,
+        those of a step in flight too (its results are never read)."""
+        self._in_flight = None
         for queue in (self.waiting, self.running):
             while queue:
                 request = queue.pop()
@@ -322,6 +411,7 @@ class Scheduler:
 
     def check_slot_accounting(self) -> None:
         self.slots.check_accounting([*self.waiting, *self.running])
+        self.runner.req_to_token_pool.check_host_copy()
 
     def stats(self) -> dict[str, Any]:
         """`kv_cache_usage` counts the slots requests hold; prefix-cache entries the next admission

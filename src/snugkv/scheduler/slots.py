@@ -1,7 +1,8 @@
 """The life of a request's KV slots: admission, room, release, and the check that nothing leaked.
 
 Slot ownership along a request's table row: `[0, prefix_len)` belongs to the prefix cache
-(locked while the request runs), `[prefix_len, kv_len)` to the request. Admission gives a request
+(locked while the request runs), `[prefix_len, kv_len + in_flight)` to the request (`in_flight`:
+slots of launched steps whose results the host has not taken yet). Admission gives a request
 a table row and its cached prefix; room for new tokens comes from the allocator, evicting prefix
 cache entries when it runs short; release hands computed KV to the cache and duplicates, the
 partial last page and the slots of a failed step back to the allocator.
@@ -12,8 +13,6 @@ which requests run (the scheduler's policy) and never touches outputs.
 from __future__ import annotations
 
 from collections.abc import Iterable
-
-import torch
 
 from snugkv.runner.model_runner import ModelRunner
 from snugkv.scheduler.radix_cache import RadixCache
@@ -46,7 +45,7 @@ class RequestSlots:
         if match.num_tokens:
             self.cache.lock(match.node)
             request.prefix_node = match.node
-            self.runner.req_to_token_pool.write(row, 0, match.slots.to(self.runner.device))
+            self.runner.req_to_token_pool.write(row, 0, match.slots)
         request.prefix_len = request.kv_len = match.num_tokens
         if request.retractions == 0:
             request.cached_tokens = match.num_tokens
@@ -65,8 +64,7 @@ class RequestSlots:
         row = request.req_pool_idx
         if row is None:
             return
-        table = self.runner.req_to_token_pool.req_to_token
-        slots = table[row, : request.kv_len + request.in_flight].to("cpu", torch.int64)
+        slots = self.runner.req_to_token_pool.slots_of(row, request.kv_len + request.in_flight)
         usable = request.kv_len // self.page_size * self.page_size
         computed = slots[: request.kv_len]
         existing = self.cache.insert(request.all_ids[: request.kv_len], computed) if self.cache.enabled else 0
@@ -84,7 +82,9 @@ class RequestSlots:
     def held_tokens(self, requests: Iterable[Request]) -> int:
         """Slots held by admitted requests themselves (not the cache), in whole pages."""
         page = self.page_size
-        return sum(-(-r.kv_len // page) * page - r.prefix_len for r in requests if r.is_admitted)
+        return sum(
+            -(-(r.kv_len + r.in_flight) // page) * page - r.prefix_len for r in requests if r.is_admitted
+        )
 
     def check_accounting(self, requests: Iterable[Request]) -> None:
         allocator = self.runner.allocator

@@ -1,0 +1,173 @@
+"""`snugkv bench host`: the scheduler's host work per step at a full batch, with the model stubbed.
+
+Runs on a CPU (or a GPU). The model's forward is replaced by a stub that returns a fixed logits
+tensor, so what is timed is everything the host does around the GPU: choosing the batch, taking
+slots, building the forward batch, launching the sampler, moving each request on (stop checks,
+outputs), freeing what finished. Two cases: `steady` keeps every request decoding (none finishes
+while timed); `drain` runs requests of mixed output lengths to the end (finishes, releases,
+prefix-cache inserts). Prints steps/s and microseconds per request per step, from the process's
+CPU time (what the host spends, whatever else shares the machine; the wall time is printed too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from snugkv.bench.report import emit
+from snugkv.core.sampling import SamplingParams
+
+STUB_VOCAB = 64  # the stub's logits: the sampler's own cost is not what this measures
+
+
+def _tiny_config(directory: Path, context_length: int) -> str:
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 512,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": context_length,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    path = directory / "config.json"
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+def _engine(args: argparse.Namespace, directory: Path) -> Any:
+    from snugkv.engine import Engine, EngineArgs
+
+    context = args.prompt + args.steps * 4 + 64
+    engine = Engine(
+        EngineArgs(
+            model=_tiny_config(directory, context),
+            load_format="dummy",
+            device=args.device,
+            dtype="float32",
+            page_size=args.page_size,
+            max_running_requests=args.batch,
+            max_total_tokens=args.batch * (context + args.page_size),
+            chunked_prefill_size=8192,
+            host_kv_gib=0.5,
+            disable_cuda_graph=True,  # the stub replaces the forward
+        )
+    )
+    logits = torch.zeros(args.batch, STUB_VOCAB, device=engine.device)
+    engine.runner.forward_batch = lambda batch: logits[: batch.logits_indices.numel()]  # type: ignore[method-assign,union-attr]
+    return engine
+
+
+def _scheduler(engine: Any, overlap: bool) -> Any:
+    from snugkv.scheduler.scheduler import Scheduler
+
+    finished: dict[str, float] = {}
+    scheduler = Scheduler.for_engine(
+        engine, on_output=lambda r, o: finished.__setitem__(o.rid, time.monotonic()) if o.finished else None
+    )
+    scheduler.overlap = overlap
+    return scheduler
+
+
+def _add(scheduler: Any, count: int, prompt_len: int, max_new: list[int], seed: int) -> None:
+    rng = random.Random(seed)
+    for index in range(count):
+        prompt = [rng.randrange(10, 500) for _ in range(prompt_len)]
+        scheduler.add_request(
+            f"h{seed}-{index}", prompt, SamplingParams(max_new_tokens=max_new[index], ignore_eos=True)
+        )
+
+
+def steady(engine: Any, args: argparse.Namespace, overlap: bool) -> dict[str, Any]:
+    scheduler = _scheduler(engine, overlap)
+    _add(scheduler, args.batch, args.prompt, [args.steps * 3] * args.batch, seed=0)
+    while scheduler.waiting:  # prefill
+        scheduler.step()
+    for _ in range(args.warmup):
+        scheduler.step()
+    best = best_wall = float("inf")
+    for _ in range(args.repeats):
+        start, start_wall = time.process_time(), time.perf_counter()
+        for _ in range(args.steps // args.repeats):
+            scheduler.step()
+        best = min(best, (time.process_time() - start) / (args.steps // args.repeats))
+        best_wall = min(best_wall, (time.perf_counter() - start_wall) / (args.steps // args.repeats))
+    batch = len(scheduler.running)
+    for rid in list(scheduler.requests):
+        scheduler.abort(rid)
+    while scheduler.has_work:
+        scheduler.step()
+    scheduler.check_slot_accounting()
+    scheduler.cache.reset()
+    return {
+        "case": f"steady: {batch} requests decoding",
+        "steps_per_s": 1 / best,
+        "ms_per_step": best * 1e3,
+        "us_per_request_step": best * 1e6 / batch,
+        "wall_ms_per_step": best_wall * 1e3,
+    }
+
+
+def drain(engine: Any, args: argparse.Namespace, overlap: bool) -> dict[str, Any]:
+    scheduler = _scheduler(engine, overlap)
+    rng = random.Random(1)
+    max_new = [rng.randint(args.steps // 4, args.steps) for _ in range(args.batch)]
+    _add(scheduler, args.batch, args.prompt, max_new, seed=1)
+    while scheduler.waiting:
+        scheduler.step()
+    steps, start, start_wall = 0, time.process_time(), time.perf_counter()
+    while scheduler.has_work:
+        scheduler.step()
+        steps += 1
+    elapsed, wall = time.process_time() - start, time.perf_counter() - start_wall
+    scheduler.check_slot_accounting()
+    scheduler.cache.reset()
+    return {
+        "case": f"drain: {args.batch} requests, out U[{args.steps // 4},{args.steps}]",
+        "steps_per_s": steps / elapsed,
+        "ms_per_step": elapsed * 1e3 / steps,
+        "us_per_request_step": elapsed * 1e6 / (sum(max_new) - args.batch),
+        "wall_ms_per_step": wall * 1e3 / steps,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as directory:
+        engine = _engine(args, Path(directory))
+        rows = []
+        for mode in ("on", "off") if args.overlap == "both" else (args.overlap,):
+            for case in (steady, drain):
+                rows.append({"overlap": mode, **case(engine, args, overlap=mode == "on")})
+        engine.close()
+    emit("host", rows, args.out, extra={"batch": args.batch, "device": args.device})
+    return 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--prompt", type=int, default=128, help="prompt tokens per request")
+    parser.add_argument("--steps", type=int, default=200, help="timed decode steps")
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=5, help="the best of this many timed runs")
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--overlap",
+        choices=("on", "off", "both"),
+        default="both",
+        help="overlapped scheduling on, off, or both side by side (default)",
+    )

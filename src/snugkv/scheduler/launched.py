@@ -1,0 +1,110 @@
+"""A step on its way: scheduled by the host, queued on the device, its results read later.
+
+`ScheduledBatch` is one step's work (rows, their requests, their slots). Once its forward and
+sampling are queued it becomes a `LaunchedStep`: the sampled tokens (and log-probabilities, for
+the rows that asked) are being copied to pinned host memory, and an event recorded after the
+copies says when they arrived. `results()` waits on that event only, not on the work queued
+after it, so the host can queue step N+1 before it reads step N's tokens.
+
+`StepTimes` adds up how long the device was busy with the steps: on a GPU from events recorded
+as each step's forward is called and after its copies (the stream runs steps one after another,
+so these spans never overlap and a gap between them is time the GPU waited for the host; a span
+also holds the host's building of the batch, a fraction of a millisecond, so it overstates the
+busy time a little when the GPU waits); on a CPU, where the forward is synchronous, from the host
+clock around the same calls. It also adds up how long the host waited for results: near zero
+means the host is the bottleneck.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from snugkv.core.forward import BatchRow
+from snugkv.scheduler.request import Request
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledBatch:
+    """One step's work: a row per request (in `requests` order) and the slots of their new tokens."""
+
+    rows: list[BatchRow]
+    requests: list[Request]
+    slots: torch.Tensor
+    decode: bool
+
+
+def clock(device: torch.device) -> Any:
+    """A point in the device's work: a CUDA event recorded on the stream, or the host clock on a CPU."""
+    if device.type == "cuda":
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+    return time.perf_counter()
+
+
+@dataclass(slots=True)
+class LaunchedStep:
+    batch: ScheduledBatch
+    sampled_rows: list[int]  # indices into batch.rows of the rows whose token was sampled
+    tokens: torch.Tensor | None  # host-bound copy, `[len(sampled_rows)]`
+    log_probs: torch.Tensor | None  # host-bound copy of OutputBuilder.log_prob_rows
+    started: Any  # a CUDA event or a perf_counter reading
+    done: Any = None
+    overlapped: bool = False  # queued while the step before it was still unread
+    waited_s: float = 0.0  # how long `results` waited for the device
+
+    def finish_launch(self, device: torch.device) -> None:
+        """Mark the end of what this step queued (after the copies to the host)."""
+        self.done = clock(device)
+
+    def results(self) -> tuple[list[int], torch.Tensor | None]:
+        """The sampled tokens (in `sampled_rows` order) and the log-probability rows, once on the host."""
+        if isinstance(self.done, torch.cuda.Event):
+            started = time.perf_counter()
+            self.done.synchronize()
+            self.waited_s = time.perf_counter() - started
+        tokens = self.tokens.tolist() if self.tokens is not None else []
+        return tokens, self.log_probs
+
+    def busy_s(self) -> float:
+        """Device time from just before the forward to the end of the copies (after `results`)."""
+        if isinstance(self.started, torch.cuda.Event):
+            return self.started.elapsed_time(self.done) / 1e3
+        return float(self.done - self.started)
+
+
+@dataclass(slots=True)
+class StepTimes:
+    """Counts of the steps whose results the host read, and the device time they took."""
+
+    steps: int = 0
+    overlapped_steps: int = 0
+    device_busy_s: float = 0.0
+    host_wait_s: float = 0.0
+    started_s: float = field(default_factory=time.perf_counter)
+
+    def add(self, step: LaunchedStep) -> None:
+        self.steps += 1
+        self.overlapped_steps += step.overlapped
+        self.device_busy_s += step.busy_s()
+        self.host_wait_s += step.waited_s
+
+    def reset(self) -> None:
+        self.steps = self.overlapped_steps = 0
+        self.device_busy_s = self.host_wait_s = 0.0
+        self.started_s = time.perf_counter()
+
+    def as_dict(self, wall_s: float | None = None) -> dict[str, Any]:
+        """The counts, and the device-idle fraction over `wall_s` (default: since the last reset)."""
+        wall_s = time.perf_counter() - self.started_s if wall_s is None else wall_s
+        return {
+            "steps": self.steps,
+            "overlapped_steps": self.overlapped_steps,
+            "device_busy_s": self.device_busy_s,
+            "host_wait_s": self.host_wait_s,
+            "device_idle_fraction": max(0.0, 1 - self.device_busy_s / wall_s) if wall_s > 0 else 0.0,
+        }
