@@ -337,7 +337,9 @@ def test_creating_and_closing_an_llm_twice_leaves_memory_where_it_was():
 def test_closing_gives_the_device_memory_back():
     """Post-capture sizing takes nearly all free memory; after `close()` it is back within 64 MiB
     (what stays: the CUDA context, loaded kernels, cuBLAS workspaces), and a second LLM leaks no more."""
-    model = REPO_ROOT / "configs" / "qwen3-0.6b"
+    from snugkv.bench.model_configs import benchmark_model
+
+    model = benchmark_model("qwen3-0.6b")
     torch.zeros(1, device="cuda")  # the CUDA context is not the LLM's to give back
     torch.cuda.synchronize()
     free_before = torch.cuda.mem_get_info()[0]

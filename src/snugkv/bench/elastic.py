@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from snugkv.bench.model_configs import benchmark_model
 from snugkv.bench.report import emit
 from snugkv.core.sampling import SamplingParams
 from snugkv.memory.vmm import GIB
@@ -277,7 +278,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="configs/llama-3-8b")
+    parser.add_argument("--model", type=benchmark_model, default="llama-3-8b")
     parser.add_argument("--chunk-mib", type=int, nargs="+", default=[256], help="arena chunk sizes to sweep")
     parser.add_argument("--deltas-gib", type=float, nargs="+", default=list(DELTAS_GIB), help="resize steps")
     parser.add_argument("--move-gib", type=float, default=4.0, help="live KV a loaded shrink moves")

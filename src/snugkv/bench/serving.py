@@ -267,7 +267,10 @@ def run(args: argparse.Namespace) -> int:
 
         flags = ["--max-running-requests", str(args.max_batch), "--cuda-graph-max-bs", str(args.max_batch)]
         flags += ["--chunked-prefill-size", str(args.chunk)]
-        http = run_http(args.model, offline, flags)
+        try:
+            http = run_http(args.model, offline, flags)
+        except Exception as exc:  # the in-process rows above still count
+            http = {"error": f"{type(exc).__name__}: {str(exc)[:300]}", "output_tok_per_s": float("nan")}
         rows.append(
             {
                 "engine": "snugkv serve (HTTP, openai client)",

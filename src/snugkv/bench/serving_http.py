@@ -1,9 +1,9 @@
 """The offline serving workload through the real HTTP server and a real client.
 
-`snugkv serve` runs as its own process (random weights of a shipped config); the official `openai`
-async client sends every request at once to `/v1/completions` (prompt token ids, `ignore_eos`,
-streamed so the first token's arrival is seen) and the figures are taken from what the client
-receives: output tokens per second over the wall time, time to first token. The server's own
+`snugkv serve` runs as its own process (random weights of a shipped config); an `httpx` async
+client sends every request at once to `/v1/completions` (prompt token ids, `ignore_eos`, streamed
+as server-sent events so the first token's arrival is seen) and the figures are taken from what the
+client receives: output tokens per second over the wall time, time to first token. The server's own
 `/server_info` gives the KV size it sized, and the GPU-idle share of the run from its scheduler's
 device-busy seconds (CUDA events around each step).
 """
@@ -11,6 +11,7 @@ device-busy seconds (CUDA events around each step).
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import socket
 import subprocess
@@ -61,42 +62,47 @@ def stop_server(process: subprocess.Popen[bytes]) -> None:
 
 
 async def _drive(url: str, requests: list[tuple[list[int], int]]) -> dict[str, Any]:
-    from openai import AsyncOpenAI
+    limits = httpx.Limits(max_connections=len(requests) + 8, max_keepalive_connections=len(requests) + 8)
+    async with httpx.AsyncClient(base_url=url, timeout=3600.0, limits=limits) as client:
+        served = (await client.get("/v1/models")).json()["data"][0]["id"]
+        started = time.monotonic()
 
-    client = AsyncOpenAI(base_url=f"{url}/v1", api_key="none", timeout=3600.0, max_retries=0)
-    served = (await client.models.list()).data[0].id
-    started = time.monotonic()
+        async def one(prompt: list[int], max_tokens: int) -> tuple[int, float | None]:
+            body = {
+                "model": served,
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "temperature": 0.0,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+                "ignore_eos": True,
+            }
+            first: float | None = None
+            tokens = 0
+            async with client.stream("POST", "/v1/completions", json=body) as response:
+                response.raise_for_status()
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[len("data: ") :])
+                    choices = chunk.get("choices") or []
+                    if first is None and choices and choices[0].get("text"):
+                        first = time.monotonic()
+                    if chunk.get("usage"):
+                        tokens = chunk["usage"]["completion_tokens"]
+            return tokens, None if first is None else first - started
 
-    async def one(prompt: list[int], max_tokens: int) -> tuple[int, float]:
-        first: float | None = None
-        tokens = 0
-        stream = await client.completions.create(
-            model=served,
-            prompt=prompt,
-            max_tokens=max_tokens,
-            temperature=0.0,
-            stream=True,
-            stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True},
-        )
-        async for chunk in stream:
-            if chunk.choices and chunk.choices[0].text and first is None:
-                first = time.monotonic()
-            if chunk.usage is not None:
-                tokens = chunk.usage.completion_tokens
-        return tokens, (first or time.monotonic()) - started
-
-    results = await asyncio.gather(*(one(prompt, output) for prompt, output in requests))
-    elapsed = time.monotonic() - started
-    await client.close()
+        results = await asyncio.gather(*(one(prompt, output) for prompt, output in requests))
+        elapsed = time.monotonic() - started
     tokens = sum(count for count, _ in results)
-    ttft = sorted(first for _, first in results)
+    ttft = sorted(first for _, first in results if first is not None)
     return {
         "requests": len(requests),
         "output_tokens": tokens,
         "seconds": elapsed,
         "output_tok_per_s": tokens / elapsed,
-        "ttft_p50_ms": ttft[len(ttft) // 2] * 1e3,
+        # a model without tokenizer files streams no text, so no first-token time is seen
+        "ttft_p50_ms": ttft[len(ttft) // 2] * 1e3 if len(ttft) == len(results) else None,
     }
 
 

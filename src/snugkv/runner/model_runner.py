@@ -132,6 +132,8 @@ class ModelRunner:
 
         Rows must own their table row, and positions `0 .. prefix_len - 1` must already be in it.
         """
+        if not rows:
+            return torch.empty(0, dtype=torch.int64, device=self.device)
         req_indices, prefix_lens, extend_lens = [], [], []
         for row in rows:
             req_indices.append(row.req_pool_idx)
