@@ -21,9 +21,13 @@ from snugkv.engine import EngineArgs, InvalidEngineArgs
 ALIASES = {"tensor_parallel_size": "tp"}
 
 
+# fields whose flag is not their name with - for _
+FLAGS = {"tp_size": "--tp", "max_device_memory_gib": "--max-device-memory"}
+
+
 def flag_of(field_name: str) -> str:
     """The command-line flag of an `EngineArgs` field."""
-    return "--tp" if field_name == "tp_size" else "--" + field_name.replace("_", "-")
+    return FLAGS.get(field_name, "--" + field_name.replace("_", "-"))
 
 
 def _option_of(field_name: str) -> str:
