@@ -19,7 +19,7 @@ def test_on_cpu_the_bench_says_it_needs_a_gpu(capsys, monkeypatch):
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     assert bench.run(parser.parse_args([])) == 2
-    assert capsys.readouterr().out.strip() == "bench elastic needs a CUDA GPU"
+    assert capsys.readouterr().err.strip().startswith("error: bench elastic needs a CUDA GPU")
 
 
 def test_the_measurements_run_on_a_tiny_cpu_engine(tmp_path, monkeypatch):

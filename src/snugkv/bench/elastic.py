@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from snugkv.bench.model_configs import benchmark_model
-from snugkv.bench.report import emit
+from snugkv.bench.report import cuda_missing, emit
 from snugkv.core.sampling import SamplingParams
 from snugkv.memory.vmm import GIB
 
@@ -102,7 +102,8 @@ def resize_rows(
                 "met": shrink_ms <= 50 and grow_ms <= 50,
             }
         )
-        hold = min(int(move_gib * per_gib) // page * page, delta)
+        # the live KV must fit below the new bound (half of it, to leave the moves somewhere to go)
+        hold = min(int(move_gib * per_gib), delta, (full - delta) // 2) // page * page
         _hold_top_pages(engine, hold)
         moved_ms, moved = _timed_resize(engine, full - delta)
         _release_all(engine)
@@ -251,8 +252,7 @@ def serving_rows(
 
 
 def run(args: argparse.Namespace) -> int:
-    if not torch.cuda.is_available():
-        print("bench elastic needs a CUDA GPU")
+    if cuda_missing("bench elastic"):
         return 2
     from snugkv.bench.decode import copy_bandwidth_bytes_per_s
 
@@ -265,8 +265,10 @@ def run(args: argparse.Namespace) -> int:
         extra.setdefault("kv_committed_gib", engine.pool.committed_bytes / GIB)
         extra.setdefault("startup_timings", engine.report.timings)
         rows += resize_rows(engine, bandwidth, chunk_mib, args.move_gib, tuple(args.deltas_gib))
+        emit("elastic", rows, args.out, extra=extra)  # each part is kept as soon as it is measured
         if index == 0:  # sleep and serving do not depend on the chunk size
             rows += sleep_rows(engine)
+            emit("elastic", rows, args.out, extra=extra)
             rows += serving_rows(engine, args.requests, args.prompt, args.output, args.resize_every)
         engine.close()
         del engine
