@@ -273,7 +273,7 @@ def run(args: argparse.Namespace) -> int:
             http = {"error": f"{type(exc).__name__}: {str(exc)[:300]}", "output_tok_per_s": float("nan")}
         rows.append(
             {
-                "engine": "snugkv serve (HTTP, openai client)",
+                "engine": "snugkv serve (HTTP, httpx client)",
                 "case": f"offline {args.requests} req, in/out U[100,1024]",
                 **http,
                 "floor_tok_per_s": floor,
