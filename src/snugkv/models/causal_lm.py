@@ -23,6 +23,32 @@ from snugkv.models.config import ModelConfig
 from snugkv.models.weights import StackedParam, load_named_tensors
 
 
+class PreNormDecoderLayer(nn.Module):
+    """Input norm, attention, post-attention norm, MLP (Llama, Mistral, Qwen, DeepSeek-V2): each
+    residual add runs inside the norm after it (`RMSNorm.add_and_norm`), the last one in the next
+    layer's input norm. `x` is the previous layer's output; returns this layer's and the residual."""
+
+    input_layernorm: RMSNorm
+    self_attn: nn.Module
+    post_attention_layernorm: RMSNorm
+    mlp: nn.Module
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        forward_batch: ForwardBatch,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            hidden, residual = self.input_layernorm(x), x
+        else:
+            hidden, residual = self.input_layernorm.add_and_norm(x, residual)
+        attn_out = self.self_attn(positions, hidden, forward_batch)
+        hidden, residual = self.post_attention_layernorm.add_and_norm(attn_out, residual)
+        return self.mlp(hidden), residual
+
+
 class DecoderModel(nn.Module):
     """Embedding (times `embed_scale`), the decoder layers in order, the final norm.
 

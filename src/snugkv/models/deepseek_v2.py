@@ -35,7 +35,7 @@ from snugkv.layers.parallel_linear import (
     VocabParallelEmbedding,
 )
 from snugkv.layers.rotary import RotaryEmbedding, yarn_mscale
-from snugkv.models.causal_lm import CausalLM, DecoderModel
+from snugkv.models.causal_lm import CausalLM, DecoderModel, PreNormDecoderLayer
 from snugkv.models.config import ConfigError, ModelConfig
 from snugkv.models.llama import LlamaMLP
 from snugkv.models.weights import StackedParam
@@ -170,7 +170,7 @@ class DeepseekV2Attention(nn.Module):
         return self.o_proj(out.reshape(num_tokens, heads * dims.v_head_dim))
 
 
-class DeepseekV2DecoderLayer(nn.Module):
+class DeepseekV2DecoderLayer(PreNormDecoderLayer):
     def __init__(
         self,
         config: ModelConfig,
@@ -184,22 +184,6 @@ class DeepseekV2DecoderLayer(nn.Module):
         self.self_attn = DeepseekV2Attention(config, dims, layer_id, rotary_emb, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config, tp)
-
-    def forward(
-        self,
-        positions: torch.Tensor,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        forward_batch: ForwardBatch,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """As `LlamaDecoderLayer.forward`: the residual add runs inside the next norm."""
-        if residual is None:
-            hidden, residual = self.input_layernorm(x), x
-        else:
-            hidden, residual = self.input_layernorm.add_and_norm(x, residual)
-        attn_out = self.self_attn(positions, hidden, forward_batch)
-        hidden, residual = self.post_attention_layernorm.add_and_norm(attn_out, residual)
-        return self.mlp(hidden), residual
 
 
 class DeepseekV2Model(DecoderModel):

@@ -28,7 +28,7 @@ from snugkv.layers.parallel_linear import (
     VocabParallelEmbedding,
 )
 from snugkv.layers.rotary import RotaryEmbedding
-from snugkv.models.causal_lm import CausalLM, DecoderModel
+from snugkv.models.causal_lm import CausalLM, DecoderModel, PreNormDecoderLayer
 from snugkv.models.config import ModelConfig
 from snugkv.models.weights import StackedParam
 
@@ -104,7 +104,7 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.reshape(x.shape[0], self.q_size))
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(PreNormDecoderLayer):
     def __init__(
         self,
         config: ModelConfig,
@@ -118,23 +118,6 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(config, layer_id, rotary_emb, tp, **attn_switches)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config, tp)
-
-    def forward(
-        self,
-        positions: torch.Tensor,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        forward_batch: ForwardBatch,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`x` is the previous layer's output (its residual add is deferred to here, fused into this
-        layer's input norm); returns this layer's output and the residual stream."""
-        if residual is None:
-            hidden, residual = self.input_layernorm(x), x
-        else:
-            hidden, residual = self.input_layernorm.add_and_norm(x, residual)
-        attn_out = self.self_attn(positions, hidden, forward_batch)
-        hidden, residual = self.post_attention_layernorm.add_and_norm(attn_out, residual)
-        return self.mlp(hidden), residual
 
 
 class LlamaModel(DecoderModel):
