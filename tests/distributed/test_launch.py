@@ -4,7 +4,10 @@ launch with an error instead of a hang, and the process is fit for the next laun
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -60,6 +63,31 @@ def test_a_helper_that_dies_under_a_collective_is_reported_as_that_rank_failing(
     with pytest.raises(RankFailed, match="rank 1 exited with 3"):
         launch(helper_dies, 2, device_type="cpu")
     assert not dist.is_initialized()
+
+
+def both_refuse_rank_zero_later(tp: TensorParallel) -> None:
+    if tp.rank == 0:
+        time.sleep(3)  # a busy host: rank 0 meets the same refusal after the helper's grace is over
+    raise ValueError("num_attention_heads=9 cannot be split evenly over --tp 2")
+
+
+def test_a_helper_that_refuses_the_model_leaves_rank_zero_time_to_say_so_too():
+    """A helper's refusal (exit code 2) does not end the process after the crash grace (1 s here):
+    rank 0 reaches the same error and raises it (a command prints it as one line, exit code 2)."""
+    code = (
+        "from snugkv.distributed.launch import launch\n"
+        "from tests.distributed.test_launch import both_refuse_rank_zero_later\n"
+        "try:\n"
+        "    launch(both_refuse_rank_zero_later, 2, device_type='cpu', helper_failure_grace_s=1.0)\n"
+        "except ValueError as exc:\n"
+        "    print('rank 0 says:', exc)\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert "rank 0 says: num_attention_heads=9 cannot be split" in done.stdout, done.stderr
 
 
 def test_a_failing_rank_zero_raises_its_own_error_and_stops_the_helpers():

@@ -43,6 +43,10 @@ logger = logging.getLogger(__name__)
 # After a helper fails, rank 0 gets this long to finish (notice a gloo peer error, or stop as
 # `on_helper_failure` asks) before the process exits with code 1.
 HELPER_FAILURE_GRACE_S = 10.0
+# A helper that refused a flag or a model (exit code USER_ERROR_EXIT) leaves rank 0 longer: it meets
+# the same refusal on its own and says it, however slowly a busy host gets it there.
+USER_ERROR_EXIT = 2
+USER_ERROR_GRACE_S = 300.0
 # Once rank 0 is done, helpers have this long to release their engines and exit.
 HELPER_EXIT_TIMEOUT_S = 120.0
 
@@ -228,7 +232,7 @@ def _helper_main(
         finished = True
     except ValueError as exc:  # a flag or a model that does not fit; rank 0 reports it too
         logger.error("%s", exc)
-        raise
+        raise SystemExit(USER_ERROR_EXIT) from None
     except Exception:
         logger.exception("this tensor-parallel rank failed")
         raise
@@ -308,8 +312,9 @@ class _HelperWatch:
                     self.helper_failed = True
                     if self._on_failure is not None and not self._done.is_set():
                         self._on_failure()
-                    if not self._done.wait(self._grace_s):
-                        logger.error("rank 0 did not stop within %.0f s; exiting", self._grace_s)
+                    grace_s = USER_ERROR_GRACE_S if process.exitcode == USER_ERROR_EXIT else self._grace_s
+                    if not self._done.wait(grace_s):
+                        logger.error("rank 0 did not stop within %.0f s; exiting", grace_s)
                         os._exit(1)
                     return
 
