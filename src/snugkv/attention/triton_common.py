@@ -14,30 +14,11 @@ import torch
 import triton
 import triton.language as tl
 
-LAYOUTS = ("nhd", "hnd")
 # Stands in for "no sliding window": larger than any context, small enough that
 # `position - NO_WINDOW` cannot overflow int32.
 NO_WINDOW = 1 << 30
 _FP8_DTYPES = (torch.float8_e4m3fn,)
 _TL_DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
-
-
-def kv_buffer_strides(buffer: torch.Tensor, layout: str, page_size: int) -> tuple[int, tuple[int, ...]]:
-    """The kernels' view of a pool buffer: (slots per addressing page, (page, head, offset, dim) strides)."""
-    if layout == "nhd":
-        if buffer.dim() != 3:
-            raise ValueError(
-                f"an 'nhd' KV buffer must be [slots, heads, dim]; got shape {tuple(buffer.shape)}"
-            )
-        return 1, (buffer.stride(0), buffer.stride(1), 0, buffer.stride(2))
-    if layout == "hnd":
-        if buffer.dim() != 4 or buffer.shape[2] != page_size:
-            raise ValueError(
-                f"an 'hnd' KV buffer must be [pages, heads, page_size={page_size}, dim]; "
-                f"got shape {tuple(buffer.shape)}"
-            )
-        return page_size, (buffer.stride(0), buffer.stride(1), buffer.stride(2), buffer.stride(3))
-    raise ValueError(f"layout must be one of {LAYOUTS}; got {layout!r}")
 
 
 def key_dim_blocks(head_dim: int) -> tuple[int, int]:

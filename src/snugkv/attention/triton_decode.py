@@ -39,13 +39,13 @@ from snugkv.attention.triton_common import (
     block_values,
     dot_dtype,
     key_dim_blocks,
-    kv_buffer_strides,
     load_slots,
     online_softmax_step,
     slot_offsets,
     value_dim_block,
     window_or_none,
 )
+from snugkv.kernels.kv_store import pool_strides
 
 
 @triton.jit
@@ -269,8 +269,8 @@ def decode_attention(
         raise ValueError(f"num_kv_splits must be >= 1; got {num_kv_splits}")
     if req_to_token.stride(1) != 1:
         raise ValueError("req_to_token must be contiguous along the position axis (stride(1) == 1)")
-    k_page, k_strides = kv_buffer_strides(k_buffer, layout, page_size)
-    _, v_strides = kv_buffer_strides(v_buffer, layout, page_size)
+    k_page, k_strides = pool_strides(k_buffer, layout, page_size)
+    _, v_strides = pool_strides(v_buffer, layout, page_size)
     window = window_or_none(sliding_window)
     if partial_out is None or partial_lse is None:
         partial_out, partial_lse = decode_workspace(

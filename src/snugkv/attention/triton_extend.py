@@ -32,13 +32,13 @@ from snugkv.attention.triton_common import (
     block_values,
     dot_dtype,
     key_dim_blocks,
-    kv_buffer_strides,
     load_slots,
     online_softmax_step,
     slot_offsets,
     value_dim_block,
     window_or_none,
 )
+from snugkv.kernels.kv_store import pool_strides
 
 
 @triton.jit
@@ -243,8 +243,8 @@ def extend_attention(
         raise ValueError(f"out must be {(num_tokens, num_q_heads, v_head_dim)}; got {tuple(out.shape)}")
     if req_to_token.stride(1) != 1:
         raise ValueError("req_to_token must be contiguous along the position axis (stride(1) == 1)")
-    page, k_strides = kv_buffer_strides(k_buffer, layout, page_size)
-    _, v_strides = kv_buffer_strides(v_buffer, layout, page_size)
+    page, k_strides = pool_strides(k_buffer, layout, page_size)
+    _, v_strides = pool_strides(v_buffer, layout, page_size)
     window = window_or_none(sliding_window)
     if max_extend_len is None:
         max_extend_len = num_tokens

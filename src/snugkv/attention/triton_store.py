@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from snugkv.attention.triton_common import kv_buffer_strides
+from snugkv.kernels.kv_store import pool_strides
 
 _FP8_MAX = {torch.float8_e4m3fn: torch.finfo(torch.float8_e4m3fn).max}
 
@@ -29,7 +29,7 @@ def _to_storage(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def _write(
     buffer: torch.Tensor, loc: torch.Tensor, values: torch.Tensor, layout: str, page_size: int
 ) -> None:
-    kv_buffer_strides(buffer, layout, page_size)  # validates the layout and shape
+    pool_strides(buffer, layout, page_size)  # validates the layout and shape
     if values.shape[1:] != buffer.shape[1:2] + buffer.shape[-1:]:
         raise ValueError(
             f"values of shape {tuple(values.shape)} do not match buffer heads/dim {tuple(buffer.shape)}"
