@@ -36,7 +36,7 @@ from snugkv.memory.allocator import SlotAllocator
 from snugkv.memory.kv_pool import KVPool
 from snugkv.memory.req_to_token import ReqToTokenPool
 from snugkv.models.causal_lm import CausalLM
-from snugkv.runner.cuda_graph import DecodeCudaGraphs
+from snugkv.runner.cuda_graph import DecodeCudaGraphs, release_cublas_workspaces
 from snugkv.runner.future_tokens import FutureTokens
 from snugkv.runner.kv_cache import make_slot_allocator
 from snugkv.runner.piecewise_graphs import PiecewiseGraphs
@@ -112,6 +112,8 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
         self.cuda_graphs = None
         self.piecewise_graphs = None
+        if self.device.type == "cuda":
+            release_cublas_workspaces()  # the eager steps' workspaces go with the engine
         for name in ("allocator", "kv_pool"):
             if hasattr(self, name):
                 delattr(self, name)
