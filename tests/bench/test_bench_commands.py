@@ -93,3 +93,31 @@ def test_bench_host_times_the_scheduler_with_the_model_stubbed_on_a_cpu(capsys):
         assert (
             f"| {mode} | steady: 8 requests decoding |" in table and f"| {mode} | drain: 8 requests" in table
         )
+
+
+def test_the_elastic_bench_clock_counts_a_resizes_driver_calls_and_leaves_no_wrapper():
+    from snugkv.bench.elastic import _timed_resize
+    from snugkv.engine import Engine, EngineArgs
+    from tests.runner.tiny_runner import tiny_config_path
+
+    engine = Engine(
+        EngineArgs(
+            model=str(tiny_config_path()),
+            load_format="dummy",
+            dtype="float32",
+            host_kv_gib=0.05,
+            max_total_tokens=4096,
+            kv_chunk_mib=1,
+        )
+    )
+    vmm = engine.pool.arena.vmm
+    try:
+        _, shrunk, calls = _timed_resize(engine, 1024)
+        # a shrink drops whole extensions and splits each buffer's top one (copy into a fresh one, remap)
+        assert shrunk.to_tokens == 1024
+        assert all(f"{name} " in calls for name in ("decommit", "copy", "remap", "synchronize")), calls
+        _, grown, calls = _timed_resize(engine, 4096)
+        assert grown.to_tokens == 4096 and calls.startswith("commit ") and "decommit" not in calls, calls
+        assert "commit" not in vars(vmm) and "_copy" not in vars(engine.pool.arena)
+    finally:
+        engine.close()

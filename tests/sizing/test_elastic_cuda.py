@@ -110,9 +110,9 @@ def test_graph_replay_equals_eager_after_shrink_grow_and_wake(layout):
     engine.close()
 
 
-@pytest.mark.parametrize("level", [1, 2])
-def test_graph_replay_equals_eager_after_sleep_and_wake(level):
-    engine = start(max_total_tokens=8192)
+@pytest.mark.parametrize(("level", "tags"), [(1, ()), (2, ()), (1, ("weights", "kv_cache", "cuda_graph"))])
+def test_graph_replay_equals_eager_after_sleep_and_wake(level, tags):
+    engine = start(max_total_tokens=8192, prefill_graph_max_tokens=64)
     runner = engine.runner
     rows = _decode_rows(engine, GRAPH_BATCH, filler=0)
     _, before = _graph_and_eager(engine, rows)
@@ -120,9 +120,14 @@ def test_graph_replay_equals_eager_after_sleep_and_wake(level):
     for row in rows:  # sleep needs every slot free: the requests start again after the wake
         runner.allocator.free(runner.req_to_token_pool.req_to_token[row.req_pool_idx, : row.seq_len])
         runner.req_to_token_pool.free(row.req_pool_idx)
-    engine.sleep(level=level)
+    graphs = runner.cuda_graphs, runner.piecewise_graphs
+    engine.sleep(level=level, tags=tags)
+    assert (runner.cuda_graphs is None) == ("cuda_graph" in tags)
     engine.wake_up()
     assert [p.data_ptr() for p in engine.loaded.model.parameters()] == addresses
+    assert runner.piecewise_graphs is not None
+    recaptured = (runner.cuda_graphs, runner.piecewise_graphs) != graphs
+    assert recaptured == ("cuda_graph" in tags)
     rows = _decode_rows(engine, GRAPH_BATCH, filler=0)
     replayed, eager = _graph_and_eager(engine, rows)
     assert torch.equal(replayed, eager)

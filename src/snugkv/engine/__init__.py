@@ -2,12 +2,12 @@
 and its flags (snugkv.engine.args)."""
 
 from snugkv.engine.args import EngineArgs, InvalidEngineArgs
-from snugkv.engine.elastic import KEPT_TAGS, SLEEP_TAGS, ElasticMemory
+from snugkv.engine.elastic import DEFAULT_SLEEP_TAGS, SLEEP_TAGS, ElasticMemory
 from snugkv.engine.pipeline import Engine
 from snugkv.engine.report import SizedKV, StartupReport
 
 __all__ = [
-    "KEPT_TAGS",
+    "DEFAULT_SLEEP_TAGS",
     "SLEEP_TAGS",
     "ElasticMemory",
     "Engine",

@@ -41,8 +41,11 @@ from snugkv.sizing.resize import KvResize, KvResizeError, ResizeLimits, cap_toke
 if TYPE_CHECKING:
     from snugkv.engine.args import EngineArgs
 
-SLEEP_TAGS = frozenset({"weights", "kv_cache"})  # what sleep can release (vLLM's and SGLang's names)
-KEPT_TAGS = frozenset({"cuda_graph"})  # SGLang's tag for the graphs: accepted, they stay (no re-capture)
+SLEEP_TAGS = frozenset({"weights", "kv_cache", "cuda_graph"})  # what sleep can release (SGLang's names)
+# Without tags sleep keeps the graphs (wake needs no capture); naming `cuda_graph` releases their
+# memory pool too, and wake captures them again (before the KV cache is sized, as at start-up).
+DEFAULT_SLEEP_TAGS = frozenset({"weights", "kv_cache"})
+WAKE_ORDER = ("weights", "cuda_graph", "kv_cache")  # each is sized or captured from the ones before
 EVENT_HISTORY = 32  # resizes, sleeps and wakes kept for GET /kv (newest last)
 
 
@@ -61,6 +64,7 @@ class ElasticMemory:
     pool: KVPool
     headroom_bytes: int
     report: StartupReport
+    _graph_driver_bytes: int
 
     def _init_elastic(self) -> None:
         self.kv_events: deque[dict[str, Any]] = deque(maxlen=EVENT_HISTORY)
@@ -75,6 +79,7 @@ class ElasticMemory:
         def _kv_cap_bytes(self, pool: KVPool, headroom_bytes: int) -> int | None: ...
         def _recap(self, runner: ModelRunner, tokens: int) -> int: ...
         def _measure_ledger(self) -> MemoryLedger: ...
+        def _capture(self, runner: ModelRunner) -> tuple[int, float]: ...
         def _log(self, message: str, *args: Any) -> None: ...
 
     @property
@@ -263,22 +268,25 @@ class ElasticMemory:
         return chosen
 
     @staticmethod
-    def _check_tags(tags: Collection[str] | None) -> frozenset[str]:
-        """The tags to act on (none given: all); `cuda_graph` is accepted and left alone."""
+    def _check_tags(
+        tags: Collection[str] | None, default: frozenset[str] = DEFAULT_SLEEP_TAGS
+    ) -> frozenset[str]:
+        """The tags to act on (none given: `default`)."""
         if not tags:
-            return SLEEP_TAGS
+            return default
         given = frozenset(tags)
-        unknown = sorted(given - SLEEP_TAGS - KEPT_TAGS)
+        unknown = sorted(given - SLEEP_TAGS)
         if unknown:
-            names = ", ".join(sorted(SLEEP_TAGS | KEPT_TAGS))
+            names = ", ".join(sorted(SLEEP_TAGS))
             raise KvResizeError(f"unknown tag(s) {', '.join(unknown)}; tags are {names}", param="tags")
-        return given & SLEEP_TAGS
+        return given
 
     def sleep(self, level: int = 1, tags: Collection[str] | None = None) -> KvResize:
-        """Release the KV cache and/or the weights (`tags`, default both); every KV slot must be free
-        when the KV cache goes (the scheduler's elastic module retracts first). Level 1 copies the
-        weights to host memory, level 2 drops them (wake reloads them from the model files).
-        Graphs are kept: weights and KV come back at the same addresses."""
+        """Release the KV cache and/or the weights (`tags`, default both) and, if `cuda_graph` is
+        named, the captured graphs; every KV slot must be free when the KV cache goes (the
+        scheduler's elastic module retracts first). Level 1 copies the weights to host memory,
+        level 2 drops them (wake reloads them from the model files). Kept graphs stay valid:
+        weights and KV come back at the same addresses."""
         chosen = self.check_sleep(level, tags) - self.sleeping_tags
         runner = self.runner
         if runner is None:
@@ -294,6 +302,9 @@ class ElasticMemory:
         old_tokens, old_bytes = self.pool.committed_tokens, self.pool.committed_bytes
         if "kv_cache" in chosen:
             kv_resize.release(runner)
+        if "cuda_graph" in chosen:
+            runner.release_graphs()
+            self._graph_driver_bytes = 0
         if "weights" in chosen and self.loaded.weights is not None:
             self.loaded.weights.offload(keep=level == 1)
             self.sleep_level = level
@@ -313,18 +324,22 @@ class ElasticMemory:
         return change
 
     def wake_up(self, tags: Collection[str] | None = None) -> KvResize:
-        """Take back what sleep released (`tags`, default all). The weights return at their
-        addresses (copied back, or loaded again after level 2); the KV cache is sized again from
-        free memory measured now (MIN over ranks, less the headroom, under the caps), not the old
-        number, and committed at its old addresses, so the captured graphs run as they are."""
-        chosen = self._check_tags(tags) & self.sleeping_tags
-        if "kv_cache" in chosen and "weights" in self.sleeping_tags - chosen:
-            raise KvResizeError(
-                "wake the weights before the KV cache (the KV cache is sized from what they leave free): "
-                "pass tags=weights first, or both",
-                status=409,
-                param="tags",
-            )
+        """Take back what sleep released (`tags`, default all), in `WAKE_ORDER`. The weights return
+        at their addresses (copied back, or loaded again after level 2); released graphs are
+        captured again; the KV cache is sized again from free memory measured now (MIN over ranks,
+        less the headroom, under the caps), not the old number, and committed at its old
+        addresses, so kept graphs run as they are."""
+        chosen = self._check_tags(tags, default=SLEEP_TAGS) & self.sleeping_tags
+        left = self.sleeping_tags - chosen
+        for index, tag in enumerate(WAKE_ORDER):
+            before = [earlier for earlier in WAKE_ORDER[:index] if earlier in left]
+            if tag in chosen and before:
+                raise KvResizeError(
+                    f"wake {before[0]} before {tag} ({tag} is captured or sized from what the ones before it "
+                    f"leave free): pass tags={before[0]} first, or both",
+                    status=409,
+                    param="tags",
+                )
         runner = self.runner
         if runner is None:
             raise KvResizeError("the engine is closed", status=409)
@@ -333,6 +348,10 @@ class ElasticMemory:
         if "weights" in chosen and weights is not None and not weights.restore():
             with use_tensor_parallel(self.tp):  # level 2: the same files (or seed) again
                 fill_weights(self.loaded)
+        if "cuda_graph" in chosen:
+            if "kv_cache" in self.sleeping_tags:
+                self.pool.ensure_prefix()  # graphs write their padding rows' K/V to the dummy page
+            self._graph_driver_bytes, _ = self._capture(runner)
         tokens, max_running = self.pool.committed_tokens, self.report.max_running_requests
         if "kv_cache" in chosen:
             tokens = self._back_kv_again(runner)

@@ -108,15 +108,20 @@ class ModelRunner:
         the pool's slot map), so the pool's arena can be released. The runner cannot run after.
         A step may still be running (an overlapped scheduler launches one before it reads the
         last): it finishes first."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.cuda_graphs = None
-        self.piecewise_graphs = None
-        if self.device.type == "cuda":
-            release_cublas_workspaces()  # the eager steps' workspaces go with the engine
+        self.release_graphs()
         for name in ("allocator", "kv_pool"):
             if hasattr(self, name):
                 delattr(self, name)
+
+    def release_graphs(self) -> None:
+        """Drop every captured graph (their memory pools go with them) and cuBLAS's cached
+        workspaces; steps run eagerly until graphs are captured again."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # a launched step may still replay one
+        self.cuda_graphs = None
+        self.piecewise_graphs = None
+        if self.device.type == "cuda":
+            release_cublas_workspaces()
 
     # -- properties -----------------------------------------------------------------------
     @property
