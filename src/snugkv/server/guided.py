@@ -29,7 +29,7 @@ def _schema_text(schema: Any, param: str) -> str:
             ) from None
     if not isinstance(schema, dict):
         raise bad_request(f"{param} must be a JSON schema object.", param=param)
-    return json.dumps(schema, sort_keys=True)
+    return json.dumps(schema)  # key order kept: the output's properties follow the schema's order
 
 
 def _response_format(value: dict[str, Any]) -> StructuredOutput | None:

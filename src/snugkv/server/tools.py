@@ -79,8 +79,11 @@ def call_format_of(template: str) -> CallFormat:
     return "hermes"
 
 
-def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: Any, tokenizer: Any) -> ToolPlan | None:
-    """The tools of a chat request and how they run (None: no tools, or `tool_choice: "none"`)."""
+def plan_tools(
+    tools: list[dict[str, Any]] | None, tool_choice: Any, tokenizer: Any, *, parallel_tool_calls: bool = True
+) -> ToolPlan | None:
+    """The tools of a chat request and how they run (None: no tools, or `tool_choice: "none"`);
+    `parallel_tool_calls=False` holds a forced call to one."""
     if not tools or tool_choice == "none":
         if tool_choice not in (None, "none", "auto") and not tools:
             raise bad_request(
@@ -107,17 +110,17 @@ def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: Any, tokenizer: 
             param="tool_choice",
         )
     plan = ToolPlan(functions, mode, call_format_of(template), "tools" in template, named)
-    structured = _forcing_output(plan)
+    structured = _forcing_output(plan, parallel_tool_calls)
     if structured is not None:
         check(structured, "tools")
     return ToolPlan(plan.tools, mode, plan.call_format, plan.template_renders_tools, named, structured)
 
 
-def _forcing_output(plan: ToolPlan) -> StructuredOutput | None:
+def _forcing_output(plan: ToolPlan, parallel_tool_calls: bool) -> StructuredOutput | None:
     if plan.mode == "named":
         function = plan.function(plan.named or "")
         assert function is not None  # plan_tools checked the name
-        return StructuredOutput("json_schema", json.dumps(function["parameters"], sort_keys=True))
+        return StructuredOutput("json_schema", json.dumps(function["parameters"]))
     if plan.mode == "required":
         calls = [
             {
@@ -127,8 +130,10 @@ def _forcing_output(plan: ToolPlan) -> StructuredOutput | None:
             }
             for tool in plan.tools
         ]
-        schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
-        return StructuredOutput("json_schema", json.dumps(schema, sort_keys=True))
+        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        if not parallel_tool_calls:
+            schema["maxItems"] = 1
+        return StructuredOutput("json_schema", json.dumps(schema))
     return None
 
 
