@@ -53,7 +53,7 @@ def test_one_cache_per_tokenizer_and_each_spec_compiled_once(tokenizer, cache) -
     ],
 )
 def test_a_bad_spec_is_refused_naming_the_problem(cache, output, problem) -> None:
-    with pytest.raises(InvalidRequest, match="cannot be used|guided_choice") as raised:
+    with pytest.raises(InvalidRequest, match=r"cannot be used|guided_choice") as raised:
         check_structured_output(output)
     assert problem in str(raised.value)
     with pytest.raises(InvalidRequest) as compiled:

@@ -30,10 +30,10 @@ import torch
 
 from snugkv.memory.vmm import CommitError, VirtualMemory
 from snugkv.memory.weight_arena import WeightArena, aligned
-from snugkv.models.hub import HubModelError, hub_snapshot, is_hub_id
 from snugkv.models.causal_lm import CausalLM
 from snugkv.models.config import ConfigError, ModelConfig
 from snugkv.models.gguf_loader import GGUFError, config_from_gguf, is_gguf_file, iter_gguf_tensors, open_gguf
+from snugkv.models.hub import HubModelError, hub_snapshot, is_hub_id
 from snugkv.models.registry import UnsupportedArchitectureError, get_model_class, supported_architectures
 from snugkv.models.weights import WeightLoadError, init_dummy_weights
 

@@ -369,8 +369,8 @@ class Scheduler:
                 pending[id(previous_batch[index])] = token
         for index, grammar in constrained:
             output_ids = sampled[index].output_ids
-            token = pending.get(id(sampled[index]))
-            grammar.advance(output_ids if token is None else [*output_ids, token])
+            unread = pending.get(id(sampled[index]))
+            grammar.advance(output_ids if unread is None else [*output_ids, unread])
         rows, grammars = [index for index, _ in constrained], [grammar for _, grammar in constrained]
         return fill_token_bitmask(grammars, rows, self.runner.model.config.vocab_size, self.runner.device)
 

@@ -141,8 +141,9 @@ def prepare_chat(
 ) -> PreparedRequest:
     _check_common(body, served_model_name)
     _check_stop_token_ids(body, engine.tokenizer)
+    parallel_tool_calls = body.parallel_tool_calls is not False
     tools = plan_tools(
-        body.tools, body.tool_choice, engine.tokenizer, parallel_tool_calls=body.parallel_tool_calls is not False
+        body.tools, body.tool_choice, engine.tokenizer, parallel_tool_calls=parallel_tool_calls
     )
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs set to true.", param="top_logprobs")

@@ -207,12 +207,12 @@ def parse_tool_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict[s
             return text, []  # cut short (max_tokens): not a valid call
     if plan.mode == "required":
         try:
-            calls = [_call_from(obj, plan) for obj in json.loads(text)]
+            parsed = [_call_from(obj, plan) for obj in json.loads(text)]
         except (json.JSONDecodeError, TypeError):
             return text, []
-        return None, [call for call in calls if call is not None]
+        return None, [call for call in parsed if call is not None]
+    calls: list[dict[str, Any]] = []
     if plan.call_format == "hermes":
-        calls = []
         for block in _HERMES_BLOCK.findall(text):
             try:
                 call = _call_from(json.loads(block), plan)
@@ -227,7 +227,6 @@ def parse_tool_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict[s
     body = text.strip().removeprefix(LLAMA_PYTHON_TAG).strip()
     if not body.startswith("{"):
         return text, []
-    calls = []
     for part in body.split(";"):
         try:
             call = _call_from(json.loads(part), plan)

@@ -120,7 +120,9 @@ class GrammarCache:
             if output.kind == "json_schema":
                 return self.compiler.compile_json_schema(output.spec, any_whitespace=False, strict_mode=True)
             if output.kind == "json_object":
-                return self.compiler.compile_json_schema(_JSON_OBJECT_SCHEMA, any_whitespace=False, strict_mode=True)
+                return self.compiler.compile_json_schema(
+                    _JSON_OBJECT_SCHEMA, any_whitespace=False, strict_mode=True
+                )
             if output.kind == "regex":
                 return self.compiler.compile_regex(output.spec)
             if output.kind == "choice":
