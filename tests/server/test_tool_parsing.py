@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import json
 
-from snugkv.server.tools import ToolPlan, call_format_of, may_be_tool_call, parse_tool_calls
+from snugkv.core.outputs import GenerateInput, GenerateOutput
+from snugkv.core.sampling import SamplingParams
+from snugkv.server.formats import ChoiceState
+from snugkv.server.prepare import PreparedRequest
+from snugkv.server.tool_format import ToolCallFormat
+from snugkv.server.tools import ToolPlan, call_format_of, content_end, parse_tool_calls
 
 TOOLS = (
     {"name": "get_weather", "parameters": {"type": "object"}},
@@ -63,7 +68,50 @@ def test_the_call_format_follows_the_chat_template() -> None:
     assert call_format_of("") == "hermes"
 
 
-def test_streaming_holds_only_what_may_become_a_call() -> None:
-    assert may_be_tool_call(plan(), "<tool") and may_be_tool_call(plan(), " <tool_call>{")
-    assert not may_be_tool_call(plan(), "Sure")
-    assert may_be_tool_call(plan("llama3"), '{"na') and not may_be_tool_call(plan("llama3"), "The")
+def test_streaming_holds_only_what_is_or_may_become_a_call() -> None:
+    assert content_end(plan(), "Sure, one moment <tool") == len("Sure, one moment ")
+    assert content_end(plan(), 'Hi <tool_call>{"na') == len("Hi ")
+    assert content_end(plan(), "It is 3 <") == len("It is 3 ") and content_end(plan(), "Sunny") == 5
+    assert content_end(plan("llama3"), '{"na') == 0 and content_end(plan("llama3"), "The") == 3
+
+
+def _stream(tool_plan: ToolPlan, pieces: list[str]) -> list[dict]:
+    request = PreparedRequest(
+        "r", 0, "m", [GenerateInput("r-0", [1], SamplingParams())], [0], [1], True, False, False
+    )
+    chat_format, state, deltas = ToolCallFormat(tool_plan), ChoiceState(prompt_tokens=1), []
+    for index, piece in enumerate(pieces):
+        last = index == len(pieces) - 1
+        output = GenerateOutput(
+            rid="r-0", token_ids=[5], text=piece, finished=last, finish_reason="stop" if last else None
+        )
+        state.absorb(output)
+        chunk = chat_format.delta(request, 0, output, state)
+        if chunk is not None:
+            deltas.append(json.loads(chunk.model_dump_json())["choices"][0])
+    return deltas
+
+
+def test_auto_streams_content_then_the_calls_as_tool_call_deltas() -> None:
+    pieces = [
+        "Let me ",
+        "check. <tool",
+        '_call>\n{"name": "get_time", ',
+        '"arguments": {"timezone": "UTC"}}\n</tool_call>',
+    ]
+    deltas = _stream(plan(), pieces)
+    content = "".join(d["delta"].get("content", "") for d in deltas)
+    calls = [call for d in deltas for call in d["delta"].get("tool_calls", [])]
+    assert content == "Let me check. "
+    assert [(c["index"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        (0, "get_time", {"timezone": "UTC"})
+    ]
+    assert deltas[-1]["finish_reason"] == "tool_calls"
+
+
+def test_auto_output_that_was_no_call_streams_as_content_whole() -> None:
+    deltas = _stream(plan(), ["I think 2 <", " 3 holds."])
+    assert "".join(d["delta"].get("content", "") for d in deltas) == "I think 2 < 3 holds."
+    assert deltas[-1]["finish_reason"] == "stop"
+    deltas = _stream(plan("llama3"), ["{not json", "}"])
+    assert "".join(d["delta"].get("content", "") for d in deltas) == "{not json}"

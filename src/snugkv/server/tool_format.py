@@ -1,9 +1,9 @@
 """Chat responses of a request with tools: `message.tool_calls`, or tool-call deltas when streamed.
 
-A named function's arguments stream as they come (the output is the arguments); otherwise output
-that may be a tool call is held until it ends, then sent as tool-call deltas (or as content, if it
-was none), and output that cannot be one streams as content at once. A choice that called tools
-finishes with "tool_calls".
+A named function's arguments stream as they come (the output is the arguments); a "required" call
+is sent whole when the output ends; with "auto", text streams as content up to where a tool call
+starts or may start (`tools.content_end`), and what is held is sent at the end as tool-call deltas,
+or as content if it was no call. A choice that called tools finishes with "tool_calls".
 """
 
 from __future__ import annotations
@@ -16,13 +16,12 @@ from snugkv.core.outputs import GenerateOutput
 from snugkv.server.formats import ChatFormat, ChoiceState, usage_of
 from snugkv.server.prepare import PreparedRequest
 from snugkv.server.protocol import AssistantMessage, ChatChoice, ChatCompletionResponse, ChatStreamChoice
-from snugkv.server.tools import ToolPlan, may_be_tool_call, parse_tool_calls, tool_call
+from snugkv.server.tools import ToolPlan, content_end, parse_tool_calls, tool_call
 
 
 @dataclass(slots=True)
 class _Stream:
     sent_chars: int = 0  # of the choice's text, sent as content or arguments
-    holding: bool = True  # the output may still be a tool call
     call_id: str | None = None  # a named function's call, once opened
 
 
@@ -52,21 +51,17 @@ class ToolCallFormat(ChatFormat):
             if output.finished and finish_reason == "stop":
                 finish_reason = "tool_calls"
         else:
-            if stream.holding and not may_be_tool_call(self.plan, text):
-                stream.holding = False
-            if stream.holding and output.finished:
-                content, calls = parse_tool_calls(self.plan, text)
+            end = content_end(self.plan, text)
+            if output.finished:
+                _, calls = parse_tool_calls(self.plan, text)
                 if calls:
                     delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
                     finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
-                    stream.sent_chars = len(text)
-                    if content:
-                        delta["content"] = content
                 else:
-                    stream.holding = False
-            if not stream.holding and len(text) > stream.sent_chars:
-                delta["content"] = text[stream.sent_chars :]
-                stream.sent_chars = len(text)
+                    end = len(text)
+            if end > stream.sent_chars:
+                delta["content"] = text[stream.sent_chars : end]
+                stream.sent_chars = end
         if not delta and not output.finished:
             return None
         choice = ChatStreamChoice(

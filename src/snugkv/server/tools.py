@@ -238,10 +238,21 @@ def parse_tool_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict[s
     return None, calls
 
 
-def may_be_tool_call(plan: ToolPlan, text: str) -> bool:
-    """Whether output starting with `text` may turn out to be a tool call (so streaming holds it)."""
+def content_end(plan: ToolPlan, text: str) -> int:
+    """How much of `text`, output so far, can stream as content now: all of it but what is or may
+    become a tool call (a Hermes block, or a partial `<tool_call>` at its end; Llama 3.x calls are the
+    whole output, so output that starts like JSON or the python tag is held)."""
     if plan.mode != "auto":
-        return True
+        return 0
+    if plan.call_format == "hermes":
+        found = text.find(HERMES_OPEN)
+        if found >= 0:
+            return found
+        for length in range(min(len(HERMES_OPEN) - 1, len(text)), 0, -1):
+            if text.endswith(HERMES_OPEN[:length]):
+                return len(text) - length
+        return len(text)
     start = text.lstrip()
-    markers = (HERMES_OPEN,) if plan.call_format == "hermes" else (LLAMA_PYTHON_TAG, "{")
-    return any(start.startswith(marker) or marker.startswith(start) for marker in markers)
+    if any(start.startswith(m) or m.startswith(start) for m in (LLAMA_PYTHON_TAG, "{")):
+        return 0
+    return len(text)
