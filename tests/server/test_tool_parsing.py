@@ -12,6 +12,7 @@ from snugkv.server.prepare import PreparedRequest
 from snugkv.server.tool_format import ToolCallFormat
 from snugkv.server.tools import ToolPlan, call_format_of, content_end, parse_tool_calls
 
+TOOLS_NAMES = ("get_weather", "get_time")
 TOOLS = (
     {"name": "get_weather", "parameters": {"type": "object"}},
     {"name": "get_time", "parameters": {"type": "object"}},
@@ -115,3 +116,35 @@ def test_auto_output_that_was_no_call_streams_as_content_whole() -> None:
     assert deltas[-1]["finish_reason"] == "stop"
     deltas = _stream(plan("llama3"), ["{not json", "}"])
     assert "".join(d["delta"].get("content", "") for d in deltas) == "{not json}"
+
+
+QWEN_LIKE_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n<tools>{% for tool in tools %}{{ tool.function.name }};{% endfor %}"
+    "</tools>\nCall with <tool_call></tool_call><|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_template_that_renders_tools_gets_them_through_apply_chat_template() -> None:
+    import copy
+
+    from snugkv.models import default_model
+    from snugkv.models.loader import ModelSource
+    from snugkv.models.tokenizer import load_tokenizer
+    from snugkv.server.prepare import _chat_prompt_ids
+    from snugkv.server.protocol import ChatCompletionRequest
+    from snugkv.server.tools import plan_tools
+
+    hf = copy.deepcopy(load_tokenizer(ModelSource(default_model.default_model_path(), "gguf")).hf)
+    hf.chat_template = QWEN_LIKE_TEMPLATE
+    tools = [
+        {"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
+        for name in TOOLS_NAMES
+    ]
+    tool_plan = plan_tools(tools, "auto", hf)
+    assert tool_plan is not None and tool_plan.template_renders_tools and tool_plan.call_format == "hermes"
+    body = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=tools)
+    prompt = hf.decode(_chat_prompt_ids(body, hf, tool_plan))
+    assert "<tools>get_weather;get_time;</tools>" in prompt
+    assert "You may call one or more functions" not in prompt  # the template's own words, not the fallback's
