@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from snugkv.core.structured_output import StructuredOutput
+
 MAX_TOP_K = 1 << 20
 MAX_LOGPROBS = 20
 # Sampling this cold is the argmax in all but name (logit gaps are multiplied by 1e5), and colder still
@@ -39,6 +41,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives to return per token (0: only the chosen)
+    structured: StructuredOutput | None = None  # what the output must match (snugkv.structured)
     extra: dict[str, object] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:

@@ -20,6 +20,7 @@ class EngineArgs:
 
     model: str | None = None
     load_format: str = "auto"
+    revision: str | None = None  # with a Hugging Face Hub id: the branch, tag or commit
     dtype: str | None = None
     device: str | None = None
     weights_seed: int = 0  # random (dummy) weights only

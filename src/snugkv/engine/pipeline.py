@@ -106,6 +106,7 @@ class Engine(ElasticMemory):
                 device=self.device,
                 seed=args.weights_seed,
                 max_position=args.context_length,
+                revision=args.revision,
                 weights_memory=self._weights_memory(),
             )
         if tp.enabled and not self.loaded.model.supports_tensor_parallel:

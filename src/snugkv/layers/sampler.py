@@ -16,7 +16,9 @@ from collections.abc import Sequence
 import torch
 
 from snugkv.core.sampling import SamplingParams
+from snugkv.core.structured_output import TokenBitmask
 from snugkv.core.transfer import to_device
+from snugkv.structured.bitmask import apply_token_bitmask
 
 
 class Sampler:
@@ -25,10 +27,14 @@ class Sampler:
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None] | None = None,
+        token_bitmask: TokenBitmask | None = None,
     ) -> torch.Tensor:
-        """Next token ids `[B]` (int64) for logits `[B, vocab]`."""
+        """Next token ids `[B]` (int64) for logits `[B, vocab]`; `token_bitmask` holds the tokens
+        structured output allows in its rows (the others are not constrained)."""
         if logits.shape[0] != len(params):
             raise ValueError(f"{logits.shape[0]} logit rows but {len(params)} sampling params")
+        if token_bitmask is not None:
+            logits = apply_token_bitmask(logits, token_bitmask)
         greedy_tokens = torch.argmax(logits, dim=-1)
         if all(p.greedy for p in params):
             return greedy_tokens

@@ -29,6 +29,7 @@ import torch
 from snugkv.attention.registry import make_attention_backend
 from snugkv.core.forward import AttentionBackend, BatchRow, ForwardBatch
 from snugkv.core.sampling import SamplingParams
+from snugkv.core.structured_output import TokenBitmask
 from snugkv.core.transfer import to_device
 from snugkv.distributed.group import TensorParallel
 from snugkv.layers.sampler import Sampler
@@ -239,12 +240,13 @@ class ModelRunner:
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None] | None,
         req_pool_indices: Sequence[int],
+        token_bitmask: TokenBitmask | None = None,
     ) -> torch.Tensor:
         """Next token ids `[rows]` as a device tensor, without waiting for the GPU; each is also
         kept for its table row (`req_pool_indices`), where a next decode row's `FUTURE_TOKEN`
         finds it. With tensor parallelism rank 0's tokens go to every rank over the device group,
         queued on the stream like the sampling itself."""
-        tokens = self.tp.broadcast_tensor_from_first(self.sampler(logits, params, generators))
+        tokens = self.tp.broadcast_tensor_from_first(self.sampler(logits, params, generators, token_bitmask))
         self.future_tokens.store(to_device(req_pool_indices, torch.int64, self.device), tokens)
         return tokens
 

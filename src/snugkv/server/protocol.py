@@ -50,6 +50,15 @@ class GenerationRequest(_Request):
     frequency_penalty: float | None = None
     logit_bias: dict[str, Any] | None = None
     user: str | None = None
+    # Structured output (snugkv.server.guided): OpenAI's, vLLM's and SGLang's names.
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    json_schema: dict[str, Any] | str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     @field_validator("stop", mode="plain")
     @classmethod
@@ -95,6 +104,8 @@ class ChatMessage(_Request):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
     @field_validator("content", mode="plain")
     @classmethod
@@ -111,7 +122,9 @@ class ChatCompletionRequest(GenerationRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None
-    tools: list[Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class UsageInfo(BaseModel):
@@ -172,8 +185,18 @@ class ChatLogprobs(BaseModel):
 
 
 class AssistantMessage(BaseModel):
+    """`tool_calls` appears only when the model called tools (then `content` may be null)."""
+
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[dict[str, Any]] | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_no_tool_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("tool_calls", "") is None:
+            del data["tool_calls"]
+        return data
 
 
 class ChatChoice(_Choice):
@@ -195,7 +218,7 @@ class ChatCompletionResponse(BaseModel):
 
 class ChatStreamChoice(_Choice):
     index: int
-    delta: dict[str, str]
+    delta: dict[str, Any]
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     finish_detail: str | None = None
