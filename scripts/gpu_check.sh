@@ -18,7 +18,7 @@ if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
-STEPS=${STEPS:-"env tests vmm kernels attention decode prefill capacity serving elastic"}
+STEPS=${STEPS:-"env tests vmm kernels attention decode prefill capacity serving elastic structured"}
 status=0
 step() { echo "=== $1 ($(date +%T))"; }
 
