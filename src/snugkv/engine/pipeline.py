@@ -29,6 +29,7 @@ from snugkv.distributed.group import TensorParallel, use_tensor_parallel
 from snugkv.engine.args import EngineArgs
 from snugkv.engine.elastic import ElasticMemory
 from snugkv.engine.report import SizedKV, StartupReport
+from snugkv.memory.host_device import SharedHostDevice
 from snugkv.memory.kv_pool import KVPool, KVPoolSpec, PoolMode
 from snugkv.memory.vmm import GIB, MIB, CommitError, VirtualMemory
 from snugkv.memory.vmm_factory import create_vmm
@@ -162,7 +163,8 @@ class Engine(ElasticMemory):
     # -- memory backend -----------------------------------------------------------------
     def _memory_backend(self) -> VirtualMemory:
         if self.device.type == "cpu":
-            return HostVmm(capacity_bytes=self._host_kv_bytes())
+            # SNUGKV_HOST_DEVICE_GIB: one simulated device shared with other processes (multi-engine)
+            return HostVmm(capacity_bytes=self._host_kv_bytes(), shared=SharedHostDevice.from_env())
         if self.mode is SizingMode.POST_CAPTURE:
             return create_vmm(self.device)
         return PlainMemory(self.device)
