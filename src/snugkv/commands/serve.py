@@ -17,10 +17,13 @@ import signal
 from pathlib import Path
 
 from snugkv.commands.engine_args import add_engine_arguments, engine_args_from
+from snugkv.memory.arena import DEFAULT_CHUNK_BYTES
+from snugkv.memory.vmm import MIB
 
 logger = logging.getLogger(__name__)
 
 API_KEY_ENV = "SNUGKV_API_KEY"
+DEFAULT_KV_CHUNK_MIB = DEFAULT_CHUNK_BYTES // MIB
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -48,7 +51,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--kv-elastic",
         action="store_true",
         help="share the GPU's memory with other --kv-elastic engines: ask them for room before loading, "
-        "rebalance KV memory by demand and --memory-share, grow into what others free (post-capture only)",
+        "rebalance KV memory by demand and --memory-share, grow into what others free (post-capture only; "
+        "KV chunks default to 16 MiB so that a shrink on a full GPU frees memory)",
     )
     share.add_argument(
         "--memory-share",
@@ -90,12 +94,15 @@ def port_number(value: str) -> int:
     return port
 
 
-def build_async_engine(args: argparse.Namespace, metrics=None, tp=None):
-    """Engine + scheduler thread for `args` (rank 0 of `tp`); returns (async engine, served model name)."""
+def build_async_engine(args: argparse.Namespace, metrics=None, tp=None, after_engine=None):
+    """Engine + scheduler thread for `args` (rank 0 of `tp`); returns (async engine, served model name).
+    `after_engine(engine)` runs as soon as the engine is sized (before the tokenizer loads)."""
     from snugkv.engine import Engine
     from snugkv.scheduler.async_engine import AsyncEngine
 
     engine = Engine(engine_args_from(args), tp=tp)
+    if after_engine is not None:
+        after_engine(engine)
     name = args.served_model_name or _model_name(args.model, engine.loaded.source.path)
     async_engine = AsyncEngine(
         engine,
@@ -195,7 +202,8 @@ def _serve_rank(tp, args: argparse.Namespace, sock=None) -> int:
             return 2
     try:
         with share.holding_others_headroom() if share is not None else contextlib.nullcontext():
-            async_engine, name = build_async_engine(args, metrics, tp)
+            after = share.started if share is not None else None
+            async_engine, name = build_async_engine(args, metrics, tp, after_engine=after)
     except BaseException:
         if share is not None:
             share.leave()
@@ -223,7 +231,12 @@ def _serve_rank(tp, args: argparse.Namespace, sock=None) -> int:
 
 def _join_memory_share(args: argparse.Namespace):
     """--kv-elastic: register on the GPU's record and wait until the running engines made room."""
-    from snugkv.server.memory_share import MemoryShare, ShareOptions
+    from snugkv.server.memory_share import ELASTIC_CHUNK_MIB, MemoryShare, ShareOptions, device_total_gib
+
+    if args.kv_chunk_mib == DEFAULT_KV_CHUNK_MIB:  # a shrink on a full device frees whole chunks only
+        args.kv_chunk_mib = ELASTIC_CHUNK_MIB
+    if args.kv_reserve_gib is None:  # room to grow into all the others may give back
+        args.kv_reserve_gib = device_total_gib(engine_args_from(args))
 
     options = ShareOptions(weight=args.memory_share, min_tokens=args.kv_min_tokens)
     name = args.served_model_name or str(args.model or "default")

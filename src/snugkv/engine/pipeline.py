@@ -294,7 +294,10 @@ class Engine(ElasticMemory):
         probe = self._pool(PoolMode.POST_CAPTURE, page * 1024)
         bytes_per_token = probe.bytes_per_token
         probe.close()
-        reserved_tokens = max(int(free.min_bytes // bytes_per_token), page)
+        # The reserve bounds every later grow: an engine that starts beside others (--kv-elastic)
+        # reserves more than is free now (--kv-reserve-gib), to grow into what they give back.
+        reserve_bytes = int(self.args.kv_reserve_gib * GIB) if self.args.kv_reserve_gib else free.min_bytes
+        reserved_tokens = max(int(reserve_bytes // bytes_per_token), page)
         if self.args.max_total_tokens:
             reserved_tokens = min(reserved_tokens, self.args.max_total_tokens + page)
         pool = self._pool(PoolMode.POST_CAPTURE, reserved_tokens)

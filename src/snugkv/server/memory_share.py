@@ -42,7 +42,8 @@ from snugkv.engine import EngineArgs
 from snugkv.memory.vmm import GIB
 from snugkv.models.config import ModelConfig
 from snugkv.models.loader import read_model_config, resolve_device, resolve_dtype, resolve_model_source
-from snugkv.sizing.measure import shared_device_free_bytes
+from snugkv.memory.host_device import SharedHostDevice
+from snugkv.sizing.measure import device_memory, shared_device_free_bytes
 from snugkv.sizing.resize import KvResizeError
 from snugkv.sizing.share_policy import SharePolicy, decide, plan_targets, pool_bytes, reserve_bytes
 from snugkv.sizing.share_record import RUNNING, SLEEPING, EngineEntry, ShareRecord, device_key
@@ -50,6 +51,9 @@ from snugkv.sizing.share_record import RUNNING, SLEEPING, EngineEntry, ShareReco
 logger = logging.getLogger(__name__)
 
 CUDA_START_ALLOWANCE_BYTES = 2 * GIB  # CUDA context, decode graphs, activation headroom: an estimate
+# A shrink that cuts through an extension copies its kept part to fresh memory first; on a full
+# device there is none, so only whole extensions above the cut are freed: keep them small.
+ELASTIC_CHUNK_MIB = 16
 
 
 class MemoryShareError(RuntimeError):
@@ -92,6 +96,15 @@ def start_estimate(args: EngineArgs, min_tokens: int) -> tuple[int, int]:
     if device.type == "cuda":  # on the host backend only the KV cache is in the shared budget
         need += weight_bytes_estimate(config, dtype.itemsize) + CUDA_START_ALLOWANCE_BYTES
     return need, per_token
+
+
+def device_total_gib(args: EngineArgs) -> float | None:
+    """The memory of the device `args` runs on (the shared host device's size on CPU), or None."""
+    device = resolve_device(args.device)
+    if device.type == "cuda":
+        return device_memory(device)[1] / GIB
+    shared = SharedHostDevice.from_env()
+    return None if shared is None else shared.capacity_bytes / GIB
 
 
 def share_table(entries: list[EngineEntry], free_bytes: int | None, policy: SharePolicy) -> dict[str, Any]:
@@ -155,7 +168,7 @@ class MemoryShare:
                 return
             spare = free - reserve_bytes(entries)
             self.waited_s = time.monotonic() - started
-            if spare >= 0:
+            if spare >= -self.options.policy.hysteresis_min_bytes:  # the band the others stop within
                 logger.info(
                     "Memory share: %.2f GiB asked and free after %.2f s (%d other engine(s) on %s)",
                     self.entry.need_bytes / GIB,
@@ -191,6 +204,21 @@ class MemoryShare:
             del held
             torch.cuda.empty_cache()
 
+    def started(self, engine: Any) -> None:
+        """The engine is sized: publish its real KV cache and drop the ask at once (the tokenizer and
+        the scheduler still load; the others must not give away more meanwhile)."""
+        pool = engine.pool
+        self.entry = self.entry.beat(
+            state=RUNNING,
+            kv_bytes=pool.committed_bytes,
+            kv_tokens=pool.committed_tokens,
+            bytes_per_token=pool.bytes_per_token,
+            max_kv_bytes=pool.bytes_for_tokens(engine.kv_limits().max_tokens),
+            headroom_bytes=engine.headroom_bytes,
+            need_bytes=0,
+        )
+        self.record.publish(self.entry)
+
     def leave(self) -> None:
         """Remove this engine's entry (after its memory is released)."""
         self.record.remove(self.entry.pid)
@@ -220,7 +248,7 @@ class MemoryShare:
         """One turn: publish, read, decide, maybe resize. Returns the resize it made, if any."""
         info = await self.async_engine.kv_info()
         sleeping = "kv_cache" in info["sleeping_tags"]
-        page, per_token = info["page_size"], info["bytes_per_token"]
+        page, per_token = int(info["page_size"]), max(int(info["bytes_per_token"]), 1)
         floor_tokens = max(
             self.options.min_tokens, info["min_tokens_without_failing_a_request"], info["min_tokens"]
         )
@@ -250,7 +278,10 @@ class MemoryShare:
         )
         if decision.target_bytes is None:
             return None
-        tokens = min(max(decision.target_bytes // per_token // page * page, floor_tokens), info["max_tokens"])
+        tokens = decision.target_bytes // per_token // page * page
+        if tokens > info["max_total_num_tokens"]:  # granule-aligned backing must fit what is free
+            tokens = min(tokens, info["tokens_fitting_free_memory"])
+        tokens = int(min(max(tokens, floor_tokens), info["max_tokens"]))
         if tokens == info["max_total_num_tokens"]:
             return None
         self._last_resize = time.monotonic()

@@ -14,8 +14,8 @@ space and caps). If the minimums alone exceed the pool, every engine stays at it
 The step (`decide`). Each engine computes its own target and changes only its own KV cache:
 - it never grows beyond what is free now less the reserve (headrooms, asks), so it grows only
   into memory another engine or process has already given back;
-- if free memory is below the reserve (an engine is starting, or a process outside snugkv took
-  memory) it shrinks at once by the deficit, whatever the hysteresis;
+- if free memory is below the reserve by more than the band's floor (an engine is starting, or a
+  process outside snugkv took memory) it shrinks at once by the deficit, whatever the interval;
 - otherwise it moves to its target only when the difference exceeds the hysteresis band (a fraction
   of its size, and a floor in bytes) and its last resize is at least `min_interval_s` old. Two
   engines fed the same record compute consistent targets, and the band keeps noise in the demands
@@ -110,13 +110,19 @@ def decide(
     if target is None:
         return Decision(None, "not running")
     spare = free_bytes - reserve_bytes(entries)
-    if spare < 0:  # someone needs memory now: give the deficit back without waiting
-        shrink_to = max(min(target, current + spare), me.min_kv_bytes)
-        if shrink_to < current:
+    if (
+        spare < -policy.hysteresis_min_bytes
+    ):  # someone needs memory now: give the deficit back without waiting
+        # From the size in tokens, not the committed bytes: a shrink that cut through an extension
+        # it had no memory to split keeps that extension, and the next turn must still go lower.
+        logical = min(me.kv_tokens * me.bytes_per_token, current) if me.kv_tokens else current
+        shrink_to = max(min(target, logical + spare), me.min_kv_bytes)
+        if shrink_to < logical:
             return Decision(
                 shrink_to, f"free memory is {-spare / MIB:.0f} MiB below the reserve", urgent=True
             )
         return Decision(None, "below the reserve, but already at the minimum")
+    spare = max(spare, 0)
     band = max(policy.hysteresis_fraction * max(current, target), policy.hysteresis_min_bytes)
     if abs(target - current) <= band:
         return Decision(None, "within the hysteresis band")

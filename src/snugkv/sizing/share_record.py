@@ -51,6 +51,8 @@ class EngineEntry:
     demand_bytes: int = 0
     headroom_bytes: int = 0
     need_bytes: int = 0  # while starting: what it asks the others to leave free
+    granted: bool = False  # while starting: the ask was met; it loads (the others give no more)
+    resized_at: float = 0.0  # wall clock of its last resize (the others wait a moment after one)
     heartbeat: float = 0.0
 
     @classmethod
