@@ -39,10 +39,10 @@ import torch
 from fastapi import FastAPI
 
 from snugkv.engine import EngineArgs
+from snugkv.memory.host_device import SharedHostDevice
 from snugkv.memory.vmm import GIB
 from snugkv.models.config import ModelConfig
 from snugkv.models.loader import read_model_config, resolve_device, resolve_dtype, resolve_model_source
-from snugkv.memory.host_device import SharedHostDevice
 from snugkv.sizing.measure import device_memory, shared_device_free_bytes
 from snugkv.sizing.resize import KvResizeError
 from snugkv.sizing.share_policy import SharePolicy, decide, plan_targets, pool_bytes, reserve_bytes
@@ -169,6 +169,8 @@ class MemoryShare:
             spare = free - reserve_bytes(entries)
             self.waited_s = time.monotonic() - started
             if spare >= -self.options.policy.hysteresis_min_bytes:  # the band the others stop within
+                self.entry = self.entry.beat(granted=True)
+                self.record.publish(self.entry)
                 logger.info(
                     "Memory share: %.2f GiB asked and free after %.2f s (%d other engine(s) on %s)",
                     self.entry.need_bytes / GIB,
@@ -269,11 +271,13 @@ class MemoryShare:
         if sleeping:
             return None
         since = time.monotonic() - self._last_resize
+        others_at = max((e.resized_at for e in entries if e.pid != self.entry.pid), default=0.0)
         decision = decide(
             self.entry,
             entries,
             info["device_free_bytes"],
             seconds_since_resize=since,
+            seconds_since_others_resized=time.time() - others_at,
             policy=self.options.policy,
         )
         if decision.target_bytes is None:
@@ -285,10 +289,19 @@ class MemoryShare:
         if tokens == info["max_total_num_tokens"]:
             return None
         self._last_resize = time.monotonic()
+        if tokens > info["max_total_num_tokens"]:  # a grow is published before it takes the memory
+            self.entry = self.entry.beat(
+                kv_bytes=tokens * per_token, kv_tokens=tokens, resized_at=time.time()
+            )
+            self.record.publish(self.entry)
         try:
             result: dict[str, Any] = await self.async_engine.resize_kv(max_total_num_tokens=tokens)
         except KvResizeError as exc:  # memory not back yet, a request grew meanwhile: next turn
             logger.info("Memory share: resize to %d tokens refused (%s); trying again later", tokens, exc)
+            self.entry = self.entry.beat(
+                kv_bytes=info["committed_bytes"], kv_tokens=info["max_total_num_tokens"]
+            )
+            self.record.publish(self.entry)
             return None
         logger.info(
             "Memory share: KV %d -> %d tokens (%.2f GiB) to rebalance: %s",
@@ -304,7 +317,9 @@ class MemoryShare:
             "took_ms": result["took_ms"],
         }
         self.resizes = [*self.resizes[-31:], record]
-        self.entry = self.entry.beat(kv_bytes=result["to_committed_bytes"], kv_tokens=tokens)
+        self.entry = self.entry.beat(
+            kv_bytes=result["to_committed_bytes"], kv_tokens=tokens, resized_at=time.time()
+        )
         self.record.publish(self.entry)
         return result
 

@@ -14,12 +14,15 @@ space and caps). If the minimums alone exceed the pool, every engine stays at it
 The step (`decide`). Each engine computes its own target and changes only its own KV cache:
 - it never grows beyond what is free now less the reserve (headrooms, asks), so it grows only
   into memory another engine or process has already given back;
-- if free memory is below the reserve by more than the band's floor (an engine is starting, or a
-  process outside snugkv took memory) it shrinks at once by the deficit, whatever the interval;
+- if free memory is below the reserve by more than the band's floor (an engine is starting and
+  its ask is not met yet, or a process outside snugkv took memory) it shrinks at once by the
+  deficit, whatever the interval; a granted ask no longer counts (the starter is loading into it);
 - otherwise it moves to its target only when the difference exceeds the hysteresis band (a fraction
   of its size, and a floor in bytes) and its last resize is at least `min_interval_s` old. Two
   engines fed the same record compute consistent targets, and the band keeps noise in the demands
-  from moving memory back and forth.
+  from moving memory back and forth; after any engine's resize the others wait half the interval,
+  so they decide on entries that show it. A grow is published before it commits (a reader that
+  sees the memory gone also sees who took it).
 """
 
 from __future__ import annotations
