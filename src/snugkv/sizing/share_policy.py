@@ -58,10 +58,13 @@ def pool_bytes(entries: Sequence[EngineEntry], free_bytes: int) -> int:
     return free_bytes + sum(e.kv_bytes for e in entries if e.state == RUNNING) - reserve_bytes(entries)
 
 
-def reserve_bytes(entries: Sequence[EngineEntry]) -> int:
-    """Memory that must stay free: running engines' headroom and starting engines' asks."""
+def reserve_bytes(entries: Sequence[EngineEntry], *, to_give: bool = False) -> int:
+    """Memory that must stay free: running engines' headroom and starting engines' asks. With
+    `to_give`, what running engines must still give: a granted ask is being loaded into (free
+    memory falls as the starter loads; that is no reason to give more)."""
     headroom = sum(e.headroom_bytes for e in entries if e.state == RUNNING)
-    return headroom + sum(e.need_bytes for e in entries if e.state == STARTING)
+    asks = [e for e in entries if e.state == STARTING and not (to_give and e.granted)]
+    return headroom + sum(e.need_bytes for e in asks)
 
 
 def _fill(given: dict[int, float], caps: dict[int, float], budget: float, weights: dict[int, float]) -> float:
@@ -105,34 +108,35 @@ def decide(
     free_bytes: int,
     *,
     seconds_since_resize: float,
+    seconds_since_others_resized: float,
     policy: SharePolicy,
 ) -> Decision:
-    """This engine's move now (`entries` includes `me`; `free_bytes` is the device's free memory)."""
+    """This engine's move now (`entries` includes `me`; `free_bytes` is the device's free memory;
+    the seconds since this engine's last resize and since any other engine's)."""
     current = me.kv_bytes
     target = plan_targets(entries, free_bytes, policy).get(me.pid)
     if target is None:
         return Decision(None, "not running")
-    spare = free_bytes - reserve_bytes(entries)
-    if (
-        spare < -policy.hysteresis_min_bytes
-    ):  # someone needs memory now: give the deficit back without waiting
+    deficit = reserve_bytes(entries, to_give=True) - free_bytes
+    if deficit > policy.hysteresis_min_bytes:  # someone needs memory now: give it without waiting
         # From the size in tokens, not the committed bytes: a shrink that cut through an extension
         # it had no memory to split keeps that extension, and the next turn must still go lower.
         logical = min(me.kv_tokens * me.bytes_per_token, current) if me.kv_tokens else current
-        shrink_to = max(min(target, logical + spare), me.min_kv_bytes)
+        shrink_to = max(min(target, logical - deficit), me.min_kv_bytes)
         if shrink_to < logical:
-            return Decision(
-                shrink_to, f"free memory is {-spare / MIB:.0f} MiB below the reserve", urgent=True
-            )
+            reason = f"free memory is {deficit / MIB:.0f} MiB below the reserve"
+            return Decision(shrink_to, reason, urgent=True)
         return Decision(None, "below the reserve, but already at the minimum")
-    spare = max(spare, 0)
     band = max(policy.hysteresis_fraction * max(current, target), policy.hysteresis_min_bytes)
     if abs(target - current) <= band:
         return Decision(None, "within the hysteresis band")
     if seconds_since_resize < policy.min_interval_s:
         return Decision(None, "resized too recently")
+    if seconds_since_others_resized < policy.min_interval_s / 2:  # their entries catch up first
+        return Decision(None, "another engine resized a moment ago")
     if target < current:
         return Decision(target, "rebalance: give memory to the others")
+    spare = max(free_bytes - reserve_bytes(entries), 0)
     grow_to = min(target, current + spare)  # only into memory that is free already
     if grow_to - current <= band:
         return Decision(None, "waiting for memory to be given back")
