@@ -150,6 +150,7 @@ class HostVmm(VirtualMemory):
                 raise CommitError(
                     f"commit of {size_bytes / 2**20:.1f} MiB refused: only {free / 2**20:.1f} MiB free "
                     f"under this host backend's capacity of {self._capacity_bytes / 2**30:.2f} GiB"
+                    + ("" if self._shared is None else f" and the shared host device ({self._shared.path})")
                 )
             if self._shared is not None:
                 shared_free = self._shared.take(size_bytes)

@@ -16,7 +16,8 @@ The step (`decide`). Each engine computes its own target and changes only its ow
   into memory another engine or process has already given back;
 - if free memory is below the reserve by more than the band's floor (an engine is starting and
   its ask is not met yet, or a process outside snugkv took memory) it shrinks at once by the
-  deficit, whatever the interval; a granted ask no longer counts (the starter is loading into it);
+  deficit (no more), whatever the interval; a granted ask no longer counts (the starter is
+  loading into it), and while an engine starts the others make no other move;
 - otherwise it moves to its target only when the difference exceeds the hysteresis band (a fraction
   of its size, and a floor in bytes) and its last resize is at least `min_interval_s` old. Two
   engines fed the same record compute consistent targets, and the band keeps noise in the demands
@@ -122,11 +123,13 @@ def decide(
         # From the size in tokens, not the committed bytes: a shrink that cut through an extension
         # it had no memory to split keeps that extension, and the next turn must still go lower.
         logical = min(me.kv_tokens * me.bytes_per_token, current) if me.kv_tokens else current
-        shrink_to = max(min(target, logical - deficit), me.min_kv_bytes)
+        shrink_to = max(logical - deficit, me.min_kv_bytes)
         if shrink_to < logical:
             reason = f"free memory is {deficit / MIB:.0f} MiB below the reserve"
             return Decision(shrink_to, reason, urgent=True)
         return Decision(None, "below the reserve, but already at the minimum")
+    if any(e.state == STARTING for e in entries):  # it loads into free memory: hold still meanwhile
+        return Decision(None, "an engine is starting")
     band = max(policy.hysteresis_fraction * max(current, target), policy.hysteresis_min_bytes)
     if abs(target - current) <= band:
         return Decision(None, "within the hysteresis band")
