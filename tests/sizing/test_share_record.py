@@ -109,3 +109,20 @@ def test_a_bad_device_size_names_the_variable(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv("SNUGKV_HOST_DEVICE_GIB", "lots")
     with pytest.raises(ValueError, match="SNUGKV_HOST_DEVICE_GIB"):
         SharedHostDevice.from_env()
+
+
+def test_snugkv_memory_gpu_host_shows_every_registered_engine_and_its_share(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from snugkv.cli import main
+
+    record = ShareRecord.for_device("host")
+    record.publish(
+        EngineEntry.of_this_process("qwen", 3.0).beat(state=RUNNING, kv_bytes=2 << 30, kv_tokens=4096)
+    )
+    assert main(["memory", "--gpu", "host"]) == 0
+    out = capsys.readouterr().out
+    assert "1 elastic engine(s) on cpu" in out
+    assert "qwen" in out and "running" in out and "share 100%" in out and "2.00 GiB" in out
+    assert main(["memory", "--gpu", "99"]) == 2
+    assert "'99' is neither a GPU here" in capsys.readouterr().out
