@@ -158,3 +158,9 @@ def test_two_engines_settle_and_never_trade_memory_back_and_forth(noise: float) 
     assert resizes, "they never rebalanced"
     assert all(at < 30 for at, _ in resizes), resizes  # settled within 30 s, then never moved again
     assert state[2].kv_bytes > state[1].kv_bytes  # the busier, heavier engine holds more
+
+
+def test_no_engine_moves_while_another_resizes_but_an_urgent_shrink_still_happens() -> None:
+    me, other = engine(1, 10), engine(2, 30, resizing=True)
+    assert move(me, [me, other], 2 * GIB).reason == "another engine is resizing"
+    assert move(me, [me, other], 0).urgent  # its own headroom is gone: that cannot wait

@@ -289,17 +289,16 @@ class MemoryShare:
         if tokens == info["max_total_num_tokens"]:
             return None
         self._last_resize = time.monotonic()
+        self.entry = self.entry.beat(resizing=True, resized_at=time.time())
         if tokens > info["max_total_num_tokens"]:  # a grow is published before it takes the memory
-            self.entry = self.entry.beat(
-                kv_bytes=tokens * per_token, kv_tokens=tokens, resized_at=time.time()
-            )
-            self.record.publish(self.entry)
+            self.entry = self.entry.beat(kv_bytes=tokens * per_token, kv_tokens=tokens)
+        self.record.publish(self.entry)
         try:
             result: dict[str, Any] = await self.async_engine.resize_kv(max_total_num_tokens=tokens)
         except KvResizeError as exc:  # memory not back yet, a request grew meanwhile: next turn
             logger.info("Memory share: resize to %d tokens refused (%s); trying again later", tokens, exc)
             self.entry = self.entry.beat(
-                kv_bytes=info["committed_bytes"], kv_tokens=info["max_total_num_tokens"]
+                kv_bytes=info["committed_bytes"], kv_tokens=info["max_total_num_tokens"], resizing=False
             )
             self.record.publish(self.entry)
             return None
@@ -318,7 +317,7 @@ class MemoryShare:
         }
         self.resizes = [*self.resizes[-31:], record]
         self.entry = self.entry.beat(
-            kv_bytes=result["to_committed_bytes"], kv_tokens=tokens, resized_at=time.time()
+            kv_bytes=result["to_committed_bytes"], kv_tokens=tokens, resized_at=time.time(), resizing=False
         )
         self.record.publish(self.entry)
         return result

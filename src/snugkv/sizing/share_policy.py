@@ -22,8 +22,9 @@ The step (`decide`). Each engine computes its own target and changes only its ow
   of its size, and a floor in bytes) and its last resize is at least `min_interval_s` old. Two
   engines fed the same record compute consistent targets, and the band keeps noise in the demands
   from moving memory back and forth; after any engine's resize the others wait half the interval,
-  so they decide on entries that show it. A grow is published before it commits (a reader that
-  sees the memory gone also sees who took it).
+  so they decide on entries that show it. A resize is published as in flight before it starts (a
+  grow with its new size: a reader that sees the memory gone also sees who took it), and the
+  others make no move but an urgent one until it is done.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class SharePolicy:
     hysteresis_min_bytes: int = 32 * MIB
     min_interval_s: float = 2.0  # between two non-urgent resizes of one engine
     demand_slack: float = 1.25  # demand grows while requests decode: ask for a quarter more
+    resize_stale_s: float = 60.0  # a resize in flight longer than this no longer holds the others
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +132,9 @@ def decide(
         return Decision(None, "below the reserve, but already at the minimum")
     if any(e.state == STARTING for e in entries):  # it loads into free memory: hold still meanwhile
         return Decision(None, "an engine is starting")
+    resizing = any(e.resizing for e in entries if e.pid != me.pid)
+    if resizing and seconds_since_others_resized < policy.resize_stale_s:  # memory and entry disagree
+        return Decision(None, "another engine is resizing")
     band = max(policy.hysteresis_fraction * max(current, target), policy.hysteresis_min_bytes)
     if abs(target - current) <= band:
         return Decision(None, "within the hysteresis band")

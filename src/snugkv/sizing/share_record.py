@@ -53,6 +53,7 @@ class EngineEntry:
     need_bytes: int = 0  # while starting: what it asks the others to leave free
     granted: bool = False  # while starting: the ask was met; it loads (the others give no more)
     resized_at: float = 0.0  # wall clock of its last resize (the others wait a moment after one)
+    resizing: bool = False  # a resize is in flight (the others hold still until it is published)
     heartbeat: float = 0.0
 
     @classmethod
