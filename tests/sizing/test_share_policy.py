@@ -162,5 +162,7 @@ def test_two_engines_settle_and_never_trade_memory_back_and_forth(noise: float) 
 
 def test_no_engine_moves_while_another_resizes_but_an_urgent_shrink_still_happens() -> None:
     me, other = engine(1, 10), engine(2, 30, resizing=True)
-    assert move(me, [me, other], 2 * GIB).reason == "another engine is resizing"
-    assert move(me, [me, other], 0).urgent  # its own headroom is gone: that cannot wait
+    assert move(me, [me, other], 2 * GIB, others=5.0).reason == "another engine is resizing"
+    assert move(me, [me, other], 0, others=5.0).urgent  # its own headroom is gone: that cannot wait
+    stuck = move(me, [me, other], 2 * GIB, others=POLICY.resize_stale_s + 1)
+    assert stuck.reason != "another engine is resizing"  # a resize stuck that long holds nobody
