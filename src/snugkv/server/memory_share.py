@@ -249,6 +249,10 @@ class MemoryShare:
     async def turn(self) -> dict[str, Any] | None:
         """One turn: publish, read, decide, maybe resize. Returns the resize it made, if any."""
         info = await self.async_engine.kv_info()
+        if not info["resizable"]:  # sized without virtual memory (no CUDA VMM): nothing to share
+            logger.warning("Memory share: this engine's KV cache cannot be resized; it keeps its size")
+            self._stop.set()
+            return None
         sleeping = "kv_cache" in info["sleeping_tags"]
         page, per_token = int(info["page_size"]), max(int(info["bytes_per_token"]), 1)
         floor_tokens = max(
