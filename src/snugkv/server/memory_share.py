@@ -43,7 +43,7 @@ from snugkv.memory.host_device import SharedHostDevice
 from snugkv.memory.vmm import GIB
 from snugkv.models.config import ModelConfig
 from snugkv.models.loader import read_model_config, resolve_device, resolve_dtype, resolve_model_source
-from snugkv.sizing.measure import device_memory, shared_device_free_bytes
+from snugkv.sizing.measure import cached_unused_bytes, device_memory, shared_device_free_bytes
 from snugkv.sizing.resize import KvResizeError
 from snugkv.sizing.share_policy import SharePolicy, decide, plan_targets, pool_bytes, reserve_bytes
 from snugkv.sizing.share_record import RUNNING, SLEEPING, EngineEntry, ShareRecord, device_key
@@ -271,7 +271,9 @@ class MemoryShare:
             need_bytes=0,
         )
         entries = self.record.publish(self.entry)
-        self._last_free = info["device_free_bytes"]
+        # This engine's own cached activation blocks are its headroom already, not a deficit.
+        free = info["device_free_bytes"] + cached_unused_bytes(self.device)
+        self._last_free = free
         if sleeping:
             return None
         since = time.monotonic() - self._last_resize
@@ -279,7 +281,7 @@ class MemoryShare:
         decision = decide(
             self.entry,
             entries,
-            info["device_free_bytes"],
+            free,
             seconds_since_resize=since,
             seconds_since_others_resized=time.time() - others_at,
             policy=self.options.policy,

@@ -146,3 +146,12 @@ def shared_device_free_bytes(device: torch.device) -> int | None:
         return device_memory(device)[0]
     shared = SharedHostDevice.from_env()
     return None if shared is None else shared.free_bytes()
+
+
+def cached_unused_bytes(device: torch.device) -> int:
+    """Bytes torch's caching allocator holds that no tensor uses (between steps: the activations of
+    the last one). They are free for this process's next step, so they count toward its own
+    headroom; reading the counters needs no synchronization (0 off CUDA)."""
+    if device.type != "cuda":
+        return 0
+    return max(int(torch.cuda.memory_reserved(device)) - int(torch.cuda.memory_allocated(device)), 0)
