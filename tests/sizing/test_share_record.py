@@ -126,3 +126,36 @@ def test_snugkv_memory_gpu_host_shows_every_registered_engine_and_its_share(
     assert "qwen" in out and "running" in out and "share 100%" in out and "2.00 GiB" in out
     assert main(["memory", "--gpu", "99"]) == 2
     assert "'99' is neither a GPU here" in capsys.readouterr().out
+
+
+def test_a_start_that_cannot_get_its_memory_fails_naming_who_holds_it(
+    runtime_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+
+    from snugkv.server.memory_share import MemoryShare, MemoryShareError, ShareOptions
+
+    monkeypatch.setenv("SNUGKV_HOST_DEVICE_GIB", "0.0625")  # 64 MiB, 48 of them held by a running engine
+    child = run_child(
+        """
+        from snugkv.memory.host_device import SharedHostDevice
+        from snugkv.memory.vmm_host import HostVmm
+        from snugkv.sizing.share_record import EngineEntry, ShareRecord
+        vmm = HostVmm(shared=SharedHostDevice.from_env())
+        vmm.commit(vmm.reserve(48 << 20), 48 << 20)
+        entry = EngineEntry.of_this_process("busy", 1.0).beat(state="running", kv_bytes=48 << 20, min_kv_bytes=48 << 20)
+        ShareRecord.for_device("host").publish(entry)
+        """,
+        runtime_dir,
+    )
+    record = ShareRecord.for_device("host")
+    ask = EngineEntry.of_this_process("late", 1.0, need_bytes=60 * MIB)
+    share = MemoryShare(record, ask, torch.device("cpu"), ShareOptions(start_timeout_s=0.3))
+    with pytest.raises(MemoryShareError, match=r"could not get 0.06 GiB .* \(busy\) 0.05 GiB KV"):
+        share._wait_for_memory()
+    assert [e.name for e in record.entries()] == ["busy"]  # the failed starter left the record
+    child.kill()
+    child.wait()
+    granted = MemoryShare(record, ask, torch.device("cpu"), ShareOptions(start_timeout_s=0.3))
+    granted._wait_for_memory()  # the busy one is gone: nobody to ask, it starts
+    assert granted.entry.granted
