@@ -8,7 +8,7 @@ import pytest
 
 from snugkv.memory.vmm import GIB, MIB
 from snugkv.sizing.share_policy import SharePolicy, decide, plan_targets, pool_bytes
-from snugkv.sizing.share_record import RUNNING, STARTING, EngineEntry
+from snugkv.sizing.share_record import RUNNING, SLEEPING, STARTING, EngineEntry
 
 POLICY = SharePolicy()
 BPT = 128 * 1024  # bytes per token (Llama-3-8B in bf16)
@@ -166,3 +166,10 @@ def test_no_engine_moves_while_another_resizes_but_an_urgent_shrink_still_happen
     assert move(me, [me, other], 0, others=5.0).urgent  # its own headroom is gone: that cannot wait
     stuck = move(me, [me, other], 2 * GIB, others=POLICY.resize_stale_s + 1)
     assert stuck.reason != "another engine is resizing"  # a resize stuck that long holds nobody
+
+
+def test_a_sleeping_engine_takes_no_part_and_the_others_grow_into_what_it_freed() -> None:
+    me = engine(1, 20)
+    asleep = EngineEntry(2, None, "asleep", "", SLEEPING, 1.0, headroom_bytes=GIB)
+    assert plan_targets([me, asleep], 22 * GIB, POLICY) == {1: 41 * GIB}  # its headroom is not kept either
+    assert move(me, [me, asleep], 22 * GIB).target_bytes == 41 * GIB
