@@ -246,6 +246,8 @@ class MemoryShare:
             except RuntimeError as exc:  # the scheduler loop is gone: nothing to share any more
                 logger.warning("Memory share stopped: %s", exc)
                 return
+            except (OSError, ValueError, KeyError) as exc:  # the record unreadable for a moment: next turn
+                logger.warning("Memory share: a turn failed (%s: %s); trying again", type(exc).__name__, exc)
             await asyncio.sleep(self.options.interval_s)
 
     async def turn(self) -> dict[str, Any] | None:
