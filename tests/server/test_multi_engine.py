@@ -82,6 +82,7 @@ class Load:
 
     url: str
     model: str
+    prompt: str | list[int] = "Once upon a time"
     finished: list[str] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
     stop: threading.Event = field(default_factory=threading.Event)
@@ -89,7 +90,7 @@ class Load:
     def run(self) -> None:
         with httpx.Client(timeout=60) as client:
             while not self.stop.is_set():
-                body = {"model": self.model, "prompt": "Once upon a time", "max_tokens": 24, "stream": True}
+                body = {"model": self.model, "prompt": self.prompt, "max_tokens": 24, "stream": True}
                 reason = None
                 try:
                     with client.stream("POST", f"{self.url}/v1/completions", json=body) as response:
