@@ -152,7 +152,8 @@ def test_a_second_engine_starts_beside_a_busy_one_and_the_first_grows_back(
         assert "asked and free after" in second.log()
         assert "Traceback" not in second.log(), second.log()
         assert first.kv()["max_total_num_tokens"] < alone_tokens
-        assert second.kv()["max_total_num_tokens"] >= MIN_TOKENS
+        # its ask is met within the band's floor (32 MiB); the rebalance then gives it its share
+        wait_for("the second's share", lambda: second.kv()["max_total_num_tokens"] > MIN_TOKENS, second)
         shown = first.engines()
         assert {e["name"]: e["state"] for e in shown["engines"]} == {"first": "running", "second": "running"}
         assert sum(e["share"] for e in shown["engines"]) == pytest.approx(1.0)
