@@ -155,6 +155,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="largest KV extension in MiB: a run-time shrink drops whole ones (default: 256)",
     )
     group.add_argument(
+        "--kv-reserve-gib",
+        type=float,
+        default=None,
+        help="KV address space to reserve, the bound of every later grow (default: the memory free at "
+        "start; --kv-elastic: the device's total)",
+    )
+    group.add_argument(
         "--weights-seed", type=int, default=0, help="seed of random (--load-format dummy) weights"
     )
     group.add_argument(

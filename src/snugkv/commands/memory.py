@@ -24,11 +24,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_engine_arguments(parser)
     parser.add_argument("--plot", default=None, help="write the ledger as a bar chart to this PNG")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument(
+        "--gpu",
+        default=None,
+        metavar="N",
+        help="instead: show the --kv-elastic engines registered on GPU N (or 'host', the host backend's "
+        "shared device), their KV caches and shares; loads nothing",
+    )
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from snugkv.distributed.launch import device_type_for, launch
+
+    if args.gpu is not None:
+        return _show_engines(args.gpu, as_json=args.json)
 
     return int(launch(_memory_rank, args.tp_size, (args,), device_type=device_type_for(args.device)) or 0)
 
@@ -100,3 +110,40 @@ def _gather(tp, ledger):
     everyone: list = [None] * tp.world_size
     dist.all_gather_object(everyone, ledger, group=tp.cpu_group)
     return everyone
+
+
+def _show_engines(gpu: str, *, as_json: bool) -> int:
+    """`--gpu N`: the record of elastic engines on that device, one line each."""
+    import torch
+
+    from snugkv.server.memory_share import share_table
+    from snugkv.sizing.measure import shared_device_free_bytes
+    from snugkv.sizing.share_policy import SharePolicy
+    from snugkv.sizing.share_record import ShareRecord, device_key
+
+    if gpu == "host":
+        device = torch.device("cpu")
+    elif gpu.isdigit() and torch.cuda.is_available() and int(gpu) < torch.cuda.device_count():
+        device = torch.device("cuda", int(gpu))
+    else:
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        visible = f"{count} visible: 0 to {count - 1}" if count else "no GPU is visible"
+        print(f"error: --gpu {gpu!r} is neither a GPU here ({visible}) nor 'host'")
+        return 2
+    record = ShareRecord.for_device(device_key(device))
+    table = share_table(record.entries(), shared_device_free_bytes(device), SharePolicy())
+    if as_json:
+        print(json.dumps({"record": str(record.path), **table}, indent=2))
+        return 0
+    engines = table["engines"]
+    print(f"{len(engines)} elastic engine(s) on {device} ({record.path})")
+    if table["free_bytes"] is not None:
+        print(f"free {table['free_bytes'] / GIB:.2f} GiB, shared KV pool {table['pool_bytes'] / GIB:.2f} GiB")
+    for e in engines:
+        target = "-" if e["target_bytes"] is None else f"{e['target_bytes'] / GIB:.2f}"
+        print(
+            f"  pid {e['pid']:>7}  {e['name'][:24]:<24} {e['state']:<8} KV {e['kv_bytes'] / GIB:7.2f} GiB "
+            f"({e['kv_tokens']:,} tokens)  demand {e['demand_bytes'] / GIB:6.2f}  weight {e['weight']:g} "
+            f"share {e['share']:.0%}  target {target}  {e['url']}"
+        )
+    return 0

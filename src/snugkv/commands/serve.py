@@ -9,6 +9,7 @@ Ctrl-C or SIGTERM stops it once in-flight requests end (at most 10 s).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ipaddress
 import logging
 import os
@@ -16,10 +17,13 @@ import signal
 from pathlib import Path
 
 from snugkv.commands.engine_args import add_engine_arguments, engine_args_from
+from snugkv.memory.arena import DEFAULT_CHUNK_BYTES
+from snugkv.memory.vmm import MIB
 
 logger = logging.getLogger(__name__)
 
 API_KEY_ENV = "SNUGKV_API_KEY"
+DEFAULT_KV_CHUNK_MIB = DEFAULT_CHUNK_BYTES // MIB
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -42,7 +46,41 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--max-body-bytes", type=int, default=4 << 20, help="largest request body (default: 4 MiB)"
     )
     parser.add_argument("--disable-prefix-cache", action="store_true", help="turn the radix prefix cache off")
+    share = parser.add_argument_group("several engines on one GPU")
+    share.add_argument(
+        "--kv-elastic",
+        action="store_true",
+        help="share the GPU's memory with other --kv-elastic engines: ask them for room before loading, "
+        "rebalance KV memory by demand and --memory-share, grow into what others free (post-capture only; "
+        "KV chunks default to 16 MiB so that a shrink on a full GPU frees memory)",
+    )
+    share.add_argument(
+        "--memory-share",
+        type=positive_weight,
+        default=1.0,
+        metavar="W",
+        help="this engine's weight when --kv-elastic engines split KV memory (default: 1)",
+    )
+    share.add_argument(
+        "--kv-min-tokens",
+        type=int,
+        default=4096,
+        help="--kv-elastic: the KV cache this engine asks for at start and never gives below (default: 4096)",
+    )
     parser.set_defaults(func=run)
+
+
+def positive_weight(value: str) -> float:
+    """`--memory-share`: a positive number."""
+    try:
+        weight = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not a number; pass a weight such as 1 or 2.5"
+        ) from None
+    if not weight > 0 or weight == float("inf"):
+        raise argparse.ArgumentTypeError(f"{value} is not a positive weight; pass a number above 0")
+    return weight
 
 
 def port_number(value: str) -> int:
@@ -56,12 +94,15 @@ def port_number(value: str) -> int:
     return port
 
 
-def build_async_engine(args: argparse.Namespace, metrics=None, tp=None):
-    """Engine + scheduler thread for `args` (rank 0 of `tp`); returns (async engine, served model name)."""
+def build_async_engine(args: argparse.Namespace, metrics=None, tp=None, after_engine=None):
+    """Engine + scheduler thread for `args` (rank 0 of `tp`); returns (async engine, served model name).
+    `after_engine(engine)` runs as soon as the engine is sized (before the tokenizer loads)."""
     from snugkv.engine import Engine
     from snugkv.scheduler.async_engine import AsyncEngine
 
     engine = Engine(engine_args_from(args), tp=tp)
+    if after_engine is not None:
+        after_engine(engine)
     name = args.served_model_name or _model_name(args.model, engine.loaded.source.path)
     async_engine = AsyncEngine(
         engine,
@@ -95,6 +136,12 @@ def _tokenizer_of(engine):
 
 def run(args: argparse.Namespace) -> int:
     from snugkv.distributed.launch import device_type_for, launch
+
+    if getattr(args, "kv_elastic", False):
+        problem = _kv_elastic_problem(args)
+        if problem:
+            logger.error("%s", problem)
+            return 2
     from snugkv.server.launch import GRACEFUL_SHUTDOWN_S, bind_socket
 
     # Hold the port now, so a taken one fails before the engine starts (listening comes later).
@@ -112,6 +159,17 @@ def run(args: argparse.Namespace) -> int:
             )
             or 0
         )
+
+
+def _kv_elastic_problem(args: argparse.Namespace) -> str | None:
+    """Why --kv-elastic cannot run with these flags, or None."""
+    if args.tp_size > 1:
+        return "--kv-elastic shares one GPU between engines; it does not run with --tp yet (use --tp 1)"
+    if args.kv_sizing not in (None, "post-capture"):
+        return f"--kv-elastic resizes the KV cache at run time, which needs --kv-sizing post-capture, not {args.kv_sizing}"
+    if args.kv_min_tokens < 2:
+        return f"--kv-min-tokens {args.kv_min_tokens} is too small; pass at least 2"
+    return None
 
 
 def _stop_serving() -> None:
@@ -133,7 +191,23 @@ def _serve_rank(tp, args: argparse.Namespace, sock=None) -> int:
     api_key = api_key_from(args)
     warn_if_open(args.host, api_key)
     metrics = ServerMetrics()
-    async_engine, name = build_async_engine(args, metrics, tp)
+    share = None
+    if getattr(args, "kv_elastic", False):
+        from snugkv.server.memory_share import MemoryShareError
+
+        try:
+            share = _join_memory_share(args)
+        except MemoryShareError as exc:
+            logger.error("Cannot start: %s", exc)
+            return 2
+    try:
+        with share.holding_others_headroom() if share is not None else contextlib.nullcontext():
+            after = share.started if share is not None else None
+            async_engine, name = build_async_engine(args, metrics, tp, after_engine=after)
+    except BaseException:
+        if share is not None:
+            share.leave()
+        raise
     app = create_app(
         async_engine,
         api_key=api_key,
@@ -141,15 +215,51 @@ def _serve_rank(tp, args: argparse.Namespace, sock=None) -> int:
         served_model_name=name,
         metrics=metrics,
     )
+    on_shutdown = async_engine.stop
+    if share is not None:
+        on_shutdown = _share_then_stop(share, async_engine, app, args.host, sock)
     serve(
         app,
         host=args.host,
         port=args.port,
         sock=sock,
-        on_shutdown=async_engine.stop,
+        on_shutdown=on_shutdown,
         on_stop_requested=async_engine.abort_all,
     )
     return 0
+
+
+def _join_memory_share(args: argparse.Namespace):
+    """--kv-elastic: register on the GPU's record and wait until the running engines made room."""
+    from snugkv.server.memory_share import ELASTIC_CHUNK_MIB, MemoryShare, ShareOptions, device_total_gib
+
+    if args.kv_chunk_mib == DEFAULT_KV_CHUNK_MIB:  # a shrink on a full device frees whole chunks only
+        args.kv_chunk_mib = ELASTIC_CHUNK_MIB
+    if args.kv_reserve_gib is None:  # room to grow into all the others may give back
+        args.kv_reserve_gib = device_total_gib(engine_args_from(args))
+
+    options = ShareOptions(weight=args.memory_share, min_tokens=args.kv_min_tokens)
+    name = args.served_model_name or str(args.model or "default")
+    return MemoryShare.before_start(engine_args_from(args), name, options)
+
+
+def _share_then_stop(share, async_engine, app, host: str, sock):
+    """Start rebalancing now; the returned shutdown stops it, then the engine, then leaves the record
+    (after the memory is released, so the others grow only into memory that is free)."""
+    from snugkv.server.memory_share import install_share_routes
+
+    port = sock.getsockname()[1] if sock is not None else 0
+    share.attach(async_engine, f"http://{host}:{port}")
+    install_share_routes(app, share)
+
+    def stop() -> None:
+        share.stop()
+        try:
+            async_engine.stop()
+        finally:
+            share.leave()
+
+    return stop
 
 
 def api_key_from(args: argparse.Namespace) -> str | None:

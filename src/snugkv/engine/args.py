@@ -49,6 +49,7 @@ class EngineArgs:
     max_device_memory_gib: float | None = None  # cap on the engine's device memory, kept on every resize
     kv_chunk_mib: int = DEFAULT_CHUNK_BYTES // MIB  # largest KV extension: what a shrink drops whole
     disable_overlap_schedule: bool = False  # the scheduler reads each step's tokens before the next
+    kv_reserve_gib: float | None = None  # KV address space to reserve (default: free memory at start)
 
     def validate(self) -> None:
         """Refuse values no engine can run with, naming the flag (before `resolved` fills defaults)."""

@@ -29,6 +29,7 @@ from snugkv.distributed.group import TensorParallel, use_tensor_parallel
 from snugkv.engine.args import EngineArgs
 from snugkv.engine.elastic import ElasticMemory
 from snugkv.engine.report import SizedKV, StartupReport
+from snugkv.memory.host_device import SharedHostDevice
 from snugkv.memory.kv_pool import KVPool, KVPoolSpec, PoolMode
 from snugkv.memory.vmm import GIB, MIB, CommitError, VirtualMemory
 from snugkv.memory.vmm_factory import create_vmm
@@ -162,7 +163,8 @@ class Engine(ElasticMemory):
     # -- memory backend -----------------------------------------------------------------
     def _memory_backend(self) -> VirtualMemory:
         if self.device.type == "cpu":
-            return HostVmm(capacity_bytes=self._host_kv_bytes())
+            # SNUGKV_HOST_DEVICE_GIB: one simulated device shared with other processes (multi-engine)
+            return HostVmm(capacity_bytes=self._host_kv_bytes(), shared=SharedHostDevice.from_env())
         if self.mode is SizingMode.POST_CAPTURE:
             return create_vmm(self.device)
         return PlainMemory(self.device)
@@ -292,7 +294,10 @@ class Engine(ElasticMemory):
         probe = self._pool(PoolMode.POST_CAPTURE, page * 1024)
         bytes_per_token = probe.bytes_per_token
         probe.close()
-        reserved_tokens = max(int(free.min_bytes // bytes_per_token), page)
+        # The reserve bounds every later grow: an engine that starts beside others (--kv-elastic)
+        # reserves more than is free now (--kv-reserve-gib), to grow into what they give back.
+        reserve_bytes = int(self.args.kv_reserve_gib * GIB) if self.args.kv_reserve_gib else free.min_bytes
+        reserved_tokens = max(int(reserve_bytes // bytes_per_token), page)
         if self.args.max_total_tokens:
             reserved_tokens = min(reserved_tokens, self.args.max_total_tokens + page)
         pool = self._pool(PoolMode.POST_CAPTURE, reserved_tokens)

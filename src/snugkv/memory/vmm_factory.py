@@ -6,6 +6,8 @@ imports the backends, never the other way round.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from snugkv.memory.vmm import VirtualMemory, VmmUnavailable
@@ -23,7 +25,7 @@ def cuda_vmm_status(device: torch.device | None = None) -> tuple[bool, str]:
     return probe_vmm_support(device or torch.device("cuda", torch.cuda.current_device()))
 
 
-def create_vmm(device: torch.device | str, **host_options: int) -> VirtualMemory:
+def create_vmm(device: torch.device | str, **host_options: Any) -> VirtualMemory:
     """The backend for `device`: CUDA VMM on a GPU, the mmap backend on CPU.
 
     Raises `VmmUnavailable` with the reason when a GPU cannot do VMM, so the caller can

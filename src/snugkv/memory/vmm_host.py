@@ -4,7 +4,9 @@ This is a real virtual-memory system, not a mock: a reserved but uncommitted pag
 PROT_NONE, so touching it faults; commit makes a span readable/writable and populates it;
 decommit drops the pages (RSS falls) and protects them again. The CPU engine and the CI tests
 run the whole post-capture pipeline on it. `capacity_bytes` plays the device's memory size,
-so sizing on CPU has a bound and tests can make commits fail on purpose.
+so sizing on CPU has a bound and tests can make commits fail on purpose. A backend given a
+`SharedHostDevice` also commits against that budget, shared with other processes (several engines
+on one simulated device).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import threading
 
 import torch
 
+from snugkv.memory.host_device import SharedHostDevice
 from snugkv.memory.vmm import CommitError, Extension, VirtualMemory, VmmError, VmmUnavailable
 
 logger = logging.getLogger(__name__)
@@ -70,13 +73,19 @@ class HostVmm(VirtualMemory):
 
     `granularity_bytes` defaults to the OS page size; pass 2 MiB to mimic a GPU.
     `capacity_bytes` (default: RAM available at construction) bounds what this backend
-    commits in total, like a device's memory.
+    commits in total, like a device's memory; `shared` (optional) a budget it shares with other
+    processes, which bounds it too.
     """
 
     name = "host"
     thread_safe = True  # every call holds the lock that guards the committed-bytes count
 
-    def __init__(self, granularity_bytes: int | None = None, capacity_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        granularity_bytes: int | None = None,
+        capacity_bytes: int | None = None,
+        shared: SharedHostDevice | None = None,
+    ) -> None:
         if not hasattr(os, "sysconf") or not os.path.exists("/proc/meminfo"):
             raise VmmUnavailable("the host backend needs Linux (mmap, madvise and /proc/meminfo)")
         self._libc = _load_libc()
@@ -91,6 +100,7 @@ class HostVmm(VirtualMemory):
         self._committed_bytes = 0
         self._lock = threading.Lock()
         self._can_populate = True
+        self._shared = shared
         self.device = torch.device("cpu")
 
     @property
@@ -105,6 +115,8 @@ class HostVmm(VirtualMemory):
         """(free, total) under this backend's capacity; a capacity above what the machine can give
         counts only what it can (so free + committed == total, and a ledger adds up)."""
         available = available_ram_bytes()
+        if self._shared is not None:
+            available = min(available, self._shared.free_bytes())
         free = max(min(self._capacity_bytes - self._committed_bytes, available), 0)
         return free, min(self._capacity_bytes, self._committed_bytes + free)
 
@@ -138,9 +150,24 @@ class HostVmm(VirtualMemory):
                 raise CommitError(
                     f"commit of {size_bytes / 2**20:.1f} MiB refused: only {free / 2**20:.1f} MiB free "
                     f"under this host backend's capacity of {self._capacity_bytes / 2**30:.2f} GiB"
+                    + ("" if self._shared is None else f" and the shared host device ({self._shared.path})")
                 )
-            self._check(self._libc.mprotect(address, size_bytes, _PROT_READ_WRITE), "mprotect(READ|WRITE)")
-            self._populate(address, size_bytes)
+            if self._shared is not None:
+                shared_free = self._shared.take(size_bytes)
+                if size_bytes > shared_free:  # another process took it since mem_get_info
+                    raise CommitError(
+                        f"commit of {size_bytes / 2**20:.1f} MiB refused: only {shared_free / 2**20:.1f} MiB "
+                        f"free on the shared host device ({self._shared.path})"
+                    )
+            try:
+                self._check(
+                    self._libc.mprotect(address, size_bytes, _PROT_READ_WRITE), "mprotect(READ|WRITE)"
+                )
+                self._populate(address, size_bytes)
+            except VmmError:
+                if self._shared is not None:
+                    self._shared.give_back(size_bytes)
+                raise
             self._committed_bytes += size_bytes
         return Extension(address, size_bytes, handle=None)
 
@@ -169,6 +196,8 @@ class HostVmm(VirtualMemory):
                 self._libc.mprotect(extension.address, extension.size_bytes, _PROT_NONE), "mprotect(NONE)"
             )
             self._committed_bytes -= extension.size_bytes
+            if self._shared is not None:
+                self._shared.give_back(extension.size_bytes)
 
     def remap(self, extension: Extension, address: int) -> Extension:
         """`mremap` moves the pages themselves (no copy); the span they left is reserved again."""

@@ -107,6 +107,14 @@ def _make_room(scheduler: Scheduler, tokens: int) -> tuple[int, int]:
     return evicted, retracted
 
 
+def demand_tokens(scheduler: Scheduler) -> int:
+    """KV tokens the requests want now: what admitted ones hold, the prompts still waiting for a slot,
+    and a page each for the next tokens (what `--kv-elastic` engines share memory by)."""
+    page = scheduler.page_size
+    waiting = sum(-(-r.num_tokens // page) * page for r in scheduler.waiting if not r.is_admitted)
+    return scheduler.held_tokens() + waiting + page * (len(scheduler.running) + len(scheduler.waiting))
+
+
 def kv_info(scheduler: Scheduler) -> dict[str, Any]:
     """GET /kv: the engine's view plus what the requests hold and the smallest size now."""
     engine = engine_of(scheduler)
@@ -114,6 +122,7 @@ def kv_info(scheduler: Scheduler) -> dict[str, Any]:
     return {
         **engine.kv_info(),
         "held_by_requests_tokens": scheduler.held_tokens(),
+        "demand_tokens": demand_tokens(scheduler),
         "cached_tokens": scheduler.cache.cached_tokens,
         "evictable_cached_tokens": scheduler.cache.evictable_tokens,
         "min_tokens_without_failing_a_request": minimum,

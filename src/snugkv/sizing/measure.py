@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from snugkv.memory.host_device import SharedHostDevice
 from snugkv.memory.vmm import VirtualMemory
 
 logger = logging.getLogger(__name__)
@@ -136,3 +137,21 @@ def measure_peak_bytes(device: torch.device, step: Callable[[], object]) -> int:
     peak_allocated = torch.cuda.max_memory_allocated(device) - base_allocated
     peak_reserved = torch.cuda.max_memory_reserved(device) - base_reserved
     return max(peak_allocated, peak_reserved, 0)
+
+
+def shared_device_free_bytes(device: torch.device) -> int | None:
+    """Free bytes of the device several processes share, before an engine exists on it: the GPU's
+    (after settling), or the host backend's shared simulated device (None when there is none)."""
+    if device.type == "cuda":
+        return device_memory(device)[0]
+    shared = SharedHostDevice.from_env()
+    return None if shared is None else shared.free_bytes()
+
+
+def cached_unused_bytes(device: torch.device) -> int:
+    """Bytes torch's caching allocator holds that no tensor uses (between steps: the activations of
+    the last one). They are free for this process's next step, so they count toward its own
+    headroom; reading the counters needs no synchronization (0 off CUDA)."""
+    if device.type != "cuda":
+        return 0
+    return max(int(torch.cuda.memory_reserved(device)) - int(torch.cuda.memory_allocated(device)), 0)

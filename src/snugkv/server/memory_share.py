@@ -1,0 +1,358 @@
+"""Several engines on one device (`snugkv serve --kv-elastic`): start without OOM, share KV memory.
+
+The protocol, through the per-device record (`sizing.share_record`, a locked JSON file; no server):
+1. Ask. Before it loads anything, a starting engine estimates what it needs (weights from the model
+   config, an allowance for the CUDA context, graphs and activations, and `--kv-min-tokens` of KV;
+   on the host backend only the KV cache lives in the shared budget) and publishes it as a
+   `starting` entry's `need_bytes`. Running engines see the ask on their next turn and shrink by
+   the deficit (`share_policy.decide`, urgent). The starter waits until free memory covers its ask
+   plus the others' headroom, or fails with a message naming who holds what.
+2. Start. While it sizes (post-capture takes all free memory), it holds the other engines'
+   activation headroom with an allocation of its own, released as soon as its KV cache is sized.
+   Then its entry turns `running` with the real figures (refined from the estimate).
+3. Share. Every `interval_s` each engine reads its own state between scheduler steps (`GET /kv`'s
+   query), publishes its entry (KV bytes, demand, minimum, maximum, headroom, heartbeat), reads
+   everyone's, computes its own target with the pure policy and resizes itself through the async
+   engine's resize command, which the scheduler thread runs between steps (`scheduler.elastic`:
+   evict cache entries, retract only if needed; no request fails). Hysteresis and a minimum
+   interval keep two engines from trading memory back and forth.
+4. Leave. An engine that sleeps publishes `sleeping` with no KV; one that stops removes its entry
+   after its memory is released; one that crashed is cleared by the next reader (dead pid). The
+   others then grow into the freed memory, never beyond what is free now.
+
+A process outside snugkv that takes memory shows as free memory below the reserve: every elastic
+engine gives back the deficit at once. This module acts only on its own engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from fastapi import FastAPI
+
+from snugkv.engine import EngineArgs
+from snugkv.memory.host_device import SharedHostDevice
+from snugkv.memory.vmm import GIB
+from snugkv.models.config import ModelConfig
+from snugkv.models.loader import read_model_config, resolve_device, resolve_dtype, resolve_model_source
+from snugkv.sizing.measure import cached_unused_bytes, device_memory, shared_device_free_bytes
+from snugkv.sizing.resize import KvResizeError
+from snugkv.sizing.share_policy import SharePolicy, decide, plan_targets, pool_bytes, reserve_bytes
+from snugkv.sizing.share_record import RUNNING, SLEEPING, EngineEntry, ShareRecord, device_key
+
+logger = logging.getLogger(__name__)
+
+CUDA_START_ALLOWANCE_BYTES = 2 * GIB  # CUDA context, decode graphs, activation headroom: an estimate
+# A shrink that cuts through an extension copies its kept part to fresh memory first; on a full
+# device there is none, so only whole extensions above the cut are freed: keep them small.
+ELASTIC_CHUNK_MIB = 16
+
+
+class MemoryShareError(RuntimeError):
+    """An elastic engine could not get the memory it needs to start; the message says who holds it."""
+
+
+@dataclass(frozen=True, slots=True)
+class ShareOptions:
+    weight: float = 1.0  # --memory-share
+    min_tokens: int = 4096  # --kv-min-tokens: the KV cache an engine asks for at start and keeps
+    interval_s: float = 0.5
+    start_timeout_s: float = 120.0
+    policy: SharePolicy = field(default_factory=SharePolicy)
+
+
+def kv_bytes_per_token(config: ModelConfig, kv_dtype_bytes: int) -> int:
+    """K and V of every layer for one token (a full-attention estimate)."""
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * kv_dtype_bytes
+
+
+def weight_bytes_estimate(config: ModelConfig, dtype_bytes: int) -> int:
+    """Parameters of a dense decoder of `config`'s shape (attention, gated MLP, embeddings)."""
+    hidden, head_dim = config.hidden_size, config.head_dim
+    attention = hidden * head_dim * (2 * config.num_heads + 2 * config.num_kv_heads)
+    layer = attention + 3 * hidden * config.intermediate_size + 2 * hidden
+    embeddings = config.vocab_size * hidden * (1 if config.tie_word_embeddings else 2)
+    return (config.num_layers * layer + embeddings) * dtype_bytes
+
+
+def start_estimate(args: EngineArgs, min_tokens: int) -> tuple[int, int]:
+    """(bytes to ask for before loading, KV bytes per token) for an engine started with `args`."""
+    device = resolve_device(args.device)
+    config = read_model_config(resolve_model_source(args.model, args.load_format))
+    dtype = resolve_dtype(args.dtype, device)
+    kv_dtype_bytes = 1 if args.kv_dtype and "fp8" in args.kv_dtype else dtype.itemsize
+    if args.kv_dtype and "fp8" not in args.kv_dtype:
+        kv_dtype_bytes = resolve_dtype(args.kv_dtype, device).itemsize
+    per_token = kv_bytes_per_token(config, kv_dtype_bytes)
+    need = min_tokens * per_token
+    if device.type == "cuda":  # on the host backend only the KV cache is in the shared budget
+        need += weight_bytes_estimate(config, dtype.itemsize) + CUDA_START_ALLOWANCE_BYTES
+    return need, per_token
+
+
+def device_total_gib(args: EngineArgs) -> float | None:
+    """The memory of the device `args` runs on (the shared host device's size on CPU), or None."""
+    device = resolve_device(args.device)
+    if device.type == "cuda":
+        return device_memory(device)[1] / GIB
+    shared = SharedHostDevice.from_env()
+    return None if shared is None else shared.capacity_bytes / GIB
+
+
+def share_table(entries: list[EngineEntry], free_bytes: int | None, policy: SharePolicy) -> dict[str, Any]:
+    """Every registered engine with its KV now, its weighted share and its target (for people)."""
+    running = [e for e in entries if e.state == RUNNING]
+    total_weight = sum(e.weight for e in running) or 1.0
+    targets = plan_targets(entries, free_bytes, policy) if free_bytes is not None else {}
+    return {
+        "free_bytes": free_bytes,
+        "pool_bytes": pool_bytes(entries, free_bytes) if free_bytes is not None else None,
+        "reserve_bytes": reserve_bytes(entries),
+        "engines": [
+            {
+                **e.to_dict(),
+                "share": e.weight / total_weight if e.state == RUNNING else 0.0,
+                "target_bytes": targets.get(e.pid),
+                "heartbeat_age_s": round(time.time() - e.heartbeat, 3),
+            }
+            for e in sorted(entries, key=lambda e: e.pid)
+        ],
+    }
+
+
+class MemoryShare:
+    """This engine's side of the protocol: ask before start, then a loop on a thread of its own."""
+
+    def __init__(self, record: ShareRecord, entry: EngineEntry, device: torch.device, options: ShareOptions):
+        self.record, self.entry, self.device, self.options = record, entry, device, options
+        self.async_engine: Any = None
+        self.resizes: list[dict[str, Any]] = []
+        self.waited_s = 0.0
+        self._last_resize = 0.0
+        self._last_free: int | None = None  # device free bytes at the last turn
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- 1. ask, 2. start ----------------------------------------------------------------------
+    @classmethod
+    def before_start(cls, args: EngineArgs, name: str, options: ShareOptions) -> MemoryShare:
+        """Register as starting and wait until the running engines have left room for this one."""
+        device = resolve_device(args.device)
+        need, per_token = start_estimate(args, options.min_tokens)
+        entry = EngineEntry.of_this_process(
+            name,
+            options.weight,
+            need_bytes=need,
+            bytes_per_token=per_token,
+            min_kv_bytes=options.min_tokens * per_token,
+        )
+        share = cls(ShareRecord.for_device(device_key(device)), entry, device, options)
+        share._wait_for_memory()
+        return share
+
+    def _wait_for_memory(self) -> None:
+        started = time.monotonic()
+        while True:
+            entries = self.record.publish(self.entry.beat())
+            others = [e for e in entries if e.pid != self.entry.pid and e.state == RUNNING]
+            free = shared_device_free_bytes(self.device)
+            if free is None or not others:  # nobody to ask: what is free is what it gets
+                self.entry = self.entry.beat(granted=True)
+                self.record.publish(self.entry)
+                return
+            spare = free - reserve_bytes(entries)
+            self.waited_s = time.monotonic() - started
+            if spare >= -self.options.policy.hysteresis_min_bytes:  # the band the others stop within
+                self.entry = self.entry.beat(granted=True)
+                self.record.publish(self.entry)
+                logger.info(
+                    "Memory share: %.2f GiB asked and free after %.2f s (%d other engine(s) on %s)",
+                    self.entry.need_bytes / GIB,
+                    self.waited_s,
+                    len(others),
+                    self.record.path.name,
+                )
+                return
+            if self.waited_s > self.options.start_timeout_s:
+                self.record.remove(self.entry.pid)
+                held = ", ".join(f"pid {e.pid} ({e.name}) {e.kv_bytes / GIB:.2f} GiB KV" for e in others)
+                raise MemoryShareError(
+                    f"could not get {self.entry.need_bytes / GIB:.2f} GiB to start in "
+                    f"{self.options.start_timeout_s:g} s: {free / GIB:.2f} GiB free, {-spare / GIB:.2f} GiB short; "
+                    f"the running engines hold {held} and give back only down to their --kv-min-tokens; "
+                    "lower --kv-min-tokens here or there, or stop an engine"
+                )
+            time.sleep(0.1)
+
+    @contextlib.contextmanager
+    def holding_others_headroom(self) -> Iterator[None]:
+        """While this engine sizes its KV cache from all free memory, keep the other engines'
+        activation headroom allocated (on CUDA; on the host backend headroom is 0)."""
+        others = [e for e in self.record.entries() if e.pid != self.entry.pid and e.state == RUNNING]
+        headroom = sum(e.headroom_bytes for e in others)
+        if self.device.type != "cuda" or headroom == 0:
+            yield
+            return
+        held = torch.empty(headroom, dtype=torch.uint8, device=self.device)
+        try:
+            yield
+        finally:
+            del held
+            torch.cuda.empty_cache()
+
+    def started(self, engine: Any) -> None:
+        """The engine is sized: publish its real KV cache and drop the ask at once (the tokenizer and
+        the scheduler still load; the others must not give away more meanwhile)."""
+        pool = engine.pool
+        self.entry = self.entry.beat(
+            state=RUNNING,
+            kv_bytes=pool.committed_bytes,
+            kv_tokens=pool.committed_tokens,
+            bytes_per_token=pool.bytes_per_token,
+            max_kv_bytes=pool.bytes_for_tokens(engine.kv_limits().max_tokens),
+            headroom_bytes=engine.headroom_bytes,
+            need_bytes=0,
+        )
+        self.record.publish(self.entry)
+
+    def leave(self) -> None:
+        """Remove this engine's entry (after its memory is released)."""
+        self.record.remove(self.entry.pid)
+
+    # -- 3. share --------------------------------------------------------------------------------
+    def attach(self, async_engine: Any, url: str) -> None:
+        """Serve: publish the real figures now, then rebalance on a thread until `stop`."""
+        self.async_engine = async_engine
+        self.entry = self.entry.beat(url=url)
+        asyncio.run(self.turn())
+        self._thread = threading.Thread(target=self._run, name="snugkv-memory-share", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        asyncio.run(self._loop())
+
+    async def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                await self.turn()
+            except RuntimeError as exc:  # the scheduler loop is gone: nothing to share any more
+                logger.warning("Memory share stopped: %s", exc)
+                return
+            except (OSError, ValueError, KeyError) as exc:  # the record unreadable for a moment: next turn
+                logger.warning("Memory share: a turn failed (%s: %s); trying again", type(exc).__name__, exc)
+            await asyncio.sleep(self.options.interval_s)
+
+    async def turn(self) -> dict[str, Any] | None:
+        """One turn: publish, read, decide, maybe resize. Returns the resize it made, if any."""
+        info = await self.async_engine.kv_info()
+        if not info["resizable"]:  # sized without virtual memory (no CUDA VMM): nothing to share
+            logger.warning("Memory share: this engine's KV cache cannot be resized; it keeps its size")
+            self._stop.set()
+            return None
+        sleeping = "kv_cache" in info["sleeping_tags"]
+        page, per_token = int(info["page_size"]), max(int(info["bytes_per_token"]), 1)
+        floor_tokens = max(
+            self.options.min_tokens, info["min_tokens_without_failing_a_request"], info["min_tokens"]
+        )
+        floor_tokens = min(-(-floor_tokens // page) * page, info["max_tokens"])
+        self.entry = self.entry.beat(
+            state=SLEEPING if sleeping else RUNNING,
+            kv_bytes=0 if sleeping else info["committed_bytes"],
+            kv_tokens=0 if sleeping else info["max_total_num_tokens"],
+            bytes_per_token=per_token,
+            min_kv_bytes=floor_tokens * per_token,
+            max_kv_bytes=info["max_tokens_bytes"],
+            demand_bytes=info["demand_tokens"] * per_token,
+            headroom_bytes=info["headroom_bytes"],
+            need_bytes=0,
+        )
+        entries = self.record.publish(self.entry)
+        # This engine's own cached activation blocks are its headroom already, not a deficit.
+        free = info["device_free_bytes"] + cached_unused_bytes(self.device)
+        self._last_free = free
+        if sleeping:
+            return None
+        since = time.monotonic() - self._last_resize
+        others_at = max((e.resized_at for e in entries if e.pid != self.entry.pid), default=0.0)
+        decision = decide(
+            self.entry,
+            entries,
+            free,
+            seconds_since_resize=since,
+            seconds_since_others_resized=time.time() - others_at,
+            policy=self.options.policy,
+        )
+        if decision.target_bytes is None:
+            return None
+        tokens = decision.target_bytes // per_token // page * page
+        if tokens > info["max_total_num_tokens"]:  # granule-aligned backing must fit what is free
+            tokens = min(tokens, info["tokens_fitting_free_memory"])
+        tokens = int(min(max(tokens, floor_tokens), info["max_tokens"]))
+        if tokens == info["max_total_num_tokens"]:
+            return None
+        self._last_resize = time.monotonic()
+        self.entry = self.entry.beat(resizing=True, resized_at=time.time())
+        if tokens > info["max_total_num_tokens"]:  # a grow is published before it takes the memory
+            self.entry = self.entry.beat(kv_bytes=tokens * per_token, kv_tokens=tokens)
+        self.record.publish(self.entry)
+        try:
+            result: dict[str, Any] = await self.async_engine.resize_kv(max_total_num_tokens=tokens)
+        except KvResizeError as exc:  # memory not back yet, a request grew meanwhile: next turn
+            logger.info("Memory share: resize to %d tokens refused (%s); trying again later", tokens, exc)
+            self.entry = self.entry.beat(
+                kv_bytes=info["committed_bytes"], kv_tokens=info["max_total_num_tokens"], resizing=False
+            )
+            self.record.publish(self.entry)
+            return None
+        logger.info(
+            "Memory share: KV %d -> %d tokens (%.2f GiB) to rebalance: %s",
+            info["max_total_num_tokens"],
+            tokens,
+            result["to_committed_bytes"] / GIB,
+            decision.reason,
+        )
+        record = {
+            "at": time.time(),
+            "to_tokens": tokens,
+            "reason": decision.reason,
+            "took_ms": result["took_ms"],
+        }
+        self.resizes = [*self.resizes[-31:], record]
+        self.entry = self.entry.beat(
+            kv_bytes=result["to_committed_bytes"], kv_tokens=tokens, resized_at=time.time(), resizing=False
+        )
+        self.record.publish(self.entry)
+        return result
+
+    def stop(self) -> None:
+        """Stop rebalancing (before the engine stops)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    # -- 5. show ---------------------------------------------------------------------------------
+    def snapshot(self) -> dict[str, Any]:
+        free = self._last_free  # as the scheduler thread read it (no device call from a route)
+        return {
+            "device": self.record.path.name,
+            "this_pid": self.entry.pid,
+            "waited_for_memory_s": round(self.waited_s, 3),
+            "resizes": self.resizes,
+            **share_table(self.record.entries(), free, self.options.policy),
+        }
+
+
+def install_share_routes(app: FastAPI, share: MemoryShare) -> None:
+    """GET /kv/engines: every engine registered on this device, its KV, share and target."""
+
+    @app.get("/kv/engines")
+    async def kv_engines() -> Any:
+        return share.snapshot()
