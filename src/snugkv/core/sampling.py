@@ -120,7 +120,9 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not -MAX_PENALTY <= value <= MAX_PENALTY:
-                raise InvalidRequest(f"{name} must be between -{MAX_PENALTY:g} and {MAX_PENALTY:g}, got {value}")
+                raise InvalidRequest(
+                    f"{name} must be between -{MAX_PENALTY:g} and {MAX_PENALTY:g}, got {value}"
+                )
         if not 0.0 < self.repetition_penalty <= 100.0:
             raise InvalidRequest(
                 f"repetition_penalty must be in (0, 100] (1 means none), got {self.repetition_penalty}"

@@ -65,7 +65,9 @@ class PromptScores:
                         token_id=token_id,
                         token=piece(token_id),
                         logprob=logprobs[index],
-                        top=[(piece(t), v) for t, v in zip(top_ids[index][:top_n], top_values[index][:top_n])],
+                        top=[
+                            (piece(t), v) for t, v in zip(top_ids[index][:top_n], top_values[index][:top_n])
+                        ],
                         top_ids=tuple(top_ids[index][:top_n]),
                         rank=ranks[index],
                     )
@@ -80,7 +82,10 @@ def split_logits(
     scores its prompt, that scoring queued on the device."""
     if not any(row.prompt_logits for row in rows):
         return logits, None
-    sampled, scored, targets, spans = [], [], [], []
+    sampled: list[int] = []
+    scored: list[int] = []
+    targets: list[int] = []
+    spans: list[ScoredSpan] = []
     offset = 0
     for row, request in zip(rows, requests):
         count = len(row.token_ids) if row.prompt_logits else int(row.need_logits)
