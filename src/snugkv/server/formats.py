@@ -252,7 +252,9 @@ def _completion_logprobs(entries: list[TokenLogprob | str], first_offset: int) -
 def _top_with_sampled(entry: TokenLogprob) -> dict[str, float]:
     """The completions API's alternatives always hold the sampled token too (OpenAI and vLLM: up to
     `logprobs + 1` entries), so a client can read every token's logprob from one place."""
-    top = dict(entry.top)
+    top: dict[str, float] = {}
+    for token, logprob in entry.top:  # best first: where two tokens read alike, the likelier one shows
+        top.setdefault(token, logprob)
     top.setdefault(entry.token, entry.logprob)
     return top
 
