@@ -33,7 +33,6 @@ def transformers_logprobs(model, ids: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits, dim=-1)
 
 
-
 def score(client: httpx.Client, ids: list[int], **extra) -> dict:
     body = {"prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 2, "temperature": 0, **extra}
     response = client.post(COMPLETIONS, json=body)
@@ -84,7 +83,9 @@ def test_echo_with_new_tokens_puts_the_prompt_first_and_the_generated_last(clien
     logprobs = choice["logprobs"]
     assert len(logprobs["tokens"]) == len(ids) + 3
     assert choice["text"] == "".join(logprobs["tokens"])
-    assert logprobs["text_offset"] == [sum(len(t) for t in logprobs["tokens"][:i]) for i in range(len(ids) + 3)]
+    assert logprobs["text_offset"] == [
+        sum(len(t) for t in logprobs["tokens"][:i]) for i in range(len(ids) + 3)
+    ]
     generated = logprobs["token_logprobs"][len(ids) :]
     assert all(lp is not None and lp <= 0 for lp in generated)
     # The first generated token is greedy: its logprob is the most likely after the prompt.
@@ -125,7 +126,10 @@ def test_prompt_logprobs_have_vllms_shape_and_transformers_values(client, refere
         for rank, (value, token) in enumerate(zip(top.values.tolist(), top.indices.tolist()), start=1):
             assert position[str(token)]["rank"] == rank
             assert math.isclose(position[str(token)]["logprob"], value, abs_tol=TOLERANCE)
-    assert "prompt_logprobs" not in client.post(COMPLETIONS, json={"prompt": ids, "max_tokens": 1}).json()["choices"][0]
+    assert (
+        "prompt_logprobs"
+        not in client.post(COMPLETIONS, json={"prompt": ids, "max_tokens": 1}).json()["choices"][0]
+    )
 
 
 @pytest.mark.parametrize(
