@@ -68,3 +68,39 @@ def test_min_tokens_keeps_a_stop_token_back_until_reached(tiny):  # noqa: F811
     assert stop not in got[:4]
     assert got == reference_generate(model, prompt, params, (stop,))
     engine.close()
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_penalised_decode_replays_graphs_without_waiting_and_matches_the_reference(tiny):  # noqa: F811
+    """Decode steps of penalised requests run from the CUDA graphs (sampling after the replay),
+    overlapped, with no call that waits for the stream (sync debug mode raises on one), and their
+    tokens equal the reference loop's."""
+    from tests.scheduler.test_overlap import gpu_scheduler
+
+    directory, model = tiny
+    engine, scheduler, outputs = gpu_scheduler(directory, page_size=16, overlap=True)
+    assert engine.runner.cuda_graphs is not None
+    replays = []
+    real_replay = engine.runner.cuda_graphs.replay
+    engine.runner.cuda_graphs.replay = lambda batch: replays.append(batch.batch_size) or real_replay(batch)
+    prompt_list = prompts(len(PARAMS), seed=5, shared_prefix=6)
+    for index, (prompt, params) in enumerate(zip(prompt_list, PARAMS)):
+        scheduler.add_request(f"r{index}", prompt, params)
+    while scheduler.waiting:
+        scheduler.step()
+    checked = 0
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        while scheduler.has_work and not scheduler.waiting:
+            scheduler.step()
+            checked += 1
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    while scheduler.has_work:
+        scheduler.step()
+    assert checked > 5 and replays
+    got = collected(outputs)
+    for index, (prompt, params) in enumerate(zip(prompt_list, PARAMS)):
+        assert got[f"r{index}"] == reference_generate(model, prompt, params, ()), index
+    scheduler.check_slot_accounting()
+    engine.close()
