@@ -136,11 +136,8 @@ def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> 
     tokens = [token for p in params for token, _ in p.logit_bias]
     biases = [bias for p in params for _, bias in p.logit_bias]
     device = logits.device
-    logits.index_put_(
-        (to_device(rows, torch.int64, device), to_device(tokens, torch.int64, device)),
-        to_device(biases, torch.float32, device),
-        accumulate=True,
-    )
+    flat = to_device(rows, torch.int64, device) * logits.shape[-1] + to_device(tokens, torch.int64, device)
+    logits.view(-1).index_add_(0, flat, to_device(biases, torch.float32, device))
 
 
 def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams], token_rows: TokenRows) -> None:

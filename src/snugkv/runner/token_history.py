@@ -51,6 +51,7 @@ class TokenHistory:
 
     def record(self, req_pool_indices: torch.Tensor, tokens: torch.Tensor) -> None:
         """Count `tokens[i]`, just sampled, for the request in row `req_pool_indices[i]`."""
-        ones = torch.ones_like(tokens, dtype=torch.int32)
-        self.output_counts.index_put_((req_pool_indices, tokens), ones, accumulate=True)
+        # index_add_ on the flat buffer: atomic adds, with no sort and no wait for the stream
+        flat = req_pool_indices * self.vocab_size + tokens
+        self.output_counts.view(-1).index_add_(0, flat, torch.ones_like(tokens, dtype=torch.int32))
         self.output_lens.index_add_(0, req_pool_indices, torch.ones_like(tokens))
