@@ -16,7 +16,11 @@ def scores(folder: Path) -> dict[str, dict[str, float]]:
     newest = max(folder.rglob("results_*.json"), key=lambda path: path.stat().st_mtime)
     results = json.loads(newest.read_text())["results"]
     return {
-        task: {name: value for name, value in metrics.items() if isinstance(value, float) and "stderr" not in name}
+        task: {
+            name: value
+            for name, value in metrics.items()
+            if isinstance(value, float) and "stderr" not in name
+        }
         for task, metrics in results.items()
     }
 

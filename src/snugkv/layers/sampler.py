@@ -58,6 +58,7 @@ class Sampler:
             raise ValueError(f"{logits.shape[0]} logit rows but {len(params)} sampling params")
         if any(p.processes_logits for p in params):
             logits = self.process(logits, params, token_rows)
+        # stage 4, a constrained row's allowed-token bitmask, goes here: greedy rows see it too
         greedy_tokens = torch.argmax(logits, dim=-1)
         if all(p.greedy for p in params):
             return greedy_tokens
