@@ -4,7 +4,9 @@ is in the prefix cache or not, and whether the prompt is prefilled in one chunk 
 
 from __future__ import annotations
 
+import json
 import math
+import os
 
 import httpx
 import pytest
@@ -14,7 +16,7 @@ from snugkv.models.default_model import default_model_path
 from tests.models.test_smollm2 import transformers_from_gguf
 
 pytestmark = pytest.mark.skipif(
-    __import__("os").environ.get("SNUGKV_TEST_ENGINE", "real") != "real", reason="needs the real engine"
+    os.environ.get("SNUGKV_TEST_ENGINE", "real") != "real", reason="needs the real engine"
 )
 
 COMPLETIONS = "/v1/completions"
@@ -100,7 +102,7 @@ def test_echo_streams_the_prompt_in_the_first_chunk(client):
     with client.stream("POST", COMPLETIONS, json=body) as response:
         for line in response.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
-                chunks.append(__import__("json").loads(line[6:]))
+                chunks.append(json.loads(line[6:]))
     whole = client.post(COMPLETIONS, json={**body, "stream": False}).json()["choices"][0]
     first = chunks[0]["choices"][0]
     assert first["logprobs"]["token_logprobs"][0] is None
