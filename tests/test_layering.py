@@ -19,6 +19,7 @@ FLOORS: dict[str, int] = {
     "kernels": 1,
     "memory": 1,
     "distributed": 1,
+    "structured": 1,
     "sizing": 2,
     "layers": 2,
     "attention": 2,

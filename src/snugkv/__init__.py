@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING, Any
 from snugkv.version import __version__
 
 if TYPE_CHECKING:
-    from snugkv.llm import LLM, RequestOutput, SamplingParams
+    from snugkv.llm import LLM, RequestOutput, SamplingParams, StructuredOutput
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = ["LLM", "RequestOutput", "SamplingParams", "StructuredOutput", "__version__"]
 
-_LAZY = {"LLM", "RequestOutput", "SamplingParams"}
+_LAZY = {"LLM", "RequestOutput", "SamplingParams", "StructuredOutput"}
 
 
 def __getattr__(name: str) -> Any:

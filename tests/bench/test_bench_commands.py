@@ -93,3 +93,58 @@ def test_bench_host_times_the_scheduler_with_the_model_stubbed_on_a_cpu(capsys):
         assert (
             f"| {mode} | steady: 8 requests decoding |" in table and f"| {mode} | drain: 8 requests" in table
         )
+
+
+def test_the_elastic_bench_clock_counts_a_resizes_driver_calls_and_leaves_no_wrapper():
+    from snugkv.bench.elastic import _timed_resize
+    from snugkv.engine import Engine, EngineArgs
+    from tests.runner.tiny_runner import tiny_config_path
+
+    engine = Engine(
+        EngineArgs(
+            model=str(tiny_config_path()),
+            load_format="dummy",
+            dtype="float32",
+            host_kv_gib=0.05,
+            max_total_tokens=4096,
+            kv_chunk_mib=1,
+        )
+    )
+    vmm = engine.pool.arena.vmm
+    try:
+        _, shrunk, calls = _timed_resize(engine, 1024)
+        # a shrink drops whole extensions and splits each buffer's top one (copy into a fresh one, remap)
+        assert shrunk.to_tokens == 1024
+        assert all(f"{name} " in calls for name in ("decommit", "copy", "remap", "synchronize")), calls
+        _, grown, calls = _timed_resize(engine, 4096)
+        assert grown.to_tokens == 4096 and calls.startswith("commit ") and "decommit" not in calls, calls
+        assert "commit" not in vars(vmm) and "_copy" not in vars(engine.pool.arena)
+    finally:
+        engine.close()
+
+
+def test_bench_structured_runs_constrained_rows_to_the_full_output_on_a_cpu():
+    """The measurement `bench structured` times, on a CPU with the embedded SmolLM2: a quarter of
+    the batch under the endless JSON schema generates as many tokens as the unconstrained batch."""
+    pytest.importorskip("xgrammar")
+    from snugkv.bench.structured import measure
+    from snugkv.engine import Engine, EngineArgs
+    from snugkv.models import default_model
+    from snugkv.models.loader import ModelSource
+    from snugkv.models.tokenizer import load_tokenizer
+
+    path = default_model.default_model_path()
+    engine = Engine(EngineArgs(model=str(path), dtype="float32", host_kv_gib=0.05, max_running_requests=8))
+    tokenizer = load_tokenizer(ModelSource(path, "gguf")).hf
+    try:
+        options = {"batch": 8, "input_len": 8, "output_len": 12}
+        plain = measure(engine, tokenizer, constrained_every=0, **options)
+        requests: list = []
+        constrained = measure(engine, tokenizer, constrained_every=4, finished=requests, **options)
+    finally:
+        engine.close()
+    assert plain["constrained_rows"] == 0 and constrained["constrained_rows"] == 2
+    assert plain["output_tokens"] == constrained["output_tokens"] == 8 * 12
+    assert constrained["output_tok_per_s"] > 0
+    texts = [tokenizer.decode(r.output_ids) for r in requests if r.sampling.structured is not None]
+    assert len(texts) == 2 and all(text.startswith('[{"id":') for text in texts), texts

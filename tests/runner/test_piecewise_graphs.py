@@ -108,3 +108,27 @@ def test_padding_tokens_write_only_the_dummy_slot():
     changed_pages = torch.nonzero((k_after != snapshot).flatten(1).any(dim=1)).flatten().tolist()
     assert set(changed_pages) <= {0, *(int(s) // 4 for s in slots.tolist())}
     assert set(changed_pages) >= {int(s) // 4 for s in slots.tolist()}
+
+
+def test_static_tensors_are_shared_by_role_and_row_shape():
+    from snugkv.runner.piecewise_graphs import _StaticTensors
+
+    statics = _StaticTensors(max_tokens=64)
+    first = statics.copy_in("q", torch.ones(64, 4, 8))
+    second = statics.copy_in("q", torch.full((16, 4, 8), 2.0))  # a later layer or a smaller bucket
+    assert second.data_ptr() == first.data_ptr() and second.shape == (16, 4, 8)
+    assert torch.equal(first[:16], second) and float(first[16:].sum()) == 48 * 4 * 8
+    assert statics.copy_in("k", torch.ones(8, 4, 8)).data_ptr() != first.data_ptr()
+    assert statics.copy_in("q", torch.ones(8, 2, 8)).data_ptr() != first.data_ptr()
+    assert statics.view("out", (8, 4, 8), torch.float32, torch.device("cpu")).shape == (8, 4, 8)
+
+
+@pytest.mark.cuda
+def test_every_layer_and_bucket_hands_attention_the_same_static_tensors():
+    runner = tiny_runner(device="cuda", dtype="bfloat16", max_requests=4, piecewise_token_buckets=BUCKETS)
+    graphs = runner.piecewise_graphs
+    assert graphs is not None
+    calls = [call for bucket in graphs.buckets.values() for call in bucket.calls]
+    assert len(calls) == len(BUCKETS) * len(graphs.buckets[BUCKETS[0]].calls) > len(BUCKETS)
+    for role in ("q", "out"):
+        assert len({getattr(call, role).data_ptr() for call in calls}) == 1, role

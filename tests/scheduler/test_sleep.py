@@ -116,7 +116,7 @@ def test_partial_wakes_follow_the_tags(model_dir):
     engine = start(model_dir)
     scheduler, _ = make_scheduler(engine)
     elastic.sleep(scheduler, level=1)
-    with pytest.raises(KvResizeError, match="wake the weights before the KV cache"):
+    with pytest.raises(KvResizeError, match="wake weights before kv_cache"):
         elastic.wake_up(scheduler, tags=("kv_cache",))
     elastic.wake_up(scheduler, tags=("weights",))
     assert engine.sleeping_tags == {"kv_cache"} and scheduler.paused
@@ -124,7 +124,11 @@ def test_partial_wakes_follow_the_tags(model_dir):
     assert not engine.is_sleeping and not scheduler.paused
     with pytest.raises(KvResizeError, match="unknown tag"):
         elastic.sleep(scheduler, tags=("gpu",))
-    elastic.sleep(scheduler, tags=("cuda_graph",))  # SGLang's graph tag: the graphs stay, nothing sleeps
+    elastic.sleep(scheduler, tags=("cuda_graph", "kv_cache"))  # SGLang's graph tag releases the graphs
+    assert engine.sleeping_tags == {"cuda_graph", "kv_cache"} and scheduler.paused
+    with pytest.raises(KvResizeError, match="wake cuda_graph before kv_cache"):
+        elastic.wake_up(scheduler, tags=("kv_cache",))
+    elastic.wake_up(scheduler)
     assert not engine.is_sleeping and not scheduler.paused
     with pytest.raises(KvResizeError, match="level must be 1"):
         elastic.sleep(scheduler, level=3)

@@ -153,29 +153,22 @@ BAD_BODIES = {
         "logit_bias",
         ["-100 and 100"],
     ),
-    "response_format json": (
-        CHAT,
-        {"messages": HI, "response_format": {"type": "json_object"}},
-        400,
-        "response_format",
-        ["structured output", "remove response_format"],
-    ),
-    "tools": (
-        CHAT,
-        {"messages": HI, "tools": [{"type": "function", "function": {"name": "f"}}]},
-        400,
-        "tools",
-        ["tool calling"],
-    ),
-    "guided_choice": (
-        COMPLETIONS,
-        {"prompt": "x", "guided_choice": ["a", "b"]},
-        400,
-        "guided_choice",
-        ["structured"],
-    ),
     "suffix": (COMPLETIONS, {"prompt": "x", "suffix": "end"}, 400, "suffix", ["suffix"]),
     "beam search": (COMPLETIONS, {"prompt": "x", "use_beam_search": True}, 400, "use_beam_search", ["beam"]),
+    "legacy functions": (
+        CHAT,
+        {"messages": HI, "functions": [{"name": "f"}]},
+        400,
+        "functions",
+        ["tool calling"],
+    ),
+    "guided whitespace": (
+        COMPLETIONS,
+        {"prompt": "x", "guided_whitespace_pattern": " *"},
+        400,
+        "guided_whitespace_pattern",
+        ["structured output"],
+    ),
     "chat echo": (CHAT, {"messages": HI, "echo": True}, 400, "echo", ["remove echo"]),
 }
 

@@ -5,13 +5,15 @@ is measured four ways:
 - resize: shrink and grow by 10, 50 and 100 GiB on an idle pool, and a shrink that must move live
   KV (pages held above the new bound, copied below it), against the issue's target of 50 ms plus
   the copy time at the copy bandwidth measured in the same run;
-- sleep and wake at levels 1 and 2 (no graph is captured again), with the device memory left in
-  use while asleep, and a check that greedy tokens after the wake equal those before the sleep;
+- sleep and wake at levels 1 and 2 with the graphs kept (none is captured again), and at level 1
+  with the graphs released too (`cuda_graph` tag: captured again on wake), with the device memory
+  left in use while asleep, and a check that greedy tokens after the wake equal those before;
 - serving: generated tokens per second of a batch of 256 requests run steadily, and the same batch
   with the KV cache shrunk (moving live KV) and grown back every few steps; every request must
   finish, with the outputs of the steady run.
 The arena's chunk size can be swept (`--chunk-mib 256 1024`): it trades driver handles on a grow
-against copy work and transient memory on a shrink (see snugkv.memory.arena).
+against copy work and transient memory on a shrink (see snugkv.memory.arena); so can the threads a
+resize spreads its per-buffer driver calls over (`--workers 1 8`).
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ GREEDY = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)
 
 
 def _sync() -> None:
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def _start(model: str, chunk_mib: int) -> Any:
@@ -50,12 +53,53 @@ def _start(model: str, chunk_mib: int) -> Any:
     )
 
 
-def _timed_resize(engine: Any, tokens: int) -> tuple[float, Any]:
+class _CallClock:
+    """Wall time and count of the VMM backend's and the arena's calls during a resize (bench-only
+    wrappers on the instances, removed after), to show where a resize's milliseconds go."""
+
+    VMM_CALLS = ("commit", "decommit", "remap")
+    ARENA_CALLS = ("_copy", "_synchronize")
+
+    def __init__(self, engine: Any) -> None:
+        self.targets = [(engine.pool.arena.vmm, self.VMM_CALLS), (engine.pool.arena, self.ARENA_CALLS)]
+        self.ms: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+
+    def _wrap(self, name: str, method: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                key = name.lstrip("_")
+                self.ms[key] = self.ms.get(key, 0.0) + (time.perf_counter() - started) * 1e3
+                self.calls[key] = self.calls.get(key, 0) + 1
+
+        return timed
+
+    def __enter__(self) -> _CallClock:
+        for target, names in self.targets:
+            for name in names:
+                setattr(target, name, self._wrap(name, getattr(target, name)))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for target, names in self.targets:
+            for name in names:
+                delattr(target, name)  # the class's method again
+
+    def text(self) -> str:
+        return " · ".join(f"{key} {self.ms[key]:.1f} ms/{self.calls[key]}" for key in sorted(self.ms))
+
+
+def _timed_resize(engine: Any, tokens: int) -> tuple[float, Any, str]:
     _sync()
-    started = time.perf_counter()
-    result = engine.resize_kv(tokens)
-    _sync()
-    return (time.perf_counter() - started) * 1e3, result
+    with _CallClock(engine) as clock:
+        started = time.perf_counter()
+        result = engine.resize_kv(tokens)
+        _sync()
+        took_ms = (time.perf_counter() - started) * 1e3
+    return took_ms, result, clock.text()
 
 
 def _hold_top_pages(engine: Any, hold_tokens: int) -> None:
@@ -87,8 +131,8 @@ def resize_rows(
                 {"case": f"shrink/grow {delta_gib:g} GiB", "chunk_mib": chunk_mib, "note": "pool too small"}
             )
             continue
-        shrink_ms, shrunk = _timed_resize(engine, full - delta)
-        grow_ms, grown = _timed_resize(engine, full)
+        shrink_ms, shrunk, shrink_calls = _timed_resize(engine, full - delta)
+        grow_ms, grown, grow_calls = _timed_resize(engine, full)
         rows.append(
             {
                 "case": f"shrink/grow {delta_gib:g} GiB",
@@ -100,12 +144,14 @@ def resize_rows(
                 "engine_grow_ms": grown.took_ms,
                 "target_ms": 50.0,
                 "met": shrink_ms <= 50 and grow_ms <= 50,
+                "shrink_calls": shrink_calls,
+                "grow_calls": grow_calls,
             }
         )
         # the live KV must fit below the new bound (half of it, to leave the moves somewhere to go)
         hold = min(int(move_gib * per_gib), delta, (full - delta) // 2) // page * page
         _hold_top_pages(engine, hold)
-        moved_ms, moved = _timed_resize(engine, full - delta)
+        moved_ms, moved, moved_calls = _timed_resize(engine, full - delta)
         _release_all(engine)
         _timed_resize(engine, full)
         copy_ms = 2 * moved.copied_bytes / bandwidth * 1e3  # read and write
@@ -119,6 +165,7 @@ def resize_rows(
                 "copy_ms_at_bandwidth": copy_ms,
                 "target_ms": 50.0 + copy_ms,
                 "met": moved_ms <= 50.0 + copy_ms,
+                "shrink_calls": moved_calls,
             }
         )
     return rows
@@ -147,13 +194,15 @@ def _device_used_bytes() -> int:
 def sleep_rows(engine: Any) -> list[dict[str, Any]]:
     rows = []
     before_tokens = _greedy_tokens(engine)
-    for level in (1, 2):
+    for level, tags in ((1, ()), (2, ()), (1, ("weights", "kv_cache", "cuda_graph"))):
+        recapture = "cuda_graph" in tags
+        wake_target_s = 6.0 if recapture else 2.0
         gc.collect()
         torch.cuda.empty_cache()
         awake_used = _device_used_bytes()
         _sync()
         started = time.perf_counter()
-        engine.sleep(level=level)
+        engine.sleep(level=level, tags=tags)
         _sync()
         sleep_s = time.perf_counter() - started
         asleep_used = _device_used_bytes()
@@ -165,12 +214,12 @@ def sleep_rows(engine: Any) -> list[dict[str, Any]]:
         same = _greedy_tokens(engine) == before_tokens
         rows.append(
             {
-                "case": f"sleep level {level}",
+                "case": f"sleep level {level}" + (", graphs released" if recapture else ""),
                 "sleep_s": sleep_s,
                 "wake_s": wake_s,
-                "wake_target_s": 2.0,
-                "met": wake_s <= 2.0,
-                "recaptured": False,
+                "wake_target_s": wake_target_s,
+                "met": wake_s <= wake_target_s,
+                "recaptured": recapture,
                 "awake_device_used_gib": awake_used / GIB,
                 "asleep_device_used_gib": asleep_used / GIB,
                 "baseline_gib": engine.report.ledger.baseline_bytes / GIB,
@@ -264,8 +313,12 @@ def run(args: argparse.Namespace) -> int:
         extra.setdefault("max_total_num_tokens", engine.report.max_total_num_tokens)
         extra.setdefault("kv_committed_gib", engine.pool.committed_bytes / GIB)
         extra.setdefault("startup_timings", engine.report.timings)
-        rows += resize_rows(engine, bandwidth, chunk_mib, args.move_gib, tuple(args.deltas_gib))
-        emit("elastic", rows, args.out, extra=extra)  # each part is kept as soon as it is measured
+        for workers in args.workers:
+            engine.pool.arena.workers = workers
+            part = resize_rows(engine, bandwidth, chunk_mib, args.move_gib, tuple(args.deltas_gib))
+            rows += [{**row, "workers": workers} for row in part]
+            emit("elastic", rows, args.out, extra=extra)  # each part is kept as soon as it is measured
+        engine.pool.arena.workers = 1
         if index == 0:  # sleep and serving do not depend on the chunk size
             rows += sleep_rows(engine)
             emit("elastic", rows, args.out, extra=extra)
@@ -282,6 +335,13 @@ def run(args: argparse.Namespace) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", type=benchmark_model, default="llama-3-8b")
     parser.add_argument("--chunk-mib", type=int, nargs="+", default=[256], help="arena chunk sizes to sweep")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="threads a resize spreads driver calls over, swept",
+    )
     parser.add_argument("--deltas-gib", type=float, nargs="+", default=list(DELTAS_GIB), help="resize steps")
     parser.add_argument("--move-gib", type=float, default=4.0, help="live KV a loaded shrink moves")
     parser.add_argument("--requests", type=int, default=256, help="the batch a resize must not lose one of")

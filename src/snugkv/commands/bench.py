@@ -16,6 +16,7 @@ BENCHMARKS = {
     "serving": "snugkv.bench.serving",
     "tp": "snugkv.bench.tp",
     "elastic": "snugkv.bench.elastic",
+    "structured": "snugkv.bench.structured",
 }
 
 

@@ -55,7 +55,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--model",
         default=None,
-        help="HF model directory, .gguf file or config.json (default: SmolLM2-135M-Instruct)",
+        help="HF model directory, .gguf file, config.json or a Hugging Face Hub id Org/Name, fetched "
+        "into the Hub cache (HF_HOME, HF_HUB_OFFLINE, HF_TOKEN apply) (default: SmolLM2-135M-Instruct)",
+    )
+    group.add_argument(
+        "--revision", default=None, help="with a Hub id: the branch, tag or commit (default: main)"
     )
     group.add_argument(
         "--load-format",

@@ -70,7 +70,7 @@ class Session:
 
         self.args = args
         self.tp = tp or TensorParallel()  # this rank (one process: the trivial one)
-        self.source = resolve_model_source(args.model, args.load_format)
+        self.source = resolve_model_source(args.model, args.load_format, getattr(args, "revision", None))
         # The model's file is checked (a truncated GGUF says so) before transformers reads its tokenizer.
         read_model_config(self.source)
         self.tokenizer = load_tokenizer(self.source)

@@ -13,6 +13,7 @@ import ipaddress
 import logging
 import os
 import signal
+from pathlib import Path
 
 from snugkv.commands.engine_args import add_engine_arguments, engine_args_from
 
@@ -61,7 +62,7 @@ def build_async_engine(args: argparse.Namespace, metrics=None, tp=None):
     from snugkv.scheduler.async_engine import AsyncEngine
 
     engine = Engine(engine_args_from(args), tp=tp)
-    name = args.served_model_name or engine.loaded.source.path.stem
+    name = args.served_model_name or _model_name(args.model, engine.loaded.source.path)
     async_engine = AsyncEngine(
         engine,
         tokenizer=_tokenizer_of(engine),
@@ -70,6 +71,15 @@ def build_async_engine(args: argparse.Namespace, metrics=None, tp=None):
         enable_prefix_cache=not args.disable_prefix_cache,
     )
     return async_engine, name
+
+
+def _model_name(model: str | None, path: Path) -> str:
+    """A Hub id names the model as given (its snapshot directory is a commit hash); a path by its stem."""
+    from snugkv.models.hub import is_hub_id
+
+    if model is not None and not Path(model).expanduser().exists() and is_hub_id(model):
+        return model
+    return path.stem
 
 
 def _tokenizer_of(engine):

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from snugkv.core.structured_output import StructuredOutput
+
 MAX_TOP_K = 1 << 20
 MAX_LOGPROBS = 20
 MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI's range)
@@ -58,6 +60,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_p: float = 0.0
     min_tokens: int = 0
+    structured: StructuredOutput | None = None  # what the output must match (snugkv.structured)
     extra: dict[str, object] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:

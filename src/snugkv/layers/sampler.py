@@ -29,7 +29,9 @@ from dataclasses import dataclass
 import torch
 
 from snugkv.core.sampling import SamplingParams
+from snugkv.core.structured_output import TokenBitmask
 from snugkv.core.transfer import to_device
+from snugkv.structured.bitmask import apply_token_bitmask
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,14 +53,17 @@ class Sampler:
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None] | None = None,
         token_rows: TokenRows | None = None,
+        token_bitmask: TokenBitmask | None = None,
     ) -> torch.Tensor:
         """Next token ids `[B]` (int64) for logits `[B, vocab]`; `token_rows` is needed when a row
-        uses penalties or `min_tokens` (`SamplingParams.uses_token_history`)."""
+        uses penalties or `min_tokens` (`SamplingParams.uses_token_history`); `token_bitmask` holds
+        the tokens structured output allows in its rows (the others are not constrained)."""
         if logits.shape[0] != len(params):
             raise ValueError(f"{logits.shape[0]} logit rows but {len(params)} sampling params")
         if any(p.processes_logits for p in params):
             logits = self.process(logits, params, token_rows)
-        # stage 4, a constrained row's allowed-token bitmask, goes here: greedy rows see it too
+        if token_bitmask is not None:  # stage 4: greedy rows see it too
+            logits = apply_token_bitmask(logits, token_bitmask)
         greedy_tokens = torch.argmax(logits, dim=-1)
         if all(p.greedy for p in params):
             return greedy_tokens

@@ -11,6 +11,7 @@ it knows it exists.
 """
 
 from snugkv.core.sampling import InvalidRequest, SamplingParams
+from snugkv.core.structured_output import StructuredOutput
 from snugkv.engine import InvalidEngineArgs
 from snugkv.llm.llm import LLM
 from snugkv.llm.outputs import MemoryReport, RequestOutput, RequestTimes
@@ -25,4 +26,5 @@ __all__ = [
     "RequestOutput",
     "RequestTimes",
     "SamplingParams",
+    "StructuredOutput",
 ]

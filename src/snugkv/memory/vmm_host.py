@@ -74,6 +74,7 @@ class HostVmm(VirtualMemory):
     """
 
     name = "host"
+    thread_safe = True  # every call holds the lock that guards the committed-bytes count
 
     def __init__(self, granularity_bytes: int | None = None, capacity_bytes: int | None = None) -> None:
         if not hasattr(os, "sysconf") or not os.path.exists("/proc/meminfo"):

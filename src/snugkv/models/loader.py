@@ -33,6 +33,7 @@ from snugkv.memory.weight_arena import WeightArena, aligned
 from snugkv.models.causal_lm import CausalLM
 from snugkv.models.config import ConfigError, ModelConfig
 from snugkv.models.gguf_loader import GGUFError, config_from_gguf, is_gguf_file, iter_gguf_tensors, open_gguf
+from snugkv.models.hub import HubModelError, hub_snapshot, is_hub_id
 from snugkv.models.registry import UnsupportedArchitectureError, get_model_class, supported_architectures
 from snugkv.models.weights import WeightLoadError, init_dummy_weights
 
@@ -51,7 +52,7 @@ _DTYPES = {
 }
 _WHAT_TO_PASS = (
     "pass a Hugging Face model directory (config.json + *.safetensors), a .gguf file, "
-    "or no --model for the default SmolLM2-135M-Instruct"
+    "a Hugging Face Hub id (Org/Name), or no --model for the default SmolLM2-135M-Instruct"
 )
 
 
@@ -102,8 +103,11 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     return _DTYPES[dtype]
 
 
-def resolve_model_source(model: str | Path | None, load_format: str = "auto") -> ModelSource:
-    """Decide what `model` is, with an error that says what to pass instead when it is nothing usable."""
+def resolve_model_source(
+    model: str | Path | None, load_format: str = "auto", revision: str | None = None
+) -> ModelSource:
+    """Decide what `model` is, with an error that says what to pass instead when it is nothing usable.
+    A path that exists wins; otherwise `Org/Name` is a Hugging Face Hub id (at `revision`)."""
     if load_format not in LOAD_FORMATS:
         raise ModelLoadError(f"load format {load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
     if model is None:
@@ -111,6 +115,11 @@ def resolve_model_source(model: str | Path | None, load_format: str = "auto") ->
 
         return ModelSource(default_model_path(), "gguf")
     path = Path(model).expanduser()
+    if not path.exists() and isinstance(model, str) and is_hub_id(model):
+        try:
+            path = hub_snapshot(model, revision)
+        except HubModelError as exc:
+            raise ModelLoadError(str(exc)) from None
     if not path.exists():
         raise ModelLoadError(f"{model}: no such file or directory; {_WHAT_TO_PASS}")
     if path.is_dir():
@@ -286,14 +295,16 @@ def load_model(
     seed: int = 0,
     max_position: int | None = None,
     weights_memory: VirtualMemory | None = None,
+    revision: str | None = None,
 ) -> LoadedModel:
     """Load `model` (see the module docstring) in `dtype` on `device`.
 
     `max_position` bounds the rotary cache (default: the config's max_position_embeddings);
-    `weights_memory` places the parameters in a `WeightArena` over that backend.
+    `weights_memory` places the parameters in a `WeightArena` over that backend; `revision` is the
+    Hub revision when `model` is a Hub id.
     """
     started = time.perf_counter()
-    source = resolve_model_source(model, load_format)
+    source = resolve_model_source(model, load_format, revision)
     if load_format == "gguf" and source.kind != "gguf":
         raise ModelLoadError(f"--load-format gguf needs a .gguf file, got the directory {source.path}")
     if load_format == "safetensors" and source.kind != "hf":

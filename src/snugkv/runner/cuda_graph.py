@@ -37,6 +37,19 @@ def default_cuda_graph_batch_sizes(max_batch_size: int = 256) -> list[int]:
     return sorted(set(sizes))
 
 
+def release_cublas_workspaces() -> None:
+    """Forget cuBLAS's cached workspaces (one per handle and stream, kept for the process).
+
+    Called right before a graph is captured, the workspace its GEMMs use is allocated during the
+    capture, in the graph's private pool, and goes away with the graphs; called after capturing, no
+    cached entry keeps a block of that pool (or a side stream's workspace) alive. Without it every
+    engine of a process left its capture streams' workspaces behind (64 MiB each on the H200).
+    Eager GEMMs allocate a fresh workspace on their next call."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None and torch.cuda.is_initialized():
+        clear()
+
+
 class DecodeCudaGraphs:
     """`forward` is the runner's eager forward (a batch to float32 logits); the graphs replay it.
     The caller backs the dummy page before `capture`."""
@@ -121,11 +134,13 @@ class DecodeCudaGraphs:
                     self.forward(forward_batch)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
+            release_cublas_workspaces()  # the graph's workspace comes from its pool
             with torch.cuda.graph(graph, pool=self.memory_pool, stream=stream):
                 output = self.forward(forward_batch)
             self.graphs[batch_size] = graph
             self.outputs[batch_size] = output
         torch.cuda.synchronize()
+        release_cublas_workspaces()
         used_gib = (free_before - torch.cuda.mem_get_info()[0]) / 2**30
         logger.info(
             "Captured %d decode CUDA graphs (batch sizes %d..%d) in %.1f s, %.2f GiB",

@@ -29,6 +29,7 @@ import torch
 from snugkv.attention.registry import make_attention_backend
 from snugkv.core.forward import AttentionBackend, BatchRow, ForwardBatch
 from snugkv.core.sampling import SamplingParams
+from snugkv.core.structured_output import TokenBitmask
 from snugkv.core.transfer import to_device
 from snugkv.distributed.group import TensorParallel
 from snugkv.layers.sampler import Sampler
@@ -36,7 +37,7 @@ from snugkv.memory.allocator import SlotAllocator
 from snugkv.memory.kv_pool import KVPool
 from snugkv.memory.req_to_token import ReqToTokenPool
 from snugkv.models.causal_lm import CausalLM
-from snugkv.runner.cuda_graph import DecodeCudaGraphs
+from snugkv.runner.cuda_graph import DecodeCudaGraphs, release_cublas_workspaces
 from snugkv.runner.future_tokens import FutureTokens
 from snugkv.runner.kv_cache import make_slot_allocator
 from snugkv.runner.piecewise_graphs import PiecewiseGraphs
@@ -110,13 +111,20 @@ class ModelRunner:
         the pool's slot map), so the pool's arena can be released. The runner cannot run after.
         A step may still be running (an overlapped scheduler launches one before it reads the
         last): it finishes first."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.cuda_graphs = None
-        self.piecewise_graphs = None
+        self.release_graphs()
         for name in ("allocator", "kv_pool"):
             if hasattr(self, name):
                 delattr(self, name)
+
+    def release_graphs(self) -> None:
+        """Drop every captured graph (their memory pools go with them) and cuBLAS's cached
+        workspaces; steps run eagerly until graphs are captured again."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # a launched step may still replay one
+        self.cuda_graphs = None
+        self.piecewise_graphs = None
+        if self.device.type == "cuda":
+            release_cublas_workspaces()
 
     # -- properties -----------------------------------------------------------------------
     @property
@@ -235,6 +243,7 @@ class ModelRunner:
         generators: Sequence[torch.Generator | None] | None,
         req_pool_indices: Sequence[int],
         history_starts: Sequence[tuple[Sequence[int], Sequence[int]] | None] = (),
+        token_bitmask: TokenBitmask | None = None,
     ) -> torch.Tensor:
         """Next token ids `[rows]` as a device tensor, without waiting for the GPU; each is also
         kept for its table row (`req_pool_indices`), where a next decode row's `FUTURE_TOKEN`
@@ -252,7 +261,9 @@ class ModelRunner:
                 if start is not None and params[index].uses_token_history:
                     history.start(req_pool_indices[index], *start)
             token_rows = history.rows(table_rows)
-        tokens = self.tp.broadcast_tensor_from_first(self.sampler(logits, params, generators, token_rows))
+        tokens = self.tp.broadcast_tensor_from_first(
+            self.sampler(logits, params, generators, token_rows, token_bitmask)
+        )
         if token_rows is not None:
             self._token_history(int(logits.shape[-1])).record(table_rows, tokens)
         self.future_tokens.store(table_rows, tokens)

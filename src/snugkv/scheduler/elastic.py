@@ -139,7 +139,7 @@ def sleep(scheduler: Scheduler, *, level: int = 1, tags: tuple[str, ...] = ()) -
                 scheduler.slots.release(request)
         scheduler.cache.reset()
     result = engine.sleep(level, tags)
-    scheduler.paused = engine.is_sleeping  # (tags naming only the graphs release nothing)
+    scheduler.paused = engine.is_sleeping
     return result
 
 

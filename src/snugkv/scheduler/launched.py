@@ -58,6 +58,7 @@ class LaunchedStep:
     done: Any = None
     overlapped: bool = False  # queued while the step before it was still unread
     waited_s: float = 0.0  # how long `results` waited for the device
+    host_tokens: list[int] | None = None  # the tokens, once read
 
     def finish_launch(self, device: torch.device) -> None:
         """Mark the end of what this step queued (after the copies to the host)."""
@@ -65,12 +66,13 @@ class LaunchedStep:
 
     def results(self) -> tuple[list[int], torch.Tensor | None]:
         """The sampled tokens (in `sampled_rows` order) and the log-probability rows, once on the host."""
-        if isinstance(self.done, torch.cuda.Event):
-            started = time.perf_counter()
-            self.done.synchronize()
-            self.waited_s = time.perf_counter() - started
-        tokens = self.tokens.tolist() if self.tokens is not None else []
-        return tokens, self.log_probs
+        if self.host_tokens is None:
+            if isinstance(self.done, torch.cuda.Event):
+                started = time.perf_counter()
+                self.done.synchronize()
+                self.waited_s = time.perf_counter() - started
+            self.host_tokens = self.tokens.tolist() if self.tokens is not None else []
+        return self.host_tokens, self.log_probs
 
     def busy_s(self) -> float:
         """Device time from just before the forward to the end of the copies (after `results`)."""

@@ -18,6 +18,7 @@ import torch
 
 from snugkv.core.sampling import SamplingParams
 from snugkv.scheduler.radix_cache import TreeNode
+from snugkv.structured.matcher import RequestGrammar
 
 
 @dataclass(eq=False)
@@ -33,6 +34,7 @@ class Request:
     in_flight: int = 0  # tokens of launched steps not read back yet: their slots lie past kv_len
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
     generator: torch.Generator | None = None
+    grammar: RequestGrammar | None = None  # structured output: its place in the grammar
     finish_reason: str | None = None
     error: str | None = None
     aborted: bool = False

@@ -49,6 +49,7 @@ import torch
 
 from snugkv.core.forward import FUTURE_TOKEN, BatchRow
 from snugkv.core.sampling import InvalidRequest, SamplingParams
+from snugkv.core.structured_output import TokenBitmask
 from snugkv.core.transfer import to_host
 from snugkv.runner.model_runner import ModelRunner
 from snugkv.scheduler.detokenizer import detokenize, find_stop
@@ -58,6 +59,9 @@ from snugkv.scheduler.prompt_scores import PROMPT_LOGITS_PER_STEP, split_logits
 from snugkv.scheduler.radix_cache import RadixCache
 from snugkv.scheduler.request import Request
 from snugkv.scheduler.slots import RequestSlots, SlotAccountingError
+from snugkv.structured.bitmask import fill_token_bitmask
+from snugkv.structured.grammars import GrammarCache, grammar_cache_for
+from snugkv.structured.matcher import RequestGrammar
 
 __all__ = ["OutputCallback", "Scheduler", "SlotAccountingError"]
 
@@ -100,6 +104,7 @@ class Scheduler:
         )
         self.paused = False  # the engine sleeps: requests wait in the queue and no step runs
         self._in_flight: LaunchedStep | None = None  # launched; its results are not read yet
+        self._grammars: GrammarCache | None = None  # structured output's, made on first use
 
     @classmethod
     def for_engine(
@@ -135,6 +140,8 @@ class Scheduler:
         if sampling.prompt_logprobs is not None:
             request.prompt_logprobs.append(None)  # the first token has nothing before it
         request.generator = sampling.make_generator(self.runner.device)
+        if sampling.structured is not None:
+            request.grammar = RequestGrammar(self._grammar_cache().get(sampling.structured))
         self.requests[rid] = request
         self.waiting.append(request)
         return request
@@ -157,6 +164,20 @@ class Scheduler:
                 f"the prompt needs {len(prompt_ids)} KV slots but the whole KV cache holds {capacity}; "
                 "shorten the prompt"
             )
+        if sampling.structured is not None:
+            self._grammar_cache().get(sampling.structured)  # compiled once; a bad spec is refused here
+
+    def _grammar_cache(self) -> GrammarCache:
+        if self._grammars is None:
+            tokenizer = self.outputs.tokenizer
+            if tokenizer is None:
+                raise InvalidRequest(
+                    "structured output needs the model's tokenizer, and this engine has none"
+                )
+            self._grammars = grammar_cache_for(
+                getattr(tokenizer, "hf", tokenizer), self.runner.model.config.vocab_size, self.eos_token_ids
+            )
+        return self._grammars
 
     def abort(self, rid: str) -> None:
         """Mark a request aborted; its slots are freed at the start of the next step. Idempotent."""
@@ -187,7 +208,7 @@ class Scheduler:
                 batch = self._schedule_prefill() or self._schedule_decode(retract=True)
                 if batch is None:
                     return
-            self._in_flight = self._launch(batch, overlapped=previous is not None)
+            self._in_flight = self._launch(batch, previous)
             if previous is not None:
                 self._complete(previous)
             if not self.overlap:
@@ -301,10 +322,10 @@ class Scheduler:
         )
 
     # -- running a batch --------------------------------------------------------------
-    def _launch(self, scheduled: ScheduledBatch, *, overlapped: bool) -> LaunchedStep:
+    def _launch(self, scheduled: ScheduledBatch, previous: LaunchedStep | None) -> LaunchedStep:
         """Queue the forward and the sampling, start the tokens' copy to the host, and move on what
         does not depend on them: the new tokens are in flight, a prefilled request runs from now
-        on (a non-final chunk waits for the next)."""
+        on (a non-final chunk waits for the next). `previous` is the step still unread (overlap)."""
         rows, batch = scheduled.rows, scheduled.requests
         for row, request in zip(rows, batch):
             request.in_flight += len(row.token_ids)
@@ -322,6 +343,7 @@ class Scheduler:
                 [r.table_row for r in sampled],
                 # after a prefill, the penalties' token history starts from the request's tokens
                 history_starts=() if scheduled.decode else [(r.prompt_ids, r.output_ids) for r in sampled],
+                token_bitmask=self._token_bitmask(sampled, previous),
             )
             log_probs = self.outputs.log_prob_rows(logits, sampled)
         launched = LaunchedStep(
@@ -330,7 +352,7 @@ class Scheduler:
             tokens=None if tokens is None else to_host(tokens),
             log_probs=None if log_probs is None else to_host(log_probs),
             started=started,
-            overlapped=overlapped,
+            overlapped=previous is not None,
             prompt_scores=prompt_scores,
         )
         launched.finish_launch(device)
@@ -341,6 +363,30 @@ class Scheduler:
                 else:
                     self.waiting.appendleft(request)  # the rest of its prompt comes next step
         return launched
+
+    def _token_bitmask(self, sampled: list[Request], previous: LaunchedStep | None) -> TokenBitmask | None:
+        """The tokens structured output allows in this step's constrained rows (None: there are none).
+
+        A constrained row's mask follows from its last token. Under overlap that token may still be
+        on its way from the step before (`previous`): the mask waits for that step's tokens, which
+        the device has computed by now or soon (this step's forward is already queued behind them),
+        and feeds them to the matchers early; `_complete` then finds them fed. Unconstrained rows
+        and batches wait for nothing."""
+        constrained = [(index, r.grammar) for index, r in enumerate(sampled) if r.grammar is not None]
+        if not constrained:
+            return None
+        pending: dict[int, int] = {}
+        if previous is not None:
+            tokens, _ = previous.results()
+            previous_batch = previous.batch.requests
+            for token, index in zip(tokens, previous.sampled_rows):
+                pending[id(previous_batch[index])] = token
+        for index, grammar in constrained:
+            output_ids = sampled[index].output_ids
+            unread = pending.get(id(sampled[index]))
+            grammar.advance(output_ids if unread is None else [*output_ids, unread])
+        rows, grammars = [index for index, _ in constrained], [grammar for _, grammar in constrained]
+        return fill_token_bitmask(grammars, rows, self.runner.model.config.vocab_size, self.runner.device)
 
     def _complete(self, launched: LaunchedStep) -> None:
         """Read a launched step's tokens and move each of its requests on; a request that ended
@@ -369,6 +415,8 @@ class Scheduler:
                 self._finish(request, "length")
                 continue
             request.output_ids.append(tokens[index])
+            if request.grammar is not None:
+                request.grammar.advance(request.output_ids)
             if logprobs[index] is not None:
                 request.logprobs.append(logprobs[index])
             request.first_token_s = request.first_token_s or now
@@ -385,6 +433,12 @@ class Scheduler:
     def _stop_reason(self, request: Request) -> str | None:
         token = request.output_ids[-1]
         sampling = request.sampling
+        grammar = request.grammar
+        if grammar is not None and grammar.rejected:
+            request.error = f"structured output: the grammar refused token {grammar.rejected_token}"
+            return "error"
+        if grammar is not None and grammar.terminated:
+            return "stop"
         if (token in self.eos_token_ids and not sampling.ignore_eos) or token in sampling.stop_token_ids:
             return "stop"
         if sampling.stop:
@@ -405,6 +459,8 @@ class Scheduler:
     # -- leaving ------------------------------------------------------------------------
     def _finish(self, request: Request, reason: str) -> None:
         self.slots.release(request)
+        if request.grammar is not None:
+            request.grammar.close()
         request.finish_reason = reason
         try:
             self.outputs.emit(request)

@@ -40,6 +40,7 @@ from snugkv.server.prepare import (
 )
 from snugkv.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from snugkv.server.serving import EventStreamResponse, collect_response, stream_events
+from snugkv.server.tool_format import ToolCallFormat
 from snugkv.version import __version__
 
 logger = logging.getLogger(__name__)
@@ -94,7 +95,9 @@ def create_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body = parse_body(await request.body(), ChatCompletionRequest)
-        return await run(prepare_chat(body, engine, served_model_name, limit), request, ChatFormat())
+        prepared = prepare_chat(body, engine, served_model_name, limit)
+        chat_format = ChatFormat() if prepared.tools is None else ToolCallFormat(prepared.tools)
+        return await run(prepared, request, chat_format)
 
     @app.get("/v1/models")
     async def list_models() -> ModelList:

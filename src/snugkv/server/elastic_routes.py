@@ -2,9 +2,10 @@
 
     POST /kv/resize   {"max_total_num_tokens": N} or {"free_gib": X}: grow or shrink the KV cache
     GET  /kv          its size now, committed and reserved bytes, usage, what a resize would need
-    POST /sleep?level=1|2                release the KV cache and the weights (vLLM's names; level 1
-                                         keeps the weights in host memory, level 2 drops them)
-    POST /wake_up[?tags=weights,kv_cache]  take them back (all by default)
+    POST /sleep?level=1|2[&tags=...]     release the KV cache and the weights (vLLM's names; level 1
+                                         keeps the weights in host memory, level 2 drops them);
+                                         tags=cuda_graph also releases the graphs (wake captures them)
+    POST /wake_up[?tags=weights,kv_cache,cuda_graph]  take them back (all by default)
     GET  /is_sleeping
     POST /release_memory_occupation, /resume_memory_occupation   SGLang's names for the same, with
                                          an optional body {"tags": [...]} (and "level" to release)

@@ -24,12 +24,14 @@ from snugkv.core.outputs import GenerateInput
 from snugkv.core.sampling import MAX_LOGPROBS, InvalidRequest, SamplingParams
 from snugkv.server.engine_protocol import EngineClient
 from snugkv.server.errors import APIError, bad_request, from_validation_error
+from snugkv.server.guided import requested_structured_output
 from snugkv.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerationRequest,
     refused_field,
 )
+from snugkv.server.tools import ToolPlan, plan_tools, render_messages
 
 MAX_CHOICES = 128  # n times the number of prompts
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the room left
@@ -104,6 +106,7 @@ class PreparedRequest:
     stream: bool
     include_usage: bool
     logprobs: bool
+    tools: ToolPlan | None = None  # chat with tools: how calls are read back (server.tools)
     echo: list[EchoedPrompt] | None = None
     echo_logprobs: int | None = None
     prompt_logprobs: int | None = None
@@ -154,6 +157,7 @@ def prepare_completion(
         prompt_logprobs=max(asked, default=None),
         tokenizer=engine.tokenizer,
     )
+    sampling = dataclasses.replace(sampling, structured=requested_structured_output(body))
     raw_prompts = _split_prompts(body.prompt)
     prompts = [_completion_prompt_ids(prompt, engine.tokenizer) for prompt in raw_prompts]
     for index, ids in enumerate(prompts):
@@ -181,6 +185,10 @@ def prepare_chat(
 ) -> PreparedRequest:
     _check_common(body, served_model_name, "chat")
     _check_stop_token_ids(body, engine.tokenizer)
+    parallel_tool_calls = body.parallel_tool_calls is not False
+    tools = plan_tools(
+        body.tools, body.tool_choice, engine.tokenizer, parallel_tool_calls=parallel_tool_calls
+    )
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs set to true.", param="top_logprobs")
     if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:
@@ -191,7 +199,17 @@ def prepare_chat(
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
     sampling = _sampling(body, max_tokens, top_logprobs, limit, tokenizer=engine.tokenizer)
-    ids = _chat_prompt_ids(body, engine.tokenizer)
+    structured = requested_structured_output(body)
+    if tools is not None and tools.structured is not None:
+        if structured is not None:
+            raise bad_request(
+                "tool_choice forces a tool call, which cannot be combined with response_format or "
+                "guided_*; remove one of them.",
+                param="tool_choice",
+            )
+        structured = tools.structured
+    sampling = dataclasses.replace(sampling, structured=structured)
+    ids = _chat_prompt_ids(body, engine.tokenizer, tools)
     if max_tokens is None:
         if len(ids) >= limit.tokens:
             raise bad_request(
@@ -202,7 +220,8 @@ def prepare_chat(
             )
         sampling = dataclasses.replace(sampling, max_new_tokens=limit.tokens - len(ids))
     _check_fits(len(ids), sampling.max_new_tokens, limit, what="The messages", param="messages")
-    return _fan_out("chatcmpl", body, served_model_name, [ids], sampling, logprobs=body.logprobs)
+    prepared = _fan_out("chatcmpl", body, served_model_name, [ids], sampling, logprobs=body.logprobs)
+    return dataclasses.replace(prepared, tools=tools)
 
 
 def _check_common(body: GenerationRequest, served_model_name: str, endpoint: str) -> None:
@@ -374,12 +393,17 @@ def _check_fits(
     raise bad_request(message, param=param, code="context_length_exceeded")
 
 
-def _chat_prompt_ids(body: ChatCompletionRequest, tokenizer: Any) -> list[int]:
+def _chat_prompt_ids(body: ChatCompletionRequest, tokenizer: Any, tools: ToolPlan | None = None) -> list[int]:
     if not body.messages:
         raise bad_request("messages is empty; send at least one message.", param="messages")
     messages = [_template_message(index, message) for index, message in enumerate(body.messages)]
     try:
-        if hasattr(tokenizer, "apply_chat_template"):
+        if tools is not None:
+            messages, extra = render_messages(tools, messages)
+            hf = getattr(tokenizer, "hf", tokenizer)
+            text = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
+            encoded = tokenizer.encode(text, add_special_tokens=False)
+        elif hasattr(tokenizer, "apply_chat_template"):
             encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         else:  # snugkv.models.tokenizer.Tokenizer wraps the transformers one
             encoded = tokenizer.encode_chat(messages, add_generation_prompt=True)
@@ -394,7 +418,7 @@ def _chat_prompt_ids(body: ChatCompletionRequest, tokenizer: Any) -> list[int]:
     return ids
 
 
-def _template_message(index: int, message: Any) -> dict[str, str]:
+def _template_message(index: int, message: Any) -> dict[str, Any]:
     if message.role not in CHAT_ROLES:
         raise bad_request(
             f"messages[{index}].role is '{message.role}'; use one of {', '.join(CHAT_ROLES)}.",
@@ -414,7 +438,12 @@ def _template_message(index: int, message: Any) -> dict[str, str]:
             texts.append(part["text"])
         content = "\n".join(texts)
     _check_text(content or "", f"messages[{index}].content")
-    return {"role": role, "content": content or ""}
+    rendered: dict[str, Any] = {"role": role, "content": content or ""}
+    if message.tool_calls:
+        rendered["tool_calls"] = message.tool_calls
+    if message.tool_call_id is not None:
+        rendered["tool_call_id"] = message.tool_call_id
+    return rendered
 
 
 def _token_ids(encoded: Any) -> list[int]:

@@ -60,6 +60,15 @@ class GenerationRequest(_Request):
     min_tokens: int | None = None
     logit_bias: dict[str, Any] | None = None
     user: str | None = None
+    # Structured output (snugkv.server.guided): OpenAI's, vLLM's and SGLang's names.
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    json_schema: dict[str, Any] | str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     @field_validator("stop", mode="plain")
     @classmethod
@@ -105,6 +114,8 @@ class ChatMessage(_Request):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
     @field_validator("content", mode="plain")
     @classmethod
@@ -121,6 +132,9 @@ class ChatCompletionRequest(GenerationRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 def _unset(value: Any) -> bool:
@@ -144,7 +158,7 @@ class RefusedField:
     """A request field this server does not implement although it would change the output.
 
     `inert(value)` is True for the values that ask for what the server does anyway (e.g.
-    `response_format: {"type": "text"}`), which are accepted. `endpoints` limits the refusal to
+    `skip_special_tokens: true`), which are accepted. `endpoints` limits the refusal to
     "completions" or "chat" where the other endpoint implements the field or never sees it."""
 
     what: str  # what the field asks for, as the error message names it
@@ -153,24 +167,12 @@ class RefusedField:
 
 
 _STRUCTURED = "structured output"
-_TOOLS = "tool calling"
+_TOOLS = "tool calling"  # `tools` and `tool_choice` are implemented; the legacy function fields are not
 
-# The one list of fields refused by name. Structured output, tools and guided decoding are being
-# implemented (branch api-structured): their entries go when that lands.
+# The one list of fields refused by name: remove an entry when its feature lands.
 REFUSED_FIELDS: dict[str, RefusedField] = {
-    "response_format": RefusedField(_STRUCTURED, _unset_or({"type": "text"})),
-    "guided_json": RefusedField(_STRUCTURED),
-    "guided_regex": RefusedField(_STRUCTURED),
-    "guided_choice": RefusedField(_STRUCTURED),
-    "guided_grammar": RefusedField(_STRUCTURED),
-    "guided_decoding_backend": RefusedField(_STRUCTURED),
     "guided_whitespace_pattern": RefusedField(_STRUCTURED),
     "structured_outputs": RefusedField(_STRUCTURED),
-    "json_schema": RefusedField(_STRUCTURED),
-    "regex": RefusedField(_STRUCTURED),
-    "ebnf": RefusedField(_STRUCTURED),
-    "tools": RefusedField(_TOOLS, _unset_or_empty),
-    "tool_choice": RefusedField(_TOOLS, _unset_or("none", "auto")),
     "functions": RefusedField(_TOOLS, _unset_or_empty),
     "function_call": RefusedField(_TOOLS, _unset_or("none", "auto")),
     "suffix": RefusedField(
@@ -291,8 +293,18 @@ class ChatLogprobs(BaseModel):
 
 
 class AssistantMessage(BaseModel):
+    """`tool_calls` appears only when the model called tools (then `content` may be null)."""
+
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[dict[str, Any]] | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_no_tool_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("tool_calls", "") is None:
+            del data["tool_calls"]
+        return data
 
 
 class ChatChoice(_Choice):
@@ -314,7 +326,7 @@ class ChatCompletionResponse(BaseModel):
 
 class ChatStreamChoice(_Choice):
     index: int
-    delta: dict[str, str]
+    delta: dict[str, Any]
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     finish_detail: str | None = None

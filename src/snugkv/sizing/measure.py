@@ -50,14 +50,26 @@ def device_memory(device: torch.device) -> tuple[int, int]:
     return int(free), int(total)
 
 
-def engine_device_bytes(memory: VirtualMemory, outside_torch_bytes: int) -> int:
+def torch_reserved_bytes(device: torch.device) -> int:
+    """What torch's caching allocator holds on `device` after settling (0 off CUDA)."""
+    if device.type != "cuda":
+        return 0
+    settle(device)
+    return int(torch.cuda.memory_reserved(device))
+
+
+def engine_device_bytes(
+    memory: VirtualMemory, outside_torch_bytes: int, baseline_reserved_bytes: int = 0
+) -> int:
     """Device memory this engine holds now, counted at its sources so other processes never count:
-    on CUDA, torch's reserved memory (graph pool, buffers, cached blocks are handed back first) plus
-    what it holds outside torch's allocator (`outside_torch_bytes`: arenas, graph executables); on
-    CPU what its backend committed (the KV cache: weights and activations live in general RAM)."""
+    on CUDA, what torch's allocator reserved since the engine's baseline (graph pool, buffers;
+    cached blocks are handed back first; tensors the process held before the engine started are
+    not the engine's) plus what it holds outside torch's allocator (`outside_torch_bytes`: arenas,
+    graph executables); on CPU what its backend committed (the KV cache: weights and activations
+    live in general RAM)."""
     if memory.device.type == "cuda":
-        settle(memory.device)
-        return int(torch.cuda.memory_reserved(memory.device)) + outside_torch_bytes
+        reserved = torch_reserved_bytes(memory.device) - baseline_reserved_bytes
+        return max(reserved, 0) + outside_torch_bytes
     free, total = memory.mem_get_info()
     return total - free
 

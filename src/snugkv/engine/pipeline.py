@@ -5,12 +5,9 @@ post-capture mode the KV pool is virtual addresses only until after the decode g
 captured; then free memory is measured (MIN over ranks), the activation peak of the largest
 eager step is measured, and exactly what is left is backed. The static modes size the pool
 before capture, as classic engines do, for comparison and as the fallback without VMM.
-From `Engine.ready` on, the runner serves like a statically sized one.
-
-At run time a post-capture engine can change its KV cache without capturing a graph again:
-`resize_kv` grows or shrinks it (the scheduler's elastic module first makes a shrink fit by
-evicting cache entries and, only if needed, retracting requests; snugkv.runner.kv_resize moves
-the live pages), and `--max-device-memory` caps the whole engine at start-up and on every resize.
+From then on the runner serves like a statically sized one; the run-time half (resize, sleep,
+wake: snugkv.engine.elastic) changes the KV cache without capturing a graph again, and
+`--max-device-memory` caps the whole engine at start-up and on every change.
 
 Tensor parallelism (`tp_size > 1`): every rank runs this same pipeline on its own GPU with its
 slice of the model and a KV pool of its own KV heads; `tp` (snugkv.distributed) comes from the
@@ -21,28 +18,23 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
-from collections.abc import Callable, Collection
-from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from snugkv.attention.registry import attention_backend_names
 from snugkv.core.forward import BatchRow
 from snugkv.core.sampling import SamplingParams
 from snugkv.distributed.group import TensorParallel, use_tensor_parallel
-from snugkv.memory.arena import DEFAULT_CHUNK_BYTES
+from snugkv.engine.args import EngineArgs
+from snugkv.engine.elastic import ElasticMemory
+from snugkv.engine.report import SizedKV, StartupReport
 from snugkv.memory.kv_pool import KVPool, KVPoolSpec, PoolMode
-from snugkv.memory.layout import KVLayout
-from snugkv.memory.moves import KvMoves
 from snugkv.memory.vmm import GIB, MIB, CommitError, VirtualMemory
 from snugkv.memory.vmm_factory import create_vmm
 from snugkv.memory.vmm_host import HostVmm, available_ram_bytes
 from snugkv.memory.vmm_plain import PlainMemory
-from snugkv.models.loader import LOAD_FORMATS, LoadedModel, fill_weights, load_model, resolve_device
-from snugkv.runner import kv_resize
+from snugkv.models.loader import LoadedModel, load_model, resolve_device
 from snugkv.runner.cuda_graph import default_cuda_graph_batch_sizes
 from snugkv.runner.kv_cache import make_kv_pool
 from snugkv.runner.model_runner import ModelRunner
@@ -56,6 +48,7 @@ from snugkv.sizing.measure import (
     measure_free,
     measure_peak_bytes,
     settle,
+    torch_reserved_bytes,
 )
 from snugkv.sizing.modes import (
     SizingMode,
@@ -66,157 +59,14 @@ from snugkv.sizing.modes import (
 )
 from snugkv.sizing.post_capture import (
     SizingError,
-    finalize_with_retry,
     recap_running_requests,
     size_post_capture,
-    tokens_for_budget,
 )
-from snugkv.sizing.resize import KvResize, KvResizeError, ResizeLimits, cap_tokens, check_free_gib
 
 logger = logging.getLogger(__name__)
 
-SLEEP_TAGS = frozenset({"weights", "kv_cache"})  # what sleep can release (vLLM's and SGLang's names)
-KEPT_TAGS = frozenset({"cuda_graph"})  # SGLang's tag for the graphs: accepted, they stay (no re-capture)
 
-
-@dataclass(frozen=True, slots=True)
-class EngineArgs:
-    """Everything start-up needs. `None` means: pick the default for the device."""
-
-    model: str | None = None
-    load_format: str = "auto"
-    dtype: str | None = None
-    device: str | None = None
-    weights_seed: int = 0  # random (dummy) weights only
-    kv_dtype: str | None = None
-    page_size: int | None = None
-    kv_layout: str = "nhd"
-    attention_backend: str | None = None
-    kv_sizing: str | None = None
-    max_total_tokens: int | None = None
-    max_running_requests: int | None = None
-    context_length: int | None = None
-    chunked_prefill_size: int | None = None
-    cuda_graph_max_bs: int | None = None
-    prefill_graph_max_tokens: int | None = (
-        None  # piecewise graphs (everything but attention) up to this many tokens
-    )
-    disable_cuda_graph: bool = False
-    gpu_memory_utilization: float = 0.9
-    mem_fraction_static: float | None = None
-    headroom_margin_mib: int = 256  # stated safety margin on top of the measured activation peak
-    host_kv_gib: float | None = (
-        None  # CPU: RAM the KV cache may take (default: 25% of free RAM, at most 1 GiB)
-    )
-    swa_full_tokens_ratio: float = 0.8
-    tp_size: int = 1  # tensor-parallel ranks; > 1 runs one engine per rank (snugkv.distributed.launch)
-    max_device_memory_gib: float | None = None  # cap on the engine's device memory, kept on every resize
-    kv_chunk_mib: int = DEFAULT_CHUNK_BYTES // MIB  # largest KV extension: what a shrink drops whole
-    disable_overlap_schedule: bool = False  # the scheduler reads each step's tokens before the next
-
-    def validate(self) -> None:
-        """Refuse values no engine can run with, naming the flag (before `resolved` fills defaults)."""
-        for flag, value, choices in (
-            ("--load-format", self.load_format, LOAD_FORMATS),
-            ("--kv-layout", self.kv_layout, tuple(KVLayout)),
-            ("--attention-backend", self.attention_backend, attention_backend_names()),
-            ("--kv-sizing", self.kv_sizing, tuple(SizingMode)),
-        ):
-            if value is not None and value not in choices:
-                raise InvalidEngineArgs(f"{flag} must be one of {', '.join(choices)}, got {value!r}")
-        if self.page_size is not None and self.page_size < 1:
-            raise InvalidEngineArgs(f"--page-size must be at least 1, got {self.page_size}")
-        page = self.page_size or 1
-        if self.max_total_tokens is not None and self.max_total_tokens < 2 * page:
-            at = f" at --page-size {page}" if self.page_size else ""
-            raise InvalidEngineArgs(
-                f"--max-total-tokens {self.max_total_tokens} is below two KV pages ({2 * page} tokens{at}); raise it"
-            )
-        if self.host_kv_gib is not None and self.host_kv_gib <= 0:
-            raise InvalidEngineArgs(f"--host-kv-gib must be positive, got {self.host_kv_gib}")
-        if self.prefill_graph_max_tokens is not None and self.prefill_graph_max_tokens < 0:
-            raise InvalidEngineArgs(
-                f"--prefill-graph-max-tokens must be 0 (off) or positive, got {self.prefill_graph_max_tokens}"
-            )
-        if self.max_device_memory_gib is not None and self.max_device_memory_gib <= 0:
-            raise InvalidEngineArgs(f"--max-device-memory must be positive, got {self.max_device_memory_gib}")
-        if self.kv_chunk_mib < 1:
-            raise InvalidEngineArgs(f"--kv-chunk-mib must be at least 1, got {self.kv_chunk_mib}")
-        if self.max_running_requests is not None and self.max_running_requests < 1:
-            raise InvalidEngineArgs(
-                f"--max-running-requests must be at least 1, got {self.max_running_requests}"
-            )
-        if self.tp_size < 1:
-            raise InvalidEngineArgs(f"--tp must be >= 1, got {self.tp_size}")
-
-    def resolved(self, device: torch.device) -> EngineArgs:
-        gpu = device.type == "cuda"
-        chunk = self.chunked_prefill_size or (8192 if gpu else 512)
-        prefill_graphs = self.prefill_graph_max_tokens
-        if prefill_graphs is None:
-            prefill_graphs = chunk if gpu else 0
-        return replace(
-            self,
-            page_size=self.page_size or (16 if gpu else 1),
-            attention_backend=self.attention_backend or ("triton" if gpu else "torch"),
-            max_running_requests=self.max_running_requests or (256 if gpu else 16),
-            chunked_prefill_size=chunk,
-            cuda_graph_max_bs=self.cuda_graph_max_bs or (256 if gpu else 0),
-            prefill_graph_max_tokens=prefill_graphs,
-            disable_cuda_graph=self.disable_cuda_graph or not gpu,
-        )
-
-
-class InvalidEngineArgs(ValueError):
-    """An engine flag out of range; the message names the flag and what to pass."""
-
-
-@dataclass(frozen=True, slots=True)
-class SizedKV:
-    """What a sizing mode leaves behind: the runner over its sized pool, and the figures the
-    report and the ledger show."""
-
-    runner: ModelRunner
-    max_total_num_tokens: int
-    max_running_requests: int
-    sizing_ms: float
-    activation_peak_bytes: int
-    headroom_bytes: int
-    graph_driver_bytes: int
-    retries: int = 0
-    per_rank_free_bytes: tuple[int, ...] = ()
-    timings: dict[str, float] = field(default_factory=dict)  # keys carry their unit
-
-    @property
-    def pool(self) -> KVPool:
-        return self.runner.kv_pool
-
-
-@dataclass(frozen=True, slots=True)
-class StartupReport:
-    mode: SizingMode
-    max_total_num_tokens: int
-    max_running_requests: int
-    ledger: MemoryLedger
-    sizing_ms: float
-    retries: int = 0
-    per_rank_free_bytes: tuple[int, ...] = ()
-    timings: dict[str, float] = field(default_factory=dict)  # keys carry their unit
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "sizing_mode": str(self.mode),
-            "max_total_num_tokens": self.max_total_num_tokens,
-            "max_running_requests": self.max_running_requests,
-            "sizing_ms": round(self.sizing_ms, 3),
-            "retries": self.retries,
-            "per_rank_free_bytes": list(self.per_rank_free_bytes),
-            "memory_ledger": self.ledger.to_dict(),
-            "timings": {key: round(value, 3) for key, value in self.timings.items()},
-        }
-
-
-class Engine:
+class Engine(ElasticMemory):
     runner: ModelRunner | None
     pool: KVPool
 
@@ -246,6 +96,8 @@ class Engine:
         # them in virtual memory too, so sleep can release them without breaking a graph.
         self.mode = resolve_mode(args.kv_sizing, self.device)
         baseline_free, _ = device_memory(self.device)
+        # What torch held before the engine (other tensors of this process) is not the engine's.
+        self.baseline_reserved_bytes = torch_reserved_bytes(self.device)
         with use_tensor_parallel(tp):  # the model is built sharded for this rank
             self.loaded: LoadedModel = load_model(
                 args.model,
@@ -254,6 +106,7 @@ class Engine:
                 device=self.device,
                 seed=args.weights_seed,
                 max_position=args.context_length,
+                revision=args.revision,
                 weights_memory=self._weights_memory(),
             )
         if tp.enabled and not self.loaded.model.supports_tensor_parallel:
@@ -267,11 +120,8 @@ class Engine:
 
         self.memory = self._memory_backend()
         self.baseline_free_bytes = baseline_free
-        self.kv_events: deque[dict[str, Any]] = deque(maxlen=32)  # resizes, sleeps, wakes (newest last)
-        self.kv_event_count = 0  # every one so far (the history keeps the last 32)
         self._graph_driver_bytes = 0  # set once the graphs are captured
-        self.sleeping_tags: frozenset[str] = frozenset()  # what sleep released: "weights", "kv_cache"
-        self.sleep_level = 0  # of the last sleep: 1 keeps the weights on the host, 2 drops them
+        self._init_elastic()
         sized = self._start_post_capture() if self.mode is SizingMode.POST_CAPTURE else self._start_static()
         self.runner, self.pool = sized.runner, sized.pool
         self.headroom_bytes = sized.headroom_bytes
@@ -529,7 +379,7 @@ class Engine:
             outside_torch += pool.committed_bytes
         if self.loaded.weights is not None:
             outside_torch += self.loaded.weights.committed_bytes
-        return engine_device_bytes(self.memory, outside_torch)
+        return engine_device_bytes(self.memory, outside_torch, self.baseline_reserved_bytes)
 
     def _kv_cap_bytes(self, pool: KVPool, headroom_bytes: int) -> int | None:
         """What `--max-device-memory` leaves the KV cache: the cap less everything else the engine
@@ -617,305 +467,6 @@ class Engine:
     def _profile_peak(self, pool: KVPool) -> int:
         runner = self._build_runner(pool)
         return measure_peak_bytes(self.device, lambda: self._largest_eager_step(runner))
-
-    # -- run-time resizing ------------------------------------------------------------------
-    @property
-    def is_sleeping(self) -> bool:
-        return bool(self.sleeping_tags)
-
-    def kv_limits(self) -> ResizeLimits:
-        """The token counts a resize may ask for now."""
-        page = self._page_size
-        kv_cap = self._kv_cap_bytes(self.pool, self.headroom_bytes)
-        return ResizeLimits(
-            page_size=page,
-            min_tokens=2 * page,
-            reserved_tokens=self.pool.reserved_tokens,
-            max_total_tokens=self.args.max_total_tokens,
-            cap_tokens=cap_tokens(self.pool, kv_cap),
-            max_device_memory_gib=self.args.max_device_memory_gib,
-        )
-
-    def check_resizable(self) -> ModelRunner:
-        """The runner, or `KvResizeError` saying why the KV cache cannot change size now."""
-        if self.runner is None:
-            raise KvResizeError("the engine is closed", status=409)
-        if self.mode is not SizingMode.POST_CAPTURE or isinstance(self.memory, PlainMemory):
-            raise KvResizeError(
-                f"this engine sized its KV cache with --kv-sizing {self.mode}, whose memory cannot be given "
-                "back; start it with --kv-sizing post-capture to resize at run time",
-                status=409,
-            )
-        if self.is_sleeping:
-            raise KvResizeError(
-                "the engine is asleep (its KV cache is released); wake it first (POST /wake_up)", status=409
-            )
-        return self.runner
-
-    def kv_tokens_for_free_gib(self, free_gib: float) -> int:
-        """The KV size that leaves `free_gib` of device memory free beyond the activation headroom,
-        measured now as the MIN over ranks (and kept under the caps)."""
-        self.check_resizable()
-        free_gib = check_free_gib(free_gib)
-        free = measure_free(self.memory, self.group)
-        tokens = tokens_for_budget(
-            self.pool,
-            free.min_bytes - int(free_gib * GIB),
-            self.headroom_bytes,
-            self.args.max_total_tokens,
-            self._kv_cap_bytes(self.pool, self.headroom_bytes),
-        )
-        tokens = agree_min(tokens, self.group)
-        if tokens < 2 * self._page_size:
-            raise KvResizeError(
-                f"free_gib={free_gib:g} leaves room for only {tokens} KV tokens ({free.min_bytes / GIB:.2f} GiB "
-                f"free, {self.headroom_bytes / GIB:.2f} GiB activation headroom); ask for less free memory",
-                param="free_gib",
-            )
-        return tokens
-
-    def resize_kv(
-        self,
-        max_total_num_tokens: int,
-        *,
-        on_move: Callable[[KvMoves], None] | None = None,
-        evicted_tokens: int = 0,
-        retracted_requests: int = 0,
-    ) -> KvResize:
-        """Grow or shrink the KV cache to `max_total_num_tokens` (rounded down to whole pages).
-
-        Growing commits more of every buffer (never beyond the reserved address space). Shrinking
-        moves the pages in use above the new bound below it (`on_move` lets the prefix cache follow)
-        and decommits the rest; the pages in use must fit (the scheduler's elastic module evicts and
-        retracts first; `evicted_tokens`/`retracted_requests` are what it freed, for the record).
-        Every allocator and `max_running_requests` follow; graphs stay valid. Raises
-        `KvResizeError` naming the limit when the count is out of bounds or the engine cannot.
-        """
-        runner = self.check_resizable()
-        tokens = self.kv_limits().check(max_total_num_tokens)
-        started = time.perf_counter()
-        old_tokens, old_bytes = self.pool.committed_tokens, self.pool.committed_bytes
-        moved = kv_resize.MoveStats()
-        if tokens > old_tokens:
-            self._grow_kv(runner, old_tokens, tokens)
-        elif tokens < old_tokens:
-            try:
-                moved = kv_resize.shrink(runner, tokens, on_move)
-            except kv_resize.ShrinkDoesNotFit as exc:
-                raise KvResizeError(str(exc), status=409) from exc
-        result = KvResize(
-            "resize",
-            old_tokens,
-            tokens,
-            old_bytes,
-            self.pool.committed_bytes,
-            self._recap(runner, tokens),
-            (time.perf_counter() - started) * 1e3,
-            moved.moved_pages,
-            moved.moved_window_pages,
-            moved.copied_bytes,
-            evicted_tokens,
-            retracted_requests,
-        )
-        self._record(result)
-        return result
-
-    def _grow_kv(self, runner: ModelRunner, old_tokens: int, tokens: int) -> None:
-        """Commit on every rank or on none: a rank that could not back it makes all give it back."""
-        error: CommitError | None = None
-        try:
-            kv_resize.grow(runner, tokens)
-        except CommitError as exc:
-            error = exc
-        if agree_min(int(error is None), self.group):
-            return
-        if error is None:
-            kv_resize.shrink(runner, old_tokens)  # nothing was handed out above old_tokens yet
-        reason = error or "another tensor-parallel rank ran out of memory"
-        raise KvResizeError(
-            f"could not back {tokens} KV tokens ({reason}); free device memory or ask for fewer", status=409
-        )
-
-    def _record(self, change: KvResize) -> None:
-        """The change in the report (max_total_num_tokens, max_running_requests, a fresh ledger), the
-        history and the log."""
-        self.report = replace(
-            self.report,
-            max_total_num_tokens=change.to_tokens,
-            max_running_requests=change.max_running_requests,
-            ledger=self._measure_ledger(),
-        )
-        self.kv_events.append(change.to_dict())
-        self.kv_event_count += 1
-        self._log("%s", change.log_line())
-
-    def kv_info(self) -> dict[str, Any]:
-        """The KV cache now and what a resize would need (rank 0's view; no collective)."""
-        pool = self.pool
-        allocator = self.runner.allocator if self.runner is not None else None
-        capacity = allocator.capacity_tokens if allocator is not None else 0
-        available = allocator.available_tokens if allocator is not None else 0
-        limits = self.kv_limits()
-        free = self.memory.mem_get_info()[0]
-        kv_cap = self._kv_cap_bytes(pool, self.headroom_bytes)
-        fits_now = tokens_for_budget(pool, free, self.headroom_bytes, self.args.max_total_tokens, kv_cap)
-        return {
-            "max_total_num_tokens": pool.committed_tokens,
-            "capacity_tokens": capacity,
-            "used_tokens": capacity - available,
-            "available_tokens": available,
-            "usage": (capacity - available) / capacity if capacity else 0.0,
-            "page_size": self._page_size,
-            "committed_bytes": pool.committed_bytes,
-            "reserved_bytes": pool.reserved_bytes,
-            "reserved_tokens": pool.reserved_tokens,
-            "bytes_per_token": pool.bytes_per_token,
-            "chunk_bytes": pool.arena.chunk_bytes,
-            "granularity_bytes": pool.arena.vmm.granularity_bytes,
-            "min_tokens": limits.min_tokens,
-            "max_tokens": limits.max_tokens,
-            "max_tokens_bytes": pool.bytes_for_tokens(limits.max_tokens),
-            "max_total_tokens": self.args.max_total_tokens,
-            "max_device_memory_gib": self.args.max_device_memory_gib,
-            "cap_tokens": limits.cap_tokens,
-            "device_free_bytes": free,
-            "headroom_bytes": self.headroom_bytes,
-            "tokens_fitting_free_memory": fits_now,
-            "max_running_requests": self.report.max_running_requests,
-            "resizable": self.mode is SizingMode.POST_CAPTURE and not isinstance(self.memory, PlainMemory),
-            "sleeping_tags": sorted(self.sleeping_tags),
-            "events": list(self.kv_events),
-        }
-
-    # -- sleep and wake ---------------------------------------------------------------------
-    def check_sleep(self, level: int, tags: Collection[str] | None) -> frozenset[str]:
-        """The tags a sleep at `level` releases, or `KvResizeError` saying why it cannot."""
-        if level not in (1, 2):
-            raise KvResizeError(
-                f"level must be 1 (weights kept in host memory) or 2 (weights dropped), got {level!r}",
-                param="level",
-            )
-        chosen = self._check_tags(tags)
-        if self.mode is not SizingMode.POST_CAPTURE or self.loaded.weights is None:
-            raise KvResizeError(
-                f"this engine sized its KV cache with --kv-sizing {self.mode}, which keeps the weights and the "
-                "KV cache in torch's allocator; start it with --kv-sizing post-capture to sleep",
-                status=409,
-            )
-        return chosen
-
-    @staticmethod
-    def _check_tags(tags: Collection[str] | None) -> frozenset[str]:
-        """The tags to act on (none given: all); `cuda_graph` is accepted and left alone."""
-        if not tags:
-            return SLEEP_TAGS
-        given = frozenset(tags)
-        unknown = sorted(given - SLEEP_TAGS - KEPT_TAGS)
-        if unknown:
-            names = ", ".join(sorted(SLEEP_TAGS | KEPT_TAGS))
-            raise KvResizeError(f"unknown tag(s) {', '.join(unknown)}; tags are {names}", param="tags")
-        return given & SLEEP_TAGS
-
-    def sleep(self, level: int = 1, tags: Collection[str] | None = None) -> KvResize:
-        """Release the KV cache and/or the weights (`tags`, default both); every KV slot must be free
-        when the KV cache goes (the scheduler's elastic module retracts first). Level 1 copies the
-        weights to host memory, level 2 drops them (wake reloads them from the model files).
-        Graphs are kept: weights and KV come back at the same addresses."""
-        chosen = self.check_sleep(level, tags) - self.sleeping_tags
-        runner = self.runner
-        if runner is None:
-            raise KvResizeError("the engine is closed", status=409)
-        allocator = runner.allocator
-        if "kv_cache" in chosen and allocator.available_tokens != allocator.capacity_tokens:
-            raise KvResizeError(
-                f"{allocator.capacity_tokens - allocator.available_tokens} KV tokens are still held; finish or "
-                "retract the requests and empty the prefix cache before the KV cache sleeps",
-                status=409,
-            )
-        started = time.perf_counter()
-        old_tokens, old_bytes = self.pool.committed_tokens, self.pool.committed_bytes
-        if "kv_cache" in chosen:
-            kv_resize.release(runner)
-        if "weights" in chosen and self.loaded.weights is not None:
-            self.loaded.weights.offload(keep=level == 1)
-            self.sleep_level = level
-        settle(self.device)
-        self.sleeping_tags |= chosen
-        tokens = 0 if "kv_cache" in self.sleeping_tags else old_tokens
-        change = KvResize(
-            "sleep",
-            old_tokens,
-            tokens,
-            old_bytes,
-            self.pool.committed_bytes,
-            self.report.max_running_requests,
-            (time.perf_counter() - started) * 1e3,
-        )
-        self._record(change)
-        return change
-
-    def wake_up(self, tags: Collection[str] | None = None) -> KvResize:
-        """Take back what sleep released (`tags`, default all). The weights return at their
-        addresses (copied back, or loaded again after level 2); the KV cache is sized again from
-        free memory measured now (MIN over ranks, less the headroom, under the caps), not the old
-        number, and committed at its old addresses, so the captured graphs run as they are."""
-        chosen = self._check_tags(tags) & self.sleeping_tags
-        if "kv_cache" in chosen and "weights" in self.sleeping_tags - chosen:
-            raise KvResizeError(
-                "wake the weights before the KV cache (the KV cache is sized from what they leave free): "
-                "pass tags=weights first, or both",
-                status=409,
-                param="tags",
-            )
-        runner = self.runner
-        if runner is None:
-            raise KvResizeError("the engine is closed", status=409)
-        started = time.perf_counter()
-        weights = self.loaded.weights
-        if "weights" in chosen and weights is not None and not weights.restore():
-            with use_tensor_parallel(self.tp):  # level 2: the same files (or seed) again
-                fill_weights(self.loaded)
-        tokens, max_running = self.pool.committed_tokens, self.report.max_running_requests
-        if "kv_cache" in chosen:
-            tokens = self._back_kv_again(runner)
-            max_running = self._recap(runner, tokens)
-        self.sleeping_tags -= chosen
-        change = KvResize(
-            "wake",
-            0,
-            tokens,
-            0,
-            self.pool.committed_bytes,
-            max_running,
-            (time.perf_counter() - started) * 1e3,
-        )
-        self._record(change)
-        return change
-
-    def _back_kv_again(self, runner: ModelRunner) -> int:
-        self.pool.ensure_prefix()
-        free = measure_free(self.memory, self.group)
-        kv_cap = self._kv_cap_bytes(self.pool, self.headroom_bytes)
-        tokens = agree_min(
-            tokens_for_budget(
-                self.pool, free.min_bytes, self.headroom_bytes, self.args.max_total_tokens, kv_cap
-            ),
-            self.group,
-        )
-        if tokens < 2 * self._page_size:
-            self.pool.release_backing()
-            raise KvResizeError(
-                f"no memory to wake the KV cache into: {free.min_bytes / GIB:.2f} GiB free, "
-                f"{self.headroom_bytes / GIB:.2f} GiB kept as activation headroom; free device memory and wake again",
-                status=409,
-            )
-        try:
-            tokens, _ = finalize_with_retry(self.pool, tokens, self.group)
-        except SizingError as exc:  # memory taken meanwhile, on some rank: every rank stays asleep
-            self.pool.release_backing()
-            raise KvResizeError(str(exc), status=409) from exc
-        runner.allocator.resize(tokens)
-        return tokens
 
     # -- shutdown -----------------------------------------------------------------------
     def close(self) -> None:

@@ -1,0 +1,107 @@
+"""The engine's flags as one frozen value: defaults per device, and the checks that name the flag."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from snugkv.attention.registry import attention_backend_names
+from snugkv.memory.arena import DEFAULT_CHUNK_BYTES
+from snugkv.memory.layout import KVLayout
+from snugkv.memory.vmm import MIB
+from snugkv.models.loader import LOAD_FORMATS
+from snugkv.sizing.modes import SizingMode
+
+
+@dataclass(frozen=True, slots=True)
+class EngineArgs:
+    """Everything start-up needs. `None` means: pick the default for the device."""
+
+    model: str | None = None
+    load_format: str = "auto"
+    revision: str | None = None  # with a Hugging Face Hub id: the branch, tag or commit
+    dtype: str | None = None
+    device: str | None = None
+    weights_seed: int = 0  # random (dummy) weights only
+    kv_dtype: str | None = None
+    page_size: int | None = None
+    kv_layout: str = "nhd"
+    attention_backend: str | None = None
+    kv_sizing: str | None = None
+    max_total_tokens: int | None = None
+    max_running_requests: int | None = None
+    context_length: int | None = None
+    chunked_prefill_size: int | None = None
+    cuda_graph_max_bs: int | None = None
+    prefill_graph_max_tokens: int | None = (
+        None  # piecewise graphs (everything but attention) up to this many tokens
+    )
+    disable_cuda_graph: bool = False
+    gpu_memory_utilization: float = 0.9
+    mem_fraction_static: float | None = None
+    headroom_margin_mib: int = 256  # stated safety margin on top of the measured activation peak
+    host_kv_gib: float | None = (
+        None  # CPU: RAM the KV cache may take (default: 25% of free RAM, at most 1 GiB)
+    )
+    swa_full_tokens_ratio: float = 0.8
+    tp_size: int = 1  # tensor-parallel ranks; > 1 runs one engine per rank (snugkv.distributed.launch)
+    max_device_memory_gib: float | None = None  # cap on the engine's device memory, kept on every resize
+    kv_chunk_mib: int = DEFAULT_CHUNK_BYTES // MIB  # largest KV extension: what a shrink drops whole
+    disable_overlap_schedule: bool = False  # the scheduler reads each step's tokens before the next
+
+    def validate(self) -> None:
+        """Refuse values no engine can run with, naming the flag (before `resolved` fills defaults)."""
+        for flag, value, choices in (
+            ("--load-format", self.load_format, LOAD_FORMATS),
+            ("--kv-layout", self.kv_layout, tuple(KVLayout)),
+            ("--attention-backend", self.attention_backend, attention_backend_names()),
+            ("--kv-sizing", self.kv_sizing, tuple(SizingMode)),
+        ):
+            if value is not None and value not in choices:
+                raise InvalidEngineArgs(f"{flag} must be one of {', '.join(choices)}, got {value!r}")
+        if self.page_size is not None and self.page_size < 1:
+            raise InvalidEngineArgs(f"--page-size must be at least 1, got {self.page_size}")
+        page = self.page_size or 1
+        if self.max_total_tokens is not None and self.max_total_tokens < 2 * page:
+            at = f" at --page-size {page}" if self.page_size else ""
+            raise InvalidEngineArgs(
+                f"--max-total-tokens {self.max_total_tokens} is below two KV pages ({2 * page} tokens{at}); raise it"
+            )
+        if self.host_kv_gib is not None and self.host_kv_gib <= 0:
+            raise InvalidEngineArgs(f"--host-kv-gib must be positive, got {self.host_kv_gib}")
+        if self.prefill_graph_max_tokens is not None and self.prefill_graph_max_tokens < 0:
+            raise InvalidEngineArgs(
+                f"--prefill-graph-max-tokens must be 0 (off) or positive, got {self.prefill_graph_max_tokens}"
+            )
+        if self.max_device_memory_gib is not None and self.max_device_memory_gib <= 0:
+            raise InvalidEngineArgs(f"--max-device-memory must be positive, got {self.max_device_memory_gib}")
+        if self.kv_chunk_mib < 1:
+            raise InvalidEngineArgs(f"--kv-chunk-mib must be at least 1, got {self.kv_chunk_mib}")
+        if self.max_running_requests is not None and self.max_running_requests < 1:
+            raise InvalidEngineArgs(
+                f"--max-running-requests must be at least 1, got {self.max_running_requests}"
+            )
+        if self.tp_size < 1:
+            raise InvalidEngineArgs(f"--tp must be >= 1, got {self.tp_size}")
+
+    def resolved(self, device: torch.device) -> EngineArgs:
+        gpu = device.type == "cuda"
+        chunk = self.chunked_prefill_size or (8192 if gpu else 512)
+        prefill_graphs = self.prefill_graph_max_tokens
+        if prefill_graphs is None:
+            prefill_graphs = chunk if gpu else 0
+        return replace(
+            self,
+            page_size=self.page_size or (16 if gpu else 1),
+            attention_backend=self.attention_backend or ("triton" if gpu else "torch"),
+            max_running_requests=self.max_running_requests or (256 if gpu else 16),
+            chunked_prefill_size=chunk,
+            cuda_graph_max_bs=self.cuda_graph_max_bs or (256 if gpu else 0),
+            prefill_graph_max_tokens=prefill_graphs,
+            disable_cuda_graph=self.disable_cuda_graph or not gpu,
+        )
+
+
+class InvalidEngineArgs(ValueError):
+    """An engine flag out of range; the message names the flag and what to pass."""
