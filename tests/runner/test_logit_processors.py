@@ -154,3 +154,15 @@ def test_out_of_range_values_say_what_to_change(kwargs, words):
 def test_logit_bias_names_only_tokens_of_the_vocabulary():
     with pytest.raises(InvalidRequest, match="not a token of this model"):
         SamplingParams(logit_bias=((VOCAB, 1.0),)).check_token_ids(VOCAB)
+
+
+def test_the_structured_output_bitmask_comes_after_the_processors():
+    """A bias toward a token the grammar forbids cannot bring it back: the mask is applied last."""
+    from snugkv.core.structured_output import TokenBitmask
+
+    logits = torch.zeros(2, VOCAB)
+    bits = torch.zeros(1, (VOCAB + 31) // 32, dtype=torch.int32)
+    bits[0, 0] = (1 << 3) | (1 << 4)  # row 0 may take tokens 3 and 4 only
+    mask = TokenBitmask(rows=torch.tensor([0]), bits=bits)
+    params = [SamplingParams(logit_bias=((9, 100.0), (4, 1.0))), SamplingParams(logit_bias=((9, 100.0),))]
+    assert Sampler()(logits, params, None, mask).tolist() == [4, 9]

@@ -52,8 +52,8 @@ class Sampler:
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None] | None = None,
-        token_rows: TokenRows | None = None,
         token_bitmask: TokenBitmask | None = None,
+        token_rows: TokenRows | None = None,
     ) -> torch.Tensor:
         """Next token ids `[B]` (int64) for logits `[B, vocab]`; `token_rows` is needed when a row
         uses penalties or `min_tokens` (`SamplingParams.uses_token_history`); `token_bitmask` holds

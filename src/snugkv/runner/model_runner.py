@@ -262,7 +262,7 @@ class ModelRunner:
                     history.start(req_pool_indices[index], *start)
             token_rows = history.rows(table_rows)
         tokens = self.tp.broadcast_tensor_from_first(
-            self.sampler(logits, params, generators, token_rows, token_bitmask)
+            self.sampler(logits, params, generators, token_bitmask, token_rows)
         )
         if token_rows is not None:
             self._token_history(int(logits.shape[-1])).record(table_rows, tokens)
