@@ -7,7 +7,8 @@ where no row does pays for none of them, and the logits are not even copied):
    repetition (prompt and output tokens: positive logits divided, negative multiplied),
    frequency (times each output token's count) and presence (once per output token seen);
 3. `min_tokens`: EOS and the request's `stop_token_ids` masked while fewer tokens are out;
-4. (a constrained row's allowed-token bitmask goes here, before the temperature);
+4. structured output: `token_bitmask` sends every token a constrained row's grammar refuses to
+   -inf (only the listed rows; a bias or penalty can never bring such a token back);
 5. temperature; 6. `min_p`, top-k and top-p filters; 7. the draw (greedy rows: the argmax of the
    processed logits).
 
@@ -62,7 +63,7 @@ class Sampler:
             raise ValueError(f"{logits.shape[0]} logit rows but {len(params)} sampling params")
         if any(p.processes_logits for p in params):
             logits = self.process(logits, params, token_rows)
-        if token_bitmask is not None:  # stage 4: greedy rows see it too
+        if token_bitmask is not None:  # stage 4, before the greedy argmax too
             logits = apply_token_bitmask(logits, token_bitmask)
         greedy_tokens = torch.argmax(logits, dim=-1)
         if all(p.greedy for p in params):
