@@ -86,6 +86,31 @@ def test_greedy_tokens_equal_transformers_for_several_prompts(llm, transformers_
     assert "Paris" in outputs[-1].text
 
 
+def test_prompt_logprobs_equal_transformers_and_max_new_tokens_0_only_scores(llm, transformers_smollm2):
+    ids = llm.tokenizer.encode(RAW[0])
+    scored, generated = llm.generate(
+        [ids, ids],
+        [
+            SamplingParams(max_new_tokens=0, prompt_logprobs=2),
+            SamplingParams(max_new_tokens=3, prompt_logprobs=0, repetition_penalty=1.3),
+        ],
+        use_tqdm=False,
+    )
+    with torch.no_grad():
+        log_softmax = torch.log_softmax(transformers_smollm2(torch.tensor([ids])).logits[0].float(), -1)
+    assert scored.token_ids == [] and scored.finish_reason == "length"
+    assert len(generated.token_ids) == 3
+    for output in (scored, generated):
+        entries = output.prompt_logprobs
+        assert entries is not None and entries[0] is None and len(entries) == len(ids)
+        for position in range(1, len(ids)):
+            entry = entries[position]
+            assert entry.token_id == ids[position]
+            assert abs(entry.logprob - float(log_softmax[position - 1, ids[position]])) < 1e-4
+    assert [len(entry.top) for entry in scored.prompt_logprobs[1:]] == [2] * (len(ids) - 1)
+    assert llm.generate(RAW[0], SamplingParams(max_new_tokens=1), use_tqdm=False)[0].prompt_logprobs is None
+
+
 @pytest.mark.slow
 def test_generate_and_chat_print_what_snugkv_generate_prints(llm, capsys):
     greedy = SamplingParams(max_new_tokens=NEW_TOKENS)

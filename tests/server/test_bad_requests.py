@@ -110,15 +110,85 @@ BAD_BODIES = {
         ["image_url", "text"],
     ),
     "messages not a list": (CHAT, {"messages": "hi"}, 400, "messages", ["list"]),
-    "presence_penalty": (
+    "presence_penalty out of range": (
         COMPLETIONS,
-        {"prompt": "x", "presence_penalty": 1.0},
+        {"prompt": "x", "presence_penalty": 3.0},
         400,
         "presence_penalty",
-        ["remove"],
+        ["between -2 and 2"],
     ),
-    "echo": (COMPLETIONS, {"prompt": "x", "echo": True}, 400, "echo", ["remove"]),
+    "repetition_penalty zero": (
+        CHAT,
+        {"messages": HI, "repetition_penalty": 0},
+        400,
+        "repetition_penalty",
+        ["(0, 100]"],
+    ),
+    "min_p above one": (COMPLETIONS, {"prompt": "x", "min_p": 2}, 400, "min_p", ["between 0 and 1"]),
+    "min_tokens over max_tokens": (
+        COMPLETIONS,
+        {"prompt": "x", "max_tokens": 2, "min_tokens": 5},
+        400,
+        "min_tokens",
+        ["exceeds max_tokens"],
+    ),
+    "logit_bias key not an id": (
+        COMPLETIONS,
+        {"prompt": "x", "logit_bias": {"hello": 1}},
+        400,
+        "logit_bias",
+        ["token ids"],
+    ),
+    "logit_bias id out of range": (
+        CHAT,
+        {"messages": HI, "logit_bias": {"99999999": 1}},
+        400,
+        "logit_bias",
+        ["not a token of this model"],
+    ),
+    "logit_bias too large": (
+        COMPLETIONS,
+        {"prompt": "x", "logit_bias": {"5": 500}},
+        400,
+        "logit_bias",
+        ["-100 and 100"],
+    ),
+    "suffix": (COMPLETIONS, {"prompt": "x", "suffix": "end"}, 400, "suffix", ["suffix"]),
+    "beam search": (COMPLETIONS, {"prompt": "x", "use_beam_search": True}, 400, "use_beam_search", ["beam"]),
+    "legacy functions": (
+        CHAT,
+        {"messages": HI, "functions": [{"name": "f"}]},
+        400,
+        "functions",
+        ["tool calling"],
+    ),
+    "guided whitespace": (
+        COMPLETIONS,
+        {"prompt": "x", "guided_whitespace_pattern": " *"},
+        400,
+        "guided_whitespace_pattern",
+        ["structured output"],
+    ),
+    "chat echo": (CHAT, {"messages": HI, "echo": True}, 400, "echo", ["remove echo"]),
 }
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "extra"),
+    [
+        (
+            COMPLETIONS,
+            {"user": "me", "metadata": {"a": "b"}, "store": False, "response_format": {"type": "text"}},
+        ),
+        (CHAT, {"tools": [], "tool_choice": "none", "service_tier": "auto", "parallel_tool_calls": True}),
+        (COMPLETIONS, {"skip_special_tokens": True, "some_future_field": 3}),
+    ],
+    ids=["informational", "inert tools", "inert and unknown"],
+)
+def test_fields_that_change_nothing_are_accepted(client: httpx.Client, endpoint: str, extra: dict) -> None:
+    body = {"prompt": "x"} if endpoint == COMPLETIONS else {"messages": HI}
+    response = client.post(endpoint, json={**body, "max_tokens": 2, **extra})
+    assert response.status_code == 200, response.text
 
 
 @pytest.mark.parametrize("case", list(BAD_BODIES), ids=list(BAD_BODIES))

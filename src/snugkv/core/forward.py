@@ -115,6 +115,8 @@ class BatchRow:
     """One request's share of a forward: `token_ids` go at positions `prefix_len ...`.
 
     `need_logits` is False for a non-final prefill chunk, whose next token nobody samples.
+    `prompt_logits`: the runner returns the logits of every new token of the row (in position
+    order; the last is the one sampled when `need_logits`), for the prompt's log-probabilities.
     Not frozen: one is built per request per step, and a frozen `__init__` costs three times more.
     """
 
@@ -122,6 +124,7 @@ class BatchRow:
     prefix_len: int
     token_ids: Sequence[int]
     need_logits: bool = True
+    prompt_logits: bool = False
 
     @property
     def seq_len(self) -> int:
@@ -133,7 +136,7 @@ class ForwardBatch:
     """Device tensors (and CPU mirrors of the lengths) for one forward; see the module docstring.
 
     `logits_indices` holds T-axis indices of the tokens whose logits the runner returns (the last
-    new token of each row that needs them). `kv_width` bounds how many key columns a gathering
+    new token of each row that needs them; every new token of a `prompt_logits` row). `kv_width` bounds how many key columns a gathering
     decode path reads per row; graphs set it to the table width so the shape is static, eager
     batches leave it None (meaning `max(seq_lens)`). `attn_metadata` is the attention backend's
     own per-batch state, set by `AttentionBackend.init_forward_metadata`. `reads_future_tokens`:
@@ -213,9 +216,12 @@ class ForwardBatch:
                     "only a decode batch (one token per row, every row sampled) may take the "
                     "previous step's token (FUTURE_TOKEN)"
                 )
-            logits_rows = [
-                start + length - 1 for row, start, length in zip(rows, starts, extend_lens) if row.need_logits
-            ]
+            logits_rows = []
+            for row, start, length in zip(rows, starts, extend_lens):
+                if row.prompt_logits:
+                    logits_rows.extend(range(start, start + length))
+                elif row.need_logits:
+                    logits_rows.append(start + length - 1)
         if out_cache_loc.numel() != total:
             raise ValueError(f"out_cache_loc holds {out_cache_loc.numel()} slots for {total} new tokens")
         # Every index tensor goes to the device in one copy, then is split into views.

@@ -25,10 +25,16 @@ class GenerateInput:
 
 @dataclass(frozen=True, slots=True)
 class TokenLogprob:
+    """A token's log-probability; `top` holds the most likely alternatives (text, logprob) and
+    `top_ids` their ids, best first; `rank` is the token's place among all (1: the most likely),
+    where it was computed (prompt tokens)."""
+
     token_id: int
     token: str
     logprob: float
     top: list[tuple[str, float]] = field(default_factory=list)
+    top_ids: tuple[int, ...] = ()
+    rank: int | None = None
 
 
 @dataclass(slots=True)
@@ -45,5 +51,8 @@ class GenerateOutput:
     completion_tokens: int = 0
     cached_tokens: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    # one entry per prompt token (the first is None: nothing comes before it), once, in the first
+    # output after the prompt is scored; None when the request did not ask (`prompt_logprobs`)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     error: str | None = None
     rejected: bool = False  # the engine refused the request as it is (a 400: `error` says what to change)

@@ -10,6 +10,8 @@ from snugkv.core.structured_output import StructuredOutput
 
 MAX_TOP_K = 1 << 20
 MAX_LOGPROBS = 20
+MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI's range)
+MAX_LOGIT_BIAS = 100.0  # a logit_bias value lies in [-100, 100] (OpenAI's range)
 # Sampling this cold is the argmax in all but name (logit gaps are multiplied by 1e5), and colder still
 # the division overflows float32 logits to inf and the softmax to NaN: such rows are greedy (vLLM's bound).
 MIN_SAMPLING_TEMPERATURE = 1e-5
@@ -30,6 +32,16 @@ class SamplingParams:
     reproducible per request. `stop` strings are matched on the decoded text and are not part of
     the output; `stop_token_ids` end generation after that token. `ignore_eos` keeps generating
     past the end-of-sequence token (benchmarks).
+
+    Logit processors (OpenAI's and vLLM's meaning; `layers.sampler` applies them in this order):
+    `logit_bias` adds `(token_id, bias)` pairs to the logits; `repetition_penalty` divides the
+    positive logits (multiplies the negative) of every token seen in the prompt or the output;
+    `presence_penalty` subtracts once per token generated so far, `frequency_penalty` once per
+    occurrence; `min_tokens` keeps EOS and `stop_token_ids` from being drawn until that many
+    tokens are out; `min_p` drops tokens less likely than `min_p` times the most likely one.
+    `max_new_tokens == 0` is allowed only with `prompt_logprobs` (scoring a prompt, nothing new);
+    `prompt_logprobs` is the number of top alternatives per prompt position (0: only the prompt's
+    own token), like `logprobs` for the output.
     """
 
     max_new_tokens: int = 128
@@ -41,6 +53,13 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives to return per token (0: only the chosen)
+    prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_p: float = 0.0
+    min_tokens: int = 0
     structured: StructuredOutput | None = None  # what the output must match (snugkv.structured)
     extra: dict[str, object] = field(default_factory=dict, compare=False)
 
@@ -51,6 +70,22 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < MIN_SAMPLING_TEMPERATURE or self.top_k == 1
 
+    @property
+    def uses_token_history(self) -> bool:
+        """Whether sampling reads the request's earlier tokens (penalties or `min_tokens`)."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+            or self.min_tokens > 0
+        )
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether a processor changes the logits before the temperature (the sampler skips that
+        stage, and the copy it takes, if no row does)."""
+        return self.uses_token_history or bool(self.logit_bias)
+
     def make_generator(self, device: torch.device) -> torch.Generator | None:
         """The request's own random stream (seeded sampling is independent of the batch)."""
         if self.seed is None or self.greedy:
@@ -58,9 +93,11 @@ class SamplingParams:
         return torch.Generator(device=device).manual_seed(self.seed)
 
     def validate(self, max_context_tokens: int | None = None) -> None:
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+        scoring = self.prompt_logprobs is not None
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < (0 if scoring else 1):
             raise InvalidRequest(
-                f"max_tokens must be a positive integer, got {self.max_new_tokens!r} (max_new_tokens)"
+                f"max_tokens must be a positive integer, got {self.max_new_tokens!r} (max_new_tokens); "
+                "0 is allowed only when scoring the prompt (echo with logprobs, or prompt_logprobs)"
             )
         if max_context_tokens is not None and self.max_new_tokens > max_context_tokens:
             raise InvalidRequest(
@@ -79,3 +116,40 @@ class SamplingParams:
             raise InvalidRequest("stop must be at most 16 non-empty strings")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise InvalidRequest(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise InvalidRequest(
+                f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.prompt_logprobs}"
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise InvalidRequest(
+                    f"{name} must be between -{MAX_PENALTY:g} and {MAX_PENALTY:g}, got {value}"
+                )
+        if not 0.0 < self.repetition_penalty <= 100.0:
+            raise InvalidRequest(
+                f"repetition_penalty must be in (0, 100] (1 means none), got {self.repetition_penalty}"
+            )
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequest(f"min_p must be between 0 and 1, got {self.min_p}")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise InvalidRequest(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}")
+        if self.min_tokens > self.max_new_tokens:
+            raise InvalidRequest(
+                f"min_tokens={self.min_tokens} exceeds max_tokens={self.max_new_tokens}; lower min_tokens"
+            )
+        for token_id, bias in self.logit_bias:
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise InvalidRequest(
+                    f"logit_bias for token {token_id} is {bias}; a bias must be between "
+                    f"-{MAX_LOGIT_BIAS:g} and {MAX_LOGIT_BIAS:g}"
+                )
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """Raise `InvalidRequest` if `logit_bias` names a token this vocabulary lacks."""
+        for token_id, _ in self.logit_bias:
+            if not 0 <= token_id < vocab_size:
+                raise InvalidRequest(
+                    f"logit_bias names token {token_id}, which is not a token of this model; "
+                    f"ids must be 0 to {vocab_size - 1}"
+                )

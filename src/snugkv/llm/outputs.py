@@ -33,7 +33,8 @@ class RequestTimes:
 @dataclass(frozen=True, slots=True)
 class RequestOutput:
     """One prompt's result. `prompt` is the text given (None for token ids and chats);
-    `logprobs` holds one entry per output token when the prompt's `SamplingParams.logprobs` asked."""
+    `logprobs` holds one entry per output token when the prompt's `SamplingParams.logprobs` asked;
+    `prompt_logprobs` one per prompt token (the first None) when `SamplingParams.prompt_logprobs` did."""
 
     prompt: str | None
     prompt_token_ids: list[int]
@@ -43,6 +44,7 @@ class RequestOutput:
     cached_tokens: int  # prompt tokens served from the prefix cache
     logprobs: list[TokenLogprob] | None
     times: RequestTimes
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -83,6 +85,7 @@ class Stream:
     token_ids: list[int] = field(default_factory=list)
     text_pieces: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     final: GenerateOutput | None = None
     times: RequestTimes | None = None
 
@@ -107,6 +110,8 @@ class Collector:
         if output.text:
             stream.text_pieces.append(output.text)
         stream.logprobs.extend(output.logprobs)
+        if output.prompt_logprobs is not None:
+            stream.prompt_logprobs = output.prompt_logprobs
         self.output_tokens += len(output.token_ids)
         if output.finished:
             now = time.monotonic()

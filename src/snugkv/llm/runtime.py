@@ -223,6 +223,7 @@ class Runtime:
             cached_tokens=final.cached_tokens,
             logprobs=stream.logprobs if prompt.sampling.logprobs is not None else None,
             times=times,
+            prompt_logprobs=stream.prompt_logprobs,
         )
 
     # -- closing ------------------------------------------------------------------------

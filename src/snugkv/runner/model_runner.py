@@ -41,6 +41,7 @@ from snugkv.runner.cuda_graph import DecodeCudaGraphs, release_cublas_workspaces
 from snugkv.runner.future_tokens import FutureTokens
 from snugkv.runner.kv_cache import make_slot_allocator
 from snugkv.runner.piecewise_graphs import PiecewiseGraphs
+from snugkv.runner.token_history import TokenHistory
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,7 @@ class ModelRunner:
         self.cuda_graphs: DecodeCudaGraphs | None = None
         self.piecewise_graphs: PiecewiseGraphs | None = None
         self.future_tokens = FutureTokens(req_to_token_pool.max_requests + 1, self.device)
+        self.token_history: TokenHistory | None = None  # made when a request first uses penalties
 
     @classmethod
     def build(
@@ -240,15 +242,38 @@ class ModelRunner:
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None] | None,
         req_pool_indices: Sequence[int],
+        history_starts: Sequence[tuple[Sequence[int], Sequence[int]] | None] = (),
         token_bitmask: TokenBitmask | None = None,
     ) -> torch.Tensor:
         """Next token ids `[rows]` as a device tensor, without waiting for the GPU; each is also
         kept for its table row (`req_pool_indices`), where a next decode row's `FUTURE_TOKEN`
         finds it. With tensor parallelism rank 0's tokens go to every rank over the device group,
-        queued on the stream like the sampling itself."""
-        tokens = self.tp.broadcast_tensor_from_first(self.sampler(logits, params, generators, token_bitmask))
-        self.future_tokens.store(to_device(req_pool_indices, torch.int64, self.device), tokens)
+        queued on the stream like the sampling itself.
+
+        When a row uses penalties or `min_tokens`, the token history of the batch's rows is read
+        and the sampled tokens are added to it; `history_starts[i]` (prompt ids, output ids so far)
+        sets row i's history first, at a request's first sampling after its prefill."""
+        table_rows = to_device(req_pool_indices, torch.int64, self.device)
+        token_rows = None
+        if any(p.uses_token_history for p in params):
+            history = self._token_history(int(logits.shape[-1]))
+            for index, start in enumerate(history_starts):
+                if start is not None and params[index].uses_token_history:
+                    history.start(req_pool_indices[index], *start)
+            token_rows = history.rows(table_rows)
+        tokens = self.tp.broadcast_tensor_from_first(
+            self.sampler(logits, params, generators, token_bitmask, token_rows)
+        )
+        if token_rows is not None:
+            self._token_history(int(logits.shape[-1])).record(table_rows, tokens)
+        self.future_tokens.store(table_rows, tokens)
         return tokens
+
+    def _token_history(self, vocab_size: int) -> TokenHistory:
+        if self.token_history is None or self.token_history.vocab_size != vocab_size:
+            rows = self.req_to_token_pool.max_requests + 1
+            self.token_history = TokenHistory(rows, vocab_size, self.device)
+        return self.token_history
 
     # -- graphs ---------------------------------------------------------------------------
     def capture_cuda_graphs(self, batch_sizes: Sequence[int]) -> None:

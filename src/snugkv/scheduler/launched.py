@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from snugkv.core.forward import BatchRow
+from snugkv.scheduler.prompt_scores import PromptScores
 from snugkv.scheduler.request import Request
 
 
@@ -53,6 +54,7 @@ class LaunchedStep:
     tokens: torch.Tensor | None  # host-bound copy, `[len(sampled_rows)]`
     log_probs: torch.Tensor | None  # host-bound copy of OutputBuilder.log_prob_rows
     started: Any  # a CUDA event or a perf_counter reading
+    prompt_scores: PromptScores | None = None  # host-bound log-probabilities of prompt tokens
     done: Any = None
     overlapped: bool = False  # queued while the step before it was still unread
     waited_s: float = 0.0  # how long `results` waited for the device

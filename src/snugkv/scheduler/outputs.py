@@ -60,6 +60,14 @@ class OutputBuilder:
             )
         return result
 
+    @staticmethod
+    def _unsent_prompt_logprobs(request: Request) -> list[Any] | None:
+        """The prompt's entries, in the first output after all are computed (None otherwise)."""
+        if request.sent_prompt_logprobs or request.sampling.prompt_logprobs is None or request.scores_prompt:
+            return None
+        request.sent_prompt_logprobs = True
+        return list(request.prompt_logprobs)
+
     def piece(self, token: int) -> str:
         return self.tokenizer.decode([token]) if self.tokenizer is not None else str(token)
 
@@ -87,6 +95,7 @@ class OutputBuilder:
             completion_tokens=len(request.output_ids),
             cached_tokens=request.cached_tokens,
             logprobs=request.logprobs[request.sent_logprobs_len :],
+            prompt_logprobs=self._unsent_prompt_logprobs(request),
             error=request.error,
         )
         request.sent_token_len = len(request.output_ids)

@@ -51,6 +51,15 @@ class Request:
     read_offset: int = 0
     logprobs: list[Any] = field(default_factory=list)
     sent_logprobs_len: int = 0
+    # a `TokenLogprob` per prompt position scored so far (position 0 has none: None), when asked
+    prompt_logprobs: list[Any] = field(default_factory=list)
+    sent_prompt_logprobs: bool = False
+
+    @property
+    def scores_prompt(self) -> bool:
+        """The request asked for its prompt's log-probabilities and some are not computed yet: its
+        prefill must compute every prompt position (no prefix-cache hit: a cached prefix has no logits)."""
+        return self.sampling.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids)
 
     @property
     def all_ids(self) -> list[int]:

@@ -55,6 +55,7 @@ from snugkv.runner.model_runner import ModelRunner
 from snugkv.scheduler.detokenizer import detokenize, find_stop
 from snugkv.scheduler.launched import LaunchedStep, ScheduledBatch, StepTimes, clock
 from snugkv.scheduler.outputs import OutputBuilder, OutputCallback
+from snugkv.scheduler.prompt_scores import PROMPT_LOGITS_PER_STEP, split_logits
 from snugkv.scheduler.radix_cache import RadixCache
 from snugkv.scheduler.request import Request
 from snugkv.scheduler.slots import RequestSlots, SlotAccountingError
@@ -83,6 +84,7 @@ class Scheduler:
         self.runner = runner
         self.overlap = overlap
         self.eos_token_ids = frozenset(eos_token_ids)
+        runner.sampler.eos_token_ids = tuple(sorted(self.eos_token_ids))  # what min_tokens holds back
         self.max_running_requests = max_running_requests
         self.chunked_prefill_size = chunked_prefill_size
         self.page_size = runner.allocator.page_size
@@ -135,6 +137,8 @@ class Scheduler:
         if rid in self.requests:
             raise InvalidRequest(f"request id {rid!r} is already in use")
         request = Request(rid, list(prompt_ids), sampling, seq=next(self._arrivals))
+        if sampling.prompt_logprobs is not None:
+            request.prompt_logprobs.append(None)  # the first token has nothing before it
         request.generator = sampling.make_generator(self.runner.device)
         if sampling.structured is not None:
             request.grammar = RequestGrammar(self._grammar_cache().get(sampling.structured))
@@ -148,6 +152,7 @@ class Scheduler:
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty; send at least one token")
         sampling.validate(self.context_length)
+        sampling.check_token_ids(self.runner.model.config.vocab_size)
         if len(prompt_ids) + 1 > self.context_length:
             raise InvalidRequest(
                 f"the prompt has {len(prompt_ids)} tokens but the context holds {self.context_length} "
@@ -239,6 +244,7 @@ class Scheduler:
 
     def _schedule_prefill(self) -> ScheduledBatch | None:
         budget = self.chunked_prefill_size
+        scoring_budget = PROMPT_LOGITS_PER_STEP
         rows: list[BatchRow] = []
         batch: list[Request] = []
         slot_parts: list[torch.Tensor] = []
@@ -248,7 +254,10 @@ class Scheduler:
             newly_admitted = not request.is_admitted
             if newly_admitted and not self.slots.admit(request):
                 break
-            chunk = min(request.pending_len, budget)
+            scoring = request.scores_prompt
+            chunk = min(request.pending_len, budget, scoring_budget if scoring else budget)
+            if chunk == 0:
+                break
             if not self.slots.make_room(
                 self.slots.new_slots(request.kv_len, chunk) + self.page_size + reserve
             ):
@@ -261,6 +270,7 @@ class Scheduler:
                 request.kv_len,
                 request.all_ids[request.kv_len : end],
                 need_logits=end == request.num_tokens,
+                prompt_logits=scoring,
             )
             slots = self.runner.allocate_slots([row])
             if slots is None:
@@ -272,6 +282,7 @@ class Scheduler:
             rows.append(row)
             batch.append(request)
             budget -= chunk
+            scoring_budget -= chunk if scoring else 0
             reserve += self.page_size
         if not rows:
             return None
@@ -320,7 +331,7 @@ class Scheduler:
             request.in_flight += len(row.token_ids)
         device = self.runner.device
         started = clock(device)
-        logits = self.runner.forward(rows, scheduled.slots)
+        logits, prompt_scores = split_logits(self.runner.forward(rows, scheduled.slots), rows, batch)
         sampled_rows = [index for index, row in enumerate(rows) if row.need_logits]
         tokens = log_probs = None
         if sampled_rows:
@@ -330,7 +341,9 @@ class Scheduler:
                 [r.sampling for r in sampled],
                 [r.generator for r in sampled],
                 [r.table_row for r in sampled],
-                self._token_bitmask(sampled, previous),
+                # after a prefill, the penalties' token history starts from the request's tokens
+                history_starts=() if scheduled.decode else [(r.prompt_ids, r.output_ids) for r in sampled],
+                token_bitmask=self._token_bitmask(sampled, previous),
             )
             log_probs = self.outputs.log_prob_rows(logits, sampled)
         launched = LaunchedStep(
@@ -340,6 +353,7 @@ class Scheduler:
             log_probs=None if log_probs is None else to_host(log_probs),
             started=started,
             overlapped=previous is not None,
+            prompt_scores=prompt_scores,
         )
         launched.finish_launch(device)
         if not scheduled.decode:
@@ -382,6 +396,8 @@ class Scheduler:
         rows, batch = launched.batch.rows, launched.batch.requests
         sampled = [batch[index] for index in launched.sampled_rows]
         logprobs = self.outputs.logprobs(log_probs, sampled, tokens)
+        if launched.prompt_scores is not None:
+            launched.prompt_scores.add_to_requests(self.outputs.piece)
         now = time.monotonic()
         finished_any = False
         sample_index = 0
@@ -393,6 +409,10 @@ class Scheduler:
             request.kv_len += len(row.token_ids)
             request.in_flight -= len(row.token_ids)
             if not row.need_logits:
+                continue
+            if request.sampling.max_new_tokens == 0:  # only scoring the prompt: nothing is generated
+                finished_any = True
+                self._finish(request, "length")
                 continue
             request.output_ids.append(tokens[index])
             if request.grammar is not None:

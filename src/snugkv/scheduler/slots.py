@@ -40,7 +40,9 @@ class RequestSlots:
         row = self.runner.req_to_token_pool.alloc()
         if row is None:
             return False
-        match = self.cache.match_prefix(request.all_ids[:-1], count_stats=request.retractions == 0)
+        # A request scoring its prompt computes every position: a cached prefix would have no logits.
+        reusable = [] if request.scores_prompt else request.all_ids[:-1]
+        match = self.cache.match_prefix(reusable, count_stats=request.retractions == 0)
         request.req_pool_idx = row
         if match.num_tokens:
             self.cache.lock(match.node)

@@ -7,12 +7,13 @@ I/O, no engine, no timing.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from pydantic import BaseModel
 
 from snugkv.core.outputs import GenerateOutput, TokenLogprob
-from snugkv.server.prepare import PreparedRequest
+from snugkv.server.prepare import EchoedPrompt, PreparedRequest
 from snugkv.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -25,6 +26,7 @@ from snugkv.server.protocol import (
     CompletionChunk,
     CompletionLogprobs,
     CompletionResponse,
+    PromptLogprob,
     TopLogprob,
     UsageInfo,
 )
@@ -37,6 +39,7 @@ class ChoiceState:
     prompt_tokens: int
     text: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # arrives once, with the first output
     counted_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
@@ -50,6 +53,8 @@ class ChoiceState:
         self.latest_text_offset = self.text_chars
         self.text_chars += len(output.text)
         self.logprobs.extend(output.logprobs)
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs = output.prompt_logprobs
         self.counted_tokens += len(output.token_ids)
         self.completion_tokens = max(self.counted_tokens, output.completion_tokens)
         self.prompt_tokens = output.prompt_tokens or self.prompt_tokens
@@ -89,7 +94,9 @@ def usage_of(prepared: PreparedRequest, choices: list[ChoiceState]) -> UsageInfo
 
 
 class CompletionFormat:
-    """Chunks and responses of POST /v1/completions."""
+    """Chunks and responses of POST /v1/completions. With `echo` the prompt's text (and its tokens'
+    logprobs, the first null as OpenAI has it) comes first, in the first chunk when streamed, and
+    every text offset counts from the prompt's start; vLLM's `prompt_logprobs` is per choice."""
 
     def opening(self, prepared: PreparedRequest) -> list[BaseModel]:
         return []
@@ -97,17 +104,25 @@ class CompletionFormat:
     def delta(
         self, prepared: PreparedRequest, index: int, output: GenerateOutput, state: ChoiceState
     ) -> BaseModel | None:
+        echo = prepared.echo[prepared.prompt_of_choice[index]] if prepared.echo else None
+        first = state.counted_tokens == len(output.token_ids)  # `absorb` took this output already
+        echo_text = echo.text if echo is not None and first else ""
+        shift = len(echo.text) if echo is not None else 0
         logprobs = None
         if prepared.logprobs:
-            logprobs = _completion_logprobs(output.logprobs, state.latest_text_offset)
-        if not output.text and not output.finished and not output.logprobs:
+            entries = _echo_entries(prepared, echo, output.prompt_logprobs) if echo_text else []
+            logprobs = _completion_logprobs(
+                entries + list(output.logprobs), state.latest_text_offset + shift - len(echo_text)
+            )
+        if not output.text and not echo_text and not output.finished and not output.logprobs:
             return None
         choice = CompletionChoice(
             index=index,
-            text=output.text,
+            text=echo_text + output.text,
             logprobs=logprobs,
             finish_reason=state.finish_reason,
             finish_detail=state.finish_detail,
+            prompt_logprobs=_vllm_prompt_logprobs(prepared, output.prompt_logprobs),
         )
         return CompletionChunk(
             id=prepared.request_id, created=prepared.created, model=prepared.model, choices=[choice]
@@ -123,17 +138,23 @@ class CompletionFormat:
             id=prepared.request_id,
             created=prepared.created,
             model=prepared.model,
-            choices=[
-                CompletionChoice(
-                    index=index,
-                    text="".join(state.text),
-                    logprobs=_completion_logprobs(state.logprobs, 0) if prepared.logprobs else None,
-                    finish_reason=state.finish_reason,
-                    finish_detail=state.finish_detail,
-                )
-                for index, state in enumerate(choices)
-            ],
+            choices=[self._choice(prepared, index, state) for index, state in enumerate(choices)],
             usage=usage_of(prepared, choices),
+        )
+
+    def _choice(self, prepared: PreparedRequest, index: int, state: ChoiceState) -> CompletionChoice:
+        echo = prepared.echo[prepared.prompt_of_choice[index]] if prepared.echo else None
+        logprobs = None
+        if prepared.logprobs:
+            entries = _echo_entries(prepared, echo, state.prompt_logprobs) if echo is not None else []
+            logprobs = _completion_logprobs([*entries, *state.logprobs], 0)
+        return CompletionChoice(
+            index=index,
+            text=(echo.text if echo is not None else "") + "".join(state.text),
+            logprobs=logprobs,
+            finish_reason=state.finish_reason,
+            finish_detail=state.finish_detail,
+            prompt_logprobs=_vllm_prompt_logprobs(prepared, state.prompt_logprobs),
         )
 
 
@@ -195,15 +216,35 @@ class ChatFormat:
 ResponseFormat = CompletionFormat | ChatFormat
 
 
-def _completion_logprobs(entries: list[TokenLogprob], first_offset: int) -> CompletionLogprobs:
+def _echo_entries(
+    prepared: PreparedRequest, echo: EchoedPrompt | None, prompt_logprobs: list[TokenLogprob | None] | None
+) -> list[TokenLogprob | str]:
+    """The echoed prompt's entries: its first token's text (it has no log-probability), then each
+    token's entry cut to the `logprobs` alternatives the request asked for."""
+    if echo is None or prompt_logprobs is None:
+        return []
+    top_n = prepared.echo_logprobs or 0
+    entries: list[TokenLogprob | str] = [echo.first_token]
+    for entry in prompt_logprobs[1:]:
+        if entry is not None:
+            entries.append(dataclasses.replace(entry, top=entry.top[:top_n]))
+    return entries
+
+
+def _completion_logprobs(entries: list[TokenLogprob | str], first_offset: int) -> CompletionLogprobs:
+    """OpenAI's legacy logprobs; an entry that is only text (an echoed prompt's first token) has
+    null logprobs."""
     offsets, offset = [], first_offset
+    tokens: list[str] = []
     for entry in entries:
+        token = entry if isinstance(entry, str) else entry.token
         offsets.append(offset)
-        offset += len(entry.token)
+        tokens.append(token)
+        offset += len(token)
     return CompletionLogprobs(
-        tokens=[entry.token for entry in entries],
-        token_logprobs=[entry.logprob for entry in entries],
-        top_logprobs=[_top_with_sampled(entry) for entry in entries],
+        tokens=tokens,
+        token_logprobs=[None if isinstance(entry, str) else entry.logprob for entry in entries],
+        top_logprobs=[None if isinstance(entry, str) else _top_with_sampled(entry) for entry in entries],
         text_offset=offsets,
     )
 
@@ -211,9 +252,35 @@ def _completion_logprobs(entries: list[TokenLogprob], first_offset: int) -> Comp
 def _top_with_sampled(entry: TokenLogprob) -> dict[str, float]:
     """The completions API's alternatives always hold the sampled token too (OpenAI and vLLM: up to
     `logprobs + 1` entries), so a client can read every token's logprob from one place."""
-    top = dict(entry.top)
+    top: dict[str, float] = {}
+    for token, logprob in entry.top:  # best first: where two tokens read alike, the likelier one shows
+        top.setdefault(token, logprob)
     top.setdefault(entry.token, entry.logprob)
     return top
+
+
+def _vllm_prompt_logprobs(
+    prepared: PreparedRequest, entries: list[TokenLogprob | None] | None
+) -> list[dict[str, PromptLogprob] | None] | None:
+    """vLLM's `prompt_logprobs`: per prompt position (the first null), the prompt's token and the
+    `prompt_logprobs` most likely ones, keyed by token id, each with its rank and text."""
+    if prepared.prompt_logprobs is None or entries is None:
+        return None
+    result: list[dict[str, PromptLogprob] | None] = []
+    for entry in entries:
+        if entry is None:
+            result.append(None)
+            continue
+        position: dict[str, PromptLogprob] = {}
+        top = list(zip(entry.top_ids, entry.top))[: prepared.prompt_logprobs]
+        for rank, (token_id, (text, logprob)) in enumerate(top, start=1):
+            position[str(token_id)] = PromptLogprob(logprob=logprob, rank=rank, decoded_token=text)
+        position.setdefault(
+            str(entry.token_id),
+            PromptLogprob(logprob=entry.logprob, rank=entry.rank, decoded_token=entry.token),
+        )
+        result.append(position)
+    return result
 
 
 def _chat_logprobs(entries: list[TokenLogprob]) -> ChatLogprobs:

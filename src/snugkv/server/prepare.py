@@ -25,7 +25,12 @@ from snugkv.core.sampling import MAX_LOGPROBS, InvalidRequest, SamplingParams
 from snugkv.server.engine_protocol import EngineClient
 from snugkv.server.errors import APIError, bad_request, from_validation_error
 from snugkv.server.guided import requested_structured_output
-from snugkv.server.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
+from snugkv.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerationRequest,
+    refused_field,
+)
 from snugkv.server.tools import ToolPlan, plan_tools, render_messages
 
 MAX_CHOICES = 128  # n times the number of prompts
@@ -76,8 +81,21 @@ class SequenceLimit:
 
 
 @dataclass(frozen=True, slots=True)
+class EchoedPrompt:
+    """What `echo` puts before a completion: the prompt's text and its first token's text (the
+    one token without a log-probability)."""
+
+    text: str
+    first_token: str
+
+
+@dataclass(frozen=True, slots=True)
 class PreparedRequest:
-    """One HTTP request, ready to run: choice `i` is `inputs[i]`, from prompt `prompt_of_choice[i]`."""
+    """One HTTP request, ready to run: choice `i` is `inputs[i]`, from prompt `prompt_of_choice[i]`.
+
+    `echo[p]` is prompt p's text when the completion starts with it; `echo_logprobs` and
+    `prompt_logprobs` are how many alternatives the echoed tokens and vLLM's `prompt_logprobs`
+    show per position (None: not asked)."""
 
     request_id: str
     created: int
@@ -89,6 +107,9 @@ class PreparedRequest:
     include_usage: bool
     logprobs: bool
     tools: ToolPlan | None = None  # chat with tools: how calls are read back (server.tools)
+    echo: list[EchoedPrompt] | None = None
+    echo_logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
 
 def parse_body(raw: bytes, model: type[RequestModel]) -> RequestModel:
@@ -117,29 +138,52 @@ def parse_body(raw: bytes, model: type[RequestModel]) -> RequestModel:
 def prepare_completion(
     body: CompletionRequest, engine: EngineClient, served_model_name: str, limit: SequenceLimit
 ) -> PreparedRequest:
-    _check_common(body, served_model_name)
+    _check_common(body, served_model_name, "completions")
     _check_stop_token_ids(body, engine.tokenizer)
-    if body.echo:
-        raise bad_request("echo is not supported; remove it or set it to false.", param="echo")
-    if body.suffix:
-        raise bad_request("suffix is not supported; remove it.", param="suffix")
     if body.best_of is not None and body.best_of != body.n:
         raise bad_request("best_of is not supported; remove it or set it equal to n.", param="best_of")
     max_tokens = body.max_tokens if body.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
-    sampling = _sampling(body, max_tokens, body.logprobs, limit)
+    # Echoed tokens carry `logprobs` alternatives, vLLM's `prompt_logprobs` its own count: the engine
+    # computes the larger. An echo of no new tokens scores nothing but still runs the prompt once.
+    echo_logprobs = body.logprobs if body.echo else None
+    asked = [count for count in (echo_logprobs, body.prompt_logprobs) if count is not None]
+    if body.echo and max_tokens == 0 and not asked:
+        asked = [0]
+    sampling = _sampling(
+        body,
+        max_tokens,
+        body.logprobs,
+        limit,
+        prompt_logprobs=max(asked, default=None),
+        tokenizer=engine.tokenizer,
+    )
     sampling = dataclasses.replace(sampling, structured=requested_structured_output(body))
-    prompts = [_completion_prompt_ids(prompt, engine.tokenizer) for prompt in _split_prompts(body.prompt)]
+    raw_prompts = _split_prompts(body.prompt)
+    prompts = [_completion_prompt_ids(prompt, engine.tokenizer) for prompt in raw_prompts]
     for index, ids in enumerate(prompts):
         name = "prompt" if len(prompts) == 1 else f"prompt[{index}]"
         _check_token_ids(ids, engine.tokenizer, name)
         _check_fits(len(ids), sampling.max_new_tokens, limit, what=f"The {name}", param="prompt")
-    return _fan_out("cmpl", body, served_model_name, prompts, sampling, logprobs=body.logprobs is not None)
+    prepared = _fan_out(
+        "cmpl", body, served_model_name, prompts, sampling, logprobs=body.logprobs is not None
+    )
+    echo = None
+    if body.echo:
+        echo = [_echoed(raw, ids, engine.tokenizer) for raw, ids in zip(raw_prompts, prompts)]
+    return dataclasses.replace(
+        prepared, echo=echo, echo_logprobs=echo_logprobs, prompt_logprobs=body.prompt_logprobs
+    )
+
+
+def _echoed(raw: str | list[int], ids: list[int], tokenizer: Any) -> EchoedPrompt:
+    text = raw if isinstance(raw, str) else tokenizer.decode(ids)
+    return EchoedPrompt(text=text, first_token=tokenizer.decode(ids[:1]))
 
 
 def prepare_chat(
     body: ChatCompletionRequest, engine: EngineClient, served_model_name: str, limit: SequenceLimit
 ) -> PreparedRequest:
-    _check_common(body, served_model_name)
+    _check_common(body, served_model_name, "chat")
     _check_stop_token_ids(body, engine.tokenizer)
     parallel_tool_calls = body.parallel_tool_calls is not False
     tools = plan_tools(
@@ -154,7 +198,7 @@ def prepare_chat(
         )
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    sampling = _sampling(body, max_tokens, top_logprobs, limit)
+    sampling = _sampling(body, max_tokens, top_logprobs, limit, tokenizer=engine.tokenizer)
     structured = requested_structured_output(body)
     if tools is not None and tools.structured is not None:
         if structured is not None:
@@ -180,7 +224,7 @@ def prepare_chat(
     return dataclasses.replace(prepared, tools=tools)
 
 
-def _check_common(body: GenerationRequest, served_model_name: str) -> None:
+def _check_common(body: GenerationRequest, served_model_name: str, endpoint: str) -> None:
     if body.model is not None and body.model != served_model_name:
         raise APIError(
             404,
@@ -191,15 +235,49 @@ def _check_common(body: GenerationRequest, served_model_name: str) -> None:
         )
     if not 1 <= body.n <= MAX_CHOICES:
         raise bad_request(f"n must be between 1 and {MAX_CHOICES}, got {body.n}.", param="n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(body, name):
-            raise bad_request(f"{name} is not supported; remove it or set it to 0.", param=name)
-    if body.logit_bias:
-        raise bad_request("logit_bias is not supported; remove it.", param="logit_bias")
+    refused = refused_field(body, endpoint)
+    if refused is not None:
+        name, field = refused
+        raise bad_request(
+            f"{name} asks for {field.what}, which this server does not support yet; remove {name}.",
+            param=name,
+        )
+
+
+def _logit_bias(body: GenerationRequest, tokenizer: Any) -> tuple[tuple[int, float], ...]:
+    """OpenAI's `{"token id": bias}` as `(id, bias)` pairs, ids checked against the vocabulary."""
+    pairs = []
+    vocab_size = _vocab_size(tokenizer)
+    for key, bias in (body.logit_bias or {}).items():
+        if not key.strip().isdigit():
+            raise bad_request(
+                f'logit_bias has the key {key!r}; keys are token ids written as strings, such as "50256".',
+                param="logit_bias",
+            )
+        if isinstance(bias, bool) or not isinstance(bias, int | float):
+            raise bad_request(
+                f"logit_bias[{key!r}] is {bias!r}; each bias is a number between -100 and 100.",
+                param="logit_bias",
+            )
+        token = int(key)
+        if vocab_size is not None and token >= vocab_size:
+            raise bad_request(
+                f"logit_bias names token {token}, which is not a token of this model; ids must be "
+                f"0 to {vocab_size - 1}.",
+                param="logit_bias",
+            )
+        pairs.append((token, float(bias)))
+    return tuple(pairs)
 
 
 def _sampling(
-    body: GenerationRequest, max_tokens: int | None, logprobs: int | None, limit: SequenceLimit
+    body: GenerationRequest,
+    max_tokens: int | None,
+    logprobs: int | None,
+    limit: SequenceLimit,
+    *,
+    prompt_logprobs: int | None = None,
+    tokenizer: Any = None,
 ) -> SamplingParams:
     """Sampling values checked against the engine's rules; `max_tokens=None` is settled later."""
     if max_tokens is not None and max_tokens > limit.tokens:
@@ -220,6 +298,13 @@ def _sampling(
             stop_token_ids=tuple(body.stop_token_ids or ()),
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=body.repetition_penalty if body.repetition_penalty is not None else 1.0,
+            logit_bias=_logit_bias(body, tokenizer),
+            min_p=body.min_p or 0.0,
+            min_tokens=body.min_tokens or 0,
         )
         sampling.validate(limit.tokens)
     except InvalidRequest as exc:

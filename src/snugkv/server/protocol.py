@@ -1,7 +1,9 @@
 """The OpenAI completions and chat completions wire format, as pydantic models.
 
-Requests are strict (a string where a number belongs is an error, not a guess) and ignore
-fields they do not know, as OpenAI clients send extras. Fields whose JSON may take several shapes
+Requests are strict (a string where a number belongs is an error, not a guess) and keep fields
+they do not know, as OpenAI clients send extras: a field that would change the output but is not
+implemented is refused by name (`REFUSED_FIELDS`, the one list of them: remove an entry when its
+feature lands), and the others (`user`, `metadata`, ...) are informational and accepted. Fields whose JSON may take several shapes
 (`prompt`, `stop`, message `content`) are checked by hand so that the error says which shapes are
 accepted. Responses mirror OpenAI's field names so the official client parses them unchanged.
 This module holds no behaviour beyond shape checks.
@@ -9,6 +11,8 @@ This module holds no behaviour beyond shape checks.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import (
@@ -32,7 +36,10 @@ class StreamOptions(_Request):
 
 
 class GenerationRequest(_Request):
-    """Fields shared by both endpoints; `top_k`, `ignore_eos` and `stop_token_ids` are extensions."""
+    """Fields shared by both endpoints; `top_k`, `min_p`, `min_tokens`, `repetition_penalty`,
+    `ignore_eos` and `stop_token_ids` are extensions (vLLM's names)."""
+
+    model_config = ConfigDict(strict=True, extra="allow")  # unknown fields: see `refused_field`
 
     model: str | None = None
     n: int = 1
@@ -48,6 +55,9 @@ class GenerationRequest(_Request):
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
     logit_bias: dict[str, Any] | None = None
     user: str | None = None
     # Structured output (snugkv.server.guided): OpenAI's, vLLM's and SGLang's names.
@@ -74,7 +84,7 @@ class CompletionRequest(GenerationRequest):
     prompt: PromptInput
     logprobs: int | None = None
     echo: bool = False
-    suffix: str | None = None
+    prompt_logprobs: int | None = None  # vLLM's extension: top alternatives per prompt position
     best_of: int | None = None
 
     @field_validator("prompt", mode="plain")
@@ -127,6 +137,91 @@ class ChatCompletionRequest(GenerationRequest):
     parallel_tool_calls: bool | None = None
 
 
+def _unset(value: Any) -> bool:
+    return value is None
+
+
+def _unset_or_empty(value: Any) -> bool:
+    return value is None or value == [] or value == {} or value == ""
+
+
+def _falsy(value: Any) -> bool:
+    return value is None or value is False
+
+
+def _unset_or(*inert: Any) -> Callable[[Any], bool]:
+    return lambda value: value is None or value in inert
+
+
+@dataclass(frozen=True, slots=True)
+class RefusedField:
+    """A request field this server does not implement although it would change the output.
+
+    `inert(value)` is True for the values that ask for what the server does anyway (e.g.
+    `skip_special_tokens: true`), which are accepted. `endpoints` limits the refusal to
+    "completions" or "chat" where the other endpoint implements the field or never sees it."""
+
+    what: str  # what the field asks for, as the error message names it
+    inert: Callable[[Any], bool] = _unset
+    endpoints: frozenset[str] = frozenset({"completions", "chat"})
+
+
+_STRUCTURED = "structured output"
+_TOOLS = "tool calling"  # `tools` and `tool_choice` are implemented; the legacy function fields are not
+
+# The one list of fields refused by name: remove an entry when its feature lands.
+REFUSED_FIELDS: dict[str, RefusedField] = {
+    "guided_whitespace_pattern": RefusedField(_STRUCTURED),
+    "structured_outputs": RefusedField(_STRUCTURED),
+    "functions": RefusedField(_TOOLS, _unset_or_empty),
+    "function_call": RefusedField(_TOOLS, _unset_or("none", "auto")),
+    "suffix": RefusedField(
+        "text after the insertion point (suffix)", _unset_or_empty, frozenset({"completions"})
+    ),
+    "use_beam_search": RefusedField("beam search", _falsy),
+    "length_penalty": RefusedField("beam search's length penalty", _unset_or(1, 1.0)),
+    "bad_words": RefusedField("banned words", _unset_or_empty),
+    "allowed_token_ids": RefusedField("a list of allowed tokens", _unset_or_empty),
+    "truncate_prompt_tokens": RefusedField("prompt truncation"),
+    "include_stop_str_in_output": RefusedField("stop strings in the output", _falsy),
+    "skip_special_tokens": RefusedField("special tokens in the text", _unset_or(True)),
+    "spaces_between_special_tokens": RefusedField("the spacing of special tokens", _unset_or(True)),
+    "typical_p": RefusedField("typical sampling", _unset_or(1, 1.0)),
+    "top_a": RefusedField("top-a sampling", _unset_or(0, 0.0)),
+    "tfs": RefusedField("tail-free sampling", _unset_or(1, 1.0)),
+    "mirostat": RefusedField("mirostat sampling", _unset_or(0)),
+    "no_repeat_ngram_size": RefusedField("n-gram blocking", _unset_or(0)),
+    "logits_processors": RefusedField("custom logits processors", _unset_or_empty),
+    "prediction": RefusedField("predicted outputs"),
+    "audio": RefusedField("audio output"),
+    "modalities": RefusedField("other output modalities", _unset_or(["text"])),
+    "reasoning_effort": RefusedField("a reasoning effort"),
+    "chat_template": RefusedField("a chat template of the request's own", endpoints=frozenset({"chat"})),
+    "chat_template_kwargs": RefusedField("chat template options", _unset_or_empty, frozenset({"chat"})),
+    "continue_final_message": RefusedField("continuing the last message", _falsy, frozenset({"chat"})),
+    "add_generation_prompt": RefusedField(
+        "a prompt without the generation prompt", _unset_or(True), frozenset({"chat"})
+    ),
+    "documents": RefusedField("documents for the chat template", _unset_or_empty, frozenset({"chat"})),
+    "echo": RefusedField("echoing the last message", _falsy, frozenset({"chat"})),
+    "prompt_logprobs": RefusedField(
+        "prompt log-probabilities on chat (use /v1/completions)", endpoints=frozenset({"chat"})
+    ),
+}
+
+
+def refused_field(request: GenerationRequest, endpoint: str) -> tuple[str, RefusedField] | None:
+    """The first field of `request` that `REFUSED_FIELDS` refuses on `endpoint` ("completions" or
+    "chat") with a value that would change the output, or None."""
+    given = {name: getattr(request, name) for name in request.model_fields_set}
+    given.update(request.model_extra or {})
+    for name, value in given.items():
+        refused = REFUSED_FIELDS.get(name)
+        if refused is not None and endpoint in refused.endpoints and not refused.inert(value):
+            return name, refused
+    return None
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -135,21 +230,33 @@ class UsageInfo(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy logprobs; with `echo` the prompt's first token has null entries."""
+
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
+
+
+class PromptLogprob(BaseModel):
+    """One entry of vLLM's `prompt_logprobs` (keyed by token id)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str
 
 
 class _Choice(BaseModel):
     """A choice's `finish_detail` (snugkv's own reason when `finish_reason` alone would mislead, e.g.
-    "abort") appears only when set; the other fields keep OpenAI's explicit nulls."""
+    "abort") and `prompt_logprobs` (asked for) appear only when set; the other fields keep
+    OpenAI's explicit nulls."""
 
     @model_serializer(mode="wrap")
-    def _omit_empty_finish_detail(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+    def _omit_unset_extensions(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         data = handler(self)
-        if data.get("finish_detail", "") is None:
-            del data["finish_detail"]
+        for name in ("finish_detail", "prompt_logprobs"):
+            if data.get(name, "") is None:
+                del data[name]
         return data
 
 
@@ -159,6 +266,7 @@ class CompletionChoice(_Choice):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     finish_detail: str | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class CompletionResponse(BaseModel):
