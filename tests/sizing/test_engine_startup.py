@@ -101,6 +101,16 @@ def test_user_cap_limits_the_post_capture_pool(tiny_dir):
     engine.close()
 
 
+def test_start_up_makes_the_penalties_token_history_before_it_sizes_the_kv_cache(tiny_dir):
+    """The history (`[table rows, vocab]`) is allocated by the largest step's sampling, so the
+    memory it takes is gone before free memory is measured, not taken later from the KV's room."""
+    engine = start(tiny_dir)
+    history = engine.runner.token_history
+    assert history is not None
+    assert history.output_counts.shape[0] == engine.runner.req_to_token_pool.max_requests + 1
+    engine.close()
+
+
 def test_without_vmm_the_gpu_falls_back_to_profiled_with_one_clear_line(monkeypatch, caplog):
     monkeypatch.setattr(modes, "cuda_vmm_status", lambda device: (False, "the CUDA driver is too old"))
     with caplog.at_level(logging.WARNING):

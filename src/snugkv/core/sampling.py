@@ -10,6 +10,9 @@ from snugkv.core.structured_output import StructuredOutput
 
 MAX_TOP_K = 1 << 20
 MAX_LOGPROBS = 20
+# The most prompt positions one step scores (echo / prompt_logprobs): their logits are
+# [positions, vocab] float32; start-up sizing measures a step that scores this many.
+PROMPT_LOGITS_PER_STEP = 512
 MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI's range)
 MAX_LOGIT_BIAS = 100.0  # a logit_bias value lies in [-100, 100] (OpenAI's range)
 # Sampling this cold is the argmax in all but name (logit gaps are multiplied by 1e5), and colder still

@@ -18,17 +18,19 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from snugkv.core.forward import BatchRow
-from snugkv.core.sampling import SamplingParams
+from snugkv.core.sampling import MAX_LOGPROBS, PROMPT_LOGITS_PER_STEP, SamplingParams
 from snugkv.distributed.group import TensorParallel, use_tensor_parallel
 from snugkv.engine.args import EngineArgs
 from snugkv.engine.elastic import ElasticMemory
 from snugkv.engine.report import SizedKV, StartupReport
+from snugkv.layers.logprobs import score_tokens
 from snugkv.memory.host_device import SharedHostDevice
 from snugkv.memory.kv_pool import KVPool, KVPoolSpec, PoolMode
 from snugkv.memory.vmm import GIB, MIB, CommitError, VirtualMemory
@@ -265,18 +267,27 @@ class Engine(ElasticMemory):
         return taken.driver_bytes, time.perf_counter() - started
 
     def _largest_eager_step(self, runner: ModelRunner) -> None:
-        """The biggest eager work the engine will run: the largest prefill chunk, decode beyond the
-        graphs, and the sampler over the largest batch with top-k and top-p, on the dummy slot only.
+        """The biggest eager work the engine will run: the largest prefill chunk (scoring the most
+        prompt positions a step scores), decode beyond the graphs, and the sampler with every stage
+        over the largest batch, on the dummy slot only.
 
         Row 0 of the table is the padding row (all zeros), so every token reads and writes
         slot 0: this runs before any KV beyond the dummy page is backed.
         """
-        sampling = SamplingParams(temperature=1.0, top_p=0.9, top_k=50)
+        # Sampling with every stage on: penalties also make the runner's per-row token history,
+        # which then stays (allocated before the KV cache is sized, so the sizing counts it).
+        sampling = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, min_p=0.05)
+        penalised = replace(sampling, repetition_penalty=1.1, min_tokens=1)
         chunk = min(self._chunked_prefill_size, self.context_length)
-        logits = runner.forward(
-            [BatchRow(0, 0, [0] * chunk)], torch.zeros(chunk, dtype=torch.int64, device=self.device)
+        scored = min(chunk, PROMPT_LOGITS_PER_STEP)  # a prompt being scored: logits for each position
+        rows = [BatchRow(0, 0, [0] * scored, prompt_logits=True)]
+        if chunk > scored:
+            rows.append(BatchRow(0, 0, [0] * (chunk - scored)))
+        logits = runner.forward(rows, torch.zeros(chunk, dtype=torch.int64, device=self.device))
+        score_tokens(
+            logits, torch.zeros(logits.shape[0], dtype=torch.int64, device=self.device), MAX_LOGPROBS
         )
-        runner.sample(logits, [sampling])
+        runner.sample(logits[-1:], [sampling])
         sizes = self._graph_batch_sizes()
         batch = self._max_running_requests
         if not sizes or batch > max(sizes):
@@ -284,7 +295,7 @@ class Engine(ElasticMemory):
             logits = runner.forward(rows, torch.zeros(batch, dtype=torch.int64, device=self.device))
         else:  # graph decode: its logits live in the graph pool; sampling them runs eagerly
             logits = torch.randn(batch, self.config.vocab_size, device=self.device)
-        runner.sample(logits, [sampling] * batch)
+        runner.sample_on_device(logits, [penalised] * batch, None, [0] * batch)  # row 0: the padding row
 
     # -- post-capture -------------------------------------------------------------------
     def _start_post_capture(self) -> SizedKV:

@@ -21,11 +21,8 @@ import torch
 from snugkv.core.forward import BatchRow
 from snugkv.core.outputs import TokenLogprob
 from snugkv.core.transfer import to_device, to_host
+from snugkv.layers.logprobs import score_tokens
 from snugkv.scheduler.request import Request
-
-# The most prompt positions one step scores: their logits are [positions, vocab] float32, which the
-# start-up sizing does not count (it measures one logits row per request), so a step's share is bounded.
-PROMPT_LOGITS_PER_STEP = 512
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,18 +100,15 @@ def split_logits(
     sample_logits = logits.index_select(0, to_device(sampled, torch.int64, device))
     if not scored:
         return sample_logits, None
-    log_probs = torch.log_softmax(logits.index_select(0, to_device(scored, torch.int64, device)).float(), -1)
-    target = to_device(targets, torch.int64, device)[:, None]
-    chosen = log_probs.gather(1, target)
-    ranks = (log_probs > chosen).sum(dim=-1) + 1
     top_n = max((span.request.sampling.prompt_logprobs or 0) for span in spans)
-    top = torch.topk(log_probs, top_n, dim=-1)
+    scored_logits = logits.index_select(0, to_device(scored, torch.int64, device))
+    scored_tokens = score_tokens(scored_logits, to_device(targets, torch.int64, device), top_n)
     scores = PromptScores(
         spans=spans,
         target_ids=targets,
-        logprobs=to_host(chosen[:, 0]),
-        ranks=to_host(ranks),
-        top_values=to_host(top.values),
-        top_ids=to_host(top.indices),
+        logprobs=to_host(scored_tokens.logprobs),
+        ranks=to_host(scored_tokens.ranks),
+        top_values=to_host(scored_tokens.top_values),
+        top_ids=to_host(scored_tokens.top_ids),
     )
     return sample_logits, scores

@@ -48,14 +48,14 @@ from typing import Any
 import torch
 
 from snugkv.core.forward import FUTURE_TOKEN, BatchRow
-from snugkv.core.sampling import InvalidRequest, SamplingParams
+from snugkv.core.sampling import PROMPT_LOGITS_PER_STEP, InvalidRequest, SamplingParams
 from snugkv.core.structured_output import TokenBitmask
 from snugkv.core.transfer import to_host
 from snugkv.runner.model_runner import ModelRunner
 from snugkv.scheduler.detokenizer import detokenize, find_stop
 from snugkv.scheduler.launched import LaunchedStep, ScheduledBatch, StepTimes, clock
 from snugkv.scheduler.outputs import OutputBuilder, OutputCallback
-from snugkv.scheduler.prompt_scores import PROMPT_LOGITS_PER_STEP, split_logits
+from snugkv.scheduler.prompt_scores import split_logits
 from snugkv.scheduler.radix_cache import RadixCache
 from snugkv.scheduler.request import Request
 from snugkv.scheduler.slots import RequestSlots, SlotAccountingError
