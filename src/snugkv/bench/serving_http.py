@@ -28,15 +28,18 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def start_server(
-    model: str, extra: list[str], timeout_s: float = 300.0
-) -> tuple[subprocess.Popen[bytes], str]:
-    """`snugkv serve` on a free loopback port; returns the process and its base URL once healthy."""
-    port = _free_port()
-    command = [
+def serve_command(model: str, extra: list[str]) -> list[str]:
+    """`snugkv serve` of `model` with random weights; the port is added by `start_server`."""
+    return [
         sys.executable, "-m", "snugkv", "--log-level", "WARNING", "serve", "--model", model,
-        "--load-format", "dummy", "--host", "127.0.0.1", "--port", str(port), *extra,
+        "--load-format", "dummy", "--host", "127.0.0.1", *extra,
     ]  # fmt: skip
+
+
+def start_server(command: list[str], timeout_s: float = 300.0) -> tuple[subprocess.Popen[bytes], str]:
+    """`command --port P` on a free loopback port; returns the process and its base URL once healthy."""
+    port = _free_port()
+    command = [*command, "--port", str(port)]
     process = subprocess.Popen(command, env={**os.environ, "TQDM_DISABLE": "1"})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s
@@ -61,7 +64,7 @@ def stop_server(process: subprocess.Popen[bytes]) -> None:
         process.kill()
 
 
-async def _drive(url: str, requests: list[tuple[list[int], int]]) -> dict[str, Any]:
+async def _drive(url: str, requests: list[tuple[list[int], int]], stream: bool = True) -> dict[str, Any]:
     limits = httpx.Limits(max_connections=len(requests) + 8, max_keepalive_connections=len(requests) + 8)
     async with httpx.AsyncClient(base_url=url, timeout=3600.0, limits=limits) as client:
         served = (await client.get("/v1/models")).json()["data"][0]["id"]
@@ -73,10 +76,14 @@ async def _drive(url: str, requests: list[tuple[list[int], int]]) -> dict[str, A
                 "prompt": prompt,
                 "max_tokens": max_tokens,
                 "temperature": 0.0,
-                "stream": True,
-                "stream_options": {"include_usage": True},
+                "stream": stream,
                 "ignore_eos": True,
             }
+            if not stream:
+                response = await client.post("/v1/completions", json=body)
+                response.raise_for_status()
+                return response.json()["usage"]["completion_tokens"], None
+            body["stream_options"] = {"include_usage": True}
             first: float | None = None
             tokens = 0
             async with client.stream("POST", "/v1/completions", json=body) as response:
@@ -101,17 +108,27 @@ async def _drive(url: str, requests: list[tuple[list[int], int]]) -> dict[str, A
         "output_tokens": tokens,
         "seconds": elapsed,
         "output_tok_per_s": tokens / elapsed,
-        # a model without tokenizer files streams no text, so no first-token time is seen
+        # a model without tokenizer files streams no text, so no first-token time is seen (nor
+        # without streaming)
         "ttft_p50_ms": ttft[len(ttft) // 2] * 1e3 if len(ttft) == len(results) else None,
     }
 
 
-def run_http(model: str, requests: list[tuple[list[int], int]], extra: list[str]) -> dict[str, Any]:
-    """The workload through a fresh server; its KV size and any scheduler figures ride along."""
-    process, url = start_server(model, extra)
+def run_http(
+    model: str, requests: list[tuple[list[int], int]], extra: list[str], stream: bool = True
+) -> dict[str, Any]:
+    """The workload through a fresh `snugkv serve`; its KV size and scheduler figures ride along."""
+    return run_on_server(serve_command(model, extra), requests, stream)
+
+
+def run_on_server(
+    command: list[str], requests: list[tuple[list[int], int]], stream: bool = True
+) -> dict[str, Any]:
+    """The workload through a fresh server started by `command`."""
+    process, url = start_server(command)
     try:
         before = httpx.get(f"{url}/server_info", timeout=10.0).json().get("step_times", {})
-        result = asyncio.run(_drive(url, requests))
+        result = asyncio.run(_drive(url, requests, stream))
         info = httpx.get(f"{url}/server_info", timeout=10.0).json()
         result["max_total_num_tokens"] = info.get("max_total_num_tokens")
         after = info.get("step_times", {})
