@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -144,7 +145,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="serve the real app on a stub-device engine")
     parser.add_argument("--port", type=int, required=True)
     add_stub_arguments(parser)
+    parser.add_argument("--switch-interval-ms", type=float, default=None, help="sys.setswitchinterval")
     args = parser.parse_args()
+    if args.switch_interval_ms is not None:
+        sys.setswitchinterval(args.switch_interval_ms / 1e3)
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as directory:
         engine = stub_engine(Path(directory), args)

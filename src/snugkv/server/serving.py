@@ -1,10 +1,13 @@
 """Running a prepared request on the engine and answering in the OpenAI format.
 
-`FanOut` runs one engine stream per choice and yields their outputs as they arrive. Whatever way
+`FanOut` runs one engine stream per choice and yields their outputs as they arrive (a single
+choice is read straight from its engine stream: no task, no queue in between). Whatever way
 the HTTP request ends (finished, engine error, client gone, server shutting down), `FanOut.close`
 aborts every engine request that has not finished, synchronously, so its KV slots are freed at
-once and no cancellation can skip it. `stream_events` answers as server-sent events;
-`collect_response` answers with one JSON body and watches for the client leaving meanwhile.
+once and no cancellation can skip it. `stream_events` answers as server-sent events (a client
+that leaves is seen by the response, `EventStreamResponse`, which then closes the events: no poll
+per chunk); `collect_response` answers with one JSON body and watches for the client leaving
+meanwhile.
 This module never validates input (see `prepare`) and never touches engine internals.
 """
 
@@ -48,7 +51,13 @@ class FanOut:
         self._open_streams = len(inputs)
         self._closed = False
         metrics.in_flight.inc()
-        self._tasks = [asyncio.create_task(self._pump(index, gi)) for index, gi in enumerate(inputs)]
+        # One choice: its stream is read in the caller's task. Several: a task per stream.
+        self._single: AsyncIterator[GenerateOutput] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        if len(inputs) == 1:
+            self._single = aiter(engine.generate(inputs[0]))
+        else:
+            self._tasks = [asyncio.create_task(self._pump(index, gi)) for index, gi in enumerate(inputs)]
 
     async def _pump(self, index: int, request: GenerateInput) -> None:
         stream = None
@@ -72,9 +81,21 @@ class FanOut:
     def __aiter__(self) -> FanOut:
         return self
 
+    async def _next_item(self) -> tuple[int, object]:
+        if self._single is None:
+            return await self._queue.get()
+        try:
+            return 0, await anext(self._single)
+        except StopAsyncIteration:
+            return 0, _STREAM_END
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            return 0, exc
+
     async def __anext__(self) -> tuple[int, GenerateOutput]:
         while self._open_streams:
-            index, item = await self._queue.get()
+            index, item = await self._next_item()
             rid = self._inputs[index].rid
             if item is _STREAM_END:
                 self._open_streams -= 1
@@ -154,8 +175,6 @@ async def stream_events(
                 delta = response_format.delta(prepared, index, output, state)
                 if delta is not None:
                     yield _sse(delta)
-                if await request.is_disconnected():
-                    return
         except APIError as exc:
             yield f"data: {json.dumps(exc.body())}\n\n"
             yield SSE_DONE
