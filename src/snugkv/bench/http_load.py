@@ -29,7 +29,7 @@ import torch
 from snugkv.bench.model_configs import benchmark_model
 from snugkv.bench.report import cuda_missing, emit
 from snugkv.bench.serving import run_scheduler, workload
-from snugkv.bench.serving_http import run_http, run_on_server
+from snugkv.bench.serving_http import run_on_server, serve_command
 from snugkv.bench.stub_device import add_stub_arguments, stub_engine, stub_tokenizer
 from snugkv.core.outputs import GenerateInput
 from snugkv.core.sampling import SamplingParams
@@ -60,9 +60,7 @@ def run_async_engine(engine: Any, tokenizer: Any, requests: list[tuple[list[int]
         elapsed = time.monotonic() - start
         busy = times.device_busy_s - busy_before
     finally:
-        async_engine._stopped.set()  # stop the thread but keep the engine for the next case
-        async_engine._wake.set()
-        async_engine._thread.join()
+        async_engine.stop(close_engine=False)  # the next case runs on the same engine
     async_engine.scheduler.cache.reset()
     return {
         "requests": len(requests),
@@ -116,18 +114,15 @@ def run(args: argparse.Namespace) -> int:
             llm.close()  # the server process needs the memory
         flags = ["--max-running-requests", str(args.max_batch), "--cuda-graph-max-bs", str(args.max_batch)]
         flags += ["--chunked-prefill-size", str(args.chunk)]
-        for stream in (True, False):
+        command = _stub_server_command(args) if stub else serve_command(args.model, flags)
+        streams = (True, False)
+        try:
+            results = run_on_server(command, offline, streams)
+        except Exception as exc:  # the rows above still count
+            failed = {"error": f"{type(exc).__name__}: {str(exc)[:300]}", "output_tok_per_s": float("nan")}
+            results = [failed] * len(streams)
+        for stream, result in zip(streams, results):
             name = f"HTTP, httpx client, {'streamed' if stream else 'not streamed'}"
-            try:
-                if stub:
-                    result = run_on_server(_stub_server_command(args), offline, stream)
-                else:
-                    result = run_http(args.model, offline, flags, stream)
-            except Exception as exc:  # the rows above still count
-                result = {
-                    "error": f"{type(exc).__name__}: {str(exc)[:300]}",
-                    "output_tok_per_s": float("nan"),
-                }
             rows.append({"path": name, **result})
     for row in rows:
         row["case"] = case

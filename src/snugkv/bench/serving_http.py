@@ -5,7 +5,9 @@ client sends every request at once to `/v1/completions` (prompt token ids, `igno
 as server-sent events so the first token's arrival is seen) and the figures are taken from what the
 client receives: output tokens per second over the wall time, time to first token. The server's own
 `/server_info` gives the KV size it sized, and the GPU-idle share of the run from its scheduler's
-device-busy seconds (CUDA events around each step).
+device-busy seconds (CUDA events around each step). Where /proc exists, the CPU seconds of the
+server's event-loop thread and of its other threads (the scheduler's) over the run ride along: the
+two share one GIL, so their sum against the wall time says how much of it the run needed.
 """
 
 from __future__ import annotations
@@ -114,27 +116,61 @@ async def _drive(url: str, requests: list[tuple[list[int], int]], stream: bool =
     }
 
 
-def run_http(
-    model: str, requests: list[tuple[list[int], int]], extra: list[str], stream: bool = True
-) -> dict[str, Any]:
-    """The workload through a fresh `snugkv serve`; its KV size and scheduler figures ride along."""
-    return run_on_server(serve_command(model, extra), requests, stream)
+def run_http(model: str, requests: list[tuple[list[int], int]], extra: list[str]) -> dict[str, Any]:
+    """The workload through a fresh `snugkv serve`, streamed; its KV size and scheduler figures ride along."""
+    return run_on_server(serve_command(model, extra), requests, (True,))[0]
 
 
 def run_on_server(
-    command: list[str], requests: list[tuple[list[int], int]], stream: bool = True
-) -> dict[str, Any]:
-    """The workload through a fresh server started by `command`."""
+    command: list[str], requests: list[tuple[list[int], int]], streams: tuple[bool, ...]
+) -> list[dict[str, Any]]:
+    """The workload through one fresh server started by `command`, once per entry of `streams`
+    (streamed or not). A pass after the first changes each prompt's first token, so the prefix
+    cache holds nothing of it (the lengths, and so the work, stay the same)."""
     process, url = start_server(command)
     try:
-        before = httpx.get(f"{url}/server_info", timeout=10.0).json().get("step_times", {})
-        result = asyncio.run(_drive(url, requests, stream))
-        info = httpx.get(f"{url}/server_info", timeout=10.0).json()
-        result["max_total_num_tokens"] = info.get("max_total_num_tokens")
-        after = info.get("step_times", {})
-        if "device_busy_s" in after:  # the share of the run the GPU waited for the host
-            busy = after["device_busy_s"] - before.get("device_busy_s", 0.0)
-            result["gpu_idle_fraction"] = max(0.0, 1 - busy / result["seconds"])
-        return result
+        warm_up = [([4 + i, *range(10, 70)], 64) for i in range(16)]  # compiles, allocations
+        asyncio.run(_drive(url, warm_up, True))
+        results = []
+        for index, stream in enumerate(streams):
+            load = requests if index == 0 else [([3 + index % 5, *p[1:]], out) for p, out in requests]
+            results.append(_measured(url, process.pid, load, stream))
+        return results
     finally:
         stop_server(process)
+
+
+def thread_cpu_s(pid: int) -> dict[int, float]:
+    """CPU seconds (user + system) of each thread of process `pid`; empty where /proc is missing."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    times: dict[int, float] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return times
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # the thread ended meanwhile
+        times[int(tid)] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return times
+
+
+def _measured(url: str, pid: int, requests: list[tuple[list[int], int]], stream: bool) -> dict[str, Any]:
+    before = httpx.get(f"{url}/server_info", timeout=10.0).json().get("step_times", {})
+    cpu_before = thread_cpu_s(pid)
+    result = asyncio.run(_drive(url, requests, stream))
+    cpu_after = thread_cpu_s(pid)
+    if cpu_after:  # the event loop runs on the main thread (tid == pid); the scheduler on another
+        spent = {tid: cpu - cpu_before.get(tid, 0.0) for tid, cpu in cpu_after.items()}
+        result["loop_cpu_s"] = spent.pop(pid, 0.0)
+        result["other_threads_cpu_s"] = sum(spent.values())
+    info = httpx.get(f"{url}/server_info", timeout=10.0).json()
+    result["max_total_num_tokens"] = info.get("max_total_num_tokens")
+    after = info.get("step_times", {})
+    if "device_busy_s" in after:  # the share of the run the GPU waited for the host
+        busy = after["device_busy_s"] - before.get("device_busy_s", 0.0)
+        result["gpu_idle_fraction"] = max(0.0, 1 - busy / result["seconds"])
+    return result

@@ -491,12 +491,14 @@ class AsyncEngine:
         for mailbox, items in outbox.items():
             mailbox.post(items)
 
-    def stop(self) -> None:
-        """Stop the scheduler thread, then release graphs, pools and the arena."""
+    def stop(self, *, close_engine: bool = True) -> None:
+        """Stop the scheduler thread, then release graphs, pools and the arena (unless the engine
+        is to serve on, as a benchmark's next case does)."""
         self._stopped.set()
         self._wake.set()
         self._thread.join()  # a step in flight finishes first: its pools must outlive it
-        self.engine.close()
+        if close_engine:
+            self.engine.close()
 
 
 def _settle(

@@ -91,6 +91,10 @@ def usage_of(prepared: PreparedRequest, choices: list[ChoiceState]) -> UsageInfo
 class CompletionFormat:
     """Chunks and responses of POST /v1/completions."""
 
+    # (server/sse.py) `delta` of an unfinished text-only output depends on its text alone, so the
+    # server may write such chunks from a template: set False where a delta transforms its text.
+    plain_text_deltas = True
+
     def opening(self, prepared: PreparedRequest) -> list[BaseModel]:
         return []
 
@@ -139,6 +143,8 @@ class CompletionFormat:
 
 class ChatFormat:
     """Chunks and responses of POST /v1/chat/completions."""
+
+    plain_text_deltas = True  # as CompletionFormat's (server/sse.py)
 
     def opening(self, prepared: PreparedRequest) -> list[BaseModel]:
         choices = [

@@ -19,7 +19,6 @@ import logging
 from collections.abc import AsyncIterator
 from typing import cast
 
-from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -31,6 +30,7 @@ from snugkv.server.errors import SERVER_ERROR, APIError
 from snugkv.server.formats import ChoiceState, ResponseFormat, usage_of
 from snugkv.server.metrics import RequestTracker, ServerMetrics
 from snugkv.server.prepare import PreparedRequest
+from snugkv.server.sse import SSE_DONE, TextDeltas, sse
 
 logger = logging.getLogger(__name__)
 
@@ -149,13 +149,6 @@ class FanOut:
         self._metrics.in_flight.dec()
 
 
-def _sse(payload: BaseModel) -> str:
-    return f"data: {payload.model_dump_json()}\n\n"
-
-
-SSE_DONE = "data: [DONE]\n\n"
-
-
 async def stream_events(
     prepared: PreparedRequest,
     engine: EngineClient,
@@ -165,22 +158,23 @@ async def stream_events(
 ) -> AsyncIterator[str]:
     fan_out = FanOut(engine, prepared.inputs, metrics)
     choices = [ChoiceState(prompt_tokens=prepared.prompt_tokens[p]) for p in prepared.prompt_of_choice]
+    deltas = TextDeltas(prepared, response_format)
     try:
         for chunk in response_format.opening(prepared):
-            yield _sse(chunk)
+            yield sse(chunk)
         try:
             async for index, output in fan_out:
                 state = choices[index]
                 state.absorb(output)
-                delta = response_format.delta(prepared, index, output, state)
-                if delta is not None:
-                    yield _sse(delta)
+                line = deltas.line(index, output, state)
+                if line is not None:
+                    yield line
         except APIError as exc:
             yield f"data: {json.dumps(exc.body())}\n\n"
             yield SSE_DONE
             return
         if prepared.include_usage:
-            yield _sse(response_format.usage_chunk(prepared, usage_of(prepared, choices)))
+            yield sse(response_format.usage_chunk(prepared, usage_of(prepared, choices)))
         yield SSE_DONE
     finally:
         fan_out.close()
