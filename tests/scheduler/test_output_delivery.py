@@ -24,11 +24,18 @@ def test_an_unread_output_absorbs_the_next_ones_in_order():
         stream.put(_out([1], "a", prompt_tokens=3, completion_tokens=1))
         stream.put(_out([2, 3], "bc", prompt_tokens=3, completion_tokens=3))
         first = await stream.get()
-        stream.put(_out([4], "d", finished=True, finish_reason="length", completion_tokens=4, cached_tokens=2))
+        stream.put(
+            _out([4], "d", finished=True, finish_reason="length", completion_tokens=4, cached_tokens=2)
+        )
         return [first, await stream.get()]
 
     first, last = asyncio.run(run())
-    assert (first.token_ids, first.text, first.completion_tokens, first.finished) == ([1, 2, 3], "abc", 3, False)
+    assert (first.token_ids, first.text, first.completion_tokens, first.finished) == (
+        [1, 2, 3],
+        "abc",
+        3,
+        False,
+    )
     assert [entry.token_id for entry in first.logprobs] == [1, 2, 3]
     assert (last.token_ids, last.text, last.finish_reason, last.cached_tokens) == ([4], "d", "length", 2)
     assert last.prompt_tokens == 0 and last.finished  # a later output's zero keeps nothing it lacks

@@ -10,7 +10,15 @@ from snugkv.server.formats import ChatFormat, ChoiceState, CompletionFormat
 from snugkv.server.prepare import PreparedRequest
 from snugkv.server.sse import TextDeltas, sse
 
-TEXTS = [" hello", 'quote " and \\ back', "line\nbreak\ttab\r", "\x00\x01\x1f\x7f", "é 世界 🙂", "\u2028\u2029", "</s>"]
+TEXTS = [
+    " hello",
+    'quote " and \\ back',
+    "line\nbreak\ttab\r",
+    "\x00\x01\x1f\x7f",
+    "é 世界 🙂",
+    "\u2028\u2029",
+    "</s>",
+]
 
 
 def _prepared(logprobs: bool = False, choices: int = 2) -> PreparedRequest:
@@ -30,7 +38,9 @@ def test_every_line_is_the_formats_own(response_format):
         for text in [*TEXTS, *TEXTS]:  # the first chunk makes the frame, the rest use it
             output = _output(text)
             state.absorb(output)
-            assert deltas.line(index, output, state) == sse(response_format.delta(prepared, index, output, state))
+            assert deltas.line(index, output, state) == sse(
+                response_format.delta(prepared, index, output, state)
+            )
         assert deltas._frames[index] is not None  # the template was taken, not the slow way each time
         last = _output("end", finished=True, finish_reason="length")
         state.absorb(last)

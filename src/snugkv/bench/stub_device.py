@@ -67,8 +67,8 @@ class StubDevice:
             tokens = step.tokens.tolist() if step.tokens is not None else []
             return tokens, step.log_probs
 
-        launched.LaunchedStep.finish_launch = finish_launch  # type: ignore[method-assign]
-        launched.LaunchedStep.results = results  # type: ignore[method-assign]
+        launched.LaunchedStep.finish_launch = finish_launch  # type: ignore[method-assign,assignment]
+        launched.LaunchedStep.results = results  # type: ignore[method-assign,assignment]
 
 
 def tiny_config(directory: Path, context_length: int) -> str:
