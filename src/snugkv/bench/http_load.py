@@ -7,8 +7,8 @@ scheduler thread and the output hand-off, no HTTP), then through a fresh server 
 an `httpx` async client, streamed and not streamed (one server, a warm-up first). Each row has
 output tok/s and the device-idle fraction (1 - device busy / wall: the share of the run the device
 waited for the host); the HTTP rows also the CPU seconds of the server's event-loop thread
-(`loop_cpu_s`) and of its other threads, the scheduler's (`other_threads_cpu_s`): figures a busy
-machine does not change much, unlike the wall time. `--tokenizer default` detokenizes (and so
+(`loop_cpu_s`) and of its other threads, the scheduler's (`other_threads_cpu_s`), and the client's
+(`client_cpu_s`): figures a busy machine does not change much, unlike the wall time. `--tokenizer default` detokenizes (and so
 streams text) with the embedded SmolLM2's tokenizer, in process too; the shipped shapes have none.
 
 With `--stub-step-ms` (any machine) the model forward is a stub device (`stub_device`): each step

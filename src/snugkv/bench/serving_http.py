@@ -170,9 +170,10 @@ def thread_cpu_s(pid: int) -> dict[int, float]:
 
 def _measured(url: str, pid: int, requests: list[tuple[list[int], int]], stream: bool) -> dict[str, Any]:
     before = httpx.get(f"{url}/server_info", timeout=10.0).json().get("step_times", {})
-    cpu_before = thread_cpu_s(pid)
+    cpu_before, client_before = thread_cpu_s(pid), time.process_time()
     result = asyncio.run(_drive(url, requests, stream))
     cpu_after = thread_cpu_s(pid)
+    result["client_cpu_s"] = time.process_time() - client_before  # a client that needs a core of its own
     if cpu_after:  # the event loop runs on the main thread (tid == pid); the scheduler on another
         spent = {tid: cpu - cpu_before.get(tid, 0.0) for tid, cpu in cpu_after.items()}
         result["loop_cpu_s"] = spent.pop(pid, 0.0)
