@@ -65,12 +65,14 @@ def run_scheduler(
     requests: list[tuple[list[int], int]],
     arrivals: list[float] | None = None,
     overlap: bool = True,
+    tokenizer: Any = None,
 ) -> dict[str, Any]:
     from snugkv.scheduler.scheduler import Scheduler
 
     finished: dict[str, float] = {}
     scheduler = Scheduler(
         engine.runner,
+        tokenizer=tokenizer,
         max_running_requests=engine.report.max_running_requests,
         chunked_prefill_size=engine.args.chunked_prefill_size,
         on_output=lambda r, o: finished.__setitem__(o.rid, time.monotonic()) if o.finished else None,

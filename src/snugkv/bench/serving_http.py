@@ -5,7 +5,9 @@ client sends every request at once to `/v1/completions` (prompt token ids, `igno
 as server-sent events so the first token's arrival is seen) and the figures are taken from what the
 client receives: output tokens per second over the wall time, time to first token. The server's own
 `/server_info` gives the KV size it sized, and the GPU-idle share of the run from its scheduler's
-device-busy seconds (CUDA events around each step).
+device-busy seconds (CUDA events around each step). Where /proc exists, the CPU seconds of the
+server's event-loop thread and of its other threads (the scheduler's) over the run ride along: the
+two share one GIL, so their sum against the wall time says how much of it the run needed.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -28,15 +31,18 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def start_server(
-    model: str, extra: list[str], timeout_s: float = 300.0
-) -> tuple[subprocess.Popen[bytes], str]:
-    """`snugkv serve` on a free loopback port; returns the process and its base URL once healthy."""
-    port = _free_port()
-    command = [
+def serve_command(model: str, extra: list[str]) -> list[str]:
+    """`snugkv serve` of `model` with random weights; the port is added by `start_server`."""
+    return [
         sys.executable, "-m", "snugkv", "--log-level", "WARNING", "serve", "--model", model,
-        "--load-format", "dummy", "--host", "127.0.0.1", "--port", str(port), *extra,
+        "--load-format", "dummy", "--host", "127.0.0.1", *extra,
     ]  # fmt: skip
+
+
+def start_server(command: list[str], timeout_s: float = 300.0) -> tuple[subprocess.Popen[bytes], str]:
+    """`command --port P` on a free loopback port; returns the process and its base URL once healthy."""
+    port = _free_port()
+    command = [*command, "--port", str(port)]
     process = subprocess.Popen(command, env={**os.environ, "TQDM_DISABLE": "1"})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s
@@ -61,7 +67,7 @@ def stop_server(process: subprocess.Popen[bytes]) -> None:
         process.kill()
 
 
-async def _drive(url: str, requests: list[tuple[list[int], int]]) -> dict[str, Any]:
+async def _drive(url: str, requests: list[tuple[list[int], int]], stream: bool = True) -> dict[str, Any]:
     limits = httpx.Limits(max_connections=len(requests) + 8, max_keepalive_connections=len(requests) + 8)
     async with httpx.AsyncClient(base_url=url, timeout=3600.0, limits=limits) as client:
         served = (await client.get("/v1/models")).json()["data"][0]["id"]
@@ -73,24 +79,25 @@ async def _drive(url: str, requests: list[tuple[list[int], int]]) -> dict[str, A
                 "prompt": prompt,
                 "max_tokens": max_tokens,
                 "temperature": 0.0,
-                "stream": True,
-                "stream_options": {"include_usage": True},
+                "stream": stream,
                 "ignore_eos": True,
             }
+            if not stream:
+                response = await client.post("/v1/completions", json=body)
+                response.raise_for_status()
+                return response.json()["usage"]["completion_tokens"], None
+            body["stream_options"] = {"include_usage": True}
             first: float | None = None
-            tokens = 0
+            tail = b""
             async with client.stream("POST", "/v1/completions", json=body) as response:
                 response.raise_for_status()
-                async for line in response.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[len("data: ") :])
-                    choices = chunk.get("choices") or []
-                    if first is None and choices and choices[0].get("text"):
+                # The client reads bytes, not events: parsing every chunk would make it, not the
+                # server, what a busy machine measures. The first text and the usage are enough.
+                async for piece in response.aiter_bytes():
+                    if first is None and _TEXT.search(piece):
                         first = time.monotonic()
-                    if chunk.get("usage"):
-                        tokens = chunk["usage"]["completion_tokens"]
-            return tokens, None if first is None else first - started
+                    tail = (tail + piece)[-_TAIL_BYTES:]
+            return _completion_tokens(tail), None if first is None else first - started
 
         results = await asyncio.gather(*(one(prompt, output) for prompt, output in requests))
         elapsed = time.monotonic() - started
@@ -101,23 +108,80 @@ async def _drive(url: str, requests: list[tuple[list[int], int]]) -> dict[str, A
         "output_tokens": tokens,
         "seconds": elapsed,
         "output_tok_per_s": tokens / elapsed,
-        # a model without tokenizer files streams no text, so no first-token time is seen
+        # a model without tokenizer files streams no text, so no first-token time is seen (nor
+        # without streaming)
         "ttft_p50_ms": ttft[len(ttft) // 2] * 1e3 if len(ttft) == len(results) else None,
     }
 
 
+_TEXT = re.compile(rb'"text":"[^"]')  # a chunk with text in it
+_TAIL_BYTES = 16384
+
+
+def _completion_tokens(tail: bytes) -> int:
+    """`completion_tokens` of the usage chunk at the end of a stream (an error if there is none)."""
+    for event in reversed(tail.split(b"\n\n")):
+        if event.startswith(b"data: {") and b'"usage":{' in event:
+            return int(json.loads(event[len(b"data: ") :])["usage"]["completion_tokens"])
+    raise RuntimeError(f"the stream ended without usage: ...{tail[-300:].decode(errors='replace')}")
+
+
 def run_http(model: str, requests: list[tuple[list[int], int]], extra: list[str]) -> dict[str, Any]:
-    """The workload through a fresh server; its KV size and any scheduler figures ride along."""
-    process, url = start_server(model, extra)
+    """The workload through a fresh `snugkv serve`, streamed; its KV size and scheduler figures ride along."""
+    return run_on_server(serve_command(model, extra), requests, (True,))[0]
+
+
+def run_on_server(
+    command: list[str], requests: list[tuple[list[int], int]], streams: tuple[bool, ...]
+) -> list[dict[str, Any]]:
+    """The workload through one fresh server started by `command`, once per entry of `streams`
+    (streamed or not). A pass after the first changes each prompt's first token, so the prefix
+    cache holds nothing of it (the lengths, and so the work, stay the same)."""
+    process, url = start_server(command)
     try:
-        before = httpx.get(f"{url}/server_info", timeout=10.0).json().get("step_times", {})
-        result = asyncio.run(_drive(url, requests))
-        info = httpx.get(f"{url}/server_info", timeout=10.0).json()
-        result["max_total_num_tokens"] = info.get("max_total_num_tokens")
-        after = info.get("step_times", {})
-        if "device_busy_s" in after:  # the share of the run the GPU waited for the host
-            busy = after["device_busy_s"] - before.get("device_busy_s", 0.0)
-            result["gpu_idle_fraction"] = max(0.0, 1 - busy / result["seconds"])
-        return result
+        warm_up = [([4 + i, *range(10, 70)], 64) for i in range(16)]  # compiles, allocations
+        asyncio.run(_drive(url, warm_up, True))
+        results = []
+        for index, stream in enumerate(streams):
+            load = requests if index == 0 else [([3 + index % 5, *p[1:]], out) for p, out in requests]
+            results.append(_measured(url, process.pid, load, stream))
+        return results
     finally:
         stop_server(process)
+
+
+def thread_cpu_s(pid: int) -> dict[int, float]:
+    """CPU seconds (user + system) of each thread of process `pid`; empty where /proc is missing."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    times: dict[int, float] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return times
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # the thread ended meanwhile
+        times[int(tid)] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return times
+
+
+def _measured(url: str, pid: int, requests: list[tuple[list[int], int]], stream: bool) -> dict[str, Any]:
+    before = httpx.get(f"{url}/server_info", timeout=10.0).json().get("step_times", {})
+    cpu_before, client_before = thread_cpu_s(pid), time.process_time()
+    result = asyncio.run(_drive(url, requests, stream))
+    cpu_after = thread_cpu_s(pid)
+    result["client_cpu_s"] = time.process_time() - client_before  # a client that needs a core of its own
+    if cpu_after:  # the event loop runs on the main thread (tid == pid); the scheduler on another
+        spent = {tid: cpu - cpu_before.get(tid, 0.0) for tid, cpu in cpu_after.items()}
+        result["loop_cpu_s"] = spent.pop(pid, 0.0)
+        result["other_threads_cpu_s"] = sum(spent.values())
+    info = httpx.get(f"{url}/server_info", timeout=10.0).json()
+    result["max_total_num_tokens"] = info.get("max_total_num_tokens")
+    after = info.get("step_times", {})
+    if "device_busy_s" in after:  # the share of the run the GPU waited for the host
+        busy = after["device_busy_s"] - before.get("device_busy_s", 0.0)
+        result["gpu_idle_fraction"] = max(0.0, 1 - busy / result["seconds"])
+    return result

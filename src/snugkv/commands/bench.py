@@ -11,6 +11,7 @@ BENCHMARKS = {
     "capacity": "snugkv.bench.capacity",
     "decode": "snugkv.bench.decode",
     "host": "snugkv.bench.host",
+    "http": "snugkv.bench.http_load",
     "kernels": "snugkv.bench.kernels",
     "prefill": "snugkv.bench.prefill",
     "serving": "snugkv.bench.serving",

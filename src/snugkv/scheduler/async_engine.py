@@ -1,8 +1,12 @@
 """The engine as the server sees it: a scheduler thread behind an asyncio interface.
 
 `AsyncEngine` implements `EngineClient`. Requests and aborts cross into the scheduler thread
-through a queue; outputs come back through `loop.call_soon_threadsafe` into one asyncio queue
-per request. A failure inside a step ends the requests in flight with an error (their state may
+through a queue. Outputs come back in batches: the scheduler thread posts everything a step
+produced to the loop's `Mailbox` at once, which wakes the loop once (not once per request, and not
+at all while a delivery is still waiting to run); the loop hands each output to its request's
+`OutputStream`, which merges it into any output the consumer has not taken yet. So however far
+behind the consumer is, it does one piece of work per request per wake-up, never one per token,
+and the scheduler thread's hand-off costs one lock per step. A failure inside a step ends the requests in flight with an error (their state may
 be half-updated) and the engine goes on with the next ones; it never takes the server down. If
 the loop itself dies, every open and later request gets an error at once and /health says so.
 
@@ -33,14 +37,92 @@ from snugkv.scheduler.scheduler import Scheduler
 logger = logging.getLogger(__name__)
 
 
+class OutputStream:
+    """One request's outputs on its event loop: what arrived and was not taken yet, merged into one
+    output, and the consumer waiting for more. Used on the loop's thread only."""
+
+    __slots__ = ("_pending", "_waiter")
+
+    def __init__(self) -> None:
+        self._pending: GenerateOutput | None = None
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put(self, output: GenerateOutput) -> None:
+        if self._pending is None:
+            self._pending = output
+        else:
+            merge_into(self._pending, output)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def get(self) -> GenerateOutput:
+        while self._pending is None:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        output, self._pending = self._pending, None
+        return output
+
+
+def merge_into(earlier: GenerateOutput, later: GenerateOutput) -> None:
+    """`earlier` becomes both outputs as one (the tokens, text and logprobs of both, in order; the
+    later's state). Both are deltas of one request, `earlier` not yet seen by anyone."""
+    earlier.token_ids.extend(later.token_ids)
+    earlier.text += later.text
+    earlier.logprobs.extend(later.logprobs)
+    earlier.finished = later.finished
+    earlier.finish_reason = later.finish_reason
+    earlier.prompt_tokens = later.prompt_tokens or earlier.prompt_tokens
+    earlier.completion_tokens = max(earlier.completion_tokens, later.completion_tokens)
+    earlier.cached_tokens = max(earlier.cached_tokens, later.cached_tokens)
+    earlier.error = later.error if later.error is not None else earlier.error
+    earlier.rejected = earlier.rejected or later.rejected
+
+
+class Mailbox:
+    """Outputs bound for one event loop. The scheduler thread posts a step's outputs in one call;
+    the loop is woken only when no delivery is already waiting to run there."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._items: list[tuple[OutputStream, GenerateOutput]] = []
+        self._scheduled = False
+
+    def post(self, items: list[tuple[OutputStream, GenerateOutput]]) -> None:
+        with self._lock:
+            if self.loop.is_closed():  # the server is gone: nobody reads these
+                return
+            self._items.extend(items)
+            if self._scheduled:
+                return
+            self._scheduled = True
+        try:
+            self.loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:  # the loop is closed (the server is shutting down): nobody reads these
+            with self._lock:
+                self._items.clear()
+                self._scheduled = False
+
+    def _deliver(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+            self._scheduled = False
+        for stream, output in items:
+            stream.put(output)
+
+
 @dataclass(frozen=True, slots=True)
 class Submit:
-    """A new request with the asyncio queue its outputs go to; taken from the inbox, it becomes
-    an `Add` (what the ranks share) and its stream is registered."""
+    """A new request with the stream its outputs go to; taken from the inbox, it becomes an `Add`
+    (what the ranks share) and its stream is registered."""
 
     request: GenerateInput
-    loop: asyncio.AbstractEventLoop
-    outputs: asyncio.Queue[GenerateOutput]
+    mailbox: Mailbox
+    outputs: OutputStream
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +165,9 @@ class AsyncEngine:
             engine, tokenizer=tokenizer, enable_prefix_cache=enable_prefix_cache, on_output=self._on_output
         )
         self._inbox: queue.SimpleQueue[InboxItem] = queue.SimpleQueue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[GenerateOutput]]] = {}
+        self._streams: dict[str, tuple[Mailbox, OutputStream]] = {}
+        self._mailboxes: dict[asyncio.AbstractEventLoop, Mailbox] = {}  # one per client loop
+        self._outbox: dict[Mailbox, list[tuple[OutputStream, GenerateOutput]]] = {}  # this turn's
         self._wake = threading.Event()
         self._stopped = threading.Event()
         self._broken: str | None = None  # why the scheduler loop died, if it did
@@ -98,9 +182,8 @@ class AsyncEngine:
 
     # -- EngineClient -------------------------------------------------------------------
     async def generate(self, request: GenerateInput) -> AsyncIterator[GenerateOutput]:
-        loop = asyncio.get_running_loop()
-        outputs: asyncio.Queue[GenerateOutput] = asyncio.Queue()
-        self._inbox.put(Submit(request, loop, outputs))
+        outputs = OutputStream()
+        self._inbox.put(Submit(request, self._mailbox(), outputs))
         self._wake.set()
         if self._broken is not None:  # the loop is gone: nobody will take the request
             yield self._error_output(request.rid, len(request.input_ids), self._broken)
@@ -114,6 +197,14 @@ class AsyncEngine:
         finally:
             if not finished:
                 self.abort(request.rid)
+
+    def _mailbox(self) -> Mailbox:
+        loop = asyncio.get_running_loop()
+        mailbox = self._mailboxes.get(loop)
+        if mailbox is None:  # first request from this loop (a server has one; tests may have more)
+            self._mailboxes = {old: box for old, box in self._mailboxes.items() if not old.is_closed()}
+            mailbox = self._mailboxes.setdefault(loop, Mailbox(loop))
+        return mailbox
 
     def abort(self, rid: str) -> None:
         if rid not in self.aborted_rids:  # a client that disconnects is aborted by the stream and the server
@@ -242,10 +333,10 @@ class AsyncEngine:
             _settle(loop, reply, error=RuntimeError(message))
         self._replies.clear()
         self._queries.clear()
-        for rid, (loop, outputs) in list(self._streams.items()):
+        for rid, (mailbox, outputs) in list(self._streams.items()):
             self._streams.pop(rid, None)
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(outputs.put_nowait, self._error_output(rid, 0, message))
+            self._send(mailbox, outputs, self._error_output(rid, 0, message))
+        self._flush_outbox()
 
     @staticmethod
     def _error_output(
@@ -271,6 +362,7 @@ class AsyncEngine:
             lockstep.share(self.engine.tp, commands)  # the other ranks apply the same, in order
             for index, command in enumerate(commands):
                 self._apply(command, self._replies.pop(index, None))
+            self._flush_outbox()  # refusals, and the ends of aborted requests
             self._answer_queries()
             if stopping:
                 return
@@ -281,6 +373,7 @@ class AsyncEngine:
                 continue
             self._accounting_checked = False
             error = lockstep.step_once(self.scheduler, self.engine.tp)
+            self._flush_outbox()
             if error is not None:
                 self.step_errors += 1
                 logger.error("scheduler step failed; ended the requests it held", exc_info=error)
@@ -331,10 +424,9 @@ class AsyncEngine:
             if request.rid in self._streams:  # the running request keeps its stream
                 message = f"request id {request.rid!r} is already in use; send each request with its own id"
                 failed = self._error_output(request.rid, len(request.input_ids), message, rejected=True)
-                with contextlib.suppress(RuntimeError):
-                    item.loop.call_soon_threadsafe(item.outputs.put_nowait, failed)
+                self._send(item.mailbox, item.outputs, failed)
                 continue
-            self._streams[request.rid] = (item.loop, item.outputs)
+            self._streams[request.rid] = (item.mailbox, item.outputs)
             commands.append(Add(request.rid, request.input_ids, request.sampling))
 
     def _apply(
@@ -359,12 +451,11 @@ class AsyncEngine:
                 raise
             if not isinstance(exc, InvalidRequest):
                 logger.exception("adding request %s failed", command.rid)
-            loop, outputs = self._streams.pop(command.rid)
+            mailbox, outputs = self._streams.pop(command.rid)
             failed = self._error_output(
                 command.rid, len(command.input_ids), str(exc), rejected=isinstance(exc, InvalidRequest)
             )
-            with contextlib.suppress(RuntimeError):  # the client's loop is gone (server shutting down)
-                loop.call_soon_threadsafe(outputs.put_nowait, failed)
+            self._send(mailbox, outputs, failed)
 
     def _answer_queries(self) -> None:
         while self._queries:
@@ -380,18 +471,34 @@ class AsyncEngine:
         stream = self._streams.get(request.rid)
         if stream is None:
             return
-        loop, outputs = stream
         if output.finished:
             self._streams.pop(request.rid, None)
-        with contextlib.suppress(RuntimeError):  # the client's loop is gone (server shutting down)
-            loop.call_soon_threadsafe(outputs.put_nowait, output)
+        self._send(*stream, output)
 
-    def stop(self) -> None:
-        """Stop the scheduler thread, then release graphs, pools and the arena."""
+    def _send(self, mailbox: Mailbox, outputs: OutputStream, output: GenerateOutput) -> None:
+        """Queue `output` for this turn's delivery (`_flush_outbox`); scheduler thread only."""
+        pending = self._outbox.get(mailbox)
+        if pending is None:
+            self._outbox[mailbox] = [(outputs, output)]
+        else:
+            pending.append((outputs, output))
+
+    def _flush_outbox(self) -> None:
+        """Post what this turn produced: one hand-off per client loop."""
+        if not self._outbox:
+            return
+        outbox, self._outbox = self._outbox, {}
+        for mailbox, items in outbox.items():
+            mailbox.post(items)
+
+    def stop(self, *, close_engine: bool = True) -> None:
+        """Stop the scheduler thread, then release graphs, pools and the arena (unless the engine
+        is to serve on, as a benchmark's next case does)."""
         self._stopped.set()
         self._wake.set()
         self._thread.join()  # a step in flight finishes first: its pools must outlive it
-        self.engine.close()
+        if close_engine:
+            self.engine.close()
 
 
 def _settle(

@@ -98,6 +98,10 @@ class CompletionFormat:
     logprobs, the first null as OpenAI has it) comes first, in the first chunk when streamed, and
     every text offset counts from the prompt's start; vLLM's `prompt_logprobs` is per choice."""
 
+    # (server/sse.py) `delta` of an unfinished text-only output depends on its text alone, so the
+    # server may write such chunks from a template: set False where a delta transforms its text.
+    plain_text_deltas = True
+
     def opening(self, prepared: PreparedRequest) -> list[BaseModel]:
         return []
 
@@ -160,6 +164,8 @@ class CompletionFormat:
 
 class ChatFormat:
     """Chunks and responses of POST /v1/chat/completions."""
+
+    plain_text_deltas = True  # as CompletionFormat's (server/sse.py)
 
     def opening(self, prepared: PreparedRequest) -> list[BaseModel]:
         choices = [

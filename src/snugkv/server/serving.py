@@ -1,10 +1,13 @@
 """Running a prepared request on the engine and answering in the OpenAI format.
 
-`FanOut` runs one engine stream per choice and yields their outputs as they arrive. Whatever way
+`FanOut` runs one engine stream per choice and yields their outputs as they arrive (a single
+choice is read straight from its engine stream: no task, no queue in between). Whatever way
 the HTTP request ends (finished, engine error, client gone, server shutting down), `FanOut.close`
 aborts every engine request that has not finished, synchronously, so its KV slots are freed at
-once and no cancellation can skip it. `stream_events` answers as server-sent events;
-`collect_response` answers with one JSON body and watches for the client leaving meanwhile.
+once and no cancellation can skip it. `stream_events` answers as server-sent events (a client
+that leaves is seen by the response, `EventStreamResponse`, which then closes the events: no poll
+per chunk); `collect_response` answers with one JSON body and watches for the client leaving
+meanwhile.
 This module never validates input (see `prepare`) and never touches engine internals.
 """
 
@@ -16,7 +19,6 @@ import logging
 from collections.abc import AsyncIterator
 from typing import cast
 
-from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -28,6 +30,7 @@ from snugkv.server.errors import SERVER_ERROR, APIError
 from snugkv.server.formats import ChoiceState, ResponseFormat, usage_of
 from snugkv.server.metrics import RequestTracker, ServerMetrics
 from snugkv.server.prepare import PreparedRequest
+from snugkv.server.sse import SSE_DONE, TextDeltas, sse
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +51,13 @@ class FanOut:
         self._open_streams = len(inputs)
         self._closed = False
         metrics.in_flight.inc()
-        self._tasks = [asyncio.create_task(self._pump(index, gi)) for index, gi in enumerate(inputs)]
+        # One choice: its stream is read in the caller's task. Several: a task per stream.
+        self._single: AsyncIterator[GenerateOutput] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        if len(inputs) == 1:
+            self._single = aiter(engine.generate(inputs[0]))
+        else:
+            self._tasks = [asyncio.create_task(self._pump(index, gi)) for index, gi in enumerate(inputs)]
 
     async def _pump(self, index: int, request: GenerateInput) -> None:
         stream = None
@@ -72,9 +81,21 @@ class FanOut:
     def __aiter__(self) -> FanOut:
         return self
 
+    async def _next_item(self) -> tuple[int, object]:
+        if self._single is None:
+            return await self._queue.get()
+        try:
+            return 0, await anext(self._single)
+        except StopAsyncIteration:
+            return 0, _STREAM_END
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            return 0, exc
+
     async def __anext__(self) -> tuple[int, GenerateOutput]:
         while self._open_streams:
-            index, item = await self._queue.get()
+            index, item = await self._next_item()
             rid = self._inputs[index].rid
             if item is _STREAM_END:
                 self._open_streams -= 1
@@ -128,13 +149,6 @@ class FanOut:
         self._metrics.in_flight.dec()
 
 
-def _sse(payload: BaseModel) -> str:
-    return f"data: {payload.model_dump_json()}\n\n"
-
-
-SSE_DONE = "data: [DONE]\n\n"
-
-
 async def stream_events(
     prepared: PreparedRequest,
     engine: EngineClient,
@@ -144,24 +158,23 @@ async def stream_events(
 ) -> AsyncIterator[str]:
     fan_out = FanOut(engine, prepared.inputs, metrics)
     choices = [ChoiceState(prompt_tokens=prepared.prompt_tokens[p]) for p in prepared.prompt_of_choice]
+    deltas = TextDeltas(prepared, response_format)
     try:
         for chunk in response_format.opening(prepared):
-            yield _sse(chunk)
+            yield sse(chunk)
         try:
             async for index, output in fan_out:
                 state = choices[index]
                 state.absorb(output)
-                delta = response_format.delta(prepared, index, output, state)
-                if delta is not None:
-                    yield _sse(delta)
-                if await request.is_disconnected():
-                    return
+                line = deltas.line(index, output, state)
+                if line is not None:
+                    yield line
         except APIError as exc:
             yield f"data: {json.dumps(exc.body())}\n\n"
             yield SSE_DONE
             return
         if prepared.include_usage:
-            yield _sse(response_format.usage_chunk(prepared, usage_of(prepared, choices)))
+            yield sse(response_format.usage_chunk(prepared, usage_of(prepared, choices)))
         yield SSE_DONE
     finally:
         fan_out.close()

@@ -1,0 +1,150 @@
+"""`snugkv bench http`: the same offline load in process and through the real HTTP server.
+
+What the HTTP path costs the engine. The offline workload of `bench serving` (N requests, input and
+output lengths uniform in [100, 1024], `ignore_eos`, all at once) runs: straight to a scheduler
+(in process, no server), through `AsyncEngine.generate` from an asyncio loop in this process (the
+scheduler thread and the output hand-off, no HTTP), then through a fresh server process driven by
+an `httpx` async client, streamed and not streamed (one server, a warm-up first). Each row has
+output tok/s and the device-idle fraction (1 - device busy / wall: the share of the run the device
+waited for the host); the HTTP rows also the CPU seconds of the server's event-loop thread
+(`loop_cpu_s`) and of its other threads, the scheduler's (`other_threads_cpu_s`), and the client's
+(`client_cpu_s`): figures a busy machine does not change much, unlike the wall time. `--tokenizer default` detokenizes (and so
+streams text) with the embedded SmolLM2's tokenizer, in process too; the shipped shapes have none.
+
+With `--stub-step-ms` (any machine) the model forward is a stub device (`stub_device`): each step
+takes a fixed time on a virtual device clock and reading its tokens releases the GIL as a CUDA
+event wait does, so the scheduler thread, the overlap and the server's event loop contend as on a
+GPU. Without it (CUDA) the model is the real one with random weights and the server is `snugkv serve`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from snugkv.bench.model_configs import benchmark_model
+from snugkv.bench.report import cuda_missing, emit
+from snugkv.bench.serving import run_scheduler, workload
+from snugkv.bench.serving_http import run_on_server, serve_command
+from snugkv.bench.stub_device import add_stub_arguments, stub_engine, stub_tokenizer
+from snugkv.core.outputs import GenerateInput
+from snugkv.core.sampling import SamplingParams
+
+
+async def _through_async_engine(async_engine: Any, requests: list[tuple[list[int], int]]) -> int:
+    async def one(index: int, prompt: list[int], max_tokens: int) -> int:
+        sampling = SamplingParams(max_new_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        tokens = 0
+        async for output in async_engine.generate(GenerateInput(f"a{index}", prompt, sampling)):
+            tokens += len(output.token_ids)
+        return tokens
+
+    counts = await asyncio.gather(*(one(i, prompt, out) for i, (prompt, out) in enumerate(requests)))
+    return sum(counts)
+
+
+def run_async_engine(engine: Any, tokenizer: Any, requests: list[tuple[list[int], int]]) -> dict[str, Any]:
+    """The workload through the server's engine interface in this process (no HTTP)."""
+    from snugkv.scheduler.async_engine import AsyncEngine
+
+    async_engine = AsyncEngine(engine, tokenizer=tokenizer, model_name="bench")
+    try:
+        times = async_engine.scheduler.times
+        busy_before = times.device_busy_s
+        start = time.monotonic()
+        tokens = asyncio.run(_through_async_engine(async_engine, requests))
+        elapsed = time.monotonic() - start
+        busy = times.device_busy_s - busy_before
+    finally:
+        async_engine.stop(close_engine=False)  # the next case runs on the same engine
+    async_engine.scheduler.cache.reset()
+    return {
+        "requests": len(requests),
+        "output_tokens": tokens,
+        "seconds": elapsed,
+        "output_tok_per_s": tokens / elapsed,
+        "gpu_idle_fraction": max(0.0, 1 - busy / elapsed),
+    }
+
+
+def _stub_server_command(args: argparse.Namespace) -> list[str]:
+    command = [sys.executable, "-m", "snugkv.bench.stub_device", "--step-ms", str(args.stub_step_ms)]
+    command += ["--prefill-us-per-token", str(args.prefill_us_per_token)]
+    command += ["--max-batch", str(args.max_batch), "--chunk", str(args.chunk)]
+    return command + (["--tokenizer", args.tokenizer] if args.tokenizer else [])
+
+
+def run(args: argparse.Namespace) -> int:
+    stub = args.stub_step_ms is not None
+    if not stub and cuda_missing("bench http", "pass --stub-step-ms to run on a stub device"):
+        return 2
+    torch.set_num_threads(1 if stub else torch.get_num_threads())
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
+    rows: list[dict[str, Any]] = []
+    case = f"offline {args.requests} req, in/out U[{args.low},{args.high}]"
+    with tempfile.TemporaryDirectory() as directory:
+        if stub:
+            args.step_ms = args.stub_step_ms
+            engine, tokenizer, llm = stub_engine(Path(directory), args), stub_tokenizer(args.tokenizer), None
+        else:
+            from snugkv.llm import LLM
+
+            llm = LLM(
+                args.model,
+                load_format="dummy",
+                max_running_requests=args.max_batch,
+                cuda_graph_max_bs=args.max_batch,
+                chunked_prefill_size=args.chunk,
+            )
+            engine, tokenizer = llm.engine, None
+        vocab = 500 if stub else engine.config.vocab_size
+        offline = workload(args.requests, seed=0, vocab=vocab, low=args.low, high=args.high)
+        run_scheduler(engine, workload(16, seed=1, vocab=vocab, low=64, high=128))  # warm-up
+        in_process = run_scheduler(engine, offline, tokenizer=tokenizer)
+        rows.append({"path": "scheduler, in process", **in_process})
+        rows.append(
+            {"path": "AsyncEngine.generate, in process", **run_async_engine(engine, tokenizer, offline)}
+        )
+        del engine
+        if llm is not None:
+            llm.close()  # the server process needs the memory
+        flags = ["--max-running-requests", str(args.max_batch), "--cuda-graph-max-bs", str(args.max_batch)]
+        flags += ["--chunked-prefill-size", str(args.chunk)]
+        command = _stub_server_command(args) if stub else serve_command(args.model, flags)
+        streams = (True, False)
+        try:
+            results = run_on_server(command, offline, streams)
+        except Exception as exc:  # the rows above still count
+            failed = {"error": f"{type(exc).__name__}: {str(exc)[:300]}", "output_tok_per_s": float("nan")}
+            results = [failed] * len(streams)
+        for stream, result in zip(streams, results):
+            name = f"HTTP, httpx client, {'streamed' if stream else 'not streamed'}"
+            rows.append({"path": name, **result})
+    for row in rows:
+        row["case"] = case
+        row["over_in_process"] = row["output_tok_per_s"] / in_process["output_tok_per_s"]
+    extra = {"device": f"stub, {args.stub_step_ms} ms/step" if stub else "cuda", "model": args.model}
+    emit("http", rows, args.out, extra=extra)
+    return 1 if any("error" in row for row in rows) else 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", type=benchmark_model, default="qwen3-0.6b", help="(without a stub)")
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--low", type=int, default=100, help="shortest input and output")
+    parser.add_argument("--high", type=int, default=1024, help="longest input and output")
+    parser.add_argument(
+        "--stub-step-ms",
+        type=float,
+        default=None,
+        help="replace the model forward by a stub device taking this long per decode step (runs on a CPU)",
+    )
+    add_stub_arguments(parser, with_step=False)
