@@ -81,3 +81,10 @@ def test_a_frame_that_disagrees_with_the_format_is_never_used():
         output = _output(text)
         assert text.upper() in deltas.line(0, output, state)
     assert deltas._frames == {0: None}
+
+
+def test_the_tool_call_format_never_takes_the_text_template():
+    from snugkv.server.formats import ChatFormat
+    from snugkv.server.tool_format import ToolCallFormat
+
+    assert ChatFormat.plain_text_deltas and not ToolCallFormat.plain_text_deltas

@@ -26,6 +26,8 @@ class _Stream:
 
 
 class ToolCallFormat(ChatFormat):
+    plain_text_deltas = False  # its deltas hold back or re-route text (server/sse.py must not template them)
+
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
         self._streams: dict[int, _Stream] = {}
