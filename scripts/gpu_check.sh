@@ -18,7 +18,7 @@ if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
-STEPS=${STEPS:-"env tests vmm kernels attention decode prefill capacity serving elastic structured"}
+STEPS=${STEPS:-"env tests vmm kernels attention decode prefill capacity serving http elastic structured multi-engine"}
 status=0
 step() { echo "=== $1 ($(date +%T))"; }
 
@@ -33,6 +33,11 @@ for s in $STEPS; do
       step "cuda tests"
       timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -m cuda -p no:cacheprovider --ignore=tests/server ${PYTEST_ARGS:-tests} \
         2>&1 | tee "$OUT/cuda_tests.txt" | tail -25 || status=1
+      ;;
+    multi-engine)  # two servers on one GPU (scripts/bench_multi_engine.py); needs the server wheels
+      step "bench multi-engine"
+      timeout "${BENCH_TIMEOUT:-400}" python3 scripts/bench_multi_engine.py --out "$OUT/multi-engine" ${ARGS_multi_engine:-} \
+        2>&1 | tee "$OUT/bench_multi_engine.log" || status=1
       ;;
     *)
       step "bench $s"
