@@ -7,15 +7,13 @@ choice is decisive, all-position agreement reported, and close logits."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
+from snugkv.bench.model_configs import benchmark_model
 from snugkv.core.forward import BatchRow
 from snugkv.engine import Engine, EngineArgs
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def engine_logits(engine: Engine, ids: torch.Tensor, prefix: int) -> torch.Tensor:
@@ -83,7 +81,7 @@ def test_real_shapes_agree_with_transformers(name, dtype):
     alone flips near-ties: logits must stay close, and the top-1 must agree where it is decisive."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    directory = REPO / "configs" / name
+    directory = benchmark_model(name)  # the shapes the benches ship
     config = AutoConfig.from_pretrained(directory)
     torch_dtype = getattr(torch, dtype)
     torch.manual_seed(0)

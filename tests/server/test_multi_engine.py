@@ -117,7 +117,7 @@ def env(tmp_path: Path) -> dict[str, str]:
         "SNUGKV_RUNTIME_DIR": str(tmp_path / "run"),
         "SNUGKV_HOST_DEVICE_GIB": str(DEVICE_GIB),
         "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": str(REPO_ROOT / "src"),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT / "src"), os.environ.get("PYTHONPATH")])),
     }
     values.pop("SNUGKV_API_KEY", None)
     return values

@@ -34,7 +34,11 @@ def start(tmp: Path, name: str, env: dict[str, str]) -> Server:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_two_elastic_engines_share_one_gpu_without_oom(tmp_path: Path) -> None:
-    env = {**os.environ, "SNUGKV_RUNTIME_DIR": str(tmp_path / "run"), "PYTHONPATH": str(REPO_ROOT / "src")}
+    env = {
+        **os.environ,
+        "SNUGKV_RUNTIME_DIR": str(tmp_path / "run"),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT / "src"), os.environ.get("PYTHONPATH")])),
+    }
     env.pop("SNUGKV_API_KEY", None)
     servers: list[Server] = []
     try:

@@ -71,6 +71,7 @@ class ElasticMemory:
         self.kv_event_count = 0  # every change so far (the history keeps the last EVENT_HISTORY)
         self.sleeping_tags: frozenset[str] = frozenset()  # what sleep released: "weights", "kv_cache"
         self.sleep_level = 0  # of the last sleep: 1 keeps the weights on the host, 2 drops them
+        self._history_vocab: int | None = None  # the token history's, while the KV cache sleeps
 
     if TYPE_CHECKING:  # the start-up half provides these
 
@@ -302,6 +303,7 @@ class ElasticMemory:
         old_tokens, old_bytes = self.pool.committed_tokens, self.pool.committed_bytes
         if "kv_cache" in chosen:
             kv_resize.release(runner)
+            self._history_vocab = runner.release_token_history()  # rows are set again on prefill
         if "cuda_graph" in chosen:
             runner.release_graphs()
             self._graph_driver_bytes = 0
@@ -354,6 +356,7 @@ class ElasticMemory:
             self._graph_driver_bytes, _ = self._capture(runner)
         tokens, max_running = self.pool.committed_tokens, self.report.max_running_requests
         if "kv_cache" in chosen:
+            runner.restore_token_history(self._history_vocab)
             tokens = self._back_kv_again(runner)
             max_running = self._recap(runner, tokens)
         self.sleeping_tags -= chosen

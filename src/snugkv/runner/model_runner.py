@@ -275,6 +275,17 @@ class ModelRunner:
             self.token_history = TokenHistory(rows, vocab_size, self.device)
         return self.token_history
 
+    def release_token_history(self) -> int | None:
+        """Drop the token history (no request holds a row: the KV cache sleeps); returns its vocab
+        size for `restore_token_history`, None if there was none."""
+        history, self.token_history = self.token_history, None
+        return None if history is None else history.vocab_size
+
+    def restore_token_history(self, vocab_size: int | None) -> None:
+        """Make the history again (before the KV cache is sized, so the sizing counts it)."""
+        if vocab_size is not None:
+            self._token_history(vocab_size)
+
     # -- graphs ---------------------------------------------------------------------------
     def capture_cuda_graphs(self, batch_sizes: Sequence[int]) -> None:
         """Capture decode graphs (largest first, one memory pool); needs a CUDA device."""
