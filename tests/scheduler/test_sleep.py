@@ -142,3 +142,16 @@ def test_static_sizing_cannot_sleep(model_dir):
         elastic.sleep(scheduler)
     assert not scheduler.paused
     engine.close()
+
+
+def test_the_penalties_token_history_sleeps_with_the_kv_cache_and_wakes_before_it(model_dir):
+    engine = start(model_dir)
+    scheduler, _ = make_scheduler(engine)
+    runner = engine.runner
+    assert runner.token_history is not None  # made at start-up, before the KV cache was sized
+    vocab = runner.token_history.vocab_size
+    elastic.sleep(scheduler, tags=("kv_cache",))
+    assert runner.token_history is None
+    elastic.wake_up(scheduler)
+    assert runner.token_history is not None and runner.token_history.vocab_size == vocab
+    engine.close()
