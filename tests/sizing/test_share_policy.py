@@ -173,3 +173,22 @@ def test_a_sleeping_engine_takes_no_part_and_the_others_grow_into_what_it_freed(
     asleep = EngineEntry(2, None, "asleep", "", SLEEPING, 1.0, headroom_bytes=GIB)
     assert plan_targets([me, asleep], 22 * GIB, POLICY) == {1: 41 * GIB}  # its headroom is not kept either
     assert move(me, [me, asleep], 22 * GIB).target_bytes == 41 * GIB
+
+
+def test_a_starter_and_a_running_engine_with_cached_activations_agree_on_the_shortfall() -> None:
+    """The running engine's cached, unused blocks are its headroom, held on the device: counted the
+    same way on both sides (`effective_free_bytes`), one shrink by the deficit is enough for the
+    starter's wait (on the H200 the starter stayed 0.41 GiB short when only the running side
+    added them back)."""
+    from snugkv.sizing.share_policy import effective_free_bytes, reserve_bytes
+
+    running = engine(1, 100, headroom_bytes=3 * GIB, cached_bytes=GIB // 2)
+    starter = EngineEntry(2, None, "e2", "", STARTING, 1.0, need_bytes=20 * GIB)
+    entries = [running, starter]
+    device_free = 5 * GIB - GIB // 2  # its cached blocks are held on the device
+    decision = move(running, entries, effective_free_bytes(entries, device_free))
+    assert decision.urgent and decision.target_bytes is not None
+    given = running.kv_bytes - decision.target_bytes
+    after = [engine(1, decision.target_bytes / GIB, headroom_bytes=3 * GIB, cached_bytes=GIB // 2), starter]
+    spare = effective_free_bytes(after, device_free + given) - reserve_bytes(after)
+    assert spare >= -POLICY.hysteresis_min_bytes

@@ -45,7 +45,14 @@ from snugkv.models.config import ModelConfig
 from snugkv.models.loader import read_model_config, resolve_device, resolve_dtype, resolve_model_source
 from snugkv.sizing.measure import cached_unused_bytes, device_memory, shared_device_free_bytes
 from snugkv.sizing.resize import KvResizeError
-from snugkv.sizing.share_policy import SharePolicy, decide, plan_targets, pool_bytes, reserve_bytes
+from snugkv.sizing.share_policy import (
+    SharePolicy,
+    decide,
+    effective_free_bytes,
+    plan_targets,
+    pool_bytes,
+    reserve_bytes,
+)
 from snugkv.sizing.share_record import RUNNING, SLEEPING, EngineEntry, ShareRecord, device_key
 
 logger = logging.getLogger(__name__)
@@ -163,7 +170,8 @@ class MemoryShare:
         while True:
             entries = self.record.publish(self.entry.beat())
             others = [e for e in entries if e.pid != self.entry.pid and e.state == RUNNING]
-            free = shared_device_free_bytes(self.device)
+            device_free = shared_device_free_bytes(self.device)
+            free = None if device_free is None else effective_free_bytes(entries, device_free)
             if free is None or not others:  # nobody to ask: what is free is what it gets
                 self.entry = self.entry.beat(granted=True)
                 self.record.publish(self.entry)
@@ -272,11 +280,11 @@ class MemoryShare:
             max_kv_bytes=info["max_tokens_bytes"],
             demand_bytes=info["demand_tokens"] * per_token,
             headroom_bytes=info["headroom_bytes"],
+            cached_bytes=cached_unused_bytes(self.device),
             need_bytes=0,
         )
         entries = self.record.publish(self.entry)
-        # This engine's own cached activation blocks are its headroom already, not a deficit.
-        free = info["device_free_bytes"] + cached_unused_bytes(self.device)
+        free = effective_free_bytes(entries, info["device_free_bytes"])
         self._last_free = free
         if sleeping:
             return None

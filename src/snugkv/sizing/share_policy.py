@@ -56,6 +56,14 @@ class Decision:
     urgent: bool = False
 
 
+def effective_free_bytes(entries: Sequence[EngineEntry], device_free_bytes: int) -> int:
+    """The device's free memory as every engine counts it: running engines' cached activation
+    blocks are their headroom already (held, but counted in `reserve_bytes`), so they are added
+    back; the starter and the running engines then agree on what is short."""
+    cached = sum(min(e.cached_bytes, e.headroom_bytes) for e in entries if e.state == RUNNING)
+    return device_free_bytes + cached
+
+
 def pool_bytes(entries: Sequence[EngineEntry], free_bytes: int) -> int:
     """KV memory the running engines share (see the module docstring)."""
     return free_bytes + sum(e.kv_bytes for e in entries if e.state == RUNNING) - reserve_bytes(entries)
