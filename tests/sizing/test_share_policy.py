@@ -192,3 +192,14 @@ def test_a_starter_and_a_running_engine_with_cached_activations_agree_on_the_sho
     after = [engine(1, decision.target_bytes / GIB, headroom_bytes=3 * GIB, cached_bytes=GIB // 2), starter]
     spare = effective_free_bytes(after, device_free + given) - reserve_bytes(after)
     assert spare >= -POLICY.hysteresis_min_bytes
+
+
+def test_running_engines_keep_room_for_a_new_engines_cuda_context() -> None:
+    """Free memory below headroom plus the start room is a deficit: the engine gives it back, so a
+    new engine can create its context and ask before it knows anything."""
+    from snugkv.sizing.share_policy import reserve_bytes
+
+    me = engine(1, 100, headroom_bytes=GIB // 4, start_room_bytes=GIB)
+    assert reserve_bytes([me]) == GIB // 4 + GIB
+    decision = move(me, [me], GIB // 4)  # post-capture sizing left only its headroom free
+    assert decision.urgent and decision.target_bytes == pytest.approx(99 * GIB, abs=MIB)

@@ -57,7 +57,11 @@ from snugkv.sizing.share_record import RUNNING, SLEEPING, EngineEntry, ShareReco
 
 logger = logging.getLogger(__name__)
 
-CUDA_START_ALLOWANCE_BYTES = 2 * GIB  # CUDA context, decode graphs, activation headroom: an estimate
+# Free memory every running engine leaves on a GPU, so that a new engine can create its CUDA
+# context (~0.5 GiB on the H200) and read the device before it asks: on the H200 a second engine
+# beside a tiny model (whose headroom is small) ran out of memory creating its context.
+START_ROOM_BYTES = GIB
+CUDA_FIXED_ALLOWANCE_BYTES = int(1.75 * GIB)  # CUDA context, kernels, cuBLAS workspaces, the margin
 # A shrink that cuts through an extension copies its kept part to fresh memory first; on a full
 # device there is none, so only whole extensions above the cut are freed: keep them small.
 ELASTIC_CHUNK_MIB = 16
@@ -101,8 +105,24 @@ def start_estimate(args: EngineArgs, min_tokens: int) -> tuple[int, int]:
     per_token = kv_bytes_per_token(config, kv_dtype_bytes)
     need = min_tokens * per_token
     if device.type == "cuda":  # on the host backend only the KV cache is in the shared budget
-        need += weight_bytes_estimate(config, dtype.itemsize) + CUDA_START_ALLOWANCE_BYTES
+        need += weight_bytes_estimate(config, dtype.itemsize) + activation_bytes_estimate(
+            args, config, dtype.itemsize
+        )
     return need, per_token
+
+
+def activation_bytes_estimate(args: EngineArgs, config: ModelConfig, dtype_bytes: int) -> int:
+    """What an engine holds besides weights and KV, from its flags: float32 logits rows (the decode
+    graphs' output, the sampler's temporaries over the largest batch, a scored prompt chunk, the
+    penalties' token history), one prefill chunk's activations, and a fixed part. An estimate
+    (measured on the H200, 2026-12-01: a Qwen3-0.6B shape with graphs up to 256 held 5.6-8 GiB
+    besides its weights; a fixed 2 GiB made its start run out of memory)."""
+    batch = args.max_running_requests or 256
+    chunk = args.chunked_prefill_size or 8192
+    logits_rows = batch * 8 + 3 * 512  # output + sampler temporaries; a scored chunk's log-softmax
+    logits = logits_rows * config.vocab_size * 4 + (batch + 1) * config.vocab_size * 5
+    prefill = chunk * (6 * config.hidden_size + 3 * config.intermediate_size) * dtype_bytes
+    return logits + prefill + CUDA_FIXED_ALLOWANCE_BYTES
 
 
 def device_total_gib(args: EngineArgs) -> float | None:
@@ -281,6 +301,7 @@ class MemoryShare:
             demand_bytes=info["demand_tokens"] * per_token,
             headroom_bytes=info["headroom_bytes"],
             cached_bytes=cached_unused_bytes(self.device),
+            start_room_bytes=START_ROOM_BYTES if self.device.type == "cuda" else 0,
             need_bytes=0,
         )
         entries = self.record.publish(self.entry)

@@ -73,9 +73,11 @@ def reserve_bytes(entries: Sequence[EngineEntry], *, to_give: bool = False) -> i
     """Memory that must stay free: running engines' headroom and starting engines' asks. With
     `to_give`, what running engines must still give: a granted ask is being loaded into (free
     memory falls as the starter loads; that is no reason to give more)."""
-    headroom = sum(e.headroom_bytes for e in entries if e.state == RUNNING)
+    running = [e for e in entries if e.state == RUNNING]
+    headroom = sum(e.headroom_bytes for e in running)
+    start_room = max((e.start_room_bytes for e in running), default=0)  # a starter asks from there
     asks = [e for e in entries if e.state == STARTING and not (to_give and e.granted)]
-    return headroom + sum(e.need_bytes for e in asks)
+    return headroom + start_room + sum(e.need_bytes for e in asks)
 
 
 def _fill(given: dict[int, float], caps: dict[int, float], budget: float, weights: dict[int, float]) -> float:

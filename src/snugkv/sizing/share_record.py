@@ -51,6 +51,7 @@ class EngineEntry:
     demand_bytes: int = 0
     headroom_bytes: int = 0
     cached_bytes: int = 0  # torch's cached, unused blocks: part of its headroom, not free to the others
+    start_room_bytes: int = 0  # kept free so that a new engine can make its CUDA context and ask
     need_bytes: int = 0  # while starting: what it asks the others to leave free
     granted: bool = False  # while starting: the ask was met; it loads (the others give no more)
     resized_at: float = 0.0  # wall clock of its last resize (the others wait a moment after one)
