@@ -82,10 +82,7 @@ class DecodeCudaGraphs:
         self.extend_lens, self.row_index = static(1), torch.arange(size, device=device)
         self.kv_width = int(req_to_token.shape[1])
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        # Every graph writes its logits into this one tensor (made at capture, [max batch, vocab]):
-        # were each graph's own output kept, a graph per batch size up to 256 would hold ~4,200
-        # rows of float32 logits (2.4 GiB at a 152k vocabulary) that no replay needs at once.
-        self.logits: torch.Tensor | None = None
+        self.outputs: dict[int, torch.Tensor] = {}
         self.memory_pool: Any = None  # torch.cuda.graph_pool_handle()
 
     def _batch(self, batch_size: int) -> ForwardBatch:
@@ -134,16 +131,14 @@ class DecodeCudaGraphs:
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm-up: lazy init, autotuning, allocator caches
-                    warm = self.forward(forward_batch)
+                    self.forward(forward_batch)
             torch.cuda.current_stream().wait_stream(stream)
-            if self.logits is None:  # the largest batch comes first
-                self.logits = warm.new_empty((self.max_batch_size, *warm.shape[1:]))
-            del warm
             graph = torch.cuda.CUDAGraph()
             release_cublas_workspaces()  # the graph's workspace comes from its pool
             with torch.cuda.graph(graph, pool=self.memory_pool, stream=stream):
-                self.logits[:batch_size].copy_(self.forward(forward_batch))
+                output = self.forward(forward_batch)
             self.graphs[batch_size] = graph
+            self.outputs[batch_size] = output
         torch.cuda.synchronize()
         release_cublas_workspaces()
         used_gib = (free_before - torch.cuda.mem_get_info()[0]) / 2**30
@@ -177,5 +172,4 @@ class DecodeCudaGraphs:
         self.prefix_lens[:batch_size].copy_(forward_batch.prefix_lens)
         self.out_cache_loc[:batch_size].copy_(forward_batch.out_cache_loc)
         self.graphs[graph_size].replay()
-        assert self.logits is not None  # made with the first graph
-        return self.logits[:batch_size]
+        return self.outputs[graph_size][:batch_size]
