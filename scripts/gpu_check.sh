@@ -5,6 +5,8 @@
 #   (the tp server test needs the server's wheels: scripts/fetch_device_wheels.sh, carry .whl)
 #   one bench's own flags: ARGS_decode="--max-batch 64" (BENCH_ARGS goes to every bench)
 # Uses the machine's python3 (torch with CUDA); installs nothing that needs a network.
+# Name the commit: SNUGKV_COMMIT=$(git rev-parse --short HEAD) set where the tree was committed (a
+# copied tree's git metadata can be stale: on the lent device `git rev-parse` gave an old commit).
 set -uo pipefail
 # The device returns at most 8 files: results go to $OUT/work and are packed into
 # $OUT/results.tar.gz after every step (so a later timeout loses nothing already measured).
