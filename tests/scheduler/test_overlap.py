@@ -8,11 +8,11 @@ import dataclasses
 import random
 
 import pytest
-import torch
 
 from snugkv.core.forward import FUTURE_TOKEN
 from snugkv.core.sampling import SamplingParams
 from tests.models.hf_tiny import hf_greedy, save_tiny_hf_model
+from tests.scheduler.sync_free import decode_steps_without_waiting
 from tests.scheduler.test_scheduler import collected, make_scheduler, prompts
 
 
@@ -334,18 +334,7 @@ def test_on_a_gpu_overlapped_decode_steps_never_wait_for_the_gpu_and_match_synch
     directory, _ = tiny
     engine, scheduler, overlapped = gpu_scheduler(directory, page_size=page_size, overlap=True)
     add_gpu_workload(scheduler)
-    while scheduler.waiting:
-        scheduler.step()
-    checked = 0
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        while scheduler.has_work and not scheduler.waiting:
-            scheduler.step()
-            checked += 1
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    while scheduler.has_work:
-        scheduler.step()
+    checked = decode_steps_without_waiting(scheduler)
     assert checked > 10 and scheduler.times.overlapped_steps >= checked - 1
     scheduler.check_slot_accounting()
     engine.close()

@@ -10,6 +10,7 @@ import torch
 
 from snugkv.core.sampling import SamplingParams
 from tests.runner.test_logit_processors import reference_process
+from tests.scheduler.sync_free import decode_steps_without_waiting
 from tests.scheduler.test_scheduler import collected, make_scheduler, prompts, tiny  # noqa: F401
 
 NEW_TOKENS = 10
@@ -86,18 +87,7 @@ def test_on_a_gpu_penalised_decode_replays_graphs_without_waiting_and_matches_th
     prompt_list = prompts(len(PARAMS), seed=5, shared_prefix=6)
     for index, (prompt, params) in enumerate(zip(prompt_list, PARAMS)):
         scheduler.add_request(f"r{index}", prompt, params)
-    while scheduler.waiting:
-        scheduler.step()
-    checked = 0
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        while scheduler.has_work and not scheduler.waiting:
-            scheduler.step()
-            checked += 1
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    while scheduler.has_work:
-        scheduler.step()
+    checked = decode_steps_without_waiting(scheduler)
     assert checked > 5 and replays
     got = collected(outputs)
     for index, (prompt, params) in enumerate(zip(prompt_list, PARAMS)):

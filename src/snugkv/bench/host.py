@@ -12,7 +12,6 @@ CPU time (what the host spends, whatever else shares the machine; the wall time 
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import tempfile
 import time
@@ -21,31 +20,11 @@ from typing import Any
 
 import torch
 
+from snugkv.bench.model_configs import write_tiny_llama_config
 from snugkv.bench.report import emit
 from snugkv.core.sampling import SamplingParams
 
 STUB_VOCAB = 64  # the stub's logits: the sampler's own cost is not what this measures
-
-
-def _tiny_config(directory: Path, context_length: int) -> str:
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": 512,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 1,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": context_length,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-    }
-    path = directory / "config.json"
-    path.write_text(json.dumps(config))
-    return str(path)
 
 
 def _engine(args: argparse.Namespace, directory: Path) -> Any:
@@ -54,7 +33,7 @@ def _engine(args: argparse.Namespace, directory: Path) -> Any:
     context = args.prompt + args.steps * 4 + 64
     engine = Engine(
         EngineArgs(
-            model=_tiny_config(directory, context),
+            model=write_tiny_llama_config(directory, context, 512),
             load_format="dummy",
             device=args.device,
             dtype="float32",

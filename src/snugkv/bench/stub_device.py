@@ -15,7 +15,6 @@ scheduler thread contend exactly as they do on a GPU; only the device's own time
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -25,6 +24,7 @@ from typing import Any
 
 import torch
 
+from snugkv.bench.model_configs import write_tiny_llama_config
 from snugkv.scheduler import launched
 
 STUB_TOKEN = 300  # the token every step samples (any id the tokenizer turns into text)
@@ -71,27 +71,6 @@ class StubDevice:
         launched.LaunchedStep.results = results  # type: ignore[method-assign,assignment]
 
 
-def tiny_config(directory: Path, context_length: int) -> str:
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": STUB_VOCAB,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 1,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": context_length,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-    }
-    path = directory / "config.json"
-    path.write_text(json.dumps(config))
-    return str(path)
-
-
 def stub_engine(directory: Path, args: argparse.Namespace) -> Any:
     """A one-layer float32 engine on the CPU whose forward is the stub device."""
     from snugkv.engine import Engine, EngineArgs
@@ -99,7 +78,7 @@ def stub_engine(directory: Path, args: argparse.Namespace) -> Any:
     context = 4096
     engine = Engine(
         EngineArgs(
-            model=tiny_config(directory, context),
+            model=write_tiny_llama_config(directory, context, STUB_VOCAB),
             load_format="dummy",
             device="cpu",
             dtype="float32",
