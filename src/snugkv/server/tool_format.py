@@ -13,7 +13,13 @@ from dataclasses import dataclass
 from pydantic import BaseModel
 
 from snugkv.core.outputs import GenerateOutput
-from snugkv.server.formats import ChatFormat, ChoiceState, usage_of
+from snugkv.server.formats import (
+    ChatFormat,
+    ChoiceState,
+    chat_logprobs,
+    chat_prompt_logprobs,
+    usage_of,
+)
 from snugkv.server.prepare import PreparedRequest
 from snugkv.server.protocol import AssistantMessage, ChatChoice, ChatCompletionResponse, ChatStreamChoice
 from snugkv.server.tools import ToolPlan, content_end, parse_tool_calls, tool_call
@@ -64,10 +70,16 @@ class ToolCallFormat(ChatFormat):
             if end > stream.sent_chars:
                 delta["content"] = text[stream.sent_chars : end]
                 stream.sent_chars = end
-        if not delta and not output.finished:
+        # A token's logprobs go out with the step that made it, even while its text is held back.
+        logprobs = chat_logprobs(output.logprobs) if prepared.logprobs and output.logprobs else None
+        if not delta and not output.finished and logprobs is None:
             return None
         choice = ChatStreamChoice(
-            index=index, delta=delta, finish_reason=finish_reason, finish_detail=state.finish_detail
+            index=index,
+            delta=delta,
+            logprobs=logprobs,
+            finish_reason=finish_reason,
+            finish_detail=state.finish_detail,
         )
         return self._chunk(prepared, [choice])
 
@@ -80,6 +92,7 @@ class ToolCallFormat(ChatFormat):
                 ChatChoice(
                     index=index,
                     message=AssistantMessage(content=content, tool_calls=calls or None),
+                    logprobs=chat_logprobs(state.logprobs) if prepared.logprobs else None,
                     finish_reason=finish_reason,
                     finish_detail=state.finish_detail,
                 )
@@ -90,4 +103,5 @@ class ToolCallFormat(ChatFormat):
             model=prepared.model,
             choices=built,
             usage=usage_of(prepared, choices),
+            prompt_logprobs=chat_prompt_logprobs(prepared, choices),
         )
