@@ -3,7 +3,8 @@
 A named function's arguments stream as they come (the output is the arguments); a "required" call
 is sent whole when the output ends; with "auto", text streams as content up to where a tool call
 starts or may start (`tools.content_end`), and what is held is sent at the end as tool-call deltas,
-or as content if it was no call. A choice that called tools finishes with "tool_calls".
+or as content if it was no call. A choice that called tools finishes with "tool_calls". Asked-for
+`logprobs` come per token as on plain chat (streamed with the step that made them, text held or not).
 """
 
 from __future__ import annotations
