@@ -170,6 +170,40 @@ BAD_BODIES = {
         ["structured output"],
     ),
     "chat echo": (CHAT, {"messages": HI, "echo": True}, 400, "echo", ["remove echo"]),
+    "chat best_of": (CHAT, {"messages": HI, "best_of": 3}, 400, "best_of", ["remove best_of", "n gives"]),
+    "top_logprobs on completions": (
+        COMPLETIONS,
+        {"prompt": "x", "top_logprobs": 3},
+        400,
+        "top_logprobs",
+        ["set logprobs to the number"],
+    ),
+    "verbosity": (CHAT, {"messages": HI, "verbosity": "low"}, 400, "verbosity", ["remove verbosity"]),
+    "web search asked": (
+        CHAT,
+        {"messages": HI, "web_search_options": {"search_context_size": "low"}},
+        400,
+        "web_search_options",
+        ["web search"],
+    ),
+    "token ids as tokens": (
+        COMPLETIONS,
+        {"prompt": "x", "logprobs": 1, "return_tokens_as_token_ids": True},
+        400,
+        "return_tokens_as_token_ids",
+        ["token ids"],
+    ),
+    "usage in every chunk": (
+        CHAT,
+        {
+            "messages": HI,
+            "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        },
+        400,
+        "stream_options",
+        ["include_usage"],
+    ),
 }
 
 
@@ -182,8 +216,13 @@ BAD_BODIES = {
         ),
         (CHAT, {"tools": [], "tool_choice": "none", "service_tier": "auto", "parallel_tool_calls": True}),
         (COMPLETIONS, {"skip_special_tokens": True, "some_future_field": 3}),
+        (CHAT, {"seed": 4, "best_of": 1, "verbosity": "medium", "web_search_options": {}}),
+        (
+            CHAT,
+            {"stream_options": {"include_usage": True}, "safety_identifier": "u1", "prompt_cache_key": "k"},
+        ),
     ],
-    ids=["informational", "inert tools", "inert and unknown"],
+    ids=["informational", "inert tools", "inert and unknown", "inert chat extras", "usage without stream"],
 )
 def test_fields_that_change_nothing_are_accepted(client: httpx.Client, endpoint: str, extra: dict) -> None:
     body = {"prompt": "x"} if endpoint == COMPLETIONS else {"messages": HI}

@@ -147,3 +147,57 @@ def test_scoring_mistakes_get_a_400(client, body, param, words):
     message = openai_error(client.post(COMPLETIONS, json=body), 400, param=param)
     for word in words:
         assert word in message, message
+
+
+CHAT = "/v1/chat/completions"
+MESSAGES = [
+    {"role": "system", "content": "You answer briefly."},
+    {"role": "user", "content": "What colour is the sky?"},
+]
+
+
+@pytest.fixture(scope="module")
+def rendered_chat() -> list[int]:
+    """The messages through SmolLM2's chat template, rendered by transformers itself."""
+    from transformers import AutoTokenizer
+
+    path = default_model_path()
+    hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    text = hf.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    return list(hf.encode(text, add_special_tokens=False))
+
+
+def test_chat_prompt_logprobs_score_the_rendered_template(client, reference, rendered_chat):
+    ids = rendered_chat
+    body = {"messages": MESSAGES, "max_tokens": 2, "prompt_logprobs": 2, "temperature": 0, "n": 2}
+    response = client.post(CHAT, json=body)
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    assert answer["usage"]["prompt_tokens"] == len(ids)
+    entries = answer["prompt_logprobs"]  # top-level, as vLLM has it: the choices share the prompt
+    assert entries[0] is None and len(entries) == len(ids)
+    assert all("prompt_logprobs" not in choice for choice in answer["choices"])
+    log_softmax = transformers_logprobs(reference, ids)
+    for i in range(1, len(ids)):
+        own = entries[i][str(ids[i])]
+        assert own["logprob"] == pytest.approx(float(log_softmax[i - 1, ids[i]]), abs=TOLERANCE)
+        assert own["rank"] == int((log_softmax[i - 1] > log_softmax[i - 1, ids[i]]).sum()) + 1
+        best = torch.topk(log_softmax[i - 1], 2)
+        for rank, (value, token) in enumerate(zip(best.values.tolist(), best.indices.tolist()), start=1):
+            assert entries[i][str(token)]["rank"] == rank
+            assert math.isclose(entries[i][str(token)]["logprob"], value, abs_tol=TOLERANCE)
+    plain = client.post(CHAT, json={"messages": MESSAGES, "max_tokens": 1}).json()
+    assert "prompt_logprobs" not in plain
+
+
+def test_chat_prompt_logprobs_with_tools_and_streaming(client):
+    tools = [{"type": "function", "function": {"name": "sky", "parameters": {"type": "object"}}}]
+    body = {"messages": MESSAGES, "max_tokens": 2, "prompt_logprobs": 0, "tools": tools}
+    answer = client.post(CHAT, json=body).json()
+    assert answer["prompt_logprobs"][0] is None
+    assert all(len(entry) == 1 for entry in answer["prompt_logprobs"][1:])  # only the prompt's token
+
+    from tests.server.expect import openai_error
+
+    message = openai_error(client.post(CHAT, json={**body, "stream": True}), 400, param="prompt_logprobs")
+    assert "stream" in message, message

@@ -52,3 +52,25 @@ def test_chat_takes_the_sampling_controls(client: httpx.Client) -> None:
     response = client.post(CHAT, json=body)
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["completion_tokens"] == 4  # min_tokens held the end back
+
+
+def test_min_tokens_holds_stop_strings_back_until_reached(client: httpx.Client) -> None:
+    """vLLM's rule: stop strings are looked for only in the text after the first `min_tokens`
+    tokens, so a stop string inside them neither ends the request nor is cut out."""
+    body = {"prompt": "1, 2, 3, 4, 5, 6,", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    plain = client.post(COMPLETIONS, json={**body, "logprobs": 0}).json()["choices"][0]
+    tokens, full = plain["logprobs"]["tokens"], plain["text"]
+    assert "".join(tokens) == full
+    stop, min_tokens = ",", 4
+    held = "".join(tokens[:min_tokens])
+    assert stop in held, tokens  # the stop string comes early in the greedy answer
+    assert (
+        client.post(COMPLETIONS, json={**body, "stop": stop}).json()["choices"][0]["text"]
+        == (full[: full.index(stop)])
+    )
+    response = client.post(COMPLETIONS, json={**body, "stop": stop, "min_tokens": min_tokens})
+    choice = response.json()["choices"][0]
+    cut = full.find(stop, len(held))  # the first stop string that ends after the held-back tokens
+    assert cut != -1, full
+    assert choice["text"] == full[:cut] and choice["finish_reason"] == "stop", (choice, tokens)
+    assert choice["text"].startswith(held)

@@ -152,3 +152,23 @@ def test_a_conversation_with_earlier_calls_and_results_renders(client: httpx.Cli
 def test_bad_tools_are_a_400(client: httpx.Client, body: dict, param: str, words: str) -> None:
     response = client.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 4, **body})
     assert words in openai_error(response, 400, param=param)
+
+
+def test_logprobs_come_with_tool_calls_whole_and_streamed(client: httpx.Client) -> None:
+    """`logprobs` with tools is not dropped: one entry per generated token, the same when streamed
+    (where "auto" holds text back until it knows whether a call starts)."""
+    body = {"tools": TOOLS, "tool_choice": "auto", "logprobs": True, "top_logprobs": 2}
+    answer = chat(client, **body)
+    choice = answer["choices"][0]
+    content = choice["logprobs"]["content"]
+    assert len(content) == answer["usage"]["completion_tokens"]
+    assert all(entry["logprob"] <= 0 and len(entry["top_logprobs"]) == 2 for entry in content)
+    payload = {"messages": ASK, "max_tokens": 120, "temperature": 0, "stream": True, **body}
+    events = sse_events(client.post("/v1/chat/completions", json=payload))
+    streamed = [
+        e
+        for event in events
+        if event["choices"]
+        for e in (event["choices"][0]["logprobs"] or {}).get("content", [])
+    ]
+    assert [e["token"] for e in streamed] == [e["token"] for e in content]

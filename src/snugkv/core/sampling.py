@@ -41,7 +41,7 @@ class SamplingParams:
     positive logits (multiplies the negative) of every token seen in the prompt or the output;
     `presence_penalty` subtracts once per token generated so far, `frequency_penalty` once per
     occurrence; `min_tokens` keeps EOS and `stop_token_ids` from being drawn until that many
-    tokens are out; `min_p` drops tokens less likely than `min_p` times the most likely one.
+    tokens are out (and `stop` strings are looked for only in the text after them); `min_p` drops tokens less likely than `min_p` times the most likely one.
     `max_new_tokens == 0` is allowed only with `prompt_logprobs` (scoring a prompt, nothing new);
     `prompt_logprobs` is the number of top alternatives per prompt position (0: only the prompt's
     own token), like `logprobs` for the output.

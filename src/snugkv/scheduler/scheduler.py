@@ -444,7 +444,10 @@ class Scheduler:
         if sampling.stop:
             searched = len(request.text)
             detokenize(self.outputs.tokenizer, request)
-            index = find_stop(request.text, sampling.stop, searched)
+            # vLLM's rule: stop strings count from the token after `min_tokens`; text before it is
+            # never searched again, so a stop string inside it does not end the request later.
+            held_back = len(request.output_ids) <= sampling.min_tokens
+            index = None if held_back else find_stop(request.text, sampling.stop, searched)
             if index is not None:
                 request.text = request.text[:index]
                 request.stopped_by_string = True

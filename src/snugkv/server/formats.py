@@ -179,7 +179,7 @@ class ChatFormat:
     ) -> BaseModel | None:
         if not output.text and not output.finished and not output.logprobs:
             return None
-        logprobs = _chat_logprobs(output.logprobs) if prepared.logprobs else None
+        logprobs = chat_logprobs(output.logprobs) if prepared.logprobs else None
         delta = {"content": output.text} if output.text else {}
         choice = ChatStreamChoice(
             index=index,
@@ -204,13 +204,14 @@ class ChatFormat:
                 ChatChoice(
                     index=index,
                     message=AssistantMessage(content="".join(state.text)),
-                    logprobs=_chat_logprobs(state.logprobs) if prepared.logprobs else None,
+                    logprobs=chat_logprobs(state.logprobs) if prepared.logprobs else None,
                     finish_reason=state.finish_reason,
                     finish_detail=state.finish_detail,
                 )
                 for index, state in enumerate(choices)
             ],
             usage=usage_of(prepared, choices),
+            prompt_logprobs=chat_prompt_logprobs(prepared, choices),
         )
 
     def _chunk(self, prepared: PreparedRequest, choices: list[ChatStreamChoice]) -> ChatCompletionChunk:
@@ -220,6 +221,15 @@ class ChatFormat:
 
 
 ResponseFormat = CompletionFormat | ChatFormat
+
+
+def chat_prompt_logprobs(
+    prepared: PreparedRequest, choices: list[ChoiceState]
+) -> list[dict[str, PromptLogprob] | None] | None:
+    """vLLM's top-level `prompt_logprobs` of a chat response: the choices share one prompt (the
+    rendered template), so the first choice's entries stand for all."""
+    scored = next((state.prompt_logprobs for state in choices if state.prompt_logprobs is not None), None)
+    return _vllm_prompt_logprobs(prepared, scored)
 
 
 def _echo_entries(
@@ -289,7 +299,7 @@ def _vllm_prompt_logprobs(
     return result
 
 
-def _chat_logprobs(entries: list[TokenLogprob]) -> ChatLogprobs:
+def chat_logprobs(entries: list[TokenLogprob]) -> ChatLogprobs:
     return ChatLogprobs(
         content=[
             ChatTokenLogprob(

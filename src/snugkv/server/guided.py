@@ -45,6 +45,8 @@ def _response_format(value: dict[str, Any]) -> StructuredOutput | None:
                 'response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}}.',
                 param="response_format",
             )
+        # `strict` is not read: the schema is enforced either way (strict: false promises less, and
+        # an output that keeps to the schema breaks no promise), as the README says.
         return StructuredOutput(
             "json_schema", _schema_text(spec["schema"], "response_format.json_schema.schema")
         )

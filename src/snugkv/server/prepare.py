@@ -197,8 +197,20 @@ def prepare_chat(
             param="top_logprobs",
         )
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    if body.stream and body.prompt_logprobs is not None:
+        raise bad_request(
+            "prompt_logprobs cannot be streamed on chat; set stream to false or remove prompt_logprobs.",
+            param="prompt_logprobs",
+        )
     top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    sampling = _sampling(body, max_tokens, top_logprobs, limit, tokenizer=engine.tokenizer)
+    sampling = _sampling(
+        body,
+        max_tokens,
+        top_logprobs,
+        limit,
+        prompt_logprobs=body.prompt_logprobs,
+        tokenizer=engine.tokenizer,
+    )
     structured = requested_structured_output(body)
     if tools is not None and tools.structured is not None:
         if structured is not None:
@@ -221,7 +233,7 @@ def prepare_chat(
         sampling = dataclasses.replace(sampling, max_new_tokens=limit.tokens - len(ids))
     _check_fits(len(ids), sampling.max_new_tokens, limit, what="The messages", param="messages")
     prepared = _fan_out("chatcmpl", body, served_model_name, [ids], sampling, logprobs=body.logprobs)
-    return dataclasses.replace(prepared, tools=tools)
+    return dataclasses.replace(prepared, tools=tools, prompt_logprobs=body.prompt_logprobs)
 
 
 def _check_common(body: GenerationRequest, served_model_name: str, endpoint: str) -> None:
@@ -238,9 +250,16 @@ def _check_common(body: GenerationRequest, served_model_name: str, endpoint: str
     refused = refused_field(body, endpoint)
     if refused is not None:
         name, field = refused
+        instead = field.instead or f"remove {name}"
         raise bad_request(
-            f"{name} asks for {field.what}, which this server does not support yet; remove {name}.",
+            f"{name} asks for {field.what}, which this server does not support yet; {instead}.",
             param=name,
+        )
+    if body.stream_options is not None and body.stream_options.continuous_usage_stats:
+        raise bad_request(
+            "stream_options.continuous_usage_stats asks for usage in every chunk, which this server "
+            "does not support yet; use include_usage for usage in the last chunk.",
+            param="stream_options",
         )
 
 

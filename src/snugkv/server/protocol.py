@@ -33,6 +33,7 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's usage in every chunk: refused (`prepare`)
 
 
 class GenerationRequest(_Request):
@@ -135,6 +136,7 @@ class ChatCompletionRequest(GenerationRequest):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    prompt_logprobs: int | None = None  # vLLM's extension, on the rendered template; not streamed
 
 
 def _unset(value: Any) -> bool:
@@ -164,6 +166,7 @@ class RefusedField:
     what: str  # what the field asks for, as the error message names it
     inert: Callable[[Any], bool] = _unset
     endpoints: frozenset[str] = frozenset({"completions", "chat"})
+    instead: str | None = None  # what to do instead, where there is more to say than "remove it"
 
 
 _STRUCTURED = "structured output"
@@ -196,6 +199,20 @@ REFUSED_FIELDS: dict[str, RefusedField] = {
     "audio": RefusedField("audio output"),
     "modalities": RefusedField("other output modalities", _unset_or(["text"])),
     "reasoning_effort": RefusedField("a reasoning effort"),
+    "verbosity": RefusedField("a verbosity level", _unset_or("medium")),
+    "web_search_options": RefusedField("web search", _unset_or_empty, frozenset({"chat"})),
+    "return_tokens_as_token_ids": RefusedField("tokens written as token ids", _falsy),
+    "best_of": RefusedField(
+        "the best of several completions",
+        _unset_or(1),
+        frozenset({"chat"}),
+        "remove best_of (n gives several choices)",
+    ),
+    "top_logprobs": RefusedField(
+        "chat's alternatives per token",
+        endpoints=frozenset({"completions"}),
+        instead="on /v1/completions set logprobs to the number of alternatives",
+    ),
     "chat_template": RefusedField("a chat template of the request's own", endpoints=frozenset({"chat"})),
     "chat_template_kwargs": RefusedField("chat template options", _unset_or_empty, frozenset({"chat"})),
     "continue_final_message": RefusedField("continuing the last message", _falsy, frozenset({"chat"})),
@@ -204,9 +221,6 @@ REFUSED_FIELDS: dict[str, RefusedField] = {
     ),
     "documents": RefusedField("documents for the chat template", _unset_or_empty, frozenset({"chat"})),
     "echo": RefusedField("echoing the last message", _falsy, frozenset({"chat"})),
-    "prompt_logprobs": RefusedField(
-        "prompt log-probabilities on chat (use /v1/completions)", endpoints=frozenset({"chat"})
-    ),
 }
 
 
@@ -316,12 +330,23 @@ class ChatChoice(_Choice):
 
 
 class ChatCompletionResponse(BaseModel):
+    """`prompt_logprobs` (vLLM's, top-level: every choice has the same prompt) appears only when
+    the request asked for it."""
+
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_unasked_prompt_logprobs(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("prompt_logprobs", "") is None:
+            del data["prompt_logprobs"]
+        return data
 
 
 class ChatStreamChoice(_Choice):

@@ -3,7 +3,8 @@
 A named function's arguments stream as they come (the output is the arguments); a "required" call
 is sent whole when the output ends; with "auto", text streams as content up to where a tool call
 starts or may start (`tools.content_end`), and what is held is sent at the end as tool-call deltas,
-or as content if it was no call. A choice that called tools finishes with "tool_calls".
+or as content if it was no call. A choice that called tools finishes with "tool_calls". Asked-for
+`logprobs` come per token as on plain chat (streamed with the step that made them, text held or not).
 """
 
 from __future__ import annotations
@@ -13,7 +14,13 @@ from dataclasses import dataclass
 from pydantic import BaseModel
 
 from snugkv.core.outputs import GenerateOutput
-from snugkv.server.formats import ChatFormat, ChoiceState, usage_of
+from snugkv.server.formats import (
+    ChatFormat,
+    ChoiceState,
+    chat_logprobs,
+    chat_prompt_logprobs,
+    usage_of,
+)
 from snugkv.server.prepare import PreparedRequest
 from snugkv.server.protocol import AssistantMessage, ChatChoice, ChatCompletionResponse, ChatStreamChoice
 from snugkv.server.tools import ToolPlan, content_end, parse_tool_calls, tool_call
@@ -64,10 +71,16 @@ class ToolCallFormat(ChatFormat):
             if end > stream.sent_chars:
                 delta["content"] = text[stream.sent_chars : end]
                 stream.sent_chars = end
-        if not delta and not output.finished:
+        # A token's logprobs go out with the step that made it, even while its text is held back.
+        logprobs = chat_logprobs(output.logprobs) if prepared.logprobs and output.logprobs else None
+        if not delta and not output.finished and logprobs is None:
             return None
         choice = ChatStreamChoice(
-            index=index, delta=delta, finish_reason=finish_reason, finish_detail=state.finish_detail
+            index=index,
+            delta=delta,
+            logprobs=logprobs,
+            finish_reason=finish_reason,
+            finish_detail=state.finish_detail,
         )
         return self._chunk(prepared, [choice])
 
@@ -80,6 +93,7 @@ class ToolCallFormat(ChatFormat):
                 ChatChoice(
                     index=index,
                     message=AssistantMessage(content=content, tool_calls=calls or None),
+                    logprobs=chat_logprobs(state.logprobs) if prepared.logprobs else None,
                     finish_reason=finish_reason,
                     finish_detail=state.finish_detail,
                 )
@@ -90,4 +104,5 @@ class ToolCallFormat(ChatFormat):
             model=prepared.model,
             choices=built,
             usage=usage_of(prepared, choices),
+            prompt_logprobs=chat_prompt_logprobs(prepared, choices),
         )
