@@ -221,4 +221,6 @@ def test_a_waking_engine_asks_for_its_old_kv_bounded_by_its_share() -> None:
     # then the others treat its ask like a starting engine's: an urgent give-back of the deficit
     asking = replace(engine(1, 0), state=STARTING, need_bytes=int(19.5 * GIB) + GIB)
     decision = move(other, [asking, other], free)
-    assert decision.urgent and decision.target_bytes == pytest.approx(other.kv_bytes - 19.5 * GIB - GIB, abs=16)
+    assert decision.urgent and decision.target_bytes == pytest.approx(
+        other.kv_bytes - 19.5 * GIB - GIB, abs=16
+    )

@@ -36,6 +36,8 @@ from snugkv.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
+WakeGate = Callable[[tuple[str, ...]], contextlib.AbstractAsyncContextManager[None]]  # see `wake_gate`
+
 
 class OutputStream:
     """One request's outputs on its event loop: what arrived and was not taken yet, merged into one
@@ -175,7 +177,7 @@ class AsyncEngine:
         self.step_errors = 0
         # Entered around every wake, before the command is sent: --kv-elastic asks the other
         # engines on the device for the memory first (server.memory_share_wake); None: no gate.
-        self.wake_gate: Callable[[tuple[str, ...]], contextlib.AbstractAsyncContextManager[None]] | None = None
+        self.wake_gate: WakeGate | None = None
         self._accounting_checked = False
         self.slot_accounting: dict[str, Any] = {"checked": False}
         self._replies: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future[Any]]] = {}

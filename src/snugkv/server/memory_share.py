@@ -189,16 +189,13 @@ class MemoryShare:
             min_kv_bytes=options.min_tokens * per_token,
         )
         share = cls(ShareRecord.for_device(device_key(device)), entry, device, options)
-        try:
-            share._wait_for_memory("start", options.start_timeout_s)
-        except MemoryShareError:
-            share.record.remove(entry.pid)
-            raise
+        share._wait_for_memory()
         return share
 
-    def _wait_for_memory(self, what: str, timeout_s: float) -> None:
+    def _wait_for_memory(self, what: str = "start") -> None:
         """Publish this engine's ask (`self.entry`, state starting) and wait until free memory covers
-        it; `what` (start, wake) names the wait in the log and the error."""
+        it; `what` (start, wake) names the wait, its time limit, and what a failed one leaves."""
+        timeout_s = self.options.wake_timeout_s if what == "wake" else self.options.start_timeout_s
         started = time.monotonic()
         while True:
             entries = self.record.publish(self.entry.beat())
@@ -224,6 +221,7 @@ class MemoryShare:
                 )
                 return
             if self.waited_s > timeout_s:
+                self._withdraw_ask(what)
                 held = ", ".join(f"pid {e.pid} ({e.name}) {e.kv_bytes / GIB:.2f} GiB KV" for e in others)
                 raise MemoryShareError(
                     f"could not get {self.entry.need_bytes / GIB:.2f} GiB to {what} in "
@@ -388,7 +386,7 @@ class MemoryShare:
             state=STARTING, kv_bytes=0, kv_tokens=0, need_bytes=need_bytes, granted=False, resizing=False
         )
         try:
-            self._wait_for_memory("wake", self.options.wake_timeout_s)
+            self._wait_for_memory("wake")
         except BaseException:
             self.woken()
             raise
@@ -397,9 +395,16 @@ class MemoryShare:
         """The wake is done (or failed): the entry goes back to the turns, whose next one publishes
         the engine's real state (running with its new KV cache, or still sleeping)."""
         if self.entry.state == STARTING and not self.entry.granted:  # no grant: the ask goes at once
-            self.entry = self.entry.beat(state=SLEEPING, need_bytes=0)
-            self.record.publish(self.entry)
+            self._withdraw_ask("wake")
         self._asking.clear()
+
+    def _withdraw_ask(self, what: str) -> None:
+        """An ask not met: a starter leaves the record, a waking engine goes back to sleeping."""
+        if what == "start":
+            self.record.remove(self.entry.pid)
+            return
+        self.entry = self.entry.beat(state=SLEEPING, need_bytes=0)
+        self.record.publish(self.entry)
 
     def stop(self) -> None:
         """Stop rebalancing (before the engine stops)."""

@@ -87,12 +87,18 @@ async def asking_to_wake(share: MemoryShare, tags: tuple[str, ...]) -> AsyncIter
     except MemoryShareError as exc:
         raise KvResizeError(f"the engine stays asleep: {exc}", status=409) from exc
     except asyncio.CancelledError:  # the caller left: the wait ends on its own, then the hold
-        waiting.add_done_callback(lambda done: done.cancelled() or done.exception() or share.woken())
+        waiting.add_done_callback(lambda done: _woken_if_granted(share, done))
         raise
     try:
         with share.holding_others_headroom():
             yield
     finally:
+        share.woken()
+
+
+def _woken_if_granted(share: MemoryShare, done: asyncio.Future[None]) -> None:
+    """A wait its caller left ended: a grant nobody will use is released (a failed wait did it)."""
+    if not done.cancelled() and done.exception() is None:
         share.woken()
 
 
