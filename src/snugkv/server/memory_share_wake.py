@@ -54,9 +54,8 @@ def wake_need_bytes(
     return need
 
 
-async def wake_ask_bytes(share: MemoryShare, tags: tuple[str, ...]) -> int:
-    """What this engine asks for to wake `tags` now (its state read on the scheduler thread)."""
-    info: dict[str, Any] = await share.async_engine.kv_info()
+def wake_ask_bytes(share: MemoryShare, info: dict[str, Any], tags: tuple[str, ...]) -> int:
+    """What this engine asks for to wake `tags` now (`info`: its `kv_info`; reads the record)."""
     kv = 0
     if "kv_cache" in info["sleeping_tags"]:
         entries = share.record.entries()
@@ -77,18 +76,18 @@ async def wake_ask_bytes(share: MemoryShare, tags: tuple[str, ...]) -> int:
 @contextlib.asynccontextmanager
 async def asking_to_wake(share: MemoryShare, tags: tuple[str, ...]) -> AsyncIterator[None]:
     """Ask, wait off the loop until the others gave it, then let the wake run (the body)."""
-    need = await wake_ask_bytes(share, tags)
-    if need <= 0:
-        yield
-        return
-    waiting = asyncio.ensure_future(asyncio.to_thread(share.ask_to_wake, need))
+    info: dict[str, Any] = await share.async_engine.kv_info()  # on the scheduler thread, between steps
+    waiting = asyncio.ensure_future(asyncio.to_thread(_ask, share, info, tags))
     try:
-        await asyncio.shield(waiting)
+        asked = await asyncio.shield(waiting)
     except MemoryShareError as exc:
         raise KvResizeError(f"the engine stays asleep: {exc}", status=409) from exc
     except asyncio.CancelledError:  # the caller left: the wait ends on its own, then the hold
         waiting.add_done_callback(lambda done: _woken_if_granted(share, done))
         raise
+    if not asked:
+        yield
+        return
     try:
         with share.holding_others_headroom():
             yield
@@ -96,9 +95,18 @@ async def asking_to_wake(share: MemoryShare, tags: tuple[str, ...]) -> AsyncIter
         share.woken()
 
 
-def _woken_if_granted(share: MemoryShare, done: asyncio.Future[None]) -> None:
+def _ask(share: MemoryShare, info: dict[str, Any], tags: tuple[str, ...]) -> bool:
+    """In a worker thread: ask and wait if the wake takes anything back (returns whether it asked)."""
+    need = wake_ask_bytes(share, info, tags)
+    if need <= 0:
+        return False
+    share.ask_to_wake(need)
+    return True
+
+
+def _woken_if_granted(share: MemoryShare, done: asyncio.Future[bool]) -> None:
     """A wait its caller left ended: a grant nobody will use is released (a failed wait did it)."""
-    if not done.cancelled() and done.exception() is None:
+    if not done.cancelled() and done.exception() is None and done.result():
         share.woken()
 
 
