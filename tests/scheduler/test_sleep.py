@@ -112,6 +112,24 @@ def test_wake_sizes_the_kv_cache_from_the_memory_free_now(model_dir):
     engine.close()
 
 
+def test_a_wake_with_no_memory_free_is_refused_and_the_engine_stays_asleep(model_dir):
+    engine = start(model_dir)
+    scheduler, _ = make_scheduler(engine)
+    elastic.sleep(scheduler, tags=("kv_cache",))
+    memory = engine.memory
+    free = memory.mem_get_info()[0] // memory.granularity_bytes * memory.granularity_bytes
+    other = memory.reserve(free)  # another tenant takes everything while the engine sleeps
+    taken = memory.commit(other, free)
+    with pytest.raises(KvResizeError, match="no memory to wake the KV cache into") as caught:
+        elastic.wake_up(scheduler, tags=("kv_cache",))
+    assert caught.value.status == 409
+    assert engine.sleeping_tags == {"kv_cache"} and scheduler.paused and engine.pool.committed_bytes == 0
+    memory.decommit(taken)
+    memory.release(other, free)
+    assert elastic.wake_up(scheduler, tags=("kv_cache",)).to_tokens > 0
+    engine.close()
+
+
 def test_partial_wakes_follow_the_tags(model_dir):
     engine = start(model_dir)
     scheduler, _ = make_scheduler(engine)

@@ -1,6 +1,7 @@
 """Two real `snugkv serve --kv-elastic` servers on one simulated device (the host backend with a
 budget shared through SNUGKV_HOST_DEVICE_GIB): the second starts while the first streams, neither
-loses a request, the first grows back when the second is killed, and its stale entry goes. (A
+loses a request, the first grows back when the second is killed, and its stale entry goes; an
+engine that sleeps while the other grows into its memory asks for it back when it wakes. (A
 graceful stop leaves the record in `tests/sizing/test_share_record.py`.)"""
 
 from __future__ import annotations
@@ -180,3 +181,44 @@ def test_a_second_engine_starts_beside_a_busy_one_and_the_first_grows_back(
     assert sum(len(load.finished) for load in loads) >= 4
     assert [failure for load in loads for failure in load.failures] == []
     assert "Traceback" not in first.log(), first.log()
+
+
+def test_a_sleeping_engine_asks_for_its_memory_back_when_it_wakes(
+    tmp_path: Path, env: dict[str, str], servers: list[Server]
+) -> None:
+    first = wait_serving(start(tmp_path, "first", env))
+    servers.append(first)
+    alone_tokens = first.kv()["max_total_num_tokens"]
+    second = wait_serving(start(tmp_path, "second", env))
+    servers.append(second)
+    assert httpx.post(f"{first.url}/sleep", params={"level": 1}, timeout=60).status_code == 200
+
+    # The second grows into what the first released, until too little is free to wake the first.
+    def grown() -> int:
+        tokens = second.kv()["max_total_num_tokens"]
+        return tokens if tokens >= alone_tokens * 0.9 else 0
+
+    grown_tokens = wait_for("the second to grow into the freed memory", grown, second)
+    assert second.kv()["device_free_bytes"] < MIN_TOKENS * first.kv()["bytes_per_token"]
+
+    # The wake asks first: the second gives back (urgently), then the first wakes with its share.
+    woke = httpx.post(f"{first.url}/wake_up", timeout=120)
+    assert woke.status_code == 200, woke.text + first.log()
+    assert woke.json()["to_tokens"] >= MIN_TOKENS and not woke.json()["is_sleeping"]
+    assert re.search(r"asked and free after [0-9.]+ s to wake", first.log()), first.log()
+    assert second.kv()["max_total_num_tokens"] < grown_tokens
+    assert "free memory is" in second.log()  # its urgent give-back's reason
+    with httpx.Client(timeout=60) as client:
+        answer = client.post(
+            f"{first.url}/v1/completions", json={"model": "first", "prompt": "Hello", "max_tokens": 8}
+        )
+    assert answer.status_code == 200, answer.text
+    states = {e["name"]: e["state"] for e in wait_for("the first's turn", lambda: running(first), first)}
+    assert states == {"first": "running", "second": "running"}
+    for server in (first, second):
+        assert "Traceback" not in server.log(), server.log()
+
+
+def running(server: Server) -> list[dict] | None:
+    engines = server.engines()["engines"]
+    return engines if all(e["state"] == "running" for e in engines) else None

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
 from snugkv.memory.vmm import GIB, MIB
-from snugkv.sizing.share_policy import SharePolicy, decide, plan_targets, pool_bytes
+from snugkv.sizing.share_policy import SharePolicy, decide, plan_targets, pool_bytes, wake_kv_bytes
 from snugkv.sizing.share_record import RUNNING, SLEEPING, STARTING, EngineEntry
 
 POLICY = SharePolicy()
@@ -203,3 +204,23 @@ def test_running_engines_keep_room_for_a_new_engines_cuda_context() -> None:
     assert reserve_bytes([me]) == GIB // 4 + GIB
     decision = move(me, [me], GIB // 4)  # post-capture sizing left only its headroom free
     assert decision.urgent and decision.target_bytes == pytest.approx(99 * GIB, abs=MIB)
+
+
+def test_a_waking_engine_asks_for_its_old_kv_bounded_by_its_share() -> None:
+    # The other grew into everything while this one slept (pool 40 GiB, both idle, equal weights).
+    sleeper = replace(engine(1, 0), state=SLEEPING)
+    other = engine(2, 40)
+    free = 1 * GIB  # 1 GiB free: the other's headroom only; the sleeper's own headroom is to come
+    entries = [sleeper, other]
+    assert wake_kv_bytes(sleeper, entries, free, 30 * GIB, POLICY) == pytest.approx(19.5 * GIB, abs=16)
+    assert wake_kv_bytes(sleeper, entries, free, 4 * GIB, POLICY) == 4 * GIB  # less than its share
+    assert wake_kv_bytes(sleeper, entries, free, 0, POLICY) == sleeper.min_kv_bytes  # never below its minimum
+    # a busy other keeps its demand: the sleeper's share shrinks, its minimum stays
+    busy = engine(2, 40, demand_gib=100)
+    assert wake_kv_bytes(sleeper, [sleeper, busy], free, 30 * GIB, POLICY) == sleeper.min_kv_bytes
+    # then the others treat its ask like a starting engine's: an urgent give-back of the deficit
+    asking = replace(engine(1, 0), state=STARTING, need_bytes=int(19.5 * GIB) + GIB)
+    decision = move(other, [asking, other], free)
+    assert decision.urgent and decision.target_bytes == pytest.approx(
+        other.kv_bytes - 19.5 * GIB - GIB, abs=16
+    )

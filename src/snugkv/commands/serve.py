@@ -247,10 +247,12 @@ def _share_then_stop(share, async_engine, app, host: str, sock):
     """Start rebalancing now; the returned shutdown stops it, then the engine, then leaves the record
     (after the memory is released, so the others grow only into memory that is free)."""
     from snugkv.server.memory_share import install_share_routes
+    from snugkv.server.memory_share_wake import install_wake_ask
 
     port = sock.getsockname()[1] if sock is not None else 0
     share.attach(async_engine, f"http://{host}:{port}")
     install_share_routes(app, share)
+    install_wake_ask(share, async_engine)  # a wake asks the others for its memory first
 
     def stop() -> None:
         share.stop()

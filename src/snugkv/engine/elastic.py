@@ -373,7 +373,13 @@ class ElasticMemory:
         return change
 
     def _back_kv_again(self, runner: ModelRunner) -> int:
-        self.pool.ensure_prefix()
+        try:
+            self.pool.ensure_prefix()
+        except CommitError as exc:  # not even the dummy page fits: a 409, not a server error
+            self.pool.release_backing()
+            raise KvResizeError(
+                f"no memory to wake the KV cache into ({exc}); free device memory and wake again", status=409
+            ) from exc
         free = measure_free(self.memory, self.group)
         kv_cap = self._kv_cap_bytes(self.pool, self.headroom_bytes)
         tokens = agree_min(

@@ -36,6 +36,8 @@ from snugkv.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
+WakeGate = Callable[[tuple[str, ...]], contextlib.AbstractAsyncContextManager[None]]  # see `wake_gate`
+
 
 class OutputStream:
     """One request's outputs on its event loop: what arrived and was not taken yet, merged into one
@@ -173,6 +175,9 @@ class AsyncEngine:
         self._broken: str | None = None  # why the scheduler loop died, if it did
         self.aborted_rids: deque[str] = deque(maxlen=4096)
         self.step_errors = 0
+        # Entered around every wake, before the command is sent: --kv-elastic asks the other
+        # engines on the device for the memory first (server.memory_share_wake); None: no gate.
+        self.wake_gate: WakeGate | None = None
         self._accounting_checked = False
         self.slot_accounting: dict[str, Any] = {"checked": False}
         self._replies: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future[Any]]] = {}
@@ -238,7 +243,9 @@ class AsyncEngine:
         return {**result.to_dict(), **self.sleep_state()}
 
     async def wake_up(self, *, tags: tuple[str, ...] = ()) -> dict[str, Any]:
-        result = await self._control(WakeUp(tuple(tags)))
+        gate = self.wake_gate
+        async with gate(tuple(tags)) if gate is not None else contextlib.nullcontext():
+            result = await self._control(WakeUp(tuple(tags)))
         return {**result.to_dict(), **self.sleep_state()}
 
     def is_sleeping(self) -> bool:

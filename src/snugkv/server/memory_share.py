@@ -19,6 +19,9 @@ The protocol, through the per-device record (`sizing.share_record`, a locked JSO
 4. Leave. An engine that sleeps publishes `sleeping` with no KV; one that stops removes its entry
    after its memory is released; one that crashed is cleared by the next reader (dead pid). The
    others then grow into the freed memory, never beyond what is free now.
+5. Wake. A sleeping engine asked to wake asks first, as a starting engine does (the same wait,
+   `server.memory_share_wake` says what it asks for); its rebalancing turns pause meanwhile, so
+   the ask stays published until the wake is done.
 
 A process outside snugkv that takes memory shows as free memory below the reserve: every elastic
 engine gives back the deficit at once. This module acts only on its own engine.
@@ -53,7 +56,7 @@ from snugkv.sizing.share_policy import (
     pool_bytes,
     reserve_bytes,
 )
-from snugkv.sizing.share_record import RUNNING, SLEEPING, EngineEntry, ShareRecord, device_key
+from snugkv.sizing.share_record import RUNNING, SLEEPING, STARTING, EngineEntry, ShareRecord, device_key
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +80,7 @@ class ShareOptions:
     min_tokens: int = 4096  # --kv-min-tokens: the KV cache an engine asks for at start and keeps
     interval_s: float = 0.5
     start_timeout_s: float = 120.0
+    wake_timeout_s: float = 60.0
     policy: SharePolicy = field(default_factory=SharePolicy)
 
 
@@ -165,6 +169,9 @@ class MemoryShare:
         self.waited_s = 0.0
         self._last_resize = 0.0
         self._last_free: int | None = None  # device free bytes at the last turn
+        self.awake_kv_bytes = 0  # its KV cache at the last turn it was awake (a wake asks for it back)
+        self._asking = threading.Event()  # a wake's ask holds the entry: turns wait
+        self._turn_lock = threading.Lock()  # held by a turn in flight
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -185,7 +192,10 @@ class MemoryShare:
         share._wait_for_memory()
         return share
 
-    def _wait_for_memory(self) -> None:
+    def _wait_for_memory(self, what: str = "start") -> None:
+        """Publish this engine's ask (`self.entry`, state starting) and wait until free memory covers
+        it; `what` (start, wake) names the wait, its time limit, and what a failed one leaves."""
+        timeout_s = self.options.wake_timeout_s if what == "wake" else self.options.start_timeout_s
         started = time.monotonic()
         while True:
             entries = self.record.publish(self.entry.beat())
@@ -202,19 +212,20 @@ class MemoryShare:
                 self.entry = self.entry.beat(granted=True)
                 self.record.publish(self.entry)
                 logger.info(
-                    "Memory share: %.2f GiB asked and free after %.2f s (%d other engine(s) on %s)",
+                    "Memory share: %.2f GiB asked and free after %.2f s to %s (%d other engine(s) on %s)",
                     self.entry.need_bytes / GIB,
                     self.waited_s,
+                    what,
                     len(others),
                     self.record.path.name,
                 )
                 return
-            if self.waited_s > self.options.start_timeout_s:
-                self.record.remove(self.entry.pid)
+            if self.waited_s > timeout_s:
+                self._withdraw_ask(what)
                 held = ", ".join(f"pid {e.pid} ({e.name}) {e.kv_bytes / GIB:.2f} GiB KV" for e in others)
                 raise MemoryShareError(
-                    f"could not get {self.entry.need_bytes / GIB:.2f} GiB to start in "
-                    f"{self.options.start_timeout_s:g} s: {free / GIB:.2f} GiB free, {-spare / GIB:.2f} GiB short; "
+                    f"could not get {self.entry.need_bytes / GIB:.2f} GiB to {what} in "
+                    f"{timeout_s:g} s: {free / GIB:.2f} GiB free, {-spare / GIB:.2f} GiB short; "
                     f"the running engines hold {held} and give back only down to their --kv-min-tokens; "
                     "lower --kv-min-tokens here or there, or stop an engine"
                 )
@@ -270,7 +281,9 @@ class MemoryShare:
     async def _loop(self) -> None:
         while not self._stop.is_set():
             try:
-                await self.turn()
+                with self._turn_lock:  # this thread's own event loop: nothing else waits on it
+                    if not self._asking.is_set():
+                        await self.turn()
             except RuntimeError as exc:  # the scheduler loop is gone: nothing to share any more
                 logger.warning("Memory share stopped: %s", exc)
                 return
@@ -309,6 +322,7 @@ class MemoryShare:
         self._last_free = free
         if sleeping:
             return None
+        self.awake_kv_bytes = info["committed_bytes"]
         since = time.monotonic() - self._last_resize
         others_at = max((e.resized_at for e in entries if e.pid != self.entry.pid), default=0.0)
         decision = decide(
@@ -361,13 +375,44 @@ class MemoryShare:
         self.record.publish(self.entry)
         return result
 
+    # -- 5. wake -------------------------------------------------------------------------------
+    def ask_to_wake(self, need_bytes: int) -> None:
+        """Publish a wake's ask of `need_bytes` (after the turn in flight, if any; turns then wait)
+        and block until the others have given it, or raise `MemoryShareError` naming who holds
+        what. Run it off the event loop; `woken` ends the hold."""
+        with self._turn_lock:
+            self._asking.set()
+        self.entry = self.entry.beat(
+            state=STARTING, kv_bytes=0, kv_tokens=0, need_bytes=need_bytes, granted=False, resizing=False
+        )
+        try:
+            self._wait_for_memory("wake")
+        except BaseException:
+            self.woken()
+            raise
+
+    def woken(self) -> None:
+        """The wake is done (or failed): the entry goes back to the turns, whose next one publishes
+        the engine's real state (running with its new KV cache, or still sleeping)."""
+        if self.entry.state == STARTING and not self.entry.granted:  # no grant: the ask goes at once
+            self._withdraw_ask("wake")
+        self._asking.clear()
+
+    def _withdraw_ask(self, what: str) -> None:
+        """An ask not met: a starter leaves the record, a waking engine goes back to sleeping."""
+        if what == "start":
+            self.record.remove(self.entry.pid)
+            return
+        self.entry = self.entry.beat(state=SLEEPING, need_bytes=0)
+        self.record.publish(self.entry)
+
     def stop(self) -> None:
         """Stop rebalancing (before the engine stops)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
 
-    # -- 5. show ---------------------------------------------------------------------------------
+    # -- 6. show ---------------------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
         free = self._last_free  # as the scheduler thread read it (no device call from a route)
         return {

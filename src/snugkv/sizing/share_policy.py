@@ -25,12 +25,17 @@ The step (`decide`). Each engine computes its own target and changes only its ow
   so they decide on entries that show it. A resize is published as in flight before it starts (a
   grow with its new size: a reader that sees the memory gone also sees who took it), and the
   others make no move but an urgent one until it is done.
+
+The wake (`wake_kv_bytes`). A sleeping engine that wakes asks like a starting one; the KV part of
+its ask is its size before it slept, bounded by the target the split would give it were it running
+now (so the others keep their minimums and their weighted shares of demand), and never below its
+own minimum.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from snugkv.memory.vmm import MIB
 from snugkv.sizing.share_record import RUNNING, STARTING, EngineEntry
@@ -159,3 +164,15 @@ def decide(
     if grow_to - current <= band:
         return Decision(None, "waiting for memory to be given back")
     return Decision(grow_to, "rebalance: grow into free memory")
+
+
+def wake_kv_bytes(
+    me: EngineEntry, entries: Sequence[EngineEntry], free_bytes: int, previous_bytes: int, policy: SharePolicy
+) -> int:
+    """The KV cache a sleeping engine `me` asks for to wake (see the module docstring): `entries`
+    may include `me` (it is counted as running, with no KV yet); `previous_bytes` is its KV cache
+    before it slept."""
+    woken = replace(me, state=RUNNING, kv_bytes=0, kv_tokens=0, need_bytes=0, granted=False)
+    others = [e for e in entries if e.pid != me.pid]
+    target = plan_targets([*others, woken], free_bytes, policy).get(me.pid, me.min_kv_bytes)
+    return max(me.min_kv_bytes, min(previous_bytes, target))
