@@ -36,11 +36,20 @@ def aborted_rids(client: httpx.Client) -> set[str]:
     return set(client.get("/server_info").json()["aborted_rids"])
 
 
-def wait_for(condition: Any, timeout_s: float = 10.0, what: str = "condition") -> Any:
+def wait_for(
+    condition: Any,
+    timeout_s: float = 10.0,
+    what: str = "condition",
+    poll_s: float = 0.02,
+    detail: Any = None,
+) -> Any:
+    """`condition()`'s first truthy value; on a timeout an AssertionError naming `what`, followed
+    by `detail()` when given (a server's log)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         value = condition()
         if value:
             return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(poll_s)
+    extra = f":\n{detail()}" if detail is not None else ""
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}{extra}")

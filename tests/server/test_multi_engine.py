@@ -20,6 +20,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.server import expect
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEVICE_GIB = 0.5
 MIN_TOKENS = 2048
@@ -68,13 +70,7 @@ def wait_serving(server: Server, timeout_s: float = 90.0) -> Server:
 
 
 def wait_for(what: str, check, server: Server, timeout_s: float = 30.0):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.25)
-    raise AssertionError(f"timed out waiting for {what}:\n{server.log()}")
+    return expect.wait_for(check, timeout_s, what, poll_s=0.25, detail=server.log)
 
 
 @dataclass

@@ -32,7 +32,7 @@ import torch
 
 from snugkv.bench.model_configs import benchmark_model
 from snugkv.bench.report import cuda_missing, emit
-from snugkv.bench.serving import run_scheduler, workload
+from snugkv.bench.serving import bench_llm, run_scheduler, workload
 from snugkv.bench.serving_http import run_on_server, serve_command
 from snugkv.bench.stub_device import add_stub_arguments, stub_engine, stub_tokenizer
 from snugkv.core.outputs import GenerateInput
@@ -95,15 +95,7 @@ def run(args: argparse.Namespace) -> int:
             args.step_ms = args.stub_step_ms
             engine, tokenizer, llm = stub_engine(Path(directory), args), stub_tokenizer(args.tokenizer), None
         else:
-            from snugkv.llm import LLM
-
-            llm = LLM(
-                args.model,
-                load_format="dummy",
-                max_running_requests=args.max_batch,
-                cuda_graph_max_bs=args.max_batch,
-                chunked_prefill_size=args.chunk,
-            )
+            llm = bench_llm(args)
             engine, tokenizer = llm.engine, None
         vocab = 500 if stub else engine.config.vocab_size
         offline = workload(args.requests, seed=0, vocab=vocab, low=args.low, high=args.high)

@@ -196,19 +196,25 @@ def transformers_generate_batch(model: str, requests: list[tuple[list[int], int]
     return {"error": " | ".join(errors)}
 
 
-def run(args: argparse.Namespace) -> int:
+def bench_llm(args: argparse.Namespace) -> Any:
+    """The `LLM` the serving benches run on: `--model`'s shape with random weights, graphs up to
+    `--max-batch`, prefill chunks of `--chunk`."""
     from snugkv.llm import LLM
 
-    if cuda_missing("bench serving"):
-        return 2
-    bandwidth = copy_bandwidth_bytes_per_s()
-    llm = LLM(
+    return LLM(
         args.model,
         load_format="dummy",
         max_running_requests=args.max_batch,
         cuda_graph_max_bs=args.max_batch,
         chunked_prefill_size=args.chunk,
     )
+
+
+def run(args: argparse.Namespace) -> int:
+    if cuda_missing("bench serving"):
+        return 2
+    bandwidth = copy_bandwidth_bytes_per_s()
+    llm = bench_llm(args)
     engine = llm.engine  # the scheduler-direct cases run on the LLM's engine, one at a time
     vocab = engine.config.vocab_size
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.loaded.model.parameters())
