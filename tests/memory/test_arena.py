@@ -220,27 +220,3 @@ def test_close_releases_the_scratch_range_too():
     gc.collect()
     arena.close()
     assert arena.vmm.committed_bytes == 0
-
-
-def test_resizes_spread_over_worker_threads_keep_contents_and_stay_all_or_nothing():
-    arena = chunked_arena(chunk_mib=4, capacity_bytes=100 * MIB)
-    arena.workers = 4
-    names = [f"b{i}" for i in range(6)]
-    for name in names:
-        arena.add_buffer(k_layout(name), 100_000)
-    arena.commit({name: 14 * MIB for name in names})
-    assert arena.vmm.committed_bytes == 84 * MIB
-    patterns = {name: fill_pattern(arena, name, 14 * MIB) for name in names}
-    arena.commit({name: 6 * MIB for name in names})  # drops whole chunks on the workers, splits on the caller
-    assert arena.vmm.committed_bytes == 36 * MIB
-    for name in names:
-        assert torch.equal(read_bytes(arena, name, 6 * MIB), patterns[name][: 6 * MIB])
-    with pytest.raises(CommitError):  # 6 x 12 MiB more than the 64 MiB left: every worker's growth goes back
-        arena.commit({name: 18 * MIB for name in names})
-    assert arena.vmm.committed_bytes == 36 * MIB
-    assert [b.committed_bytes for b in arena.buffers] == [6 * MIB] * 6
-    arena.commit({name: 16 * MIB for name in names})
-    assert arena.vmm.committed_bytes == 96 * MIB
-    for name in names:
-        assert torch.equal(read_bytes(arena, name, 6 * MIB), patterns[name][: 6 * MIB])
-    arena.close()

@@ -12,8 +12,7 @@ is measured four ways:
   with the KV cache shrunk (moving live KV) and grown back every few steps; every request must
   finish, with the outputs of the steady run.
 The arena's chunk size can be swept (`--chunk-mib 256 1024`): it trades driver handles on a grow
-against copy work and transient memory on a shrink (see snugkv.memory.arena); so can the threads a
-resize spreads its per-buffer driver calls over (`--workers 1 8`).
+against copy work and transient memory on a shrink (see snugkv.memory.arena).
 """
 
 from __future__ import annotations
@@ -313,12 +312,8 @@ def run(args: argparse.Namespace) -> int:
         extra.setdefault("max_total_num_tokens", engine.report.max_total_num_tokens)
         extra.setdefault("kv_committed_gib", engine.pool.committed_bytes / GIB)
         extra.setdefault("startup_timings", engine.report.timings)
-        for workers in args.workers:
-            engine.pool.arena.workers = workers
-            part = resize_rows(engine, bandwidth, chunk_mib, args.move_gib, tuple(args.deltas_gib))
-            rows += [{**row, "workers": workers} for row in part]
-            emit("elastic", rows, args.out, extra=extra)  # each part is kept as soon as it is measured
-        engine.pool.arena.workers = 1
+        rows += resize_rows(engine, bandwidth, chunk_mib, args.move_gib, tuple(args.deltas_gib))
+        emit("elastic", rows, args.out, extra=extra)  # each part is kept as soon as it is measured
         if index == 0:  # sleep and serving do not depend on the chunk size
             rows += sleep_rows(engine)
             emit("elastic", rows, args.out, extra=extra)
@@ -335,13 +330,6 @@ def run(args: argparse.Namespace) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", type=benchmark_model, default="llama-3-8b")
     parser.add_argument("--chunk-mib", type=int, nargs="+", default=[256], help="arena chunk sizes to sweep")
-    parser.add_argument(
-        "--workers",
-        type=int,
-        nargs="+",
-        default=[1],
-        help="threads a resize spreads driver calls over, swept",
-    )
     parser.add_argument("--deltas-gib", type=float, nargs="+", default=list(DELTAS_GIB), help="resize steps")
     parser.add_argument("--move-gib", type=float, default=4.0, help="live KV a loaded shrink moves")
     parser.add_argument("--requests", type=int, default=256, help="the batch a resize must not lose one of")

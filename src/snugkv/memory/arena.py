@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import torch
@@ -86,11 +84,6 @@ class KvArena:
         self._live_views = 0
         self._views_lock = threading.Lock()
         self._closed = False
-        # Threads a resize spreads its per-buffer driver calls over (1: all on the caller's thread);
-        # only used when the backend is thread-safe. The bench compares settings.
-        self.workers = 1
-        self._executor: ThreadPoolExecutor | None = None
-        self._executor_workers = 0
         logger.info(
             "%s arena: reserved_va=%.2f GiB granularity=%d KiB device=%s (virtual, not physical)",
             label,
@@ -174,7 +167,9 @@ class KvArena:
             for name, size in targets.items()
         ]
         self._synchronize()
-        self._each(lambda plan: self._drop_above(*plan), [p for p in plans if p[1] < p[0].committed_bytes])
+        for buffer, target in plans:
+            if target < buffer.committed_bytes:
+                self._drop_above(buffer, target)
         unsplit: list[tuple[str, int, str]] = []  # buffers left with their whole top extension
         for buffer, target in plans:
             if target < buffer.committed_bytes:
@@ -192,46 +187,18 @@ class KvArena:
                 unsplit[0][2],
             )
         added: list[tuple[ArenaBuffer, Extension]] = []
-        failures: list[BaseException] = []
-        lock = threading.Lock()
-
-        def grow(plan: tuple[ArenaBuffer, int]) -> None:
-            buffer, target = plan
-            try:
+        try:
+            for buffer, target in plans:
                 for start, size in self._pieces(buffer.committed_bytes, target):
                     extension = self.vmm.commit(self.base_address + buffer.offset + start, size)
                     buffer.extensions.append(extension)
-                    with lock:
-                        added.append((buffer, extension))
-            except BaseException as exc:  # CommitError, or any other failure of the backend
-                with lock:
-                    failures.append(exc)
-
-        self._each(grow, [plan for plan in plans if plan[1] > plan[0].committed_bytes])
-        if failures:  # all or nothing
+                    added.append((buffer, extension))
+        except BaseException:  # CommitError, or any other failure of the backend: all or nothing
             for buffer, extension in reversed(added):
                 buffer.extensions.remove(extension)
                 self.vmm.decommit(extension)
-            raise failures[0]
+            raise
         return sum(extension.size_bytes for _, extension in added)
-
-    def _each(
-        self, call: Callable[[tuple[ArenaBuffer, int]], None], plans: Sequence[tuple[ArenaBuffer, int]]
-    ) -> None:
-        """`call` for every plan (one per buffer), on `workers` threads when the backend allows."""
-        if self.workers <= 1 or not self.vmm.thread_safe or len(plans) <= 1:
-            for plan in plans:
-                call(plan)
-            return
-        if self._executor is None or self._executor_workers != self.workers:
-            if self._executor is not None:
-                self._executor.shutdown()
-            self._executor = ThreadPoolExecutor(self.workers, thread_name_prefix=f"{self.label}-arena")
-            self._executor_workers = self.workers
-        futures = [self._executor.submit(call, plan) for plan in plans]
-        wait(futures)  # every call has ended before a failure propagates
-        for future in futures:
-            future.result()
 
     def _pieces(self, start: int, end: int) -> list[tuple[int, int]]:
         """`[start, end)` of a buffer cut at multiples of `chunk_bytes`: (offset, size) pairs."""
@@ -318,8 +285,6 @@ class KvArena:
         self.vmm.release(self.base_address, self.reserved_bytes)
         if self._scratch_address is not None:
             self.vmm.release(self._scratch_address, self.chunk_bytes)
-        if self._executor is not None:
-            self._executor.shutdown()
         self._closed = True
 
     def __del__(self) -> None:

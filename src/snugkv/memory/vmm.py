@@ -58,9 +58,6 @@ class VirtualMemory(ABC):
 
     name: str
     device: torch.device
-    # Whether commit and decommit may run on several threads at once (the arena then spreads a
-    # resize's calls over its workers); a backend that keeps unguarded state says False.
-    thread_safe: bool = False
 
     @property
     @abstractmethod

@@ -10,6 +10,7 @@ needs cuda-bindings but no driver: the driver is first touched in `probe_vmm_sup
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 import torch
@@ -61,7 +62,6 @@ class CudaVmm(VirtualMemory):
     """VMM over one CUDA device, in the primary context that torch uses."""
 
     name = "cuda"
-    thread_safe = True  # the driver API is; each call makes the context current on its own thread
 
     def __init__(self, device: torch.device) -> None:
         ok, reason = probe_vmm_support(device)
@@ -73,6 +73,7 @@ class CudaVmm(VirtualMemory):
         with torch.cuda.device(self.device):
             torch.zeros(1, device=self.device)  # makes torch's primary context exist and current
             self._context = _check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
+        self._lock = threading.Lock()
         prop = drv.CUmemAllocationProp()
         prop.type = drv.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
         prop.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
@@ -113,44 +114,47 @@ class CudaVmm(VirtualMemory):
             raise ValueError(
                 f"commit span (0x{address:x}, {size_bytes}) must be positive and granularity-aligned"
             )
-        self._make_current()
-        handle = _check(drv.cuMemCreate(size_bytes, self._prop, 0), f"cuMemCreate({size_bytes} bytes)")
-        mapped = False
-        try:
-            _check(drv.cuMemMap(address, size_bytes, 0, handle, 0), "cuMemMap")
-            mapped = True
-            _check(drv.cuMemSetAccess(address, size_bytes, [self._access], 1), "cuMemSetAccess")
-        except VmmError as exc:
-            if mapped:
-                drv.cuMemUnmap(address, size_bytes)
-            drv.cuMemRelease(handle)
-            raise CommitError(f"{exc}; the {size_bytes} bytes created were released again") from exc
+        with self._lock:
+            self._make_current()
+            handle = _check(drv.cuMemCreate(size_bytes, self._prop, 0), f"cuMemCreate({size_bytes} bytes)")
+            mapped = False
+            try:
+                _check(drv.cuMemMap(address, size_bytes, 0, handle, 0), "cuMemMap")
+                mapped = True
+                _check(drv.cuMemSetAccess(address, size_bytes, [self._access], 1), "cuMemSetAccess")
+            except VmmError as exc:
+                if mapped:
+                    drv.cuMemUnmap(address, size_bytes)
+                drv.cuMemRelease(handle)
+                raise CommitError(f"{exc}; the {size_bytes} bytes created were released again") from exc
         return Extension(address, size_bytes, handle)
 
     def decommit(self, extension: Extension) -> None:
-        self._make_current()
-        _check(drv.cuMemUnmap(extension.address, extension.size_bytes), "cuMemUnmap")
-        _check(drv.cuMemRelease(extension.handle), "cuMemRelease")
+        with self._lock:
+            self._make_current()
+            _check(drv.cuMemUnmap(extension.address, extension.size_bytes), "cuMemUnmap")
+            _check(drv.cuMemRelease(extension.handle), "cuMemRelease")
 
     def remap(self, extension: Extension, address: int) -> Extension:
         """Unmap the handle and map it at `address`; the physical memory (and its contents) stays."""
         size = extension.size_bytes
         if address % self._granularity_bytes:
             raise ValueError(f"remap target 0x{address:x} must be granularity-aligned")
-        self._make_current()
-        _check(drv.cuMemUnmap(extension.address, size), "cuMemUnmap")
-        mapped = False
-        try:
-            _check(drv.cuMemMap(address, size, 0, extension.handle, 0), "cuMemMap")
-            mapped = True
-            _check(drv.cuMemSetAccess(address, size, [self._access], 1), "cuMemSetAccess")
-        except VmmError:  # put the memory back where it was, so the caller still owns a mapping
-            if mapped:
-                drv.cuMemUnmap(address, size)
-            old = extension.address
-            _check(drv.cuMemMap(old, size, 0, extension.handle, 0), "cuMemMap (restore)")
-            _check(drv.cuMemSetAccess(old, size, [self._access], 1), "cuMemSetAccess (restore)")
-            raise
+        with self._lock:
+            self._make_current()
+            _check(drv.cuMemUnmap(extension.address, size), "cuMemUnmap")
+            mapped = False
+            try:
+                _check(drv.cuMemMap(address, size, 0, extension.handle, 0), "cuMemMap")
+                mapped = True
+                _check(drv.cuMemSetAccess(address, size, [self._access], 1), "cuMemSetAccess")
+            except VmmError:  # put the memory back where it was, so the caller still owns a mapping
+                if mapped:
+                    drv.cuMemUnmap(address, size)
+                old = extension.address
+                _check(drv.cuMemMap(old, size, 0, extension.handle, 0), "cuMemMap (restore)")
+                _check(drv.cuMemSetAccess(old, size, [self._access], 1), "cuMemSetAccess (restore)")
+                raise
         return Extension(address, size, extension.handle)
 
     def release(self, address: int, size_bytes: int) -> None:

@@ -78,7 +78,6 @@ class HostVmm(VirtualMemory):
     """
 
     name = "host"
-    thread_safe = True  # every call holds the lock that guards the committed-bytes count
 
     def __init__(
         self,
