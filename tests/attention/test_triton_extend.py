@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from snugkv.attention.triton_decode import decode_attention
-from snugkv.attention.triton_extend import extend_attention
+from snugkv.attention.triton_extend import ExtendLaunch, extend_attention
 from snugkv.attention.triton_store import store_kv
 from tests.attention.paged_kv_reference import (
     DEVICE,
@@ -130,6 +130,7 @@ def run_kernel(
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
     with_max_extend_len: bool = True,
+    launch: ExtendLaunch | None = None,
 ) -> torch.Tensor:
     if out is None:
         out = torch.empty(*case.q.shape[:2], case.v.shape[-1], dtype=case.q.dtype, device=case.q.device)
@@ -150,6 +151,7 @@ def run_kernel(
         layout=case.pool.layout,
         sliding_window=sliding_window,
         kv_slot_map=case.pool.kv_slot_map,
+        launch=launch,
         max_extend_len=int(case.extend_lens.max()) if with_max_extend_len else None,
     )
 
@@ -192,6 +194,15 @@ def test_extend_without_prefix_is_causal_prefill() -> None:
 def test_extend_grid_without_max_extend_len_gives_the_same_answer() -> None:
     case = build_case(5, group=3)
     assert relative_error(run_kernel(case, with_max_extend_len=False), reference(case)) < FP32_BAND
+
+
+@pytest.mark.parametrize(
+    "launch", [ExtendLaunch(16, 16, 4, 1), ExtendLaunch(16, 32, 4, 1), ExtendLaunch(64, 16, 4, 1)]
+)
+def test_extend_launch_shapes_give_the_same_answer(launch: ExtendLaunch) -> None:
+    """Blocks of new tokens run last-first; every block size must still cover every row's tokens."""
+    case = build_case(11, prefix_lens=[0, 9, 40], extend_lens=[70, 1, 33], group=3)
+    assert relative_error(run_kernel(case, launch=launch), reference(case)) < FP32_BAND
 
 
 def test_extend_decode_rows_mixed_with_prefill_rows() -> None:

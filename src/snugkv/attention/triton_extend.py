@@ -23,6 +23,8 @@ scheduler's host-side lengths; without it the grid assumes one row may hold ever
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -93,7 +95,9 @@ def _extend_kernel(
 ):
     batch = tl.program_id(0)
     head = tl.program_id(1)
-    m_start = tl.program_id(2) * BLOCK_M
+    # Last query block first: under the causal mask it has the most keys to read, and the blocks
+    # launched last then are the short ones (no long tail of a few programs at the end).
+    m_start = (tl.num_programs(2) - 1 - tl.program_id(2)) * BLOCK_M
     extend_len = tl.load(Extend_lens + batch)
     if m_start < extend_len:
         kv_head = head // GROUP
@@ -182,15 +186,26 @@ def _extend_kernel(
         tl.store(out_ptrs, out.to(Out.dtype.element_ty), mask=row_mask[:, None] & (dv[None, :] < DV))
 
 
-def _launch_config(k_head_dim: int, on_cpu: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) sized so K, V and Q tiles fit in shared memory."""
-    if on_cpu:
-        return 32, 16, 4, 1
+@dataclass(frozen=True)
+class ExtendLaunch:
+    """Launch shape: new tokens per program (BLOCK_M), keys per loop step, warps, pipeline stages."""
+
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def default_extend_launch(k_head_dim: int, device: torch.device) -> ExtendLaunch:
+    """Sized so the K, V and Q tiles fit in shared memory; the CPU's small blocks keep the
+    interpreter's tests fast."""
+    if device.type == "cpu":
+        return ExtendLaunch(32, 16, 4, 1)
     if k_head_dim <= 128:
-        return 64, 64, 4, 2
+        return ExtendLaunch(64, 64, 4, 2)
     if k_head_dim <= 256:
-        return 64, 32, 4, 2
-    return 32, 32, 4, 1
+        return ExtendLaunch(64, 32, 4, 2)
+    return ExtendLaunch(32, 32, 4, 1)
 
 
 def extend_attention(
@@ -212,12 +227,14 @@ def extend_attention(
     sliding_window: int | None = None,
     kv_slot_map: torch.Tensor | None = None,
     max_extend_len: int | None = None,
+    launch: ExtendLaunch | None = None,
 ) -> torch.Tensor:
     """Write attention of the new tokens over prefix + themselves into `out` and return it.
 
     q_extend [T, Hq, Dk], k_extend [T, Hkv, Dk], v_extend [T, Hkv, Dv], out [T, Hq, Dv];
     k_buffer/v_buffer in `layout`; per-row int tensors [B] on the device. `max_extend_len` is the
-    largest `extend_lens` entry, known on the host; it only sizes the grid.
+    largest `extend_lens` entry, known on the host; it only sizes the grid. `launch` overrides
+    `default_extend_launch` (the bench's sweep).
     """
     num_tokens, num_q_heads, k_head_dim = q_extend.shape
     num_kv_heads = k_extend.shape[1]
@@ -252,9 +269,9 @@ def extend_attention(
     if num_tokens == 0 or batch_size == 0:
         return out
 
-    block_m, block_n, num_warps, num_stages = _launch_config(k_head_dim, q_extend.device.type == "cpu")
+    launch = launch or default_extend_launch(k_head_dim, q_extend.device)
     block_dk, block_dk_rest = key_dim_blocks(k_head_dim)
-    grid = (batch_size, num_q_heads, triton.cdiv(max_extend_len, block_m))
+    grid = (batch_size, num_q_heads, triton.cdiv(max_extend_len, launch.block_m))
     _extend_kernel[grid](
         q_extend,
         k_extend,
@@ -285,11 +302,11 @@ def extend_attention(
         BLOCK_DK=block_dk,
         BLOCK_DK_REST=block_dk_rest,
         BLOCK_DV=value_dim_block(v_head_dim),
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
+        BLOCK_M=launch.block_m,
+        BLOCK_N=launch.block_n,
         PREFIX_DOT_DTYPE=dot_dtype(q_extend.dtype, k_buffer.dtype, q_extend.device),
         EXTEND_DOT_DTYPE=dot_dtype(q_extend.dtype, k_extend.dtype, q_extend.device),
-        num_warps=num_warps,
-        num_stages=num_stages,
+        num_warps=launch.num_warps,
+        num_stages=launch.num_stages,
     )
     return out

@@ -1,4 +1,4 @@
-"""`snugkv bench attention`: Triton decode attention against its bandwidth floor, and the launch sweep.
+"""`snugkv bench attention`: Triton decode and extend attention against their floors, and launch sweeps.
 
 Decode attention reads every cached K/V byte of the batch once, so its floor is KV bytes / copy
 bandwidth (measured in the same run). For Llama-3-8B and Qwen3-0.6B attention shapes (bf16 and
@@ -6,6 +6,11 @@ fp8 KV, both layouts, page size 16) at batch 1-256 and context 1k-4k, every comb
 split count and launch shape (keys per step, warps, stages) is timed; the table gives the default
 launch's time beside the best one found, both against the floor. Requests' pages are spread over
 the pool in random order, as a pool that has served for a while holds them.
+
+Extend (prefill) attention (`--kinds extend`) is bound by compute: its floor is the causal QK^T
+and PV FLOPs (4 x head dim x query heads x sum over requests of L(L+1)/2 + L x prefix) at 790
+TFLOP/s (dense bf16). For N requests of L new tokens (some on a cached prefix), every launch shape
+(tokens per program, keys per step, warps, stages) is timed beside the default.
 """
 
 from __future__ import annotations
@@ -26,6 +31,13 @@ BLOCK_N = (64, 128, 256)
 WARPS = (4, 8)
 STAGES = (3, 4)
 PAGE = 16
+DENSE_BF16_FLOPS = 790e12
+# (requests, new tokens each, cached prefix each)
+EXTEND_CASES = ((1, 8192, 0), (8, 1024, 0), (4, 512, 0), (4, 512, 2048))
+EXTEND_BLOCK_M = (64, 128)
+EXTEND_BLOCK_N = (32, 64, 128)
+EXTEND_WARPS = (4, 8)
+EXTEND_STAGES = (2, 3, 4)
 
 
 def _case_tensors(
@@ -76,6 +88,99 @@ def _time(fn: Any, calls: int = 8) -> float:
 def run(args: argparse.Namespace) -> int:
     if cuda_missing("bench attention"):
         return 2
+    started = time.perf_counter()
+    kinds = args.kinds.split(",")
+    rows = run_decode(args) if "decode" in kinds else []
+    if "extend" in kinds:
+        rows += run_extend(args)
+    emit("attention", rows, args.out, extra={"seconds": time.perf_counter() - started})
+    return 0
+
+
+def _extend_tensors(requests: int, new: int, prefix: int, heads: tuple[int, int, int]) -> dict[str, Any]:
+    num_q, num_kv, dim = heads
+    total, context = requests * new, prefix + new
+    num_slots = requests * context + PAGE  # slot 0.. of page 0 stay the dummy page
+    k_buffer = torch.randn(num_slots, num_kv, dim, device="cuda", dtype=torch.bfloat16)
+    v_buffer = torch.randn_like(k_buffer)
+    slots = torch.randperm(num_slots - PAGE, device="cuda") + PAGE
+    table = torch.zeros(requests + 1, context + PAGE, dtype=torch.int32, device="cuda")
+    table[1:, :context] = slots[: requests * context].view(requests, context).int()
+    pairs = new * (new + 1) // 2 + new * prefix
+    return {
+        "q": torch.randn(total, num_q, dim, device="cuda", dtype=torch.bfloat16),
+        "k": torch.randn(total, num_kv, dim, device="cuda", dtype=torch.bfloat16),
+        "v": torch.randn(total, num_kv, dim, device="cuda", dtype=torch.bfloat16),
+        "out": torch.empty(total, num_q, dim, device="cuda", dtype=torch.bfloat16),
+        "k_buffer": k_buffer,
+        "v_buffer": v_buffer,
+        "table": table,
+        "rows": torch.arange(1, requests + 1, device="cuda"),
+        "prefix_lens": torch.full((requests,), prefix, device="cuda", dtype=torch.int32),
+        "extend_lens": torch.full((requests,), new, device="cuda", dtype=torch.int32),
+        "start_loc": torch.arange(0, total, new, device="cuda", dtype=torch.int32),
+        "flops": 4 * dim * num_q * requests * pairs,
+    }
+
+
+def run_extend(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from snugkv.attention.triton_extend import ExtendLaunch, default_extend_launch, extend_attention
+
+    launches = [
+        ExtendLaunch(m, n, w, s)
+        for m, n, w, s in itertools.product(EXTEND_BLOCK_M, EXTEND_BLOCK_N, EXTEND_WARPS, EXTEND_STAGES)
+    ]
+    rows = []
+    for shape_name, (requests, new, prefix) in itertools.product(args.shapes.split(","), EXTEND_CASES):
+        heads = SHAPES[shape_name]
+        t = _extend_tensors(requests, new, prefix, heads)
+        floor_s = t["flops"] / DENSE_BF16_FLOPS
+
+        def call(
+            launch: ExtendLaunch, t: dict[str, Any] = t, new: int = new, scale: float = heads[2] ** -0.5
+        ) -> None:
+            extend_attention(
+                t["q"], t["k"], t["v"], t["out"], t["k_buffer"], t["v_buffer"], t["table"], t["rows"],
+                t["prefix_lens"], t["extend_lens"], t["start_loc"], sm_scale=scale, page_size=PAGE,
+                max_extend_len=new, launch=launch,
+            )  # fmt: skip
+
+        default = default_extend_launch(heads[2], torch.device("cuda"))
+        default_s = _time(lambda d=default: call(d), calls=4)
+        best = (default_s, default)
+        for launch in launches:
+            try:
+                seconds = _time(lambda la=launch: call(la), calls=4)
+            except Exception as exc:  # a launch shape this GPU cannot run (shared memory)
+                print(f"skip extend {shape_name} {requests}x{new}+{prefix} {launch}: {type(exc).__name__}")
+                continue
+            if seconds < best[0]:
+                best = (seconds, launch)
+        rows.append(
+            {
+                "kind": "extend",
+                "shape": shape_name,
+                "requests": requests,
+                "new_tokens": new,
+                "prefix": prefix,
+                "floor_ms": floor_s * 1e3,
+                "default_ms": default_s * 1e3,
+                "default_over_floor": default_s / floor_s,
+                "default_tflops": t["flops"] / default_s / 1e12,
+                "best_ms": best[0] * 1e3,
+                "best_over_floor": best[0] / floor_s,
+                "best_block_m": best[1].block_m,
+                "best_block_n": best[1].block_n,
+                "best_warps": best[1].num_warps,
+                "best_stages": best[1].num_stages,
+            }
+        )
+        print(rows[-1], flush=True)
+        del t
+    return rows
+
+
+def run_decode(args: argparse.Namespace) -> list[dict[str, Any]]:
     from snugkv.attention.triton_decode import (
         DecodeLaunch,
         decode_attention,
@@ -84,14 +189,13 @@ def run(args: argparse.Namespace) -> int:
     )
     from snugkv.bench.decode import copy_bandwidth_bytes_per_s
 
-    started = time.perf_counter()
     bandwidth = copy_bandwidth_bytes_per_s()
     launches = [DecodeLaunch(n, w, s) for n, w, s in itertools.product(BLOCK_N, WARPS, STAGES)]
     rows = []
     for shape_name in args.shapes.split(","):
         heads = SHAPES[shape_name]
         for kv_name, layout, (batch, context) in itertools.product(
-            args.kv_dtypes.split(","), ("nhd", "hnd"), CASES
+            args.kv_dtypes.split(","), args.layouts.split(","), CASES
         ):
             kv_dtype = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}[kv_name]
             t = _case_tensors(batch, context, heads, kv_dtype, layout)
@@ -126,6 +230,8 @@ def run(args: argparse.Namespace) -> int:
                     best = (seconds, splits, launch)
             rows.append(
                 {
+                    "kind": "decode",
+                    "copy_bandwidth_gb_per_s": bandwidth / 1e9,
                     "default_splits": default_splits,
                     "shape": shape_name,
                     "kv": kv_name,
@@ -145,16 +251,11 @@ def run(args: argparse.Namespace) -> int:
             )
             print(rows[-1], flush=True)
             del t
-    emit(
-        "attention",
-        rows,
-        args.out,
-        extra={"copy_bandwidth_gb_per_s": bandwidth / 1e9, "seconds": time.perf_counter() - started},
-    )
-    return 0
+    return rows
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shapes", default="llama-3-8b", help=f"comma-separated: {', '.join(SHAPES)}")
     parser.add_argument("--kv-dtypes", default="bf16,fp8", help="comma-separated: bf16, fp8")
     parser.add_argument("--layouts", default="nhd,hnd", help="comma-separated: nhd, hnd")
+    parser.add_argument("--kinds", default="decode,extend", help="comma-separated: decode, extend")

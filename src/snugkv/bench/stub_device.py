@@ -15,7 +15,6 @@ scheduler thread contend exactly as they do on a GPU; only the device's own time
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -124,10 +123,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="serve the real app on a stub-device engine")
     parser.add_argument("--port", type=int, required=True)
     add_stub_arguments(parser)
-    parser.add_argument("--switch-interval-ms", type=float, default=None, help="sys.setswitchinterval")
     args = parser.parse_args()
-    if args.switch_interval_ms is not None:
-        sys.setswitchinterval(args.switch_interval_ms / 1e3)
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as directory:
         engine = stub_engine(Path(directory), args)
