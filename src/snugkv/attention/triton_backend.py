@@ -24,10 +24,16 @@ class TritonAttentionBackend(AttentionBackend):
         self.num_kv_splits = num_kv_splits
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
-        max_extend_len = None
+        max_extend_len = max_prefix_len = None
         if not forward_batch.is_decode and forward_batch.extend_lens_cpu is not None:
             max_extend_len = max(forward_batch.extend_lens_cpu)
-        forward_batch.attn_metadata = {"max_extend_len": max_extend_len, "workspace": {}}
+        if not forward_batch.is_decode and forward_batch.prefix_lens_cpu:
+            max_prefix_len = max(forward_batch.prefix_lens_cpu)
+        forward_batch.attn_metadata = {
+            "max_extend_len": max_extend_len,
+            "max_prefix_len": max_prefix_len,
+            "workspace": {},
+        }
 
     def forward(
         self,
@@ -82,6 +88,7 @@ class TritonAttentionBackend(AttentionBackend):
             forward_batch.extend_lens,
             forward_batch.extend_start_loc,
             max_extend_len=forward_batch.attn_metadata["max_extend_len"],
+            max_prefix_len=forward_batch.attn_metadata["max_prefix_len"],
             sm_scale=layer.scaling,
             page_size=pool.page_size,
             layout=str(pool.layout),

@@ -196,13 +196,15 @@ class ExtendLaunch:
     num_stages: int = 2
 
 
-def default_extend_launch(k_head_dim: int, device: torch.device) -> ExtendLaunch:
-    """Sized so the K, V and Q tiles fit in shared memory; the CPU's small blocks keep the
-    interpreter's tests fast."""
+def default_extend_launch(k_head_dim: int, device: torch.device, prefix_heavy: bool = False) -> ExtendLaunch:
+    """Measured on the H200 (`snugkv bench attention --kinds extend`, docs/bench/attention.md):
+    with a cached prefix longer than the new tokens the gathered prefix loads dominate, and 128 new
+    tokens per program halve them. The tiles fit in shared memory at every head dim; the CPU's small
+    blocks keep the interpreter's tests fast."""
     if device.type == "cpu":
         return ExtendLaunch(32, 16, 4, 1)
     if k_head_dim <= 128:
-        return ExtendLaunch(64, 64, 4, 2)
+        return ExtendLaunch(128, 32, 4, 3) if prefix_heavy else ExtendLaunch(64, 64, 4, 3)
     if k_head_dim <= 256:
         return ExtendLaunch(64, 32, 4, 2)
     return ExtendLaunch(32, 32, 4, 1)
@@ -227,14 +229,15 @@ def extend_attention(
     sliding_window: int | None = None,
     kv_slot_map: torch.Tensor | None = None,
     max_extend_len: int | None = None,
+    max_prefix_len: int | None = None,
     launch: ExtendLaunch | None = None,
 ) -> torch.Tensor:
     """Write attention of the new tokens over prefix + themselves into `out` and return it.
 
     q_extend [T, Hq, Dk], k_extend [T, Hkv, Dk], v_extend [T, Hkv, Dv], out [T, Hq, Dv];
     k_buffer/v_buffer in `layout`; per-row int tensors [B] on the device. `max_extend_len` is the
-    largest `extend_lens` entry, known on the host; it only sizes the grid. `launch` overrides
-    `default_extend_launch` (the bench's sweep).
+    largest `extend_lens` entry, known on the host; it only sizes the grid. `max_prefix_len`
+    (host-side too) picks the default launch; `launch` overrides it (the bench's sweep).
     """
     num_tokens, num_q_heads, k_head_dim = q_extend.shape
     num_kv_heads = k_extend.shape[1]
@@ -269,7 +272,8 @@ def extend_attention(
     if num_tokens == 0 or batch_size == 0:
         return out
 
-    launch = launch or default_extend_launch(k_head_dim, q_extend.device)
+    prefix_heavy = max_prefix_len is not None and max_prefix_len > max_extend_len
+    launch = launch or default_extend_launch(k_head_dim, q_extend.device, prefix_heavy)
     block_dk, block_dk_rest = key_dim_blocks(k_head_dim)
     grid = (batch_size, num_q_heads, triton.cdiv(max_extend_len, launch.block_m))
     _extend_kernel[grid](

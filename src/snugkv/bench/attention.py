@@ -145,15 +145,17 @@ def run_extend(args: argparse.Namespace) -> list[dict[str, Any]]:
                 max_extend_len=new, launch=launch,
             )  # fmt: skip
 
-        default = default_extend_launch(heads[2], torch.device("cuda"))
+        default = default_extend_launch(heads[2], torch.device("cuda"), prefix_heavy=prefix > new)
         default_s = _time(lambda d=default: call(d), calls=4)
         best = (default_s, default)
+        every: dict[str, float] = {}
         for launch in launches:
             try:
                 seconds = _time(lambda la=launch: call(la), calls=4)
             except Exception as exc:  # a launch shape this GPU cannot run (shared memory)
                 print(f"skip extend {shape_name} {requests}x{new}+{prefix} {launch}: {type(exc).__name__}")
                 continue
+            every[f"{launch.block_m}/{launch.block_n}/{launch.num_warps}/{launch.num_stages}"] = seconds * 1e3
             if seconds < best[0]:
                 best = (seconds, launch)
         rows.append(
@@ -173,6 +175,8 @@ def run_extend(args: argparse.Namespace) -> list[dict[str, Any]]:
                 "best_block_n": best[1].block_n,
                 "best_warps": best[1].num_warps,
                 "best_stages": best[1].num_stages,
+                "default": f"{default.block_m}/{default.block_n}/{default.num_warps}/{default.num_stages}",
+                "every_launch_ms": every,
             }
         )
         print(rows[-1], flush=True)

@@ -45,10 +45,14 @@ def environment() -> dict[str, Any]:
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    """A markdown table with the union of the rows' keys as columns."""
+    """A markdown table with the union of the rows' keys as columns (nested values stay in the JSON)."""
     if not rows:
         return "(no rows)"
-    columns = list(dict.fromkeys(key for row in rows for key in row))
+    columns = [
+        key
+        for key in dict.fromkeys(key for row in rows for key in row)
+        if not any(isinstance(row.get(key), (dict, list)) for row in rows)
+    ]
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for row in rows:
         cells = [
