@@ -109,7 +109,7 @@ def assert_same_client_view(overlapped: list, synchronous: list, rid: str) -> No
     [
         {"page_size": 1, "chunk": 64},
         {"page_size": 4, "chunk": 16},
-        {"page_size": 4, "chunk": 32, "max_total_tokens": 96},  # small enough to retract
+        {"page_size": 4, "chunk": 32, "max_total_tokens": 64},  # small enough to retract
     ],
     ids=["page1", "page4-chunked", "page4-tiny-pool"],
 )
@@ -152,6 +152,43 @@ def test_the_next_decode_step_is_launched_before_the_last_step_is_read(tiny):
     assert [tokens for tokens, _ in forwards[1:]] == [[FUTURE_TOKEN]] * 4
     assert [sent for _, sent in forwards] == [0, 0, 1, 2, 3]
     assert outputs["r"][-1].completion_tokens == 4 and outputs["r"][-1].finish_reason == "length"
+    scheduler.check_slot_accounting()
+    engine.close()
+
+
+def test_prefill_chunks_are_launched_while_the_step_before_is_unread(tiny):
+    """A long prompt in chunks, and a prompt arriving while another decodes: each prefill chunk is
+    launched before the step in flight is read, starting where the in-flight chunk ends."""
+    directory, model = tiny
+    engine, scheduler, outputs = make_scheduler(directory, page_size=4, chunk=8)
+    launches: list[tuple[list[tuple[int, int]], int]] = []  # (prefix_len, tokens) per row, steps read
+    real_forward, real_complete = engine.runner.forward, scheduler._complete
+    completed = [0]
+
+    def forward(rows, slots):
+        launches.append(([(row.prefix_len, len(row.token_ids)) for row in rows], completed[0]))
+        return real_forward(rows, slots)
+
+    def complete(launched):
+        completed[0] += 1
+        real_complete(launched)
+
+    engine.runner.forward, scheduler._complete = forward, complete
+    long_prompt, late_prompt = list(range(40, 60)), [9, 8, 7, 6, 5]
+    scheduler.add_request("long", long_prompt, SamplingParams(max_new_tokens=3, ignore_eos=True))
+    scheduler.step()
+    scheduler.add_request("late", late_prompt, SamplingParams(max_new_tokens=3, ignore_eos=True))
+    while scheduler.has_work:
+        scheduler.step()
+    tokens = collected(outputs)
+    assert tokens["long"] == hf_greedy(model, long_prompt, 3)
+    assert tokens["late"] == hf_greedy(model, late_prompt, 3)
+    # chunks of 8: 0-8 launched alone; 8-16 while 0-8 is in flight (nothing read yet); then the
+    # last 4 tokens of "long" with the 5 of "late" (budget 8: 4 + 4), and so on
+    assert launches[0] == ([(0, 8)], 0)
+    assert launches[1] == ([(8, 8)], 0)
+    assert launches[2][0][0] == (16, 4) and launches[2][1] == 1
+    assert all(read == index - 1 for index, (_, read) in enumerate(launches) if index > 0)
     scheduler.check_slot_accounting()
     engine.close()
 
@@ -203,9 +240,9 @@ def test_an_abort_while_its_step_is_in_flight_frees_the_step_and_skips_its_token
     engine.close()
 
 
-def test_a_waiting_request_makes_the_step_synchronous_and_joins_as_it_would(tiny):
-    """A request that arrives while others decode is admitted at the next step, after the host
-    read the step in flight, as in synchronous scheduling."""
+def test_a_waiting_request_is_prefilled_while_the_step_in_flight_runs_and_joins_as_it_would(tiny):
+    """A request that arrives while others decode is prefilled at the next step, launched before
+    the host reads the step in flight (then read), and generates what it would alone."""
     directory, model = tiny
     engine, scheduler, outputs = make_scheduler(directory)
     first, second = prompts(2, seed=4)
@@ -214,9 +251,9 @@ def test_a_waiting_request_makes_the_step_synchronous_and_joins_as_it_would(tiny
         scheduler.step()
     sent = len(collected(outputs)["first"])
     scheduler.add_request("second", second, SamplingParams(max_new_tokens=10, ignore_eos=True))
-    scheduler.step()  # reads the step in flight, then launches the prefill of "second"
+    scheduler.step()  # launches the prefill of "second", then reads the step in flight
     launched = scheduler._in_flight
-    assert not launched.batch.decode and not launched.overlapped
+    assert not launched.batch.decode and launched.overlapped
     assert len(collected(outputs)["first"]) == sent + 1
     assert not scheduler.waiting and len(scheduler.running) == 2
     while scheduler.has_work:

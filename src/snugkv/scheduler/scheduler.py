@@ -24,11 +24,12 @@ batch is built from that state: a request whose token is still on the device get
 that ends at step N is already in step N+1: that extra token is never read, and its slot is
 freed with the request (it is in `in_flight`); a request aborted meanwhile is skipped alike.
 
-The host reads step N before launching (a synchronous step) whenever the next batch depends on
-it: when a prefill may run (requests wait and a seat is free: what is admitted follows what
-step N ends and frees, and a prompt's next chunk follows its last), and when the decode batch
-does not fit (retraction must choose among the requests step N leaves running); so while
-requests wait with seats free but no room in the KV cache, every step is synchronous. Overlapped or
+A prefill is launched while step N runs too: the waiting requests are admitted on what step N
+leaves (a request that ends in N frees its slots one step later), and a prompt whose chunk is in
+flight continues at `kv_len + in_flight`. The host reads step N before launching (a synchronous
+step) only when nothing can be launched without it: no prefill fits and the decode batch would
+need a retraction (which must choose among the requests step N leaves running). Overlapped or
+Overlapped or
 not, every request is fed the same tokens, so greedy and seeded outputs are the same; what may
 differ is the step at which a waiting request is admitted (one later at most) and, under memory
 pressure, which prefix-cache entries are evicted. With tensor parallelism the sampled tokens go
@@ -200,8 +201,9 @@ class Scheduler:
             return
         previous, batch = self._in_flight, None
         try:
-            if previous is not None and self.overlap and not self._prefill_may_run():
-                batch = self._schedule_decode(retract=False)
+            if previous is not None and self.overlap:  # schedule while the device runs `previous`
+                batch = self._schedule_prefill() if self._prefill_may_run() else None
+                batch = batch or self._schedule_decode(retract=False)
             if batch is None:
                 self.finish_in_flight()
                 previous = None
@@ -243,11 +245,16 @@ class Scheduler:
                 self._finish(request, "abort")
 
     def _schedule_prefill(self) -> ScheduledBatch | None:
+        """The next chunk of prompt tokens of the waiting requests, first come first served, up to the
+        chunk budget. A request whose earlier chunk is still in flight (overlap) continues after it.
+        Room is counted in pages as requests are taken; the slots of the whole batch are allocated
+        in one call at the end (one call per request cost ~0.5 ms of host time each)."""
         budget = self.chunked_prefill_size
         scoring_budget = PROMPT_LOGITS_PER_STEP
         rows: list[BatchRow] = []
         batch: list[Request] = []
-        slot_parts: list[torch.Tensor] = []
+        admitted_here: list[bool] = []
+        taken = 0  # slots the rows taken so far will take
         reserve = len(self.running) * self.page_size
         while self.waiting and budget > 0 and len(self.running) + len(batch) < self.max_running_requests:
             request = self.waiting[0]
@@ -255,38 +262,41 @@ class Scheduler:
             if newly_admitted and not self.slots.admit(request):
                 break
             scoring = request.scores_prompt
-            chunk = min(request.pending_len, budget, scoring_budget if scoring else budget)
-            if chunk == 0:
-                break
-            if not self.slots.make_room(
-                self.slots.new_slots(request.kv_len, chunk) + self.page_size + reserve
-            ):
+            start = request.kv_len + request.in_flight
+            chunk = min(request.num_tokens - start, budget, scoring_budget if scoring else budget)
+            new_slots = self.slots.new_slots(start, chunk) if chunk > 0 else 0
+            if chunk <= 0 or not self.slots.make_room(taken + new_slots + self.page_size + reserve):
                 if newly_admitted:
                     self.slots.release(request)
                 break
-            end = request.kv_len + chunk
-            row = BatchRow(
-                request.table_row,
-                request.kv_len,
-                request.all_ids[request.kv_len : end],
-                need_logits=end == request.num_tokens,
-                prompt_logits=scoring,
+            end = start + chunk
+            rows.append(
+                BatchRow(
+                    request.table_row,
+                    start,
+                    request.all_ids[start:end],
+                    need_logits=end == request.num_tokens,
+                    prompt_logits=scoring,
+                )
             )
-            slots = self.runner.allocate_slots([row])
-            if slots is None:
-                if newly_admitted:
-                    self.slots.release(request)
-                break
             self.waiting.popleft()
-            slot_parts.append(slots)
-            rows.append(row)
             batch.append(request)
+            admitted_here.append(newly_admitted)
+            taken += new_slots
             budget -= chunk
             scoring_budget -= chunk if scoring else 0
             reserve += self.page_size
-        if not rows:
+        slots = self.runner.allocate_slots(rows) if rows else None
+        while slots is None and rows:  # the pool counts differently (a window sub-pool): fewer rows
+            rows.pop()
+            request = batch.pop()
+            if admitted_here.pop():
+                self.slots.release(request)
+            self.waiting.appendleft(request)
+            slots = self.runner.allocate_slots(rows) if rows else None
+        if slots is None:
             return None
-        return ScheduledBatch(rows, batch, torch.cat(slot_parts), decode=False)
+        return ScheduledBatch(rows, batch, slots, decode=False)
 
     def _schedule_decode(self, *, retract: bool) -> ScheduledBatch | None:
         """Every running request by one token. A request whose last token is still on the device
