@@ -29,7 +29,6 @@ leaves (a request that ends in N frees its slots one step later), and a prompt w
 flight continues at `kv_len + in_flight`. The host reads step N before launching (a synchronous
 step) only when nothing can be launched without it: no prefill fits and the decode batch would
 need a retraction (which must choose among the requests step N leaves running). Overlapped or
-Overlapped or
 not, every request is fed the same tokens, so greedy and seeded outputs are the same; what may
 differ is the step at which a waiting request is admitted (one later at most) and, under memory
 pressure, which prefix-cache entries are evicted. With tensor parallelism the sampled tokens go
@@ -45,8 +44,6 @@ import time
 from collections import deque
 from collections.abc import Iterable
 from typing import Any
-
-import torch
 
 from snugkv.core.forward import FUTURE_TOKEN, BatchRow
 from snugkv.core.sampling import PROMPT_LOGITS_PER_STEP, InvalidRequest, SamplingParams
