@@ -204,7 +204,7 @@ def default_extend_launch(k_head_dim: int, device: torch.device, prefix_heavy: b
     if device.type == "cpu":
         return ExtendLaunch(32, 16, 4, 1)
     if k_head_dim <= 128:
-        return ExtendLaunch(128, 32, 4, 3) if prefix_heavy else ExtendLaunch(64, 64, 4, 3)
+        return ExtendLaunch(128, 32, 4, 3) if prefix_heavy else ExtendLaunch(64, 32, 4, 3)
     if k_head_dim <= 256:
         return ExtendLaunch(64, 32, 4, 2)
     return ExtendLaunch(32, 32, 4, 1)

@@ -37,7 +37,6 @@ from snugkv.bench.serving_http import run_on_server, serve_command
 from snugkv.bench.stub_device import add_stub_arguments, stub_engine, stub_tokenizer
 from snugkv.core.outputs import GenerateInput
 from snugkv.core.sampling import SamplingParams
-from snugkv.server.launch import SWITCH_INTERVAL_MS
 
 
 async def _through_async_engine(async_engine: Any, requests: list[tuple[list[int], int]]) -> int:
@@ -116,32 +115,15 @@ def run(args: argparse.Namespace) -> int:
         flags = ["--max-running-requests", str(args.max_batch), "--cuda-graph-max-bs", str(args.max_batch)]
         flags += ["--chunked-prefill-size", str(args.chunk)]
         command = _stub_server_command(args) if stub else serve_command(args.model, flags)
-        passes: list[tuple[str, dict[str, str], tuple[bool, ...]]] = [
-            ("HTTP, httpx client, {}", {}, (True, False))
-        ]
-        if args.compare_switch_ms is not None:  # one streamed pass under another GIL switch interval
-            env = {"SNUGKV_SWITCH_INTERVAL_MS": str(args.compare_switch_ms)}
-            passes.insert(
-                0, (f"HTTP, httpx client, {{}}, GIL switch {args.compare_switch_ms:g} ms", env, (True,))
-            )
-        for name, env, streams in passes:
-            try:
-                results = run_on_server(command, offline, streams, env=env)
-            except Exception as exc:  # the rows above still count
-                failed = {
-                    "error": f"{type(exc).__name__}: {str(exc)[:300]}",
-                    "output_tok_per_s": float("nan"),
-                }
-                results = [failed] * len(streams)
-            for stream, result in zip(streams, results):
-                label = name.format("streamed" if stream else "not streamed")
-                rows.append(
-                    {
-                        "path": label,
-                        "switch_interval_ms": float(env.get("SNUGKV_SWITCH_INTERVAL_MS", SWITCH_INTERVAL_MS)),
-                        **result,
-                    }
-                )
+        streams = (True, False)
+        try:
+            results = run_on_server(command, offline, streams)
+        except Exception as exc:  # the rows above still count
+            failed = {"error": f"{type(exc).__name__}: {str(exc)[:300]}", "output_tok_per_s": float("nan")}
+            results = [failed] * len(streams)
+        for stream, result in zip(streams, results):
+            name = f"HTTP, httpx client, {'streamed' if stream else 'not streamed'}"
+            rows.append({"path": name, **result})
     for row in rows:
         row["case"] = case
         row["over_in_process"] = row["output_tok_per_s"] / in_process["output_tok_per_s"]
@@ -162,9 +144,3 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="replace the model forward by a stub device taking this long per decode step (runs on a CPU)",
     )
     add_stub_arguments(parser, with_step=False)
-    parser.add_argument(
-        "--compare-switch-ms",
-        type=float,
-        default=None,
-        help="also stream the load through a server with this GIL switch interval (Python's own: 5)",
-    )

@@ -11,10 +11,8 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
-import os
 import signal
 import socket
-import sys
 import threading
 from collections.abc import Callable, Iterator
 
@@ -30,12 +28,6 @@ DEFAULT_PORT = 8000
 GRACEFUL_SHUTDOWN_S = 10
 BACKLOG = 2048
 MAX_PORT = 65535
-# The scheduler thread and the event loop share one GIL. When the scheduler's wait for the device
-# ends it must take the GIL back before it can launch the next step; Python makes a waiting thread
-# ask for it only after the switch interval (5 ms by default, most of a small model's decode step).
-# A shorter interval keeps the device fed; SNUGKV_SWITCH_INTERVAL_MS overrides it (bench http
-# compares both).
-SWITCH_INTERVAL_MS = 0.5
 
 
 class ServerBindError(OSError):
@@ -59,7 +51,6 @@ def serve(
 ) -> None:
     """Serve `app` on host:port (or on `sock`, already bound there) until interrupted;
     `on_listening(url)` runs once the socket is bound."""
-    sys.setswitchinterval(switch_interval_ms() / 1e3)
     try:
         config = uvicorn.Config(
             app,
@@ -83,20 +74,6 @@ def serve(
     finally:
         if on_shutdown is not None:
             on_shutdown()
-
-
-def switch_interval_ms() -> float:
-    """The GIL switch interval a server runs with: SNUGKV_SWITCH_INTERVAL_MS or SWITCH_INTERVAL_MS."""
-    value = os.environ.get("SNUGKV_SWITCH_INTERVAL_MS", "")
-    try:
-        chosen = float(value) if value else SWITCH_INTERVAL_MS
-    except ValueError:
-        raise ValueError(
-            f"SNUGKV_SWITCH_INTERVAL_MS must be a number of milliseconds, got {value!r}"
-        ) from None
-    if chosen <= 0:
-        raise ValueError(f"SNUGKV_SWITCH_INTERVAL_MS must be > 0, got {value!r}")
-    return chosen
 
 
 class _Server(uvicorn.Server):
