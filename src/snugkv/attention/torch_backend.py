@@ -73,15 +73,18 @@ class TorchAttentionBackend(AttentionBackend):
         forward_batch: ForwardBatch,
         *,
         save_kv: bool = True,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         pool = forward_batch.kv_pool
         if save_kv and k is not None:
             pool.set_kv(layer.layer_id, forward_batch.out_cache_loc, k, v)
         if forward_batch.is_decode:
-            out = self._decode(q, layer, forward_batch)
+            result = self._decode(q, layer, forward_batch)
         else:
-            out = self._extend(q, layer, forward_batch)
-        return out.to(q.dtype)
+            result = self._extend(q, layer, forward_batch)
+        if out is None:
+            return result.to(q.dtype)
+        return out.copy_(result)
 
     def _read(
         self, slots: torch.Tensor, layer: AttentionLayer, forward_batch: ForwardBatch

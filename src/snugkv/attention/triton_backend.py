@@ -44,6 +44,7 @@ class TritonAttentionBackend(AttentionBackend):
         forward_batch: ForwardBatch,
         *,
         save_kv: bool = True,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         pool = forward_batch.kv_pool
         if forward_batch.attn_metadata is None:
@@ -52,7 +53,8 @@ class TritonAttentionBackend(AttentionBackend):
             pool.set_kv(layer.layer_id, forward_batch.out_cache_loc, k, v)
         k_buffer, v_buffer = pool.get_kv_buffer(layer.layer_id)
         slot_map = pool.slot_map(layer.layer_id)
-        out = torch.empty((q.shape[0], layer.num_heads, layer.v_head_dim), dtype=q.dtype, device=q.device)
+        if out is None:
+            out = torch.empty((q.shape[0], layer.num_heads, layer.v_head_dim), dtype=q.dtype, device=q.device)
         if forward_batch.is_decode:
             splits = self.num_kv_splits or decode_splits(forward_batch.batch_size, layer.num_kv_heads)
             partial_out, partial_lse = self._workspace(forward_batch, layer, splits, q.device)

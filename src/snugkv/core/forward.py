@@ -98,8 +98,10 @@ class AttentionBackend(ABC):
         forward_batch: ForwardBatch,
         *,
         save_kv: bool = True,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Write the new K/V, attend, return `[T, num_heads, v_head_dim]` (see the module docstring)."""
+        """Write the new K/V, attend, return `[T, num_heads, v_head_dim]` (see the module docstring);
+        into `out` when given (the piecewise graphs' static output)."""
 
 
 FUTURE_TOKEN = -1  # a decode row's input that the previous step sampled and the host has not read
