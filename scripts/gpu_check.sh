@@ -20,7 +20,7 @@ if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
-STEPS=${STEPS:-"env tests vmm kernels attention decode prefill capacity serving http elastic structured multi-engine"}
+STEPS=${STEPS:-"env tests memory vmm kernels attention decode prefill capacity serving http elastic structured multi-engine"}
 status=0
 step() { echo "=== $1 ($(date +%T))"; }
 
@@ -35,6 +35,13 @@ for s in $STEPS; do
       step "cuda tests"
       timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -m cuda -p no:cacheprovider --ignore=tests/server ${PYTEST_ARGS:-tests} \
         2>&1 | tee "$OUT/cuda_tests.txt" | tail -25 || status=1
+      ;;
+    memory)  # the start-up sizing ledger of both shipped shapes (what graphs and buffers take, the KV left)
+      step "memory ledgers"
+      for shape in llama-3-8b qwen3-0.6b; do
+        timeout "${BENCH_TIMEOUT:-400}" python3 -m snugkv memory --model "src/snugkv/bench/configs/$shape" \
+          --load-format dummy 2>&1 | grep -v "^Capturing" | tee "$OUT/memory-$shape.txt" || status=1
+      done
       ;;
     multi-engine)  # two servers on one GPU (scripts/bench_multi_engine.py); needs the server wheels
       step "bench multi-engine"

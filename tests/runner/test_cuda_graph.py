@@ -81,3 +81,32 @@ def test_padded_rows_write_only_the_dummy_slot():
     expected_pages = sorted({0, *(int(s) // 4 for s in slots.tolist())})
     assert set(changed_pages) <= set(expected_pages)
     assert set(changed_pages) >= {int(s) // 4 for s in slots.tolist()}
+
+
+@pytest.mark.cuda
+def test_the_graphs_logits_share_the_pool_instead_of_a_buffer_each():
+    """Each graph's logits are a borrowed view: the next capture reuses that memory, so the pool
+    holds about the largest graph's logits, not the sum over every batch size."""
+    from snugkv.runner.cuda_graph import DecodeCudaGraphs
+
+    vocab, sizes = 100_000, list(range(8, 65, 8))
+
+    def forward(batch):
+        return torch.full((batch.input_ids.shape[0], vocab), float(batch.input_ids.shape[0]), device="cuda")
+
+    graphs = DecodeCudaGraphs(
+        forward,
+        req_to_token=torch.zeros(4, 16, dtype=torch.int32, device="cuda"),
+        kv_pool=None,
+        attn_backend=None,
+        batch_sizes=sizes,
+    )
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved()
+    graphs.capture()
+    torch.cuda.empty_cache()
+    grown = torch.cuda.memory_reserved() - before
+    every_buffer = sum(sizes) * vocab * 4  # 4.5x the largest graph's logits
+    assert grown < every_buffer / 2, f"the pool grew {grown / 2**20:.0f} MiB"
+    graphs.graphs[64].replay()
+    assert float(graphs.outputs[64][63, -1]) == 64.0

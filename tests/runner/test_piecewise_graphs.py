@@ -136,11 +136,11 @@ def test_every_layer_and_bucket_writes_attention_into_one_static_output():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn])
 def test_a_borrowed_view_reads_the_tensor_without_keeping_its_memory(dtype):
     """The q/k/v of a captured call are borrowed: what the pool may reuse once the call is done."""
-    from snugkv.runner.piecewise_graphs import _borrowed
+    from snugkv.runner.cuda_graph import borrowed_view
 
     base = torch.randn(4096, 8, 64, device="cuda").to(dtype)
     tensor = base[:, 2:6]  # a strided view, as q/k/v split from one projection are
-    borrowed = _borrowed(tensor)
+    borrowed = borrowed_view(tensor)
     assert (borrowed.dtype, borrowed.shape, borrowed.stride()) == (dtype, tensor.shape, tensor.stride())
     assert borrowed.data_ptr() == tensor.data_ptr() and torch.equal(borrowed.float(), tensor.float())
     allocated = torch.cuda.memory_allocated()

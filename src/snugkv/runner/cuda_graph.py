@@ -8,7 +8,12 @@ dummy slot, which `kv_pool.ensure_prefix()` backs before capture. Batches above 
 run eagerly. Attention gathers `kv_width = max_context_len` columns per row inside a graph, a
 static shape; an eager batch with the same `kv_width` computes identical logits.
 
-Capturing largest first lets the smaller graphs reuse the largest one's pool memory. The pool
+Capturing largest first lets the smaller graphs reuse the largest one's pool memory, their
+logits included: each graph's float32 logits `[B, vocab]` are kept as a borrowed view
+(`borrowed_view`), so the next capture may reuse that memory. A replay's logits are read before
+the next replay (the sampler runs right behind it on the same stream), so nothing reads them
+after another graph wrote there. Kept as owning tensors, every graph held its own: 4,231 rows
+for the default sizes up to 256, 2.4 GiB at a 152k vocabulary, taken from the KV cache. The pool
 may be in post-capture mode: only the dummy page is backed while capturing; graphs hold
 addresses, and the rest of the pool is backed after sizing.
 """
@@ -48,6 +53,31 @@ def release_cublas_workspaces() -> None:
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
     if clear is not None and torch.cuda.is_initialized():
         clear()
+
+
+_INTEGER_TYPESTR = {1: "|u1", 2: "<i2", 4: "<i4", 8: "<i8"}  # same-size stand-ins, viewed back
+
+
+class _CudaArray:
+    """A CUDA array interface over a tensor's memory that holds no reference to the tensor."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        size = tensor.element_size()
+        self.__cuda_array_interface__ = {
+            "shape": tuple(tensor.shape),
+            "strides": tuple(stride * size for stride in tensor.stride()),
+            "typestr": _INTEGER_TYPESTR[size],
+            "data": (tensor.data_ptr(), False),
+            "version": 2,
+        }
+
+
+def borrowed_view(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor at `tensor`'s address, shape, strides and dtype that does not keep its memory:
+    once `tensor` is gone, the caching allocator may hand that memory out again (inside a graph
+    pool: to a later capture). For what a graph leaves behind and is read only before the next
+    replay of any graph sharing the pool."""
+    return torch.as_tensor(_CudaArray(tensor), device=tensor.device).view(tensor.dtype)
 
 
 class DecodeCudaGraphs:
@@ -138,7 +168,8 @@ class DecodeCudaGraphs:
             with torch.cuda.graph(graph, pool=self.memory_pool, stream=stream):
                 output = self.forward(forward_batch)
             self.graphs[batch_size] = graph
-            self.outputs[batch_size] = output
+            self.outputs[batch_size] = borrowed_view(output)  # the next capture may reuse it
+            del output
         torch.cuda.synchronize()
         release_cublas_workspaces()
         used_gib = (free_before - torch.cuda.mem_get_info()[0]) / 2**30

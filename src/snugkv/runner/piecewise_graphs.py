@@ -19,13 +19,14 @@ position 0, KV written to the dummy slot 0; attention never sees them.
 All buckets share one memory pool, captured largest first, so the pool holds about the largest
 bucket's activations; post-capture sizing measures it like the decode graphs' pool. The q/k/v a
 graph hands to an attention call are its own tensors, recorded as borrowed views
-(`_borrowed`: same address, not owning the memory), so the pool reuses their memory once the
-call is done, exactly as for any other activation: a call's q/k/v are dead after it (the replay
-order is the capture order). Kept as owning tensors, no layer's or bucket's q/k/v could ever be
-reused (a Llama-3-8B shape with buckets up to 8192 tokens held ~16 GiB of them, 2026-12-01,
-H200); copied into tensors shared by every call, they cost four copies per layer (+2-3 ms for
-an 8192-token step of the Qwen3-0.6B shape, H200, 6209982). The attention output is written
-straight into one static tensor shared by every call (`_StaticTensors`), which the next graph reads.
+(`cuda_graph.borrowed_view`: same address, not owning the memory), so the pool reuses their
+memory once the call is done, as for any other activation: a call's q/k/v are dead after it (the
+replay order is the capture order). Kept as owning tensors, no layer's or bucket's q/k/v could
+ever be reused (a Llama-3-8B shape with buckets up to 8192 tokens held ~16 GiB of them,
+2026-12-01, H200); copied into tensors shared by every call, they cost four copies per layer
+(+2-3 ms for an 8192-token step of the Qwen3-0.6B shape, H200, 6209982). The attention output is
+written straight into one static tensor shared by every call (`_StaticTensors`), which the next
+graph reads.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from typing import Any
 import torch
 
 from snugkv.core.forward import AttentionBackend, AttentionLayer, ForwardBatch, ForwardMode, KVCache
-from snugkv.runner.cuda_graph import release_cublas_workspaces
+from snugkv.runner.cuda_graph import borrowed_view, release_cublas_workspaces
 
 logger = logging.getLogger(__name__)
 
@@ -100,29 +101,6 @@ class _StaticTensors:
         return tensor[: shape[0]]
 
 
-_INTEGER_TYPESTR = {1: "|u1", 2: "<i2", 4: "<i4", 8: "<i8"}  # same-size stand-ins, viewed back
-
-
-class _CudaArray:
-    """A CUDA array interface over a tensor's memory that holds no reference to the tensor."""
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        size = tensor.element_size()
-        self.__cuda_array_interface__ = {
-            "shape": tuple(tensor.shape),
-            "strides": tuple(stride * size for stride in tensor.stride()),
-            "typestr": _INTEGER_TYPESTR[size],
-            "data": (tensor.data_ptr(), False),
-            "version": 2,
-        }
-
-
-def _borrowed(tensor: torch.Tensor) -> torch.Tensor:
-    """A tensor at `tensor`'s address, shape, strides and dtype that does not keep its memory:
-    once `tensor` is gone, the caching allocator may hand that memory out again."""
-    return torch.as_tensor(_CudaArray(tensor), device=tensor.device).view(tensor.dtype)
-
-
 class _SplittingBackend(AttentionBackend):
     """Ends the graph being captured at each attention call and begins the next (see module doc)."""
 
@@ -151,7 +129,8 @@ class _SplittingBackend(AttentionBackend):
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         self.graphs[-1].capture_end()
-        q, k, v = _borrowed(q), None if k is None else _borrowed(k), None if v is None else _borrowed(v)
+        q = borrowed_view(q)
+        k, v = None if k is None else borrowed_view(k), None if v is None else borrowed_view(v)
         self.begin()
         out = self.statics.view("out", (q.shape[0], layer.num_heads, layer.v_head_dim), q.dtype, q.device)
         self.calls.append(_AttentionCall(layer, q, k, v, save_kv, out))
