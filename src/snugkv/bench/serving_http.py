@@ -39,14 +39,11 @@ def serve_command(model: str, extra: list[str]) -> list[str]:
     ]  # fmt: skip
 
 
-def start_server(
-    command: list[str], timeout_s: float = 300.0, env: dict[str, str] | None = None
-) -> tuple[subprocess.Popen[bytes], str]:
-    """`command --port P` on a free loopback port (`env` added to this process's environment);
-    returns the process and its base URL once healthy."""
+def start_server(command: list[str], timeout_s: float = 300.0) -> tuple[subprocess.Popen[bytes], str]:
+    """`command --port P` on a free loopback port; returns the process and its base URL once healthy."""
     port = _free_port()
     command = [*command, "--port", str(port)]
-    process = subprocess.Popen(command, env={**os.environ, "TQDM_DISABLE": "1", **(env or {})})
+    process = subprocess.Popen(command, env={**os.environ, "TQDM_DISABLE": "1"})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -135,15 +132,12 @@ def run_http(model: str, requests: list[tuple[list[int], int]], extra: list[str]
 
 
 def run_on_server(
-    command: list[str],
-    requests: list[tuple[list[int], int]],
-    streams: tuple[bool, ...],
-    env: dict[str, str] | None = None,
+    command: list[str], requests: list[tuple[list[int], int]], streams: tuple[bool, ...]
 ) -> list[dict[str, Any]]:
-    """The workload through one fresh server started by `command` (with `env`), once per entry of
-    `streams` (streamed or not). A pass after the first changes each prompt's first token, so the
-    prefix cache holds nothing of it (the lengths, and so the work, stay the same)."""
-    process, url = start_server(command, env=env)
+    """The workload through one fresh server started by `command`, once per entry of `streams`
+    (streamed or not). A pass after the first changes each prompt's first token, so the prefix
+    cache holds nothing of it (the lengths, and so the work, stay the same)."""
+    process, url = start_server(command)
     try:
         warm_up = [([4 + i, *range(10, 70)], 64) for i in range(16)]  # compiles, allocations
         asyncio.run(_drive(url, warm_up, True))
