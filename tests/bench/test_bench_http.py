@@ -24,6 +24,7 @@ def test_bench_http_runs_the_load_four_ways_on_a_stub_device_after_a_first_pass(
         "scheduler, in process (first pass, not compared)",
         "scheduler, in process",
         "AsyncEngine.generate, in process",
+        "HTTP, httpx client, streamed (first pass, not compared)",
         "HTTP, httpx client, streamed",
         "HTTP, httpx client, not streamed",
     ]

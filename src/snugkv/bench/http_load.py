@@ -4,7 +4,8 @@ What the HTTP path costs the engine. The offline workload of `bench serving` (N 
 output lengths uniform in [100, 1024], `ignore_eos`, all at once) runs: straight to a scheduler
 (in process, no server), through `AsyncEngine.generate` from an asyncio loop in this process (the
 scheduler thread and the output hand-off, no HTTP), then through a fresh server process driven by
-an `httpx` async client, streamed and not streamed (one server, a warm-up first). Each row has
+an `httpx` async client, streamed and not streamed (one server, a warm-up and one untimed pass of
+the whole workload first, as in process). Each row has
 output tok/s and the device-idle fraction (1 - device busy / wall: the share of the run the device
 waited for the host); the HTTP rows also the CPU seconds of the server's event-loop thread
 (`loop_cpu_s`) and of its other threads, the scheduler's (`other_threads_cpu_s`), and the client's
@@ -101,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         offline = workload(args.requests, seed=0, vocab=vocab, low=args.low, high=args.high)
         run_scheduler(engine, workload(16, seed=1, vocab=vocab, low=64, high=128))  # warm-up
         # The whole workload once untimed: its first pass meets kernels and shapes the short
-        # warm-up does not (the HTTP server gets a warm-up too), so the ratios compare warm runs.
+        # warm-up does not (the HTTP server gets the same first pass), so the ratios compare warm runs.
         first = run_scheduler(engine, offline, tokenizer=tokenizer)
         in_process = run_scheduler(engine, offline, tokenizer=tokenizer)
         rows.append({"path": "scheduler, in process (first pass, not compared)", **first})
@@ -116,13 +117,14 @@ def run(args: argparse.Namespace) -> int:
         flags += ["--chunked-prefill-size", str(args.chunk)]
         command = _stub_server_command(args) if stub else serve_command(args.model, flags)
         streams = (True, False)
+        names = ["HTTP, httpx client, streamed (first pass, not compared)"]
+        names += [f"HTTP, httpx client, {'streamed' if stream else 'not streamed'}" for stream in streams]
         try:
-            results = run_on_server(command, offline, streams)
+            results = run_on_server(command, offline, streams, first_pass=True)
         except Exception as exc:  # the rows above still count
             failed = {"error": f"{type(exc).__name__}: {str(exc)[:300]}", "output_tok_per_s": float("nan")}
-            results = [failed] * len(streams)
-        for stream, result in zip(streams, results):
-            name = f"HTTP, httpx client, {'streamed' if stream else 'not streamed'}"
+            results = [failed] * len(names)
+        for name, result in zip(names, results):
             rows.append({"path": name, **result})
     for row in rows:
         row["case"] = case

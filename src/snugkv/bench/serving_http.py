@@ -132,16 +132,24 @@ def run_http(model: str, requests: list[tuple[list[int], int]], extra: list[str]
 
 
 def run_on_server(
-    command: list[str], requests: list[tuple[list[int], int]], streams: tuple[bool, ...]
+    command: list[str],
+    requests: list[tuple[list[int], int]],
+    streams: tuple[bool, ...],
+    *,
+    first_pass: bool = False,
 ) -> list[dict[str, Any]]:
     """The workload through one fresh server started by `command`, once per entry of `streams`
     (streamed or not). A pass after the first changes each prompt's first token, so the prefix
-    cache holds nothing of it (the lengths, and so the work, stay the same)."""
+    cache holds nothing of it (the lengths, and so the work, stay the same). `first_pass`: the
+    whole workload runs once (streamed) before them, as the in-process runs get it; its result
+    comes first."""
     process, url = start_server(command)
     try:
         warm_up = [([4 + i, *range(10, 70)], 64) for i in range(16)]  # compiles, allocations
         asyncio.run(_drive(url, warm_up, True))
         results = []
+        if first_pass:  # meets every kernel and shape of the load once (Triton compiles, allocations)
+            results.append(_measured(url, process.pid, [([8, *p[1:]], out) for p, out in requests], True))
         for index, stream in enumerate(streams):
             load = requests if index == 0 else [([3 + index % 5, *p[1:]], out) for p, out in requests]
             results.append(_measured(url, process.pid, load, stream))
