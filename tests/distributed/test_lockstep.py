@@ -43,10 +43,10 @@ def fail_once_on(tp: TensorParallel, model_dir: str, failing_rank: int) -> list:
         steps["count"] += 1
         real_step()
 
-    def stop_reason(request):  # runs after the step's last collective (the token broadcast)
+    def stop_reason(request, limits):  # runs after the step's last collective (the token broadcast)
         if tp.rank == failing_rank and steps["count"] == FAIL_AT_STEP:
             raise RuntimeError(f"injected on rank {tp.rank}")
-        return real_stop_reason(request)
+        return real_stop_reason(request, limits)
 
     scheduler.step, scheduler._stop_reason = step, stop_reason
     if tp.is_first_rank:

@@ -304,12 +304,12 @@ def test_a_failure_with_two_steps_on_their_way_loses_no_request_and_no_slot(tiny
     def forward(rows, slots):
         raise RuntimeError("injected")
 
-    def stop_reason(request):
+    def stop_reason(request, limits):
         calls["stop_reason"] += 1
         if calls["stop_reason"] == 2:
             assert scheduler._in_flight is not None  # step N+1 is on its way
             raise RuntimeError("injected")
-        return real_stop_reason(request)
+        return real_stop_reason(request, limits)
 
     if where == "launching step N+1":
         engine.runner.forward = forward

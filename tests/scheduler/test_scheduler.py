@@ -230,11 +230,11 @@ def test_a_step_that_fails_midway_loses_no_request_and_no_slot(tiny, page_size, 
             raise RuntimeError("injected")
         return real_forward(rows, slots)
 
-    def stop_reason(request):
+    def stop_reason(request, limits):
         calls["stop_reason"] += 1
         if where == "after sampling" and calls["stop_reason"] == 2:  # the second row of a batch
             raise RuntimeError("injected")
-        return real_stop_reason(request)
+        return real_stop_reason(request, limits)
 
     scheduler.runner.forward, scheduler._stop_reason = forward, stop_reason
     with pytest.raises(RuntimeError, match="injected"):

@@ -72,33 +72,44 @@ class OutputBuilder:
         return self.tokenizer.decode([token]) if self.tokenizer is not None else str(token)
 
     def emit(self, request: Request) -> None:
-        """Send what `request` produced since its last output (nothing without a callback)."""
+        """Send what `request` produced since its last output (nothing without a callback).
+        Runs once per request per step: it reads each field once."""
         if self.on_output is None:
             return
-        finished = request.finished
-        if request.sampling.stop and not finished:
-            holdback = max(len(s) for s in request.sampling.stop) - 1
-            visible = len(request.text) - holdback
+        finished = request.finish_reason is not None
+        sampling = request.sampling
+        text = request.text
+        if sampling.stop and not finished:
+            holdback = max(len(s) for s in sampling.stop) - 1
+            visible = len(text) - holdback
         else:
             # The last text, unless a stop string cut it already or the request failed (its tokens
             # may be what broke the tokenizer: the error must still reach the client).
             if self.tokenizer is not None and not request.stopped_by_string and request.error is None:
                 detokenize(self.tokenizer, request, final=finished)
-            visible = len(request.text)
+                text = request.text
+            visible = len(text)
+        output_ids, logprobs = request.output_ids, request.logprobs
+        sent_text = request.sent_text_len
+        if visible > sent_text:
+            new_text, request.sent_text_len = text[sent_text:visible], visible
+        else:
+            new_text = ""
         output = GenerateOutput(
             rid=request.rid,
-            token_ids=request.output_ids[request.sent_token_len :],
-            text=request.text[request.sent_text_len : max(visible, request.sent_text_len)],
+            token_ids=output_ids[request.sent_token_len :],
+            text=new_text,
             finished=finished,
             finish_reason=request.finish_reason,  # type: ignore[arg-type]
             prompt_tokens=len(request.prompt_ids),
-            completion_tokens=len(request.output_ids),
+            completion_tokens=len(output_ids),
             cached_tokens=request.cached_tokens,
-            logprobs=request.logprobs[request.sent_logprobs_len :],
-            prompt_logprobs=self._unsent_prompt_logprobs(request),
+            logprobs=logprobs[request.sent_logprobs_len :] if logprobs else [],
+            prompt_logprobs=None
+            if sampling.prompt_logprobs is None
+            else self._unsent_prompt_logprobs(request),
             error=request.error,
         )
-        request.sent_token_len = len(request.output_ids)
-        request.sent_text_len = max(visible, request.sent_text_len)
-        request.sent_logprobs_len = len(request.logprobs)
+        request.sent_token_len = len(output_ids)
+        request.sent_logprobs_len = len(logprobs)
         self.on_output(request, output)

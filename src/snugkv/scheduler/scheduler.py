@@ -408,6 +408,10 @@ class Scheduler:
         now = time.monotonic()
         finished_any = False
         sample_index = 0
+        emit, stop_reason = self.outputs.emit, self._stop_reason
+        # what `_stop_reason` compares every request with: the longest a request may grow (the
+        # context, and what the KV cache could hold with nothing else in it)
+        limits = (self.context_length, self.runner.allocator.capacity_tokens - self.page_size)
         for row, request in zip(rows, batch):
             index = sample_index
             sample_index += row.need_logits
@@ -428,16 +432,18 @@ class Scheduler:
                 request.logprobs.append(logprobs[index])
             request.first_token_s = request.first_token_s or now
             self.generated_tokens += 1
-            reason = self._stop_reason(request)
+            reason = stop_reason(request, limits)
             if reason:
                 finished_any = True
                 self._finish(request, reason)
             else:
-                self.outputs.emit(request)
+                emit(request)
         if finished_any:
             self.running = [request for request in self.running if not request.finished]
 
-    def _stop_reason(self, request: Request) -> str | None:
+    def _stop_reason(self, request: Request, limits: tuple[int, int]) -> str | None:
+        """Why `request` ends after its newest token, or None; `limits`: (the context length,
+        the KV capacity less a page)."""
         token = request.output_ids[-1]
         sampling = request.sampling
         grammar = request.grammar
@@ -459,10 +465,12 @@ class Scheduler:
                 request.text = request.text[:index]
                 request.stopped_by_string = True
                 return "stop"
-        num_tokens = request.num_tokens
-        if len(request.output_ids) >= sampling.max_new_tokens or num_tokens >= self.context_length:
+        generated = len(request.output_ids)
+        num_tokens = len(request.prompt_ids) + generated
+        context_length, kv_limit = limits
+        if generated >= sampling.max_new_tokens or num_tokens >= context_length:
             return "length"
-        if num_tokens + self.page_size > self.runner.allocator.capacity_tokens:
+        if num_tokens > kv_limit:
             return "kv_capacity"  # the KV cache could not hold its next token even with nothing else in it
         return None
 
