@@ -74,9 +74,10 @@ class Request:
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
-    def pending_len(self) -> int:
-        """Tokens whose KV the next forward must compute."""
-        return self.num_tokens - self.kv_len
+    def launched_len(self) -> int:
+        """Positions whose KV is computed or on its way (steps launched, not read back yet): where
+        the next step of this request starts, and how many slots it holds."""
+        return self.kv_len + self.in_flight
 
     @property
     def finished(self) -> bool:

@@ -259,7 +259,7 @@ class Scheduler:
             if newly_admitted and not self.slots.admit(request):
                 break
             scoring = request.scores_prompt
-            start = request.kv_len + request.in_flight
+            start = request.launched_len
             chunk = min(request.num_tokens - start, budget, scoring_budget if scoring else budget)
             new_slots = self.slots.new_slots(start, chunk) if chunk > 0 else 0
             if chunk <= 0 or not self.slots.make_room(taken + new_slots + self.page_size + reserve):

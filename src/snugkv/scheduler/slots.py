@@ -66,7 +66,7 @@ class RequestSlots:
         row = request.req_pool_idx
         if row is None:
             return
-        slots = self.runner.req_to_token_pool.slots_of(row, request.kv_len + request.in_flight)
+        slots = self.runner.req_to_token_pool.slots_of(row, request.launched_len)
         usable = request.kv_len // self.page_size * self.page_size
         computed = slots[: request.kv_len]
         existing = self.cache.insert(request.all_ids[: request.kv_len], computed) if self.cache.enabled else 0
@@ -84,9 +84,7 @@ class RequestSlots:
     def held_tokens(self, requests: Iterable[Request]) -> int:
         """Slots held by admitted requests themselves (not the cache), in whole pages."""
         page = self.page_size
-        return sum(
-            -(-(r.kv_len + r.in_flight) // page) * page - r.prefix_len for r in requests if r.is_admitted
-        )
+        return sum(-(-r.launched_len // page) * page - r.prefix_len for r in requests if r.is_admitted)
 
     def check_accounting(self, requests: Iterable[Request]) -> None:
         allocator = self.runner.allocator
