@@ -31,6 +31,10 @@ def test_bench_http_runs_the_load_four_ways_on_a_stub_device_after_a_first_pass(
     for row in rows.values():
         assert row["output_tokens"] == expected, row
         assert 0.0 <= row["gpu_idle_fraction"] <= 1.0, row
+        # every path, in process or through the server, places its device time from its own steps
+        assert row["steps"] > 0 and 0 < row["prefill_steps"] < row["steps"], row
+        assert 0 < row["mean_decode_rows"] <= 12 and row["idle_between_steps_s"] >= 0, row
+        assert 0 <= row["idle_before_first_step_s"] < row["seconds"], row
     for name in ("HTTP, httpx client, streamed", "HTTP, httpx client, not streamed"):
         assert rows[name]["loop_cpu_s"] >= 0 and rows[name]["other_threads_cpu_s"] > 0, rows[name]
     streamed = rows["HTTP, httpx client, streamed"]

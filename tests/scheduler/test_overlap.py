@@ -263,6 +263,13 @@ def test_a_waiting_request_is_prefilled_while_the_step_in_flight_runs_and_joins_
     times = scheduler.times.as_dict()
     assert times["overlapped_steps"] > 0 and times["device_busy_s"] > 0
     assert 0 <= times["device_idle_fraction"] < 1
+    records = list(scheduler.times.records)
+    assert len(records) == times["steps"]
+    assert [r.launched_at for r in records] == sorted(r.launched_at for r in records)
+    assert records[0].gap_s is None and all(r.gap_s >= 0 for r in records[1:])
+    prefills = [r for r in records if not r.decode]
+    assert [r.tokens for r in prefills] == [len(first), len(second)] and all(r.rows == 1 for r in prefills)
+    assert max(r.rows for r in records if r.decode) == 2  # both decode together after the join
     engine.close()
 
 

@@ -33,7 +33,7 @@ import torch
 
 from snugkv.bench.model_configs import benchmark_model
 from snugkv.bench.report import cuda_missing, emit
-from snugkv.bench.serving import bench_llm, run_scheduler, workload
+from snugkv.bench.serving import bench_llm, run_scheduler, step_figures, workload
 from snugkv.bench.serving_http import run_on_server, serve_command
 from snugkv.bench.stub_device import add_stub_arguments, stub_engine, stub_tokenizer
 from snugkv.core.outputs import GenerateInput
@@ -64,6 +64,7 @@ def run_async_engine(engine: Any, tokenizer: Any, requests: list[tuple[list[int]
         tokens = asyncio.run(_through_async_engine(async_engine, requests))
         elapsed = time.monotonic() - start
         busy = times.device_busy_s - busy_before
+        steps = step_figures(list(times.records), start, start + elapsed)
     finally:
         async_engine.stop(close_engine=False)  # the next case runs on the same engine
     async_engine.scheduler.cache.reset()
@@ -73,6 +74,7 @@ def run_async_engine(engine: Any, tokenizer: Any, requests: list[tuple[list[int]
         "seconds": elapsed,
         "output_tok_per_s": tokens / elapsed,
         "gpu_idle_fraction": max(0.0, 1 - busy / elapsed),
+        **steps,
     }
 
 

@@ -7,7 +7,9 @@ client receives: output tokens per second over the wall time, time to first toke
 `/server_info` gives the KV size it sized, and the GPU-idle share of the run from its scheduler's
 device-busy seconds (CUDA events around each step). Where /proc exists, the CPU seconds of the
 server's event-loop thread and of its other threads (the scheduler's) over the run ride along: the
-two share one GIL, so their sum against the wall time says how much of it the run needed.
+two share one GIL, so their sum against the wall time says how much of it the run needed. The
+server's last steps one by one (`/server_info?steps=true`) place the GPU's idle time: before the
+first step of the pass (requests still arriving) or between steps (the host late).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import time
 from typing import Any
 
 import httpx
+
+from snugkv.bench.serving import step_figures
 
 
 def _free_port() -> int:
@@ -108,6 +112,7 @@ async def _drive(url: str, requests: list[tuple[list[int], int]], stream: bool =
         "output_tokens": tokens,
         "seconds": elapsed,
         "output_tok_per_s": tokens / elapsed,
+        "span": (started, started + elapsed),  # the pass on the monotonic clock the server's steps use
         # a model without tokenizer files streams no text, so no first-token time is seen (nor
         # without streaming)
         "ttft_p50_ms": ttft[len(ttft) // 2] * 1e3 if len(ttft) == len(results) else None,
@@ -186,8 +191,10 @@ def _measured(url: str, pid: int, requests: list[tuple[list[int], int]], stream:
         spent = {tid: cpu - cpu_before.get(tid, 0.0) for tid, cpu in cpu_after.items()}
         result["loop_cpu_s"] = spent.pop(pid, 0.0)
         result["other_threads_cpu_s"] = sum(spent.values())
-    info = httpx.get(f"{url}/server_info", timeout=10.0).json()
+    info = httpx.get(f"{url}/server_info", params={"steps": "true"}, timeout=10.0).json()
     result["max_total_num_tokens"] = info.get("max_total_num_tokens")
+    start, end = result.pop("span")
+    result.update(step_figures(info.get("recent_steps", []), start, end))
     after = info.get("step_times", {})
     if "device_busy_s" in after:  # the share of the run the GPU waited for the host
         busy = after["device_busy_s"] - before.get("device_busy_s", 0.0)

@@ -323,6 +323,11 @@ class AsyncEngine:
             "slot_accounting_when_idle": self.slot_accounting,
         }
 
+    def recent_steps(self) -> list[tuple[Any, ...]]:
+        """The last steps one by one (`launched.StepRecord`s: launch time, kind, size, device time
+        and the device's idle gap before each); `launched.summarize_steps` reads them."""
+        return list(self.scheduler.times.records)  # one C-level copy: safe beside the scheduler thread
+
     # -- scheduler thread ---------------------------------------------------------------
     def _loop(self) -> None:
         try:

@@ -12,14 +12,17 @@ so these spans never overlap and a gap between them is time the GPU waited for t
 also holds the host's building of the batch, a fraction of a millisecond, so it overstates the
 busy time a little when the GPU waits); on a CPU, where the forward is synchronous, from the host
 clock around the same calls. It also adds up how long the host waited for results: near zero
-means the host is the bottleneck.
+means the host is the bottleneck. The last few thousand steps are kept as `StepRecord`s: when each
+was launched (host monotonic clock), its kind and size, and the device's idle gap before it, which
+is what places an idle GPU in time (before a prefill, between decode steps, at a run's start).
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -54,6 +57,7 @@ class LaunchedStep:
     tokens: torch.Tensor | None  # host-bound copy, `[len(sampled_rows)]`
     log_probs: torch.Tensor | None  # host-bound copy of OutputBuilder.log_prob_rows
     started: Any  # a CUDA event or a perf_counter reading
+    launched_at: float = field(default_factory=time.monotonic)  # host clock, as the forward was queued
     prompt_scores: PromptScores | None = None  # host-bound log-probabilities of prompt tokens
     done: Any = None
     overlapped: bool = False  # queued while the step before it was still unread
@@ -81,26 +85,54 @@ class LaunchedStep:
         return float(self.done - self.started)
 
 
+class StepRecord(NamedTuple):
+    """One step whose results the host read: `gap_s` is how long the device sat idle between the
+    step before (its copies done) and this one's forward (None for the first step after a reset)."""
+
+    launched_at: float  # time.monotonic() as its forward was queued
+    decode: bool
+    rows: int
+    tokens: int
+    busy_s: float
+    gap_s: float | None
+    waited_s: float
+
+
 @dataclass(slots=True)
 class StepTimes:
-    """Counts of the steps whose results the host read, and the device time they took."""
+    """Counts of the steps whose results the host read, the device time they took, and the last
+    `RECORDS` steps one by one."""
+
+    RECORDS = 8192
 
     steps: int = 0
     overlapped_steps: int = 0
     device_busy_s: float = 0.0
     host_wait_s: float = 0.0
     started_s: float = field(default_factory=time.perf_counter)
+    records: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=StepTimes.RECORDS))
+    _previous_done: Any = field(default=None, init=False, repr=False)
 
     def add(self, step: LaunchedStep) -> None:
+        busy = step.busy_s()
         self.steps += 1
         self.overlapped_steps += step.overlapped
-        self.device_busy_s += step.busy_s()
+        self.device_busy_s += busy
         self.host_wait_s += step.waited_s
+        gap = None if self._previous_done is None else _between(self._previous_done, step.started)
+        self._previous_done = step.done
+        batch = step.batch
+        tokens = int(batch.slots.shape[0])  # a slot per new token
+        self.records.append(
+            StepRecord(step.launched_at, batch.decode, len(batch.rows), tokens, busy, gap, step.waited_s)
+        )
 
     def reset(self) -> None:
         self.steps = self.overlapped_steps = 0
         self.device_busy_s = self.host_wait_s = 0.0
         self.started_s = time.perf_counter()
+        self.records.clear()
+        self._previous_done = None
 
     def as_dict(self, wall_s: float | None = None) -> dict[str, Any]:
         """The counts, and the device-idle fraction over `wall_s` (default: since the last reset)."""
@@ -112,3 +144,32 @@ class StepTimes:
             "host_wait_s": self.host_wait_s,
             "device_idle_fraction": max(0.0, 1 - self.device_busy_s / wall_s) if wall_s > 0 else 0.0,
         }
+
+
+def _between(earlier: Any, later: Any) -> float:
+    """Seconds from one `clock` point to a later one (never below zero)."""
+    if isinstance(earlier, torch.cuda.Event):
+        return max(0.0, earlier.elapsed_time(later) / 1e3)
+    return max(0.0, float(later - earlier))
+
+
+def summarize_steps(records: list[StepRecord] | list[list[Any]], start: float, end: float) -> dict[str, Any]:
+    """Where the device's time went between `start` and `end` (time.monotonic()): the steps launched
+    in that span, their kinds, and the device's idle time: before the first step (requests still
+    arriving), between steps (the host late), and before prefill steps among those."""
+    steps = [StepRecord(*record) for record in records]
+    steps = [step for step in steps if start <= step.launched_at <= end]
+    if not steps:
+        return {"steps": 0}
+    decode = [step for step in steps if step.decode]
+    gaps = [step.gap_s or 0.0 for step in steps[1:]]
+    return {
+        "steps": len(steps),
+        "prefill_steps": len(steps) - len(decode),
+        "mean_decode_rows": sum(step.rows for step in decode) / len(decode) if decode else 0.0,
+        "first_step_after_s": steps[0].launched_at - start,
+        "device_busy_s": sum(step.busy_s for step in steps),
+        "gap_s": sum(gaps),
+        "gap_before_prefill_s": sum(step.gap_s or 0.0 for step in steps[1:] if not step.decode),
+        "largest_gap_ms": max(gaps, default=0.0) * 1e3,
+    }

@@ -5,6 +5,7 @@ Routes:
     GET  /v1/models, /v1/models/{id}                   the one served model
     GET  /health                                       200 when the engine is healthy, else 503 (no key)
     GET  /server_info, /get_server_info                the engine's sizing, ledger and arguments
+                                                       (?steps=true: the last steps one by one)
     GET  /metrics                                      Prometheus text
     POST /kv/resize, GET /kv                           elastic memory (see `elastic_routes`)
     POST /sleep, /wake_up, GET /is_sleeping            sleep and wake (and SGLang's names for them)
@@ -126,8 +127,11 @@ def create_app(
             return JSONResponse({"status": "ok"})
         raise APIError(503, "The engine is not healthy; see the server log.", type=SERVER_ERROR)
 
-    async def server_info() -> Any:
+    async def server_info(steps: bool = False) -> Any:
         info = jsonable_encoder(engine.server_info())
+        recent_steps = getattr(engine, "recent_steps", None)
+        if steps and recent_steps is not None:  # ?steps=true: the last steps one by one (a benchmark's)
+            info["recent_steps"] = [list(record) for record in recent_steps()]
         return {"served_model_name": served_model_name, "version": __version__, **info}
 
     app.add_api_route("/server_info", server_info, methods=["GET"])
