@@ -33,9 +33,10 @@ import torch
 
 from snugkv.bench.model_configs import benchmark_model
 from snugkv.bench.report import cuda_missing, emit
-from snugkv.bench.serving import bench_llm, run_scheduler, step_figures, workload
+from snugkv.bench.serving import bench_llm, gc_figures, run_scheduler, step_figures, workload
 from snugkv.bench.serving_http import run_on_server, serve_command
 from snugkv.bench.stub_device import add_stub_arguments, stub_engine, stub_tokenizer
+from snugkv.core.gc_pauses import GC_PAUSES
 from snugkv.core.outputs import GenerateInput
 from snugkv.core.sampling import SamplingParams
 
@@ -60,11 +61,13 @@ def run_async_engine(engine: Any, tokenizer: Any, requests: list[tuple[list[int]
     try:
         times = async_engine.scheduler.times
         busy_before = times.device_busy_s
+        gc_before = GC_PAUSES.as_dict()
         start = time.monotonic()
         tokens = asyncio.run(_through_async_engine(async_engine, requests))
         elapsed = time.monotonic() - start
         busy = times.device_busy_s - busy_before
         steps = step_figures(list(times.records), start, start + elapsed)
+        steps.update(gc_figures(gc_before, GC_PAUSES.as_dict()))
     finally:
         async_engine.stop(close_engine=False)  # the next case runs on the same engine
     async_engine.scheduler.cache.reset()

@@ -25,6 +25,7 @@ import torch
 from snugkv.bench.decode import copy_bandwidth_bytes_per_s
 from snugkv.bench.model_configs import benchmark_model
 from snugkv.bench.report import cuda_missing, emit
+from snugkv.core.gc_pauses import GC_PAUSES
 from snugkv.core.sampling import SamplingParams
 from snugkv.scheduler.launched import summarize_steps
 
@@ -59,6 +60,14 @@ def floor_tokens_per_s(
                 weight_bytes + sum(prompt + step for prompt, _ in live) * kv_bytes_per_token
             ) / bandwidth
     return sum(output for _, output in requests) / seconds
+
+
+def gc_figures(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """The collector's full collections between two `GcPauses.as_dict()` readings, as bench columns."""
+    return {
+        "gc_full_collections": after["full_collections"] - before["full_collections"],
+        "gc_full_s": after["full_collection_s"] - before["full_collection_s"],
+    }
 
 
 def step_figures(records: list[Any], start: float, end: float) -> dict[str, Any]:
@@ -96,6 +105,7 @@ def run_scheduler(
         overlap=overlap,
     )
     tracked = []
+    gc_before = GC_PAUSES.as_dict()
     start = time.monotonic()
     scheduler.times.reset()
     pending = list(enumerate(requests))
@@ -138,6 +148,7 @@ def run_scheduler(
         "host_wait_s": times["host_wait_s"],
         "overlapped_steps": f"{times['overlapped_steps']}/{times['steps']}",
         **step_figures(list(scheduler.times.records), start, start + elapsed),
+        **gc_figures(gc_before, GC_PAUSES.as_dict()),
     }
 
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import httpx
 
-from snugkv.bench.serving import step_figures
+from snugkv.bench.serving import gc_figures, step_figures
 
 
 def _free_port() -> int:
@@ -182,7 +182,8 @@ def thread_cpu_s(pid: int) -> dict[int, float]:
 
 
 def _measured(url: str, pid: int, requests: list[tuple[list[int], int]], stream: bool) -> dict[str, Any]:
-    before = httpx.get(f"{url}/server_info", timeout=10.0).json().get("step_times", {})
+    before_info = httpx.get(f"{url}/server_info", timeout=10.0).json()
+    before = before_info.get("step_times", {})
     cpu_before, client_before = thread_cpu_s(pid), time.process_time()
     result = asyncio.run(_drive(url, requests, stream))
     cpu_after = thread_cpu_s(pid)
@@ -195,6 +196,8 @@ def _measured(url: str, pid: int, requests: list[tuple[list[int], int]], stream:
     result["max_total_num_tokens"] = info.get("max_total_num_tokens")
     start, end = result.pop("span")
     result.update(step_figures(info.get("recent_steps", []), start, end))
+    if "gc" in info and "gc" in before_info:
+        result.update(gc_figures(before_info["gc"], info["gc"]))
     after = info.get("step_times", {})
     if "device_busy_s" in after:  # the share of the run the GPU waited for the host
         busy = after["device_busy_s"] - before.get("device_busy_s", 0.0)

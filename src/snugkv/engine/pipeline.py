@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from snugkv.core.forward import BatchRow
+from snugkv.core.gc_pauses import freeze_startup_objects, thaw
 from snugkv.core.sampling import MAX_LOGPROBS, PROMPT_LOGITS_PER_STEP, SamplingParams
 from snugkv.distributed.group import TensorParallel, use_tensor_parallel
 from snugkv.engine.args import EngineArgs
@@ -141,6 +142,7 @@ class Engine(ElasticMemory):
             timings={"load_s": load_s, **sized.timings, "total_s": time.perf_counter() - started},
         )
         self._log("%s", ledger.table())
+        freeze_startup_objects()  # a full collection no longer walks the model and the graphs
 
     def _measure_ledger(self) -> MemoryLedger:
         return measure_ledger(
@@ -490,6 +492,7 @@ class Engine(ElasticMemory):
         runner = self.runner
         if runner is None:
             return
+        thaw()  # what the engine held becomes collectable again
         runner.close()
         self.runner = None
         settle(self.device)

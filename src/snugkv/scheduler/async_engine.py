@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from snugkv.core.gc_pauses import GC_PAUSES
 from snugkv.core.outputs import GenerateInput, GenerateOutput
 from snugkv.core.sampling import InvalidRequest
 from snugkv.engine import Engine
@@ -317,6 +318,7 @@ class AsyncEngine:
                 if key != "device_idle_fraction"
             },
             "step_errors": self.step_errors,
+            "gc": GC_PAUSES.as_dict(),  # the collector's full collections in this process
             "is_sleeping": self.engine.is_sleeping,
             "kv_events": list(self.engine.kv_events),
             "aborted_rids": list(self.aborted_rids),
