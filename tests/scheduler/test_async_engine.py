@@ -139,3 +139,30 @@ def test_server_info_counts_the_steps_and_the_device_time_they_took(async_engine
     assert info["overlap_schedule"] is True
     assert after["steps"] >= before["steps"] + 8 and after["overlapped_steps"] > before["overlapped_steps"]
     assert after["device_busy_s"] > before["device_busy_s"]
+
+
+def test_the_idle_slot_check_waits_for_the_engine_to_stay_idle(async_engine):
+    """A burst right after the last one must not wait for the check (~0.1 s on a large pool): it
+    runs once the engine has been idle for ACCOUNTING_CHECK_IDLE_S, and again after new work."""
+    from snugkv.scheduler.async_engine import ACCOUNTING_CHECK_IDLE_S
+
+    checks: list[float] = []
+    original = async_engine.scheduler.check_slot_accounting
+
+    def counted() -> None:
+        checks.append(time.monotonic())
+        original()
+
+    async_engine.scheduler.check_slot_accounting = counted
+    asyncio.run(collect(async_engine, "first", [5, 6, 7], 4))
+    finished = time.monotonic()
+    time.sleep(ACCOUNTING_CHECK_IDLE_S / 3)
+    assert checks == []  # idle, but not for long enough
+    accounting = wait_idle(async_engine)
+    assert accounting["ok"] and len(checks) == 1
+    assert checks[0] - finished >= ACCOUNTING_CHECK_IDLE_S * 0.9
+    asyncio.run(collect(async_engine, "second", [8, 9], 4))
+    deadline = time.monotonic() + 10
+    while len(checks) < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(checks) == 2  # new work, a new idle period, a new check
