@@ -53,6 +53,12 @@ def test_server_info_and_its_alias_report_the_engine(client: httpx.Client) -> No
     assert "sizing_mode" in info and "memory_ledger" in info
 
 
+def test_a_bad_query_value_gets_a_400_naming_it(client: httpx.Client) -> None:
+    message = openai_error(client.get("/server_info", params={"steps": "maybe"}), 400)
+    assert "'steps'" in message and "boolean" in message and "'maybe'" in message
+    assert client.get("/server_info", params={"steps": "false"}).status_code == 200  # the server goes on
+
+
 def test_metrics_expose_kv_queue_cache_throughput_and_latency(client: httpx.Client) -> None:
     client.post("/v1/completions", json={"prompt": "count me", "max_tokens": 4})
     response = client.get("/metrics")

@@ -67,15 +67,10 @@ class GcPauses:
 
 
 GC_PAUSES = GcPauses()
-_thaw_at_exit = False
 
 
 def freeze_startup_objects() -> None:
     """Collect what start-up left behind, then keep everything alive out of later collections."""
-    global _thaw_at_exit
-    if not _thaw_at_exit:
-        atexit.register(thaw)
-        _thaw_at_exit = True
     GC_PAUSES.install()
     gc.collect()
     gc.freeze()
@@ -84,3 +79,6 @@ def freeze_startup_objects() -> None:
 def thaw() -> None:
     """Give the frozen objects back to the collector (an engine closed: what it held may go)."""
     gc.unfreeze()
+
+
+atexit.register(thaw)  # nothing frozen: nothing to do

@@ -80,9 +80,7 @@ class LaunchedStep:
 
     def busy_s(self) -> float:
         """Device time from just before the forward to the end of the copies (after `results`)."""
-        if isinstance(self.started, torch.cuda.Event):
-            return self.started.elapsed_time(self.done) / 1e3
-        return float(self.done - self.started)
+        return _between(self.started, self.done)
 
 
 class StepRecord(NamedTuple):

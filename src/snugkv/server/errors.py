@@ -12,6 +12,7 @@ import logging
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -63,8 +64,14 @@ def error_body(
 
 def from_validation_error(exc: ValidationError) -> APIError:
     """The first problem pydantic found, as a sentence naming the field and what it needs."""
-    first = exc.errors(include_url=False)[0]
-    param = format_location(first["loc"])
+    return _from_first_error(exc.errors(include_url=False)[0])
+
+
+def _from_first_error(first: Any) -> APIError:
+    loc = tuple(first["loc"])
+    if len(loc) > 1 and loc[0] in ("query", "path"):  # FastAPI's own checks name where the field is
+        loc = loc[1:]
+    param = format_location(loc)
     if first["type"] == "missing":
         return bad_request(f"'{param}' is required; add it to the request body.", param=param)
     message = str(first["msg"]).removeprefix("Value error, ")
@@ -91,6 +98,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
         return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _query_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return _from_first_error(exc.errors()[0]).response()  # e.g. GET /server_info?steps=maybe
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
