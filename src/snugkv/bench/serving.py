@@ -23,11 +23,11 @@ from typing import Any
 import torch
 
 from snugkv.bench.decode import copy_bandwidth_bytes_per_s
+from snugkv.bench.idle import gc_figures, step_figures
 from snugkv.bench.model_configs import benchmark_model
 from snugkv.bench.report import cuda_missing, emit
 from snugkv.core.gc_pauses import GC_PAUSES
 from snugkv.core.sampling import SamplingParams
-from snugkv.scheduler.launched import summarize_steps
 
 
 def workload(
@@ -60,30 +60,6 @@ def floor_tokens_per_s(
                 weight_bytes + sum(prompt + step for prompt, _ in live) * kv_bytes_per_token
             ) / bandwidth
     return sum(output for _, output in requests) / seconds
-
-
-def gc_figures(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
-    """The collector's full collections between two `GcPauses.as_dict()` readings, as bench columns."""
-    return {
-        "gc_full_collections": after["full_collections"] - before["full_collections"],
-        "gc_full_s": after["full_collection_s"] - before["full_collection_s"],
-    }
-
-
-def step_figures(records: list[Any], start: float, end: float) -> dict[str, Any]:
-    """A run's steps (`launched.summarize_steps`) as bench columns: where the GPU sat idle."""
-    summary = summarize_steps(records, start, end)
-    if not summary["steps"]:
-        return {}
-    return {
-        "steps": summary["steps"],
-        "prefill_steps": summary["prefill_steps"],
-        "mean_decode_rows": round(summary["mean_decode_rows"], 1),
-        "idle_before_first_step_s": summary["first_step_after_s"],
-        "idle_between_steps_s": summary["gap_s"],
-        "of_which_before_prefill_s": summary["gap_before_prefill_s"],
-        "largest_gap_ms": summary["largest_gap_ms"],
-    }
 
 
 def run_scheduler(

@@ -27,7 +27,7 @@ from typing import Any
 
 import httpx
 
-from snugkv.bench.serving import gc_figures, step_figures
+from snugkv.bench.idle import gc_figures, step_figures
 
 
 def _free_port() -> int:
