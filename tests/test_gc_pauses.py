@@ -43,7 +43,8 @@ def test_an_engine_freezes_what_start_up_left_alive_and_thaws_it_when_closed(tin
     try:
         frozen = gc.get_freeze_count()
         assert frozen > 1000  # torch, the model's modules, the pool: out of every later collection
-        assert GC_PAUSES.as_dict()["frozen_objects"] == frozen
+        # counted at the freeze (the few objects frozen with it may be freed or untracked since)
+        assert abs(GC_PAUSES.as_dict()["frozen_objects"] - frozen) <= frozen // 100
         assert gc.callbacks.count(GC_PAUSES._on_collection) == 1
         before = GC_PAUSES.full_collections
         gc.collect()
@@ -51,3 +52,4 @@ def test_an_engine_freezes_what_start_up_left_alive_and_thaws_it_when_closed(tin
     finally:
         engine.close()
     assert gc.get_freeze_count() == 0
+    assert GC_PAUSES.as_dict()["frozen_objects"] == 0
