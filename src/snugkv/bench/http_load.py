@@ -82,6 +82,36 @@ def run_async_engine(engine: Any, tokenizer: Any, requests: list[tuple[list[int]
     }
 
 
+# The server's two shapes: the scheduler a thread of the server's process, or a process of its own.
+SERVER_FLAGS = {"thread": [], "process": ["--engine-process"]}
+
+
+def _server_rows(
+    label: str, command: list[str], offline: list[tuple[list[int], int]]
+) -> list[dict[str, Any]]:
+    """One fresh server's rows: its untimed first pass, then the workload streamed and not."""
+    streams = (True, False)
+    names = [f"{label}, httpx client, streamed (first pass, not compared)"]
+    names += [f"{label}, httpx client, {'streamed' if stream else 'not streamed'}" for stream in streams]
+    try:
+        results = run_on_server(command, offline, streams, first_pass=True)
+    except Exception as exc:  # the rows before still count
+        failed = {"error": f"{type(exc).__name__}: {str(exc)[:300]}", "output_tok_per_s": float("nan")}
+        results = [failed] * len(names)
+    return [{"path": name, **result} for name, result in zip(names, results)]
+
+
+def _server_modes(value: str) -> list[str]:
+    """`--servers thread,process`: which server shapes run, in order."""
+    modes = [mode.strip() for mode in value.split(",") if mode.strip()]
+    unknown = [mode for mode in modes if mode not in SERVER_FLAGS]
+    if unknown or not modes:
+        raise argparse.ArgumentTypeError(
+            f"{value!r}: name server shapes from {', '.join(SERVER_FLAGS)}, separated by commas"
+        )
+    return modes
+
+
 def _stub_server_command(args: argparse.Namespace) -> list[str]:
     command = [sys.executable, "-m", "snugkv.bench.stub_device", "--step-ms", str(args.stub_step_ms)]
     command += ["--prefill-us-per-token", str(args.prefill_us_per_token)]
@@ -122,16 +152,9 @@ def run(args: argparse.Namespace) -> int:
         flags = ["--max-running-requests", str(args.max_batch), "--cuda-graph-max-bs", str(args.max_batch)]
         flags += ["--chunked-prefill-size", str(args.chunk)]
         command = _stub_server_command(args) if stub else serve_command(args.model, flags)
-        streams = (True, False)
-        names = ["HTTP, httpx client, streamed (first pass, not compared)"]
-        names += [f"HTTP, httpx client, {'streamed' if stream else 'not streamed'}" for stream in streams]
-        try:
-            results = run_on_server(command, offline, streams, first_pass=True)
-        except Exception as exc:  # the rows above still count
-            failed = {"error": f"{type(exc).__name__}: {str(exc)[:300]}", "output_tok_per_s": float("nan")}
-            results = [failed] * len(names)
-        for name, result in zip(names, results):
-            rows.append({"path": name, **result})
+        for mode in args.servers:
+            label = "HTTP" if mode == "thread" else "HTTP, engine process"
+            rows.extend(_server_rows(label, command + SERVER_FLAGS[mode], offline))
     for row in rows:
         row["case"] = case
         row["over_in_process"] = row["output_tok_per_s"] / in_process["output_tok_per_s"]
@@ -142,6 +165,13 @@ def run(args: argparse.Namespace) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", type=benchmark_model, default="qwen3-0.6b", help="(without a stub)")
+    parser.add_argument(
+        "--servers",
+        type=_server_modes,
+        default=["thread", "process"],
+        help="the server shapes to run: thread (the scheduler a thread of the server), process "
+        "(--engine-process); default: thread,process",
+    )
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--low", type=int, default=100, help="shortest input and output")
     parser.add_argument("--high", type=int, default=1024, help="longest input and output")

@@ -196,6 +196,8 @@ def thread_cpu_s(pid: int) -> dict[int, float]:
 def _measured(url: str, pid: int, requests: list[tuple[list[int], int]], stream: bool) -> dict[str, Any]:
     before_info = httpx.get(f"{url}/server_info", timeout=10.0).json()
     before = before_info.get("step_times", {})
+    engine_pid = (before_info.get("engine_process") or {}).get("pid")  # --engine-process: the scheduler's
+    engine_before = thread_cpu_s(engine_pid) if engine_pid else {}
     cpu_before, client_before = thread_cpu_s(pid), time.process_time()
     result = asyncio.run(_drive(url, requests, stream))
     cpu_after = thread_cpu_s(pid)
@@ -204,6 +206,11 @@ def _measured(url: str, pid: int, requests: list[tuple[list[int], int]], stream:
         spent = {tid: cpu - cpu_before.get(tid, 0.0) for tid, cpu in cpu_after.items()}
         result["loop_cpu_s"] = spent.pop(pid, 0.0)
         result["other_threads_cpu_s"] = sum(spent.values())
+    if engine_pid:
+        engine_after = thread_cpu_s(engine_pid)
+        result["engine_process_cpu_s"] = sum(
+            cpu - engine_before.get(tid, 0.0) for tid, cpu in engine_after.items()
+        )
     info = httpx.get(f"{url}/server_info", params={"steps": "true"}, timeout=10.0).json()
     result["max_total_num_tokens"] = info.get("max_total_num_tokens")
     start, end = result.pop("span")

@@ -72,25 +72,30 @@ class StubDevice:
 
 def stub_engine(directory: Path, args: argparse.Namespace) -> Any:
     """A one-layer float32 engine on the CPU whose forward is the stub device."""
-    from snugkv.engine import Engine, EngineArgs
+    from snugkv.engine import Engine
 
-    context = 4096
-    engine = Engine(
-        EngineArgs(
-            model=write_tiny_llama_config(directory, context, STUB_VOCAB),
-            load_format="dummy",
-            device="cpu",
-            dtype="float32",
-            page_size=16,
-            max_running_requests=args.max_batch,
-            max_total_tokens=args.max_batch * 2200,
-            chunked_prefill_size=args.chunk,
-            host_kv_gib=1.0,
-            disable_cuda_graph=True,
-        )
-    )
+    engine = Engine(stub_engine_args(directory, args))
     StubDevice(args.step_ms, args.prefill_us_per_token).install(engine)
     return engine
+
+
+def stub_engine_args(directory: Path, args: argparse.Namespace) -> Any:
+    """The stub engine's arguments: one float32 layer on the CPU, `args`' batch and chunk."""
+    from snugkv.engine import EngineArgs
+
+    context = 4096
+    return EngineArgs(
+        model=write_tiny_llama_config(directory, context, STUB_VOCAB),
+        load_format="dummy",
+        device="cpu",
+        dtype="float32",
+        page_size=16,
+        max_running_requests=args.max_batch,
+        max_total_tokens=args.max_batch * 2200,
+        chunked_prefill_size=args.chunk,
+        host_kv_gib=1.0,
+        disable_cuda_graph=True,
+    )
 
 
 def stub_tokenizer(name: str | None) -> Any:
@@ -122,14 +127,27 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description="serve the real app on a stub-device engine")
     parser.add_argument("--port", type=int, required=True)
+    parser.add_argument(
+        "--engine-process", action="store_true", help="the engine in a process of its own (no --tokenizer)"
+    )
     add_stub_arguments(parser)
     args = parser.parse_args()
+    if args.engine_process and args.tokenizer:
+        parser.error("--engine-process serves the stub without a tokenizer; drop --tokenizer")
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as directory:
-        engine = stub_engine(Path(directory), args)
         metrics = ServerMetrics()
-        tokenizer = stub_tokenizer(args.tokenizer)
-        async_engine = AsyncEngine(engine, tokenizer=tokenizer, model_name="stub", metrics=metrics)
+        async_engine: Any
+        if args.engine_process:
+            from snugkv.scheduler.engine_process import EngineProcess, EngineSpec
+
+            device = StubDevice(args.step_ms, args.prefill_us_per_token)
+            spec = EngineSpec(stub_engine_args(Path(directory), args), after_start=device.install)
+            async_engine = EngineProcess(spec)
+        else:
+            engine = stub_engine(Path(directory), args)
+            tokenizer = stub_tokenizer(args.tokenizer)
+            async_engine = AsyncEngine(engine, tokenizer=tokenizer, model_name="stub", metrics=metrics)
         app = create_app(
             async_engine, api_key=None, max_body_bytes=1 << 24, served_model_name="stub", metrics=metrics
         )

@@ -46,6 +46,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--max-body-bytes", type=int, default=4 << 20, help="largest request body (default: 4 MiB)"
     )
     parser.add_argument("--disable-prefix-cache", action="store_true", help="turn the radix prefix cache off")
+    parser.add_argument(
+        "--engine-process",
+        action="store_true",
+        help="run the engine and its scheduler in a process of their own, so the HTTP server's Python "
+        "work does not hold up the next step (not with --tp or --kv-elastic yet)",
+    )
     share = parser.add_argument_group("several engines on one GPU")
     share.add_argument(
         "--kv-elastic",
@@ -124,14 +130,28 @@ def _model_name(model: str | None, path: Path) -> str:
 
 
 def _tokenizer_of(engine):
-    from snugkv.models.tokenizer import TokenizerUnavailable, load_tokenizer
+    from snugkv.scheduler.engine_process import engine_tokenizer
 
-    try:
-        return load_tokenizer(engine.loaded.source, engine.config.eos_token_ids)
-    except TokenizerUnavailable as exc:
-        if engine.tp.is_first_rank:
-            logger.warning("%s", exc)
-        return None
+    return engine_tokenizer(engine)
+
+
+def build_engine_process(args: argparse.Namespace, on_exit=None):
+    """--engine-process: the engine and its scheduler in a child process; returns (client, name)."""
+    from snugkv.scheduler.engine_process import EngineProcess, EngineSpec
+
+    root = logging.getLogger()
+    formatter = root.handlers[0].formatter if root.handlers else None
+    spec = EngineSpec(
+        engine_args_from(args),
+        enable_prefix_cache=not args.disable_prefix_cache,
+        log_level=root.level,
+        log_format=getattr(formatter, "_fmt", None),
+        log_datefmt=getattr(formatter, "datefmt", None),
+    )
+    client = EngineProcess(spec, on_exit=on_exit)
+    name = args.served_model_name or _model_name(args.model, client.source.path)
+    client.model_name = name
+    return client, name
 
 
 def run(args: argparse.Namespace) -> int:
@@ -139,6 +159,11 @@ def run(args: argparse.Namespace) -> int:
 
     if getattr(args, "kv_elastic", False):
         problem = _kv_elastic_problem(args)
+        if problem:
+            logger.error("%s", problem)
+            return 2
+    if getattr(args, "engine_process", False):
+        problem = _engine_process_problem(args)
         if problem:
             logger.error("%s", problem)
             return 2
@@ -172,6 +197,22 @@ def _kv_elastic_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _engine_process_problem(args: argparse.Namespace) -> str | None:
+    """Why --engine-process cannot run with these flags, or None."""
+    if args.tp_size > 1:
+        return "--engine-process runs one engine in one process; it does not run with --tp yet (drop one of them)"
+    if getattr(args, "kv_elastic", False):
+        return "--engine-process does not run with --kv-elastic yet (drop one of them)"
+    return None
+
+
+def _engine_exited(reason: str) -> None:
+    """--engine-process: the engine process died. Stop as SIGTERM stops the server, so that the
+    process exits and a supervisor restarts it."""
+    logger.error("Stopping the server: %s", reason)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
 def _stop_serving() -> None:
     """A helper rank died (--tp): this server cannot generate any more. Stop as SIGTERM stops it
     (in-flight requests end, at the latest at the graceful-shutdown deadline, and the engine is
@@ -201,9 +242,12 @@ def _serve_rank(tp, args: argparse.Namespace, sock=None) -> int:
             logger.error("Cannot start: %s", exc)
             return 2
     try:
-        with share.holding_others_headroom() if share is not None else contextlib.nullcontext():
-            after = share.started if share is not None else None
-            async_engine, name = build_async_engine(args, metrics, tp, after_engine=after)
+        if getattr(args, "engine_process", False):
+            async_engine, name = build_engine_process(args, on_exit=_engine_exited)
+        else:
+            with share.holding_others_headroom() if share is not None else contextlib.nullcontext():
+                after = share.started if share is not None else None
+                async_engine, name = build_async_engine(args, metrics, tp, after_engine=after)
     except BaseException:
         if share is not None:
             share.leave()

@@ -25,7 +25,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from snugkv.core.gc_pauses import GC_PAUSES
 from snugkv.core.outputs import GenerateInput, GenerateOutput
@@ -92,6 +92,14 @@ def merge_into(earlier: GenerateOutput, later: GenerateOutput) -> None:
     earlier.rejected = earlier.rejected or later.rejected
 
 
+class Outbox(Protocol):
+    """Where a request's outputs go: the scheduler thread posts a turn's (stream, output) pairs in
+    one call. `Mailbox` delivers them on an event loop of this process; an engine process
+    (`engine_process`) sends them to the server's process."""
+
+    def post(self, items: list[tuple[Any, GenerateOutput]]) -> None: ...
+
+
 class Mailbox:
     """Outputs bound for one event loop. The scheduler thread posts a step's outputs in one call;
     the loop is woken only when no delivery is already waiting to run there."""
@@ -131,8 +139,8 @@ class Submit:
     (what the ranks share) and its stream is registered."""
 
     request: GenerateInput
-    mailbox: Mailbox
-    outputs: OutputStream
+    mailbox: Outbox
+    outputs: Any  # the `OutputStream` (or whatever the outbox routes by) each output is posted with
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,9 +183,9 @@ class AsyncEngine:
             engine, tokenizer=tokenizer, enable_prefix_cache=enable_prefix_cache, on_output=self._on_output
         )
         self._inbox: queue.SimpleQueue[InboxItem] = queue.SimpleQueue()
-        self._streams: dict[str, tuple[Mailbox, OutputStream]] = {}
+        self._streams: dict[str, tuple[Outbox, Any]] = {}
         self._mailboxes: dict[asyncio.AbstractEventLoop, Mailbox] = {}  # one per client loop
-        self._outbox: dict[Mailbox, list[tuple[OutputStream, GenerateOutput]]] = {}  # this turn's
+        self._outbox: dict[Outbox, list[tuple[Any, GenerateOutput]]] = {}  # this turn's
         self._wake = threading.Event()
         self._stopped = threading.Event()
         self._broken: str | None = None  # why the scheduler loop died, if it did
@@ -197,10 +205,8 @@ class AsyncEngine:
     # -- EngineClient -------------------------------------------------------------------
     async def generate(self, request: GenerateInput) -> AsyncIterator[GenerateOutput]:
         outputs = OutputStream()
-        self._inbox.put(Submit(request, self._mailbox(), outputs))
-        self._wake.set()
-        if self._broken is not None:  # the loop is gone: nobody will take the request
-            yield self._error_output(request.rid, len(request.input_ids), self._broken)
+        if not self.submit(request, self._mailbox(), outputs):
+            yield self._error_output(request.rid, len(request.input_ids), str(self._broken))
             return
         finished = False
         try:
@@ -211,6 +217,18 @@ class AsyncEngine:
         finally:
             if not finished:
                 self.abort(request.rid)
+
+    def submit(self, request: GenerateInput, mailbox: Outbox, outputs: Any) -> bool:
+        """Queue `request`, its outputs to be posted to `mailbox` with `outputs`; False when the
+        scheduler loop is gone and nobody will take it (`generate` is this plus the waiting)."""
+        self._inbox.put(Submit(request, mailbox, outputs))
+        self._wake.set()
+        return self._broken is None
+
+    @property
+    def broken(self) -> str | None:
+        """Why the scheduler loop died, or None while it runs."""
+        return self._broken
 
     def _mailbox(self) -> Mailbox:
         loop = asyncio.get_running_loop()
@@ -501,7 +519,7 @@ class AsyncEngine:
             self._streams.pop(request.rid, None)
         self._send(*stream, output)
 
-    def _send(self, mailbox: Mailbox, outputs: OutputStream, output: GenerateOutput) -> None:
+    def _send(self, mailbox: Outbox, outputs: Any, output: GenerateOutput) -> None:
         """Queue `output` for this turn's delivery (`_flush_outbox`); scheduler thread only."""
         pending = self._outbox.get(mailbox)
         if pending is None:

@@ -1,0 +1,538 @@
+"""The engine in a process of its own (`snugkv serve --engine-process`).
+
+In one process the server's event loop and the scheduler thread share one GIL: while the loop
+parses requests and writes chunks, the scheduler cannot queue the next step and the GPU waits
+(bench http, Qwen3-0.6B shape on the H200: 0.81-0.87x the in-process tok/s, docs/bench/http.md).
+Here the engine, its scheduler thread and its `AsyncEngine` run in a child process started with
+`spawn`; the server's process keeps the tokenizer and talks to it over a pipe:
+
+- server -> engine: a request (`GenerateInput`), an abort, "abort all", a call of one of the
+  async engine's methods (`CALLS`: the elastic, sleep and info routes), "stop";
+- engine -> server: "ready" (or the start-up error itself, re-raised in the server's process, so a
+  bad model file is the same one-line error as without this flag), one message per turn with every
+  output the turn produced, the replies to calls.
+
+A reader thread in the server's process unpickles each message and hands a turn's outputs to the
+event loop in one `Mailbox` post, as the scheduler thread does in one process. The engine process
+ignores SIGINT and SIGTERM: the server owns shutdown (it finishes in-flight requests, then sends
+"stop"); it exits by itself when the server's end of the pipe closes. If it dies, every open
+request ends with an error, /health answers 503 and `on_exit` is called.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import inspect
+import itertools
+import logging
+import multiprocessing
+import pickle
+import signal
+import sys
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from snugkv.core.gc_pauses import freeze_startup_objects
+from snugkv.core.outputs import GenerateInput, GenerateOutput
+from snugkv.engine import Engine, EngineArgs
+from snugkv.scheduler.async_engine import AsyncEngine, Mailbox, OutputStream
+
+logger = logging.getLogger(__name__)
+
+# The async engine's methods the server may call across the process boundary.
+CALLS = frozenset(
+    {
+        "check_health",
+        "is_sleeping",
+        "kv_info",
+        "metrics_snapshot",
+        "recent_steps",
+        "resize_kv",
+        "server_info",
+        "sleep",
+        "sleep_state",
+        "wake_up",
+    }
+)
+SYNC_CALL_TIMEOUT_S = 30.0  # a synchronous read (server_info, ...) waits at most this for the engine
+STOP_TIMEOUT_S = 120.0  # the engine finishes its step and releases its memory in this time, or is killed
+
+
+class EngineProcessError(RuntimeError):
+    """The engine process is gone or did not answer; the message says what happened."""
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What the engine process builds: the engine, then the scheduler behind an `AsyncEngine`."""
+
+    engine_args: EngineArgs
+    enable_prefix_cache: bool = True
+    # Run on the engine right after it is built, in the engine process (a benchmark's stub device);
+    # picklable: a module-level function or a bound method of a picklable object.
+    after_start: Callable[[Engine], None] | None = None
+    log_level: int = logging.INFO
+    log_format: str | None = None
+    log_datefmt: str | None = None
+
+
+def engine_tokenizer(engine: Engine) -> Any:
+    """The engine's model's tokenizer, or None (with a warning on rank 0) when the model ships none."""
+    return _tokenizer(engine.loaded.source, engine.config.eos_token_ids, warn=engine.tp.is_first_rank)
+
+
+def _tokenizer(source: Any, eos_token_ids: Any, *, warn: bool = False) -> Any:
+    from snugkv.models.tokenizer import TokenizerUnavailable, load_tokenizer
+
+    try:
+        return load_tokenizer(source, eos_token_ids)
+    except TokenizerUnavailable as exc:
+        if warn:
+            logger.warning("%s", exc)
+        return None
+
+
+class EngineProcess:
+    """The server's side: an `EngineClient` (and the elastic and info methods of `AsyncEngine`)
+    whose engine runs in a child process. Blocks in `__init__` until the engine is ready; a start-up
+    error is raised here as the engine raised it."""
+
+    def __init__(self, spec: EngineSpec, *, on_exit: Callable[[str], None] | None = None) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._conn, child_conn = context.Pipe()
+        self._process = context.Process(
+            target=_engine_main, args=(child_conn, spec), name="snugkv-engine", daemon=False
+        )
+        self._process.start()
+        child_conn.close()
+        self._send_lock = threading.Lock()
+        self._streams: dict[str, tuple[Mailbox, OutputStream]] = {}
+        self._streams_lock = threading.Lock()
+        self._mailboxes: dict[asyncio.AbstractEventLoop, Mailbox] = {}
+        self._calls: dict[int, concurrent.futures.Future[Any]] = {}
+        self._call_ids = itertools.count()
+        self._gone: str | None = None  # why the engine process cannot serve any more
+        self._stopping = False
+        self._on_exit = on_exit
+        try:
+            ready = self._wait_until_ready()
+        except BaseException:
+            self._terminate()
+            raise
+        self.source = ready["source"]  # the model's files (`ModelSource`)
+        self.max_context_tokens: int = ready["context_length"]
+        self.model_name: str = self.source.path.stem
+        self.pid: int | None = self._process.pid
+        self.tokenizer: Any = _tokenizer(self.source, ready["eos_token_ids"])  # the server's own copy
+        freeze_startup_objects()  # this process's start-up objects out of later collections (gc_pauses)
+        self._reader = threading.Thread(target=self._read, name="snugkv-engine-reader", daemon=True)
+        self._reader.start()
+
+    def _wait_until_ready(self) -> dict[str, Any]:
+        while not self._conn.poll(0.5):
+            if not self._process.is_alive():
+                raise EngineProcessError(
+                    f"the engine process exited with code {self._process.exitcode} before it was "
+                    "ready; its log above says why"
+                )
+        try:
+            kind, payload = self._conn.recv()
+        except (EOFError, OSError) as exc:
+            raise EngineProcessError("the engine process closed its pipe before it was ready") from exc
+        if kind == "failed":
+            raise payload
+        return dict(payload)
+
+    # -- EngineClient ---------------------------------------------------------------------
+    async def generate(self, request: GenerateInput) -> AsyncIterator[GenerateOutput]:
+        outputs = OutputStream()
+        refusal = self._register(request, outputs)
+        if refusal is not None:
+            yield refusal
+            return
+        finished = False
+        try:
+            while not finished:
+                output = await outputs.get()
+                finished = output.finished
+                yield output
+        finally:
+            if not finished:
+                self.abort(request.rid)
+
+    def _register(self, request: GenerateInput, outputs: OutputStream) -> GenerateOutput | None:
+        """Register the request's stream and send it; an error output instead when it cannot run."""
+        prompt_tokens = len(request.input_ids)
+        with self._streams_lock:
+            if self._gone is not None:
+                return _error_output(request.rid, prompt_tokens, self._gone)
+            if request.rid in self._streams:  # as the engine answers a reused id, without the round trip
+                message = f"request id {request.rid!r} is already in use; send each request with its own id"
+                return _error_output(request.rid, prompt_tokens, message, rejected=True)
+            self._streams[request.rid] = (self._mailbox(), outputs)
+        try:
+            self._send(("generate", request))
+        except EngineProcessError as exc:
+            with self._streams_lock:
+                self._streams.pop(request.rid, None)
+            return _error_output(request.rid, prompt_tokens, str(exc))
+        return None
+
+    def _mailbox(self) -> Mailbox:
+        loop = asyncio.get_running_loop()
+        mailbox = self._mailboxes.get(loop)
+        if mailbox is None:
+            self._mailboxes = {old: box for old, box in self._mailboxes.items() if not old.is_closed()}
+            mailbox = self._mailboxes.setdefault(loop, Mailbox(loop))
+        return mailbox
+
+    def abort(self, rid: str) -> None:
+        self._send_quietly(("abort", rid))
+
+    def abort_all(self) -> None:
+        """End every request in flight with finish_reason "abort" (the server is stopping)."""
+        self._send_quietly(("abort_all",))
+
+    def check_health(self) -> bool:
+        if self._gone is not None or not self._process.is_alive():
+            return False
+        try:
+            return bool(self._call_sync("check_health", {}, timeout_s=5.0))
+        except EngineProcessError:
+            return False
+
+    # -- what the server's routes read or change, run by the engine's own AsyncEngine -------
+    def server_info(self) -> dict[str, Any]:
+        info: dict[str, Any] = self._call_sync("server_info", {})
+        return {**info, "model": self.model_name, "engine_process": {"pid": self.pid}}
+
+    def metrics_snapshot(self) -> dict[str, Any]:
+        snapshot: dict[str, Any] = self._call_sync("metrics_snapshot", {})
+        return snapshot
+
+    def recent_steps(self) -> list[tuple[Any, ...]]:
+        steps: list[tuple[Any, ...]] = self._call_sync("recent_steps", {})
+        return steps
+
+    def is_sleeping(self) -> bool:
+        return bool(self._call_sync("is_sleeping", {}))
+
+    def sleep_state(self) -> dict[str, Any]:
+        state: dict[str, Any] = self._call_sync("sleep_state", {})
+        return state
+
+    async def resize_kv(
+        self, *, max_total_num_tokens: int | None = None, free_gib: float | None = None
+    ) -> dict[str, Any]:
+        kwargs = {"max_total_num_tokens": max_total_num_tokens, "free_gib": free_gib}
+        result: dict[str, Any] = await self._call("resize_kv", kwargs)
+        return result
+
+    async def kv_info(self) -> dict[str, Any]:
+        result: dict[str, Any] = await self._call("kv_info", {})
+        return result
+
+    async def sleep(self, *, level: int = 1, tags: tuple[str, ...] = ()) -> dict[str, Any]:
+        result: dict[str, Any] = await self._call("sleep", {"level": level, "tags": tuple(tags)})
+        return result
+
+    async def wake_up(self, *, tags: tuple[str, ...] = ()) -> dict[str, Any]:
+        result: dict[str, Any] = await self._call("wake_up", {"tags": tuple(tags)})
+        return result
+
+    # -- calls ------------------------------------------------------------------------------
+    def _start_call(self, method: str, kwargs: dict[str, Any]) -> concurrent.futures.Future[Any]:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        call_id = next(self._call_ids)
+        with self._streams_lock:
+            if self._gone is not None:
+                raise EngineProcessError(self._gone)
+            self._calls[call_id] = future
+        try:
+            self._send(("call", call_id, method, kwargs))
+        except EngineProcessError:
+            with self._streams_lock:
+                self._calls.pop(call_id, None)
+            raise
+        return future
+
+    async def _call(self, method: str, kwargs: dict[str, Any]) -> Any:
+        return await asyncio.wrap_future(self._start_call(method, kwargs))
+
+    def _call_sync(
+        self, method: str, kwargs: dict[str, Any], *, timeout_s: float = SYNC_CALL_TIMEOUT_S
+    ) -> Any:
+        """A call that blocks its caller (the routes that read the engine synchronously): the engine
+        answers from its own event loop, between its scheduler's Python work, in well under a step."""
+        future = self._start_call(method, kwargs)
+        try:
+            return future.result(timeout=timeout_s)
+        except concurrent.futures.TimeoutError as exc:
+            raise EngineProcessError(
+                f"the engine process did not answer {method} in {timeout_s:.0f} s"
+            ) from exc
+
+    # -- the pipe ---------------------------------------------------------------------------
+    def _send(self, message: tuple[Any, ...]) -> None:
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        with self._send_lock:
+            if self._gone is not None:
+                raise EngineProcessError(self._gone)
+            try:
+                self._conn.send_bytes(data)
+            except (OSError, ValueError) as exc:
+                raise EngineProcessError(f"the engine process is gone ({exc})") from exc
+
+    def _send_quietly(self, message: tuple[Any, ...]) -> None:
+        with contextlib.suppress(EngineProcessError):  # nothing runs there any more: nothing to abort
+            self._send(message)
+
+    def _read(self) -> None:
+        """The reader thread: every message of the engine process, until its pipe closes."""
+        try:
+            while True:
+                message = pickle.loads(self._conn.recv_bytes())
+                if message[0] == "outputs":
+                    self._deliver([expand(item) for item in message[1]])
+                elif message[0] == "reply":
+                    _, call_id, ok, value = message
+                    with self._streams_lock:
+                        future = self._calls.pop(call_id, None)
+                    if future is not None and not future.done():
+                        if ok:
+                            future.set_result(value)
+                        else:
+                            future.set_exception(value)
+        except (EOFError, OSError):
+            pass
+        except Exception:
+            logger.exception("reading the engine process's messages failed")
+        self._process.join(timeout=5.0)
+        code = self._process.exitcode
+        self._fail_everything(f"the engine process exited (code {code}); the server cannot generate any more")
+        if not self._stopping:
+            logger.error("The engine process exited unexpectedly (code %s)", code)
+            if self._on_exit is not None:
+                self._on_exit(f"the engine process exited with code {code}")
+
+    def _deliver(self, outputs: list[GenerateOutput]) -> None:
+        by_mailbox: dict[Mailbox, list[tuple[OutputStream, GenerateOutput]]] = {}
+        with self._streams_lock:
+            for output in outputs:
+                stream = self._streams.get(output.rid)
+                if stream is None:
+                    continue
+                if output.finished:
+                    del self._streams[output.rid]
+                by_mailbox.setdefault(stream[0], []).append((stream[1], output))
+        for mailbox, items in by_mailbox.items():
+            mailbox.post(items)
+
+    def _fail_everything(self, message: str) -> None:
+        with self._streams_lock:
+            self._gone = self._gone or message
+            streams, self._streams = self._streams, {}
+            calls, self._calls = self._calls, {}
+        for future in calls.values():
+            if not future.done():
+                future.set_exception(EngineProcessError(message))
+        by_mailbox: dict[Mailbox, list[tuple[OutputStream, GenerateOutput]]] = {}
+        for rid, (mailbox, stream) in streams.items():
+            by_mailbox.setdefault(mailbox, []).append((stream, _error_output(rid, 0, message)))
+        for mailbox, items in by_mailbox.items():
+            mailbox.post(items)
+
+    def stop(self) -> None:
+        """Ask the engine to stop (its step finishes, its memory is released); kill it if it
+        does not within `STOP_TIMEOUT_S`."""
+        self._stopping = True
+        self._send_quietly(("stop",))
+        self._process.join(timeout=STOP_TIMEOUT_S)
+        if self._process.is_alive():
+            logger.error("The engine process did not stop in %.0f s; killing it", STOP_TIMEOUT_S)
+            self._terminate()
+        self._conn.close()
+        self._reader.join(timeout=10.0)
+
+    def _terminate(self) -> None:
+        self._stopping = True
+        if self._process.is_alive():
+            self._process.kill()
+        self._process.join(timeout=10.0)
+
+
+def _error_output(rid: str, prompt_tokens: int, message: str, *, rejected: bool = False) -> GenerateOutput:
+    return GenerateOutput(
+        rid=rid,
+        token_ids=[],
+        text="",
+        finished=True,
+        finish_reason="error",
+        prompt_tokens=prompt_tokens,
+        error=message,
+        rejected=rejected,
+    )
+
+
+# -- the engine process -------------------------------------------------------------------------
+class _PipeOutbox:
+    """The engine's side of the outputs: a turn's outputs go to the server in one message."""
+
+    def __init__(self, send: Callable[[tuple[Any, ...]], None]) -> None:
+        self._send = send
+
+    def post(self, items: list[tuple[Any, GenerateOutput]]) -> None:
+        self._send(("outputs", [compact(output) for _, output in items]))
+
+
+def compact(output: GenerateOutput) -> GenerateOutput | tuple[Any, ...]:
+    """A plain output (tokens and text, no logprobs or error) as a tuple: pickled in ~1/5 of the
+    time of the dataclass (47 against 267 us for a step of 130 outputs on a CI CPU), on the
+    scheduler thread of the engine process. `expand` turns it back."""
+    if output.logprobs or output.prompt_logprobs is not None or output.error is not None or output.rejected:
+        return output
+    return (
+        output.rid,
+        output.token_ids,
+        output.text,
+        output.finished,
+        output.finish_reason,
+        output.prompt_tokens,
+        output.completion_tokens,
+        output.cached_tokens,
+    )
+
+
+def expand(item: GenerateOutput | tuple[Any, ...]) -> GenerateOutput:
+    if isinstance(item, tuple):
+        return GenerateOutput(*item)  # the fields in `compact`'s order
+    return item
+
+
+class _EngineSide:
+    """The engine process's end of the pipe: a reader thread applying the server's messages, and an
+    event loop (the main thread) running the calls."""
+
+    def __init__(self, conn: Connection, async_engine: AsyncEngine) -> None:
+        self.conn = conn
+        self.engine = async_engine
+        self.outbox = _PipeOutbox(self.send)
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def send(self, message: tuple[Any, ...]) -> None:
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                self.conn.send_bytes(data)
+            except (OSError, ValueError):  # the server is gone; the reader sees the pipe close
+                self._closed = True
+
+    async def serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        reader = threading.Thread(
+            target=self._read, args=(loop, stop), name="snugkv-pipe-reader", daemon=True
+        )
+        reader.start()
+        await stop.wait()
+
+    def _read(self, loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
+        try:
+            while True:
+                message = pickle.loads(self.conn.recv_bytes())
+                kind = message[0]
+                if kind == "generate":
+                    request = message[1]
+                    if not self.engine.submit(request, self.outbox, None):
+                        failed = _error_output(request.rid, len(request.input_ids), str(self.engine.broken))
+                        self.outbox.post([(None, failed)])
+                elif kind == "abort":
+                    self.engine.abort(message[1])
+                elif kind == "abort_all":
+                    self.engine.abort_all()
+                elif kind == "call":
+                    asyncio.run_coroutine_threadsafe(self._answer(*message[1:]), loop)
+                elif kind == "stop":
+                    break
+        except (EOFError, OSError):  # the server's process is gone
+            pass
+        loop.call_soon_threadsafe(stop.set)
+
+    async def _answer(self, call_id: int, method: str, kwargs: dict[str, Any]) -> None:
+        try:
+            if method not in CALLS:
+                raise EngineProcessError(f"the engine process has no call {method!r}")
+            value = getattr(self.engine, method)(**kwargs)
+            if inspect.isawaitable(value):
+                value = await value
+            reply: tuple[Any, ...] = ("reply", call_id, True, value)
+        except Exception as exc:
+            reply = ("reply", call_id, False, _picklable(exc))
+        self.send(reply)
+
+
+def _picklable(exc: BaseException) -> BaseException:
+    """`exc` if it survives pickling (it is raised as itself on the other side), else a RuntimeError
+    with its message."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+    except Exception:
+        return EngineProcessError(f"{type(exc).__name__}: {exc}")
+    return exc
+
+
+def _engine_main(conn: Connection, spec: EngineSpec) -> None:
+    """The engine process: build the engine, say "ready" (or send the error), serve the pipe."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server owns shutdown: it sends "stop"
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(
+        level=spec.log_level,
+        format=spec.log_format or "%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt=spec.log_datefmt,
+        stream=sys.stderr,
+    )
+    try:
+        engine = Engine(spec.engine_args)
+        if spec.after_start is not None:
+            spec.after_start(engine)
+    except Exception as exc:  # raised again in the server's process, which says it to the user
+        logger.debug("the engine did not start", exc_info=True)
+        conn.send(("failed", _picklable(exc)))
+        conn.close()
+        return
+    try:
+        async_engine = AsyncEngine(
+            engine,
+            tokenizer=engine_tokenizer(engine),
+            model_name=engine.loaded.source.path.stem,
+            enable_prefix_cache=spec.enable_prefix_cache,
+        )
+    except BaseException as exc:
+        engine.close()
+        conn.send(("failed", _picklable(exc)))
+        conn.close()
+        return
+    side = _EngineSide(conn, async_engine)
+    try:
+        side.send(
+            (
+                "ready",
+                {
+                    "source": engine.loaded.source,
+                    "context_length": engine.context_length,
+                    "eos_token_ids": engine.config.eos_token_ids,
+                },
+            )
+        )
+        asyncio.run(side.serve())
+    finally:
+        async_engine.stop()  # the scheduler thread ends after its step; the engine releases its memory
+        conn.close()

@@ -1,0 +1,183 @@
+"""The engine in a process of its own (`EngineProcess`) over a real tiny model: the same tokens as
+the engine in this process, the info and elastic calls across the pipe, aborts that free their
+slots, a start-up error raised as itself, and an engine process that dies ending every stream
+with an error instead of leaving it hanging."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from snugkv.core.outputs import GenerateInput, GenerateOutput, TokenLogprob
+from snugkv.core.sampling import SamplingParams
+from snugkv.engine import Engine, EngineArgs
+from snugkv.scheduler.async_engine import AsyncEngine
+from snugkv.scheduler.engine_process import EngineProcess, EngineProcessError, EngineSpec, compact, expand
+from snugkv.sizing.resize import KvResizeError
+from tests.models.hf_tiny import save_tiny_hf_model
+
+PROMPTS = {"a": [5, 6, 7, 8], "b": [9, 10, 11], "c": [12, 13, 14, 15, 16, 17]}
+
+
+@pytest.fixture(scope="module")
+def tiny_args(tmp_path_factory) -> EngineArgs:
+    directory = tmp_path_factory.mktemp("tiny-engine-process")
+    save_tiny_hf_model("llama", directory)
+    return EngineArgs(model=str(directory), dtype="float32", host_kv_gib=0.02, max_running_requests=4)
+
+
+@pytest.fixture(scope="module")
+def engine_process(tiny_args):
+    process = EngineProcess(EngineSpec(tiny_args))
+    yield process
+    process.stop()
+
+
+def request(rid: str, prompt: list[int], max_new_tokens: int) -> GenerateInput:
+    return GenerateInput(rid, prompt, SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True))
+
+
+async def run_all(engine, max_new_tokens: int = 12) -> dict[str, list]:
+    async def one(rid: str, prompt: list[int]) -> list:
+        return [output async for output in engine.generate(request(rid, prompt, max_new_tokens))]
+
+    outputs = await asyncio.gather(*(one(rid, prompt) for rid, prompt in PROMPTS.items()))
+    return dict(zip(PROMPTS, outputs))
+
+
+def slow_steps(engine: Engine) -> None:
+    """Every forward takes 20 ms more (run in the engine process: `EngineSpec.after_start`)."""
+    forward = engine.runner.forward_batch
+
+    def slow(batch):  # type: ignore[no-untyped-def]
+        time.sleep(0.02)
+        return forward(batch)
+
+    engine.runner.forward_batch = slow
+
+
+def tokens(outputs: list) -> list[int]:
+    return [token for output in outputs for token in output.token_ids]
+
+
+def wait_idle_and_checked(engine) -> dict:
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        info = engine.server_info()
+        if info["stats"]["num_running_requests"] == 0 and info["slot_accounting_when_idle"]["checked"]:
+            return info
+        time.sleep(0.05)
+    raise AssertionError("the engine did not go idle")
+
+
+@pytest.mark.parametrize(
+    "output",
+    [
+        GenerateOutput("r", [1, 2], "ab", True, "stop", 3, 2, 1),
+        GenerateOutput("r", [1], "a", logprobs=[TokenLogprob(1, "a", -0.5)]),
+        GenerateOutput("r", [], "", prompt_logprobs=[None]),
+        GenerateOutput("r", [], "", True, "error", error="no", rejected=True),
+    ],
+    ids=["plain", "logprobs", "prompt-logprobs", "error"],
+)
+def test_an_output_crosses_the_pipe_unchanged(output: GenerateOutput) -> None:
+    assert expand(compact(output)) == output
+
+
+def test_the_engine_process_gives_the_tokens_the_engine_gives_in_this_process(tiny_args, engine_process):
+    in_process = AsyncEngine(Engine(tiny_args), tokenizer=None, model_name="tiny")
+    try:
+        expected = asyncio.run(run_all(in_process))
+    finally:
+        in_process.stop()
+    got = asyncio.run(run_all(engine_process))
+    for rid in PROMPTS:
+        assert tokens(got[rid]) == tokens(expected[rid]), rid
+        assert len(tokens(got[rid])) == 12
+        assert got[rid][-1].finished and got[rid][-1].finish_reason == "length"
+        assert got[rid][-1].prompt_tokens == len(PROMPTS[rid])
+
+
+def test_info_metrics_and_elastic_calls_cross_the_pipe(engine_process):
+    info = engine_process.server_info()
+    assert info["engine_process"]["pid"] not in (None, os.getpid())
+    assert info["max_total_num_tokens"] > 0 and info["device"] == "cpu"
+    assert engine_process.metrics_snapshot()["kv_max_total_num_tokens"] == info["kv_capacity_tokens"]
+    assert engine_process.check_health() and not engine_process.is_sleeping()
+    page = info["page_size"]
+    target = (info["max_total_num_tokens"] // 2) // page * page
+
+    async def resize() -> tuple[dict, dict]:
+        result = await engine_process.resize_kv(max_total_num_tokens=target)
+        return result, await engine_process.kv_info()
+
+    result, kv = asyncio.run(resize())
+    assert result["kv"]["max_total_num_tokens"] == target == kv["max_total_num_tokens"]
+    with pytest.raises(KvResizeError) as refused:  # raised here as the engine raised it
+        asyncio.run(engine_process.resize_kv(max_total_num_tokens=1))
+    assert refused.value.status == 400 and "max_total_num_tokens" in str(refused.value)
+    asyncio.run(engine_process.resize_kv(max_total_num_tokens=info["max_total_num_tokens"]))
+
+
+def test_leaving_a_stream_aborts_it_and_a_reused_id_is_refused_while_it_runs(engine_process):
+    async def scenario() -> tuple[list, list]:
+        stream = engine_process.generate(request("long", [5, 6, 7], 200))
+        first = await anext(stream)
+        twin = [output async for output in engine_process.generate(request("long", [8, 9], 4))]
+        seen = [first]
+        async for output in stream:
+            seen.append(output)
+            if len(seen) == 3:
+                break
+        await stream.aclose()
+        return seen, twin
+
+    seen, twin = asyncio.run(scenario())
+    assert not seen[-1].finished
+    assert twin[-1].rejected and "already in use" in twin[-1].error
+    info = wait_idle_and_checked(engine_process)
+    assert info["slot_accounting_when_idle"]["ok"], info["slot_accounting_when_idle"]
+    assert "long" in info["aborted_rids"]
+
+
+def test_a_start_up_error_is_raised_in_the_servers_process_as_itself(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    args = EngineArgs(model=str(tmp_path), dtype="float32", host_kv_gib=0.02)
+    with pytest.raises(Exception) as in_process:
+        Engine(args)
+    with pytest.raises(type(in_process.value)) as across:
+        EngineProcess(EngineSpec(args))
+    assert str(across.value) == str(in_process.value)
+
+
+def test_when_the_engine_process_dies_every_stream_ends_with_an_error(tiny_args):
+    exits: list[str] = []
+    process = EngineProcess(EngineSpec(tiny_args, after_start=slow_steps), on_exit=exits.append)
+    try:
+
+        async def killed_midway() -> list:
+            outputs = []
+            async for output in process.generate(request("doomed", [5, 6, 7], 200)):
+                outputs.append(output)
+                if len(outputs) == 1:
+                    os.kill(process.pid, signal.SIGKILL)
+            return outputs
+
+        outputs = asyncio.run(killed_midway())
+        assert outputs[-1].finished and outputs[-1].finish_reason == "error"
+        assert "engine process exited" in outputs[-1].error
+        assert not process.check_health()
+        deadline = time.monotonic() + 10  # the reader thread ends the streams first, then calls on_exit
+        while not exits and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert exits and "code -9" in exits[0]
+        later = asyncio.run(run_all(process))
+        assert all(o[-1].finish_reason == "error" for o in later.values())
+        with pytest.raises(EngineProcessError):
+            process.server_info()
+    finally:
+        process.stop()
