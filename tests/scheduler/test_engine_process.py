@@ -181,3 +181,30 @@ def test_when_the_engine_process_dies_every_stream_ends_with_an_error(tiny_args)
             process.server_info()
     finally:
         process.stop()
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_the_engine_process_gives_the_tokens_of_the_engine_in_this_process(tiny_args):
+    """With CUDA graphs and post-capture sizing in the engine process (requests one at a time, so
+    both sides run the same batches)."""
+    args = EngineArgs(
+        model=tiny_args.model, dtype="float32", device="cuda", max_total_tokens=4096, max_running_requests=4
+    )
+
+    async def one_by_one(engine) -> dict[str, list[int]]:
+        got = {}
+        for rid, prompt in PROMPTS.items():
+            got[rid] = tokens([output async for output in engine.generate(request(rid, prompt, 24))])
+        return got
+
+    in_process = AsyncEngine(Engine(args), tokenizer=None, model_name="tiny")
+    try:
+        expected = asyncio.run(one_by_one(in_process))
+    finally:
+        in_process.stop()
+    process = EngineProcess(EngineSpec(args))
+    try:
+        assert process.server_info()["device"].startswith("cuda")
+        assert asyncio.run(one_by_one(process)) == expected
+    finally:
+        process.stop()
