@@ -1,5 +1,6 @@
 """`snugkv bench http` on a CPU with the stub device: the same load in process, through the async
-engine and through a real server process and client, every token counted on every path."""
+engine and through a real server process and client (the engine in the server's process, and in
+a process of its own), every token counted on every path."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from snugkv.cli import main
 
 
 @pytest.mark.parametrize("tokenizer", [None, "default"], ids=["ids", "text"])
-def test_bench_http_runs_the_load_four_ways_on_a_stub_device_after_a_first_pass(tmp_path, capsys, tokenizer):
+def test_bench_http_runs_the_load_five_ways_on_a_stub_device_after_a_first_pass(tmp_path, capsys, tokenizer):
     args = ["bench", "http", "--stub-step-ms", "1", "--requests", "12", "--low", "16", "--high", "40"]
     args += ["--max-batch", "16", "--chunk", "256", "--out", str(tmp_path)]
     args += ["--tokenizer", tokenizer] if tokenizer else []
@@ -27,6 +28,9 @@ def test_bench_http_runs_the_load_four_ways_on_a_stub_device_after_a_first_pass(
         "HTTP, httpx client, streamed (first pass, not compared)",
         "HTTP, httpx client, streamed",
         "HTTP, httpx client, not streamed",
+        "HTTP, engine process, httpx client, streamed (first pass, not compared)",
+        "HTTP, engine process, httpx client, streamed",
+        "HTTP, engine process, httpx client, not streamed",
     ]
     for row in rows.values():
         assert row["output_tokens"] == expected, row
@@ -37,5 +41,12 @@ def test_bench_http_runs_the_load_four_ways_on_a_stub_device_after_a_first_pass(
         assert 0 <= row["idle_before_first_step_s"] < row["seconds"], row
     for name in ("HTTP, httpx client, streamed", "HTTP, httpx client, not streamed"):
         assert rows[name]["loop_cpu_s"] >= 0 and rows[name]["other_threads_cpu_s"] > 0, rows[name]
-    streamed = rows["HTTP, httpx client, streamed"]
-    assert (streamed["ttft_p50_ms"] is not None) == (tokenizer is not None)  # text arrives only with one
+        assert "engine_process_cpu_s" not in rows[name]
+    for name in (
+        "HTTP, engine process, httpx client, streamed",
+        "HTTP, engine process, httpx client, not streamed",
+    ):
+        assert rows[name]["engine_process_cpu_s"] > 0, rows[name]  # the scheduler's, in the other process
+    for label in ("HTTP", "HTTP, engine process"):
+        streamed = rows[f"{label}, httpx client, streamed"]
+        assert (streamed["ttft_p50_ms"] is not None) == (tokenizer is not None)  # text arrives only with one

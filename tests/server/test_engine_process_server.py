@@ -1,6 +1,6 @@
-"""A real `snugkv serve --engine-process` (the embedded model on the CPU): completions and chat,
-streamed and not, a bad request that loses nothing else, the info and metrics routes read across
-the process boundary, and Ctrl-C that stops both processes."""
+"""A real `snugkv serve` with the engine in its own process (the default; the embedded model on
+the CPU): completions and chat, streamed and not, a bad request that loses nothing else, the info
+and metrics routes read across the process boundary, and Ctrl-C that stops both processes."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ START_TIMEOUT_S = 180.0
 def server(tmp_path_factory) -> Iterator[tuple[subprocess.Popen[bytes], str, Path]]:
     log_path = tmp_path_factory.mktemp("engine-process") / "server.log"
     command = [
-        sys.executable, "-m", "snugkv", "serve", "--engine-process", "--device", "cpu", "--port", "0",
+        sys.executable, "-m", "snugkv", "serve", "--device", "cpu", "--port", "0",  # --engine-process: the default
         "--max-running-requests", "8", "--host-kv-gib", "0.25",
     ]  # fmt: skip
     with open(log_path, "wb") as log:
@@ -108,6 +108,8 @@ def test_ctrl_c_stops_the_server_and_its_engine_process(server):
     engine_pid = httpx.get(f"{url}/server_info", timeout=30).json()["engine_process"]["pid"]
     process.send_signal(signal.SIGINT)
     assert process.wait(timeout=120) == 0, log_path.read_text()
+    log = log_path.read_text()
+    assert "did not stop" not in log and "exited unexpectedly" not in log, log
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:

@@ -83,7 +83,7 @@ def run_async_engine(engine: Any, tokenizer: Any, requests: list[tuple[list[int]
 
 
 # The server's two shapes: the scheduler a thread of the server's process, or a process of its own.
-SERVER_FLAGS = {"thread": [], "process": ["--engine-process"]}
+SERVER_FLAGS = {"thread": ["--no-engine-process"], "process": ["--engine-process"]}
 
 
 def _server_rows(
@@ -170,7 +170,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_server_modes,
         default=["thread", "process"],
         help="the server shapes to run: thread (the scheduler a thread of the server), process "
-        "(--engine-process); default: thread,process",
+        "(--engine-process, serve's default); default: thread,process",
     )
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--low", type=int, default=100, help="shortest input and output")

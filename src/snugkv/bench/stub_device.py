@@ -102,10 +102,16 @@ def stub_tokenizer(name: str | None) -> Any:
     """None, or a model's tokenizer (`default`: the embedded SmolLM2's): real detokenization."""
     if name is None:
         return None
-    from snugkv.models.loader import resolve_model_source
     from snugkv.models.tokenizer import load_tokenizer
 
-    return load_tokenizer(resolve_model_source(None if name == "default" else name))
+    return load_tokenizer(stub_tokenizer_source(name))
+
+
+def stub_tokenizer_source(name: str) -> Any:
+    """The `ModelSource` whose tokenizer `--tokenizer name` means (`default`: the embedded SmolLM2's)."""
+    from snugkv.models.loader import resolve_model_source
+
+    return resolve_model_source(None if name == "default" else name)
 
 
 def add_stub_arguments(parser: argparse.ArgumentParser, *, with_step: bool = True) -> None:
@@ -128,12 +134,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="serve the real app on a stub-device engine")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument(
-        "--engine-process", action="store_true", help="the engine in a process of its own (no --tokenizer)"
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="the engine in a process of its own",
     )
     add_stub_arguments(parser)
     args = parser.parse_args()
-    if args.engine_process and args.tokenizer:
-        parser.error("--engine-process serves the stub without a tokenizer; drop --tokenizer")
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as directory:
         metrics = ServerMetrics()
@@ -142,7 +149,10 @@ def main() -> None:
             from snugkv.scheduler.engine_process import EngineProcess, EngineSpec
 
             device = StubDevice(args.step_ms, args.prefill_us_per_token)
-            spec = EngineSpec(stub_engine_args(Path(directory), args), after_start=device.install)
+            source = stub_tokenizer_source(args.tokenizer) if args.tokenizer else None
+            spec = EngineSpec(
+                stub_engine_args(Path(directory), args), after_start=device.install, tokenizer_source=source
+            )
             async_engine = EngineProcess(spec)
         else:
             engine = stub_engine(Path(directory), args)

@@ -48,9 +48,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--disable-prefix-cache", action="store_true", help="turn the radix prefix cache off")
     parser.add_argument(
         "--engine-process",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="run the engine and its scheduler in a process of their own, so the HTTP server's Python "
-        "work does not hold up the next step (not with --tp or --kv-elastic yet)",
+        "work does not hold up the next step (default: on, except with --tp or --kv-elastic, which "
+        "run it in the server's process)",
     )
     share = parser.add_argument_group("several engines on one GPU")
     share.add_argument(
@@ -162,11 +164,10 @@ def run(args: argparse.Namespace) -> int:
         if problem:
             logger.error("%s", problem)
             return 2
-    if getattr(args, "engine_process", False):
-        problem = _engine_process_problem(args)
-        if problem:
-            logger.error("%s", problem)
-            return 2
+    problem = _choose_engine_process(args)
+    if problem:
+        logger.error("%s", problem)
+        return 2
     from snugkv.server.launch import GRACEFUL_SHUTDOWN_S, bind_socket
 
     # Hold the port now, so a taken one fails before the engine starts (listening comes later).
@@ -197,13 +198,19 @@ def _kv_elastic_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
-def _engine_process_problem(args: argparse.Namespace) -> str | None:
-    """Why --engine-process cannot run with these flags, or None."""
+def _choose_engine_process(args: argparse.Namespace) -> str | None:
+    """Set `args.engine_process` (unset: on wherever it can run); returns why an explicit
+    --engine-process cannot run with the other flags, or None."""
+    requested = getattr(args, "engine_process", None)
     if args.tp_size > 1:
-        return "--engine-process runs one engine in one process; it does not run with --tp yet (drop one of them)"
-    if getattr(args, "kv_elastic", False):
-        return "--engine-process does not run with --kv-elastic yet (drop one of them)"
-    return None
+        problem = "--engine-process runs one engine in one process; it does not run with --tp yet"
+    elif getattr(args, "kv_elastic", False):
+        problem = "--engine-process does not run with --kv-elastic yet"
+    else:
+        args.engine_process = requested is not False
+        return None
+    args.engine_process = False
+    return f"{problem} (drop --engine-process)" if requested else None
 
 
 def _engine_exited(reason: str) -> None:

@@ -28,6 +28,7 @@ import inspect
 import itertools
 import logging
 import multiprocessing
+import multiprocessing.connection
 import pickle
 import signal
 import sys
@@ -76,6 +77,8 @@ class EngineSpec:
     # Run on the engine right after it is built, in the engine process (a benchmark's stub device);
     # picklable: a module-level function or a bound method of a picklable object.
     after_start: Callable[[Engine], None] | None = None
+    # Detokenize with this model's tokenizer (a `ModelSource`) instead of the engine's model's own.
+    tokenizer_source: Any = None
     log_level: int = logging.INFO
     log_format: str | None = None
     log_datefmt: str | None = None
@@ -128,7 +131,9 @@ class EngineProcess:
         self.max_context_tokens: int = ready["context_length"]
         self.model_name: str = self.source.path.stem
         self.pid: int | None = self._process.pid
-        self.tokenizer: Any = _tokenizer(self.source, ready["eos_token_ids"])  # the server's own copy
+        self.tokenizer: Any = _tokenizer(
+            ready["tokenizer_source"], ready["eos_token_ids"]
+        )  # the server's copy
         freeze_startup_objects()  # this process's start-up objects out of later collections (gc_pauses)
         self._reader = threading.Thread(target=self._read, name="snugkv-engine-reader", daemon=True)
         self._reader.start()
@@ -312,13 +317,15 @@ class EngineProcess:
             pass
         except Exception:
             logger.exception("reading the engine process's messages failed")
+        if self._stopping:  # `stop` waits for the process
+            self._fail_everything("the engine process has stopped (the server is shutting down)")
+            return
         self._process.join(timeout=5.0)
         code = self._process.exitcode
         self._fail_everything(f"the engine process exited (code {code}); the server cannot generate any more")
-        if not self._stopping:
-            logger.error("The engine process exited unexpectedly (code %s)", code)
-            if self._on_exit is not None:
-                self._on_exit(f"the engine process exited with code {code}")
+        logger.error("The engine process exited unexpectedly (code %s)", code)
+        if self._on_exit is not None:
+            self._on_exit(f"the engine process exited with code {code}")
 
     def _deliver(self, outputs: list[GenerateOutput]) -> None:
         by_mailbox: dict[Mailbox, list[tuple[OutputStream, GenerateOutput]]] = {}
@@ -352,10 +359,12 @@ class EngineProcess:
         does not within `STOP_TIMEOUT_S`."""
         self._stopping = True
         self._send_quietly(("stop",))
-        self._process.join(timeout=STOP_TIMEOUT_S)
-        if self._process.is_alive():
+        # The sentinel, not `is_alive`: the reader thread may reap the process meanwhile, and then
+        # `is_alive` here cannot tell (waitpid fails) and says alive.
+        if not multiprocessing.connection.wait([self._process.sentinel], STOP_TIMEOUT_S):
             logger.error("The engine process did not stop in %.0f s; killing it", STOP_TIMEOUT_S)
-            self._terminate()
+            self._process.kill()
+        self._process.join(timeout=10.0)
         self._conn.close()
         self._reader.join(timeout=10.0)
 
@@ -509,9 +518,13 @@ def _engine_main(conn: Connection, spec: EngineSpec) -> None:
         conn.close()
         return
     try:
+        if spec.tokenizer_source is None:
+            tokenizer = engine_tokenizer(engine)
+        else:
+            tokenizer = _tokenizer(spec.tokenizer_source, engine.config.eos_token_ids, warn=True)
         async_engine = AsyncEngine(
             engine,
-            tokenizer=engine_tokenizer(engine),
+            tokenizer=tokenizer,
             model_name=engine.loaded.source.path.stem,
             enable_prefix_cache=spec.enable_prefix_cache,
         )
@@ -529,6 +542,7 @@ def _engine_main(conn: Connection, spec: EngineSpec) -> None:
                     "source": engine.loaded.source,
                     "context_length": engine.context_length,
                     "eos_token_ids": engine.config.eos_token_ids,
+                    "tokenizer_source": spec.tokenizer_source or engine.loaded.source,
                 },
             )
         )
