@@ -121,6 +121,12 @@ def test_info_metrics_and_elastic_calls_cross_the_pipe(engine_process):
         asyncio.run(engine_process.resize_kv(max_total_num_tokens=1))
     assert refused.value.status == 400 and "max_total_num_tokens" in str(refused.value)
     asyncio.run(engine_process.resize_kv(max_total_num_tokens=info["max_total_num_tokens"]))
+    asleep = asyncio.run(engine_process.sleep(level=1))
+    assert (
+        asleep["is_sleeping"] and engine_process.is_sleeping() and engine_process.sleep_state()["is_sleeping"]
+    )
+    awake = asyncio.run(engine_process.wake_up())
+    assert not awake["is_sleeping"] and not engine_process.is_sleeping()
 
 
 def test_leaving_a_stream_aborts_it_and_a_reused_id_is_refused_while_it_runs(engine_process):

@@ -22,9 +22,7 @@ SERVING = re.compile(r"snugkv is serving on (http://\S+)")
 START_TIMEOUT_S = 180.0
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory) -> Iterator[tuple[subprocess.Popen[bytes], str, Path]]:
-    log_path = tmp_path_factory.mktemp("engine-process") / "server.log"
+def start_server(log_path: Path) -> tuple[subprocess.Popen[bytes], str]:
     command = [
         sys.executable, "-m", "snugkv", "serve", "--device", "cpu", "--port", "0",  # --engine-process: the default
         "--max-running-requests", "8", "--host-kv-gib", "0.25",
@@ -42,6 +40,13 @@ def server(tmp_path_factory) -> Iterator[tuple[subprocess.Popen[bytes], str, Pat
         else:
             time.sleep(0.2)
     assert url is not None, f"the server did not start:\n{log_path.read_text()}"
+    return process, url
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory) -> Iterator[tuple[subprocess.Popen[bytes], str, Path]]:
+    log_path = tmp_path_factory.mktemp("engine-process") / "server.log"
+    process, url = start_server(log_path)
     yield process, url, log_path
     if process.poll() is None:
         process.kill()
@@ -118,3 +123,17 @@ def test_ctrl_c_stops_the_server_and_its_engine_process(server):
             return
         time.sleep(0.1)
     raise AssertionError(f"the engine process {engine_pid} outlived the server:\n{log_path.read_text()}")
+
+
+def test_a_dead_engine_process_stops_the_server_with_an_error_exit(tmp_path):
+    log_path = tmp_path / "server.log"
+    process, url = start_server(log_path)
+    try:
+        engine_pid = httpx.get(f"{url}/server_info", timeout=30).json()["engine_process"]["pid"]
+        os.kill(engine_pid, signal.SIGKILL)
+        assert process.wait(timeout=120) == 1, log_path.read_text()  # a supervisor restarts it
+        assert "The engine process exited unexpectedly (code -9)" in log_path.read_text()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=30)

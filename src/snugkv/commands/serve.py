@@ -277,6 +277,10 @@ def _serve_rank(tp, args: argparse.Namespace, sock=None) -> int:
         on_shutdown=on_shutdown,
         on_stop_requested=async_engine.abort_all,
     )
+    died = getattr(async_engine, "died", None)
+    if died:  # the server stopped because its engine process died: a supervisor should restart it
+        logger.error("Stopped serving: %s", died)
+        return 1
     return 0
 
 

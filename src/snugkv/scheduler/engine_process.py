@@ -121,6 +121,7 @@ class EngineProcess:
         self._call_ids = itertools.count()
         self._gone: str | None = None  # why the engine process cannot serve any more
         self._stopping = False
+        self.died: str | None = None  # why the engine process ended unasked, if it did
         self._on_exit = on_exit
         try:
             ready = self._wait_until_ready()
@@ -324,8 +325,9 @@ class EngineProcess:
         code = self._process.exitcode
         self._fail_everything(f"the engine process exited (code {code}); the server cannot generate any more")
         logger.error("The engine process exited unexpectedly (code %s)", code)
+        self.died = f"the engine process exited with code {code}"
         if self._on_exit is not None:
-            self._on_exit(f"the engine process exited with code {code}")
+            self._on_exit(self.died)
 
     def _deliver(self, outputs: list[GenerateOutput]) -> None:
         by_mailbox: dict[Mailbox, list[tuple[OutputStream, GenerateOutput]]] = {}
