@@ -77,6 +77,48 @@ class OutputStream:
         return output
 
 
+async def stream_until_finished(
+    outputs: OutputStream, abort: Callable[[], None]
+) -> AsyncIterator[GenerateOutput]:
+    """A request's outputs as they come, until the finished one; `abort` runs when the consumer
+    leaves before that (a closed stream or a disconnected client)."""
+    finished = False
+    try:
+        while not finished:
+            output = await outputs.get()
+            finished = output.finished
+            yield output
+    finally:
+        if not finished:
+            abort()
+
+
+def error_output(rid: str, prompt_tokens: int, message: str, *, rejected: bool = False) -> GenerateOutput:
+    """The one output of a request that ends with `message` (`rejected`: the request as it is, a 400)."""
+    return GenerateOutput(
+        rid=rid,
+        token_ids=[],
+        text="",
+        finished=True,
+        finish_reason="error",
+        prompt_tokens=prompt_tokens,
+        error=message,
+        rejected=rejected,
+    )
+
+
+def loop_mailbox(mailboxes: dict[asyncio.AbstractEventLoop, Mailbox]) -> Mailbox:
+    """The running loop's mailbox in `mailboxes` (made on its first request: a server has one loop,
+    tests may have more; those of closed loops are dropped then)."""
+    loop = asyncio.get_running_loop()
+    mailbox = mailboxes.get(loop)
+    if mailbox is None:
+        for old in [old for old in mailboxes if old.is_closed()]:
+            del mailboxes[old]
+        mailbox = mailboxes.setdefault(loop, Mailbox(loop))
+    return mailbox
+
+
 def merge_into(earlier: GenerateOutput, later: GenerateOutput) -> None:
     """`earlier` becomes both outputs as one (the tokens, text and logprobs of both, in order; the
     later's state). Both are deltas of one request, `earlier` not yet seen by anyone."""
@@ -205,18 +247,11 @@ class AsyncEngine:
     # -- EngineClient -------------------------------------------------------------------
     async def generate(self, request: GenerateInput) -> AsyncIterator[GenerateOutput]:
         outputs = OutputStream()
-        if not self.submit(request, self._mailbox(), outputs):
-            yield self._error_output(request.rid, len(request.input_ids), str(self._broken))
+        if not self.submit(request, loop_mailbox(self._mailboxes), outputs):
+            yield error_output(request.rid, len(request.input_ids), str(self._broken))
             return
-        finished = False
-        try:
-            while not finished:
-                output = await outputs.get()
-                finished = output.finished
-                yield output
-        finally:
-            if not finished:
-                self.abort(request.rid)
+        async for output in stream_until_finished(outputs, lambda: self.abort(request.rid)):
+            yield output
 
     def submit(self, request: GenerateInput, mailbox: Outbox, outputs: Any) -> bool:
         """Queue `request`, its outputs to be posted to `mailbox` with `outputs`; False when the
@@ -229,14 +264,6 @@ class AsyncEngine:
     def broken(self) -> str | None:
         """Why the scheduler loop died, or None while it runs."""
         return self._broken
-
-    def _mailbox(self) -> Mailbox:
-        loop = asyncio.get_running_loop()
-        mailbox = self._mailboxes.get(loop)
-        if mailbox is None:  # first request from this loop (a server has one; tests may have more)
-            self._mailboxes = {old: box for old, box in self._mailboxes.items() if not old.is_closed()}
-            mailbox = self._mailboxes.setdefault(loop, Mailbox(loop))
-        return mailbox
 
     def abort(self, rid: str) -> None:
         if rid not in self.aborted_rids:  # a client that disconnects is aborted by the stream and the server
@@ -375,23 +402,8 @@ class AsyncEngine:
         self._queries.clear()
         for rid, (mailbox, outputs) in list(self._streams.items()):
             self._streams.pop(rid, None)
-            self._send(mailbox, outputs, self._error_output(rid, 0, message))
+            self._send(mailbox, outputs, error_output(rid, 0, message))
         self._flush_outbox()
-
-    @staticmethod
-    def _error_output(
-        rid: str, prompt_tokens: int, message: str, *, rejected: bool = False
-    ) -> GenerateOutput:
-        return GenerateOutput(
-            rid=rid,
-            token_ids=[],
-            text="",
-            finished=True,
-            finish_reason="error",
-            prompt_tokens=prompt_tokens,
-            error=message,
-            rejected=rejected,
-        )
 
     def _turns(self) -> None:
         while True:
@@ -467,7 +479,7 @@ class AsyncEngine:
             request = item.request
             if request.rid in self._streams:  # the running request keeps its stream
                 message = f"request id {request.rid!r} is already in use; send each request with its own id"
-                failed = self._error_output(request.rid, len(request.input_ids), message, rejected=True)
+                failed = error_output(request.rid, len(request.input_ids), message, rejected=True)
                 self._send(item.mailbox, item.outputs, failed)
                 continue
             self._streams[request.rid] = (item.mailbox, item.outputs)
@@ -496,7 +508,7 @@ class AsyncEngine:
             if not isinstance(exc, InvalidRequest):
                 logger.exception("adding request %s failed", command.rid)
             mailbox, outputs = self._streams.pop(command.rid)
-            failed = self._error_output(
+            failed = error_output(
                 command.rid, len(command.input_ids), str(exc), rejected=isinstance(exc, InvalidRequest)
             )
             self._send(mailbox, outputs, failed)

@@ -41,7 +41,14 @@ from typing import Any
 from snugkv.core.gc_pauses import freeze_startup_objects
 from snugkv.core.outputs import GenerateInput, GenerateOutput
 from snugkv.engine import Engine, EngineArgs
-from snugkv.scheduler.async_engine import AsyncEngine, Mailbox, OutputStream
+from snugkv.scheduler.async_engine import (
+    AsyncEngine,
+    Mailbox,
+    OutputStream,
+    error_output,
+    loop_mailbox,
+    stream_until_finished,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -161,41 +168,26 @@ class EngineProcess:
         if refusal is not None:
             yield refusal
             return
-        finished = False
-        try:
-            while not finished:
-                output = await outputs.get()
-                finished = output.finished
-                yield output
-        finally:
-            if not finished:
-                self.abort(request.rid)
+        async for output in stream_until_finished(outputs, lambda: self.abort(request.rid)):
+            yield output
 
     def _register(self, request: GenerateInput, outputs: OutputStream) -> GenerateOutput | None:
         """Register the request's stream and send it; an error output instead when it cannot run."""
         prompt_tokens = len(request.input_ids)
         with self._streams_lock:
             if self._gone is not None:
-                return _error_output(request.rid, prompt_tokens, self._gone)
+                return error_output(request.rid, prompt_tokens, self._gone)
             if request.rid in self._streams:  # as the engine answers a reused id, without the round trip
                 message = f"request id {request.rid!r} is already in use; send each request with its own id"
-                return _error_output(request.rid, prompt_tokens, message, rejected=True)
-            self._streams[request.rid] = (self._mailbox(), outputs)
+                return error_output(request.rid, prompt_tokens, message, rejected=True)
+            self._streams[request.rid] = (loop_mailbox(self._mailboxes), outputs)
         try:
             self._send(("generate", request))
         except EngineProcessError as exc:
             with self._streams_lock:
                 self._streams.pop(request.rid, None)
-            return _error_output(request.rid, prompt_tokens, str(exc))
+            return error_output(request.rid, prompt_tokens, str(exc))
         return None
-
-    def _mailbox(self) -> Mailbox:
-        loop = asyncio.get_running_loop()
-        mailbox = self._mailboxes.get(loop)
-        if mailbox is None:
-            self._mailboxes = {old: box for old, box in self._mailboxes.items() if not old.is_closed()}
-            mailbox = self._mailboxes.setdefault(loop, Mailbox(loop))
-        return mailbox
 
     def abort(self, rid: str) -> None:
         self._send_quietly(("abort", rid))
@@ -352,7 +344,7 @@ class EngineProcess:
                 future.set_exception(EngineProcessError(message))
         by_mailbox: dict[Mailbox, list[tuple[OutputStream, GenerateOutput]]] = {}
         for rid, (mailbox, stream) in streams.items():
-            by_mailbox.setdefault(mailbox, []).append((stream, _error_output(rid, 0, message)))
+            by_mailbox.setdefault(mailbox, []).append((stream, error_output(rid, 0, message)))
         for mailbox, items in by_mailbox.items():
             mailbox.post(items)
 
@@ -375,19 +367,6 @@ class EngineProcess:
         if self._process.is_alive():
             self._process.kill()
         self._process.join(timeout=10.0)
-
-
-def _error_output(rid: str, prompt_tokens: int, message: str, *, rejected: bool = False) -> GenerateOutput:
-    return GenerateOutput(
-        rid=rid,
-        token_ids=[],
-        text="",
-        finished=True,
-        finish_reason="error",
-        prompt_tokens=prompt_tokens,
-        error=message,
-        rejected=rejected,
-    )
 
 
 # -- the engine process -------------------------------------------------------------------------
@@ -463,7 +442,7 @@ class _EngineSide:
                 if kind == "generate":
                     request = message[1]
                     if not self.engine.submit(request, self.outbox, None):
-                        failed = _error_output(request.rid, len(request.input_ids), str(self.engine.broken))
+                        failed = error_output(request.rid, len(request.input_ids), str(self.engine.broken))
                         self.outbox.post([(None, failed)])
                 elif kind == "abort":
                     self.engine.abort(message[1])
