@@ -146,9 +146,11 @@ def main() -> None:
         metrics = ServerMetrics()
         async_engine: Any
         if args.engine_process:
+            # StubDevice by its module's own name, not __main__'s: the engine process unpickles it
+            from snugkv.bench import stub_device
             from snugkv.scheduler.engine_process import EngineProcess, EngineSpec
 
-            device = StubDevice(args.step_ms, args.prefill_us_per_token)
+            device = stub_device.StubDevice(args.step_ms, args.prefill_us_per_token)
             source = stub_tokenizer_source(args.tokenizer) if args.tokenizer else None
             spec = EngineSpec(
                 stub_engine_args(Path(directory), args), after_start=device.install, tokenizer_source=source
