@@ -82,8 +82,12 @@ def run_async_engine(engine: Any, tokenizer: Any, requests: list[tuple[list[int]
     }
 
 
-# The server's two shapes: the scheduler a thread of the server's process, or a process of its own.
-SERVER_FLAGS = {"thread": ["--no-engine-process"], "process": ["--engine-process"]}
+# The server's two shapes, (row label, serve flags): the scheduler a thread of the server's
+# process, or a process of its own.
+SERVERS = {
+    "thread": ("HTTP", ["--no-engine-process"]),
+    "process": ("HTTP, engine process", ["--engine-process"]),
+}
 
 
 def _server_rows(
@@ -104,10 +108,10 @@ def _server_rows(
 def _server_modes(value: str) -> list[str]:
     """`--servers thread,process`: which server shapes run, in order."""
     modes = [mode.strip() for mode in value.split(",") if mode.strip()]
-    unknown = [mode for mode in modes if mode not in SERVER_FLAGS]
+    unknown = [mode for mode in modes if mode not in SERVERS]
     if unknown or not modes:
         raise argparse.ArgumentTypeError(
-            f"{value!r}: name server shapes from {', '.join(SERVER_FLAGS)}, separated by commas"
+            f"{value!r}: name server shapes from {', '.join(SERVERS)}, separated by commas"
         )
     return modes
 
@@ -153,8 +157,8 @@ def run(args: argparse.Namespace) -> int:
         flags += ["--chunked-prefill-size", str(args.chunk)]
         command = _stub_server_command(args) if stub else serve_command(args.model, flags)
         for mode in args.servers:
-            label = "HTTP" if mode == "thread" else "HTTP, engine process"
-            rows.extend(_server_rows(label, command + SERVER_FLAGS[mode], offline))
+            label, server_flags = SERVERS[mode]
+            rows.extend(_server_rows(label, command + server_flags, offline))
     for row in rows:
         row["case"] = case
         row["over_in_process"] = row["output_tok_per_s"] / in_process["output_tok_per_s"]

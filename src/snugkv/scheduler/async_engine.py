@@ -107,6 +107,12 @@ def error_output(rid: str, prompt_tokens: int, message: str, *, rejected: bool =
     )
 
 
+def id_in_use_output(request: GenerateInput) -> GenerateOutput:
+    """The refusal of a request whose id a running request holds."""
+    message = f"request id {request.rid!r} is already in use; send each request with its own id"
+    return error_output(request.rid, len(request.input_ids), message, rejected=True)
+
+
 def loop_mailbox(mailboxes: dict[asyncio.AbstractEventLoop, Mailbox]) -> Mailbox:
     """The running loop's mailbox in `mailboxes` (made on its first request: a server has one loop,
     tests may have more; those of closed loops are dropped then)."""
@@ -247,23 +253,17 @@ class AsyncEngine:
     # -- EngineClient -------------------------------------------------------------------
     async def generate(self, request: GenerateInput) -> AsyncIterator[GenerateOutput]:
         outputs = OutputStream()
-        if not self.submit(request, loop_mailbox(self._mailboxes), outputs):
-            yield error_output(request.rid, len(request.input_ids), str(self._broken))
-            return
+        self.submit(request, loop_mailbox(self._mailboxes), outputs)
         async for output in stream_until_finished(outputs, lambda: self.abort(request.rid)):
             yield output
 
-    def submit(self, request: GenerateInput, mailbox: Outbox, outputs: Any) -> bool:
-        """Queue `request`, its outputs to be posted to `mailbox` with `outputs`; False when the
-        scheduler loop is gone and nobody will take it (`generate` is this plus the waiting)."""
+    def submit(self, request: GenerateInput, mailbox: Outbox, outputs: Any) -> None:
+        """Queue `request`, its outputs to be posted to `mailbox` with `outputs` (`generate` is this
+        plus the waiting); when the scheduler loop is gone, its error output is posted at once."""
         self._inbox.put(Submit(request, mailbox, outputs))
         self._wake.set()
-        return self._broken is None
-
-    @property
-    def broken(self) -> str | None:
-        """Why the scheduler loop died, or None while it runs."""
-        return self._broken
+        if self._broken is not None:  # nobody will take the request
+            mailbox.post([(outputs, error_output(request.rid, len(request.input_ids), self._broken))])
 
     def abort(self, rid: str) -> None:
         if rid not in self.aborted_rids:  # a client that disconnects is aborted by the stream and the server
@@ -478,9 +478,7 @@ class AsyncEngine:
                 continue
             request = item.request
             if request.rid in self._streams:  # the running request keeps its stream
-                message = f"request id {request.rid!r} is already in use; send each request with its own id"
-                failed = error_output(request.rid, len(request.input_ids), message, rejected=True)
-                self._send(item.mailbox, item.outputs, failed)
+                self._send(item.mailbox, item.outputs, id_in_use_output(request))
                 continue
             self._streams[request.rid] = (item.mailbox, item.outputs)
             commands.append(Add(request.rid, request.input_ids, request.sampling))

@@ -46,6 +46,7 @@ from snugkv.scheduler.async_engine import (
     Mailbox,
     OutputStream,
     error_output,
+    id_in_use_output,
     loop_mailbox,
     stream_until_finished,
 )
@@ -178,8 +179,7 @@ class EngineProcess:
             if self._gone is not None:
                 return error_output(request.rid, prompt_tokens, self._gone)
             if request.rid in self._streams:  # as the engine answers a reused id, without the round trip
-                message = f"request id {request.rid!r} is already in use; send each request with its own id"
-                return error_output(request.rid, prompt_tokens, message, rejected=True)
+                return id_in_use_output(request)
             self._streams[request.rid] = (loop_mailbox(self._mailboxes), outputs)
         try:
             self._send(("generate", request))
@@ -322,7 +322,7 @@ class EngineProcess:
             self._on_exit(self.died)
 
     def _deliver(self, outputs: list[GenerateOutput]) -> None:
-        by_mailbox: dict[Mailbox, list[tuple[OutputStream, GenerateOutput]]] = {}
+        routed = []
         with self._streams_lock:
             for output in outputs:
                 stream = self._streams.get(output.rid)
@@ -330,9 +330,8 @@ class EngineProcess:
                     continue
                 if output.finished:
                     del self._streams[output.rid]
-                by_mailbox.setdefault(stream[0], []).append((stream[1], output))
-        for mailbox, items in by_mailbox.items():
-            mailbox.post(items)
+                routed.append((*stream, output))
+        _post(routed)
 
     def _fail_everything(self, message: str) -> None:
         with self._streams_lock:
@@ -342,11 +341,9 @@ class EngineProcess:
         for future in calls.values():
             if not future.done():
                 future.set_exception(EngineProcessError(message))
-        by_mailbox: dict[Mailbox, list[tuple[OutputStream, GenerateOutput]]] = {}
-        for rid, (mailbox, stream) in streams.items():
-            by_mailbox.setdefault(mailbox, []).append((stream, error_output(rid, 0, message)))
-        for mailbox, items in by_mailbox.items():
-            mailbox.post(items)
+        _post(
+            [(mailbox, stream, error_output(rid, 0, message)) for rid, (mailbox, stream) in streams.items()]
+        )
 
     def stop(self) -> None:
         """Ask the engine to stop (its step finishes, its memory is released); kill it if it
@@ -367,6 +364,15 @@ class EngineProcess:
         if self._process.is_alive():
             self._process.kill()
         self._process.join(timeout=10.0)
+
+
+def _post(routed: list[tuple[Mailbox, OutputStream, GenerateOutput]]) -> None:
+    """Hand outputs to their streams: one post per event loop."""
+    by_mailbox: dict[Mailbox, list[tuple[OutputStream, GenerateOutput]]] = {}
+    for mailbox, stream, output in routed:
+        by_mailbox.setdefault(mailbox, []).append((stream, output))
+    for mailbox, items in by_mailbox.items():
+        mailbox.post(items)
 
 
 # -- the engine process -------------------------------------------------------------------------
@@ -440,10 +446,7 @@ class _EngineSide:
                 message = pickle.loads(self.conn.recv_bytes())
                 kind = message[0]
                 if kind == "generate":
-                    request = message[1]
-                    if not self.engine.submit(request, self.outbox, None):
-                        failed = error_output(request.rid, len(request.input_ids), str(self.engine.broken))
-                        self.outbox.post([(None, failed)])
+                    self.engine.submit(message[1], self.outbox, None)
                 elif kind == "abort":
                     self.engine.abort(message[1])
                 elif kind == "abort_all":
