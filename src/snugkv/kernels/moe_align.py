@@ -153,6 +153,7 @@ def _route_align_small_kernel(
     max_blocks,
     K: tl.constexpr,
     K_PAD: tl.constexpr,
+    COLS: tl.constexpr,
     BINS: tl.constexpr,
     RENORM: tl.constexpr,
     NUM_GROUPS: tl.constexpr,
@@ -163,7 +164,8 @@ def _route_align_small_kernel(
     CHUNK: tl.constexpr,
     BLOCK_CHUNK: tl.constexpr,
 ):
-    cols = tl.arange(0, BINS)
+    cols = tl.arange(0, COLS)
+    bins = tl.arange(0, BINS)
     kcols = tl.arange(0, K_PAD)
     counts = tl.zeros([BINS], dtype=tl.int32)
     for t0 in range(0, num_tokens, BLOCK_T):
@@ -181,7 +183,7 @@ def _route_align_small_kernel(
     num_rows = num_tokens * K
     _plan(
         counts,
-        cols,
+        bins,
         Cursor,
         BlockExperts,
         NumPadded,
@@ -288,8 +290,7 @@ def route_and_align_small(
     weights = torch.empty(num_tokens, routing.top_k, dtype=torch.float32, device=device)
     ids = torch.empty(num_tokens, routing.top_k, dtype=torch.int32, device=device)
     blocks = _empty_blocks(num_tokens * routing.top_k, routing.num_experts, block_m, device)
-    constants = routing_constants(routing)
-    cursor = torch.empty(int(constants["BINS"]), dtype=torch.int32, device=device)
+    cursor = torch.empty(routing.expert_bins, dtype=torch.int32, device=device)
     _route_align_small_kernel[(1,)](
         logits,
         weights,
@@ -304,8 +305,9 @@ def route_and_align_small(
         float(routing.scale),
         blocks.sorted_rows.shape[0],
         blocks.max_blocks,
-        **constants,
-        BLOCK_T=max(1, min(16, 2048 // int(constants["BINS"]))),
+        **routing_constants(routing),
+        BINS=routing.expert_bins,
+        BLOCK_T=max(1, min(16, 2048 // routing.expert_cols)),
         BLOCK_M=block_m,
         CHUNK=_CHUNK,
         BLOCK_CHUNK=_BLOCK_CHUNK,

@@ -61,8 +61,14 @@ class Routing:
         return self.topk_groups < self.num_groups
 
     @property
+    def expert_cols(self) -> int:
+        """The power of two that holds a row of scores (columns past the experts are padding)."""
+        return triton.next_power_of_2(self.num_experts)
+
+    @property
     def expert_bins(self) -> int:
-        """A power of two above the expert count: one bin per expert plus a spare for padding rows."""
+        """A power of two above the expert count: one histogram bin per expert and a spare one
+        that rows past the batch are counted in."""
         return triton.next_power_of_2(self.num_experts + 1)
 
 
@@ -97,7 +103,7 @@ def select_topk(
     GROUPS_PAD: tl.constexpr,
     TOPK_GROUPS: tl.constexpr,
 ):
-    """Rows of float32 logits `tile [BT, BINS]` (columns past the experts hold -inf) ->
+    """Rows of float32 logits `tile [BT, COLS]` (columns past the experts hold -inf) ->
     (weights [BT, K_PAD] float32, ids [BT, K_PAD] int32); columns past K are 0 and -1."""
     row_max = tl.max(tile, axis=1)
     probs = tl.exp(tile - row_max[:, None])
@@ -158,7 +164,7 @@ def _select_experts_kernel(
     scale,
     K: tl.constexpr,
     K_PAD: tl.constexpr,
-    BINS: tl.constexpr,
+    COLS: tl.constexpr,
     BLOCK_T: tl.constexpr,
     RENORM: tl.constexpr,
     NUM_GROUPS: tl.constexpr,
@@ -166,7 +172,7 @@ def _select_experts_kernel(
     TOPK_GROUPS: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.arange(0, BINS)
+    cols = tl.arange(0, COLS)
     row_ok = rows < num_tokens
     tile = load_logits(Logits, rows, cols, num_tokens, num_experts, stride_logits)
     weights, ids = select_topk(
@@ -185,7 +191,7 @@ def routing_constants(routing: Routing) -> dict[str, int | bool]:
     return {
         "K": routing.top_k,
         "K_PAD": triton.next_power_of_2(routing.top_k),
-        "BINS": routing.expert_bins,
+        "COLS": routing.expert_cols,
         "RENORM": routing.renormalize,
         "NUM_GROUPS": groups,
         "GROUPS_PAD": triton.next_power_of_2(groups),
@@ -195,7 +201,7 @@ def routing_constants(routing: Routing) -> dict[str, int | bool]:
 
 def _block_tokens(routing: Routing) -> int:
     """Tokens per program: a tile of about 4096 scores keeps the selection in registers."""
-    return max(1, min(64, 4096 // routing.expert_bins))
+    return max(1, min(64, 4096 // routing.expert_cols))
 
 
 def _check_logits(logits: torch.Tensor, routing: Routing) -> None:
