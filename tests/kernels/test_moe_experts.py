@@ -122,6 +122,18 @@ def test_blocks_grow_with_the_rows_each_expert_gets():
     assert prefill.block_m == 128 and not prefill.small_batch and prefill.gate_up.group_m > 1
 
 
+def test_default_tiles_fit_shared_memory_in_every_dtype():
+    from snugkv.kernels.moe_experts import SHARED_MEMORY_BUDGET_BYTES
+
+    for tokens in (1, 64, 256, 8192):
+        bf16, fp32 = default_config(tokens, 8, 128, 2), default_config(tokens, 8, 128, 4)
+        for config, size in ((bf16, 2), (fp32, 4)):
+            for tile, b_tiles in ((config.gate_up, 2), (config.down, 1)):
+                staged = tile.num_stages * (config.block_m + b_tiles * tile.block_n) * tile.block_k * size
+                assert staged <= SHARED_MEMORY_BUDGET_BYTES, (tokens, size, tile)
+        assert fp32.block_m == bf16.block_m and fp32.gate_up.num_stages <= bf16.gate_up.num_stages
+
+
 def test_a_tuned_table_overrides_the_defaults_for_its_geometry(tmp_path, monkeypatch):
     import json
 
@@ -143,8 +155,8 @@ def test_a_tuned_table_overrides_the_defaults_for_its_geometry(tmp_path, monkeyp
     monkeypatch.setenv("SNUGKV_MOE_CONFIGS", str(path))
     tuned = moe_config(3, 2, 8, 32, 16, torch.float32)
     assert tuned == MoEConfig(32, GemmConfig(32, 32, 1, 4, 2), GemmConfig(64, 32, 1, 4, 2), small_batch=False)
-    assert moe_config(5, 2, 8, 32, 16, torch.float32) == default_config(5, 2, 8)  # past its max_tokens
-    assert moe_config(3, 2, 8, 64, 16, torch.float32) == default_config(3, 2, 8)  # another geometry
+    assert moe_config(5, 2, 8, 32, 16, torch.float32) == default_config(5, 2, 8, 4)  # past its max_tokens
+    assert moe_config(3, 2, 8, 64, 16, torch.float32) == default_config(3, 2, 8, 4)  # another geometry
 
 
 @pytest.mark.cuda
@@ -175,3 +187,26 @@ def test_kernels_replay_in_a_cuda_graph_for_any_routing(num_tokens):
             ids = torch.arange(8, device=DEVICE, dtype=torch.int32).expand(num_tokens, 8)
         reference = fused_experts_reference(x, w13, w2, weights, ids)
         torch.testing.assert_close(out, reference, **TOLERANCE[torch.bfloat16])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("num_tokens", [64, 8192])
+def test_the_memory_a_call_takes_does_not_depend_on_the_routing(num_tokens):
+    """Every buffer is sized for the worst case of its token count, so the activation peak the
+    engine measures on its warm-up routing (every token on the same experts) covers any other."""
+    gen = generator(30)
+    routing = Routing(num_experts=128, top_k=8, renormalize=True)
+    w13, w2 = _experts(gen, 128, 2048, 768, torch.bfloat16)
+    x = randn(gen, num_tokens, 2048, dtype=torch.bfloat16)
+    spread = randn(gen, num_tokens, 128, dtype=torch.bfloat16)
+    same_experts = torch.zeros_like(spread)
+    same_experts[:, :8] = 5.0
+    peaks = []
+    for logits in (spread, same_experts, spread):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        fused_moe(x, logits, w13, w2, routing)
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated() - before)
+    assert peaks[0] == peaks[1] == peaks[2] > 0

@@ -123,3 +123,30 @@ def test_an_experts_tensor_of_the_wrong_shape_is_refused_naming_it(tmp_path):
         ModelLoadError, match=r"experts\.2\.w2\.weight has shape \(3, 3\) but the model expects \(64, 48\)"
     ):
         load_model(tmp_path)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "deepseek_v2_moe_grouped"])
+def test_moe_models_through_decode_and_piecewise_graphs_give_transformers_tokens(tmp_path, arch):
+    """float32 on the GPU: the Triton MoE path inside the decode graphs (batches 1..8) and the
+    piecewise prefill graphs (the schedule's chunks and prompts fall in the 16..64 buckets)."""
+    from tests.models.hf_tiny import hf_greedy
+    from tests.models.test_hf_equivalence import NEW_TOKENS, PROMPTS, run_schedule
+    from tests.runner_factory import create_runner
+
+    hf_model = save_tiny_hf_model(arch, tmp_path)
+    expected = [hf_greedy(hf_model, prompt, NEW_TOKENS) for prompt in PROMPTS]
+    loaded = load_model(tmp_path, device="cuda", dtype="float32")
+    runner = create_runner(
+        loaded.model,
+        max_total_tokens=1024,
+        max_requests=8,
+        max_context_len=128,
+        page_size=16,
+        kv_layout="hnd",
+        attention_backend="triton",
+        cuda_graph_batch_sizes=(1, 2, 4, 8),
+        piecewise_token_buckets=(16, 32, 64),
+    )
+    assert runner.piecewise_graphs is not None
+    assert run_schedule(runner, PROMPTS) == expected

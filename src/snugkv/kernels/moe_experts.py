@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -59,19 +59,47 @@ class MoEConfig:
     small_batch: bool  # route and sort in one program (route_and_align_small)
 
 
-def default_config(num_tokens: int, top_k: int, num_experts: int) -> MoEConfig:
+SHARED_MEMORY_BUDGET_BYTES = 160 * 1024  # of the H200's 227 KiB per block: room for the epilogue
+
+
+def _fit(config: GemmConfig, block_m: int, element_size: int, gated: bool) -> GemmConfig:
+    """Fewer pipeline stages, then shorter K blocks, until the staged tiles fit the budget
+    (float32 tiles take twice what bfloat16 ones do)."""
+
+    def staged_bytes(tile: GemmConfig) -> int:
+        b_tiles = 2 if gated else 1
+        return tile.num_stages * (block_m + b_tiles * tile.block_n) * tile.block_k * element_size
+
+    while staged_bytes(config) > SHARED_MEMORY_BUDGET_BYTES:
+        if config.num_stages > 2:
+            config = replace(config, num_stages=config.num_stages - 1)
+        elif config.block_k > 32:
+            config = replace(config, block_k=config.block_k // 2)
+        else:
+            break
+    return config
+
+
+def default_config(num_tokens: int, top_k: int, num_experts: int, element_size: int = 2) -> MoEConfig:
     """Blocks sized by the rows an expert gets on average: a decode batch leaves most experts a
     few rows (small row blocks, narrow column blocks so many programs stream the weights), a
     prefill chunk hundreds (large tiles, grouped launch order so an expert's weights stay in L2)."""
     rows_per_expert = num_tokens * top_k / num_experts
     small = num_tokens <= SMALL_BATCH_TOKENS
     if rows_per_expert <= 12:
-        return MoEConfig(16, GemmConfig(64, 128, 1, 4, 4), GemmConfig(64, 128, 1, 4, 4), small)
-    if rows_per_expert <= 24:
-        return MoEConfig(32, GemmConfig(64, 128, 1, 4, 4), GemmConfig(64, 128, 1, 4, 4), small)
-    if rows_per_expert <= 96:
-        return MoEConfig(64, GemmConfig(64, 64, 8, 4, 4), GemmConfig(128, 64, 8, 4, 4), small)
-    return MoEConfig(128, GemmConfig(64, 64, 8, 8, 3), GemmConfig(128, 64, 8, 8, 3), small)
+        block_m, gate_up, down = 16, GemmConfig(64, 128, 1, 4, 4), GemmConfig(64, 128, 1, 4, 4)
+    elif rows_per_expert <= 24:
+        block_m, gate_up, down = 32, GemmConfig(64, 128, 1, 4, 4), GemmConfig(64, 128, 1, 4, 4)
+    elif rows_per_expert <= 96:
+        block_m, gate_up, down = 64, GemmConfig(64, 64, 8, 4, 4), GemmConfig(128, 64, 8, 4, 4)
+    else:
+        block_m, gate_up, down = 128, GemmConfig(64, 64, 8, 8, 3), GemmConfig(128, 64, 8, 8, 3)
+    return MoEConfig(
+        block_m,
+        _fit(gate_up, block_m, element_size, gated=True),
+        _fit(down, block_m, element_size, gated=False),
+        small,
+    )
 
 
 @functools.cache
@@ -90,7 +118,21 @@ def moe_config(
 ) -> MoEConfig:
     """The tuned entry for this geometry and token count when SNUGKV_MOE_CONFIGS lists one (the
     first whose `max_tokens` covers `num_tokens`), else `default_config`."""
-    path = os.environ.get("SNUGKV_MOE_CONFIGS")
+    return _config(
+        num_tokens, top_k, num_experts, hidden, intermediate, dtype, os.environ.get("SNUGKV_MOE_CONFIGS")
+    )
+
+
+@functools.lru_cache(maxsize=4096)  # every layer of every step asks; the answer depends on these only
+def _config(
+    num_tokens: int,
+    top_k: int,
+    num_experts: int,
+    hidden: int,
+    intermediate: int,
+    dtype: torch.dtype,
+    path: str | None,
+) -> MoEConfig:
     if path:
         entries = _tuned_table(path).get(geometry_key(num_experts, top_k, hidden, intermediate, dtype), [])
         for entry in sorted(entries, key=lambda e: int(e["max_tokens"])):
@@ -101,7 +143,7 @@ def moe_config(
                     GemmConfig(*entry["down"]),
                     bool(entry.get("small_batch", num_tokens <= SMALL_BATCH_TOKENS)),
                 )
-    return default_config(num_tokens, top_k, num_experts)
+    return default_config(num_tokens, top_k, num_experts, dtype.itemsize)
 
 
 @triton.jit
