@@ -298,14 +298,26 @@ def snugkv_cases(
             for row in requests:
                 runner.free_request_slots(row, context + 1)
                 runner.req_to_token_pool.free(row)
-        if layers:  # what start-up sized and measured for this shape, next to the step times
+        if layers:  # what start-up sized and measured for this shape, then the capacity stress
             print(engine.report.ledger.table())
-            results.append({"startup": engine.report.to_dict()})
+            results.append({"startup": {**engine.report.to_dict(), **pool_stress(engine)}})
         engine.close()
     return results, weight_bytes, kv_bytes_per_token
 
 
 _GREEDY = SamplingParams(temperature=0.0)
+
+
+def pool_stress(engine: Any) -> dict[str, Any]:
+    """bench capacity's stress on this engine: every slot in use by the largest graph batch, a
+    decode step, then the largest prefill chunk; free memory at the peak, or the OOM."""
+    from snugkv.bench.capacity import _stress
+
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        return {**_stress(engine), "oom": False}
+    except torch.OutOfMemoryError as exc:
+        return {"oom": True, "error": str(exc)[:300]}
 
 
 def is_moe_model(model: str) -> bool:
