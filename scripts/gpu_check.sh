@@ -47,11 +47,14 @@ for s in $STEPS; do
     moe)  # MoE kernels and models on the GPU, the kernels' block sizes tuned, then the MoE rows of
       # bench decode and prefill (MOE_MODEL, default qwen3-30b-a3b) with the tuned table
       step "moe cuda tests"
-      timeout "${MOE_TESTS_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider tests/kernels/test_moe_routing.py \
+      # every test of the MoE kernel files runs on the GPU here (their tiny shapes too); Triton compiles
+      # many small configs, so the tests spread over workers when pytest-xdist is there
+      workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${MOE_TEST_WORKERS:-4}")
+      timeout "${MOE_TESTS_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider $workers tests/kernels/test_moe_routing.py \
         tests/kernels/test_moe_align.py tests/kernels/test_moe_experts.py tests/models/test_moe_models.py \
         2>&1 | tee "$OUT/moe_cuda_tests.txt" | tail -15 || status=1
-      timeout "${MOE_TESTS_TIMEOUT:-150}" python3 -m pytest -q -m cuda -p no:cacheprovider tests/models/test_hf_equivalence.py \
-        -k "moe or mixtral" 2>&1 | tee -a "$OUT/moe_cuda_tests.txt" | tail -5 || status=1
+      timeout "${MOE_TESTS_TIMEOUT:-150}" python3 -m pytest -q -m cuda -p no:cacheprovider $workers \
+        tests/models/test_hf_equivalence.py -k "moe or mixtral" 2>&1 | tee -a "$OUT/moe_cuda_tests.txt" | tail -5 || status=1
       pack
       step "moe kernel tuning"
       timeout "${MOE_TUNE_TIMEOUT:-150}" python3 -m snugkv.bench.moe_tune --model "${MOE_MODEL:-qwen3-30b-a3b}" \
