@@ -33,6 +33,7 @@ def tiny_moe(tmp_path):
     return str(path)
 
 
+@pytest.mark.slow  # an engine start and three decode batches up to 64 x 1k on a CPU
 def test_decode_bench_moe_rows_count_the_experts_the_batch_touches(tiny_moe, tmp_path, monkeypatch):
     monkeypatch.setattr(decode, "cuda_missing", lambda what: False)
     monkeypatch.setattr(decode, "copy_bandwidth_bytes_per_s", lambda: 1e12)

@@ -36,7 +36,7 @@ def _meta_model(name: str):
 @pytest.mark.parametrize(
     ("name", "total", "active", "embedding_counted"),
     [
-        ("qwen3-30b-a3b", 30.5, 3.3, True),
+        pytest.param("qwen3-30b-a3b", 30.5, 3.3, True, marks=pytest.mark.slow),  # ~6,000 modules on meta
         ("mixtral-8x7b", 46.7, 12.9, True),
         # DeepSeek's card counts the active parameters without the input embedding
         ("deepseek-v2-lite", 15.7, 2.4, False),
