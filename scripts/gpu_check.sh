@@ -4,6 +4,7 @@
 #   tp on two GPUs (nvidia-h200-x2): STEPS="env tests tp" BENCH_ARGS="--dtype float32" bash scripts/gpu_check.sh
 #   (the tp server test needs the server's wheels: scripts/fetch_device_wheels.sh, carry .whl)
 #   one bench's own flags: ARGS_decode="--max-batch 64" (BENCH_ARGS goes to every bench)
+#   MoE only: STEPS="env moe" (MOE_MODEL=mixtral-8x7b for another shape; the tuned table lands in $OUT/work/moe)
 # Uses the machine's python3 (torch with CUDA); installs nothing that needs a network.
 # Name the commit: SNUGKV_COMMIT=$(git rev-parse --short HEAD) set where the tree was committed (a
 # copied tree's git metadata can be stale: on the lent device `git rev-parse` gave an old commit).
@@ -20,7 +21,7 @@ if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
-STEPS=${STEPS:-"env tests memory vmm kernels attention decode prefill capacity serving http elastic structured multi-engine"}
+STEPS=${STEPS:-"env tests memory vmm kernels attention decode prefill moe capacity serving http elastic structured multi-engine"}
 status=0
 step() { echo "=== $1 ($(date +%T))"; }
 
@@ -41,6 +42,30 @@ for s in $STEPS; do
       for shape in llama-3-8b qwen3-0.6b; do
         timeout "${BENCH_TIMEOUT:-400}" python3 -m snugkv memory --model "src/snugkv/bench/configs/$shape" \
           --load-format dummy 2>&1 | grep -v "^Capturing" | tee "$OUT/memory-$shape.txt" || status=1
+      done
+      ;;
+    moe)  # MoE kernels and models on the GPU, the kernels' block sizes tuned, then the MoE rows of
+      # bench decode and prefill (MOE_MODEL, default qwen3-30b-a3b) with the tuned table
+      step "moe cuda tests"
+      # every test of the MoE kernel files runs on the GPU here (their tiny shapes too); Triton compiles
+      # many small configs, so the tests spread over workers when pytest-xdist is there
+      workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${MOE_TEST_WORKERS:-4}")
+      timeout "${MOE_TESTS_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider $workers tests/kernels/test_moe_routing.py \
+        tests/kernels/test_moe_align.py tests/kernels/test_moe_experts.py tests/models/test_moe_models.py \
+        2>&1 | tee "$OUT/moe_cuda_tests.txt" | tail -15 || status=1
+      timeout "${MOE_TESTS_TIMEOUT:-150}" python3 -m pytest -q -m cuda -p no:cacheprovider $workers \
+        tests/models/test_hf_equivalence.py -k "moe or mixtral" 2>&1 | tee -a "$OUT/moe_cuda_tests.txt" | tail -5 || status=1
+      pack
+      step "moe kernel tuning"
+      timeout "${MOE_TUNE_TIMEOUT:-150}" python3 -m snugkv.bench.moe_tune --model "${MOE_MODEL:-qwen3-30b-a3b}" \
+        --out "$OUT/moe" --budget-s "${MOE_TUNE_BUDGET_S:-100}" ${ARGS_moe_tune:-} 2>&1 | tee "$OUT/moe_tune.log" || status=1
+      pack
+      if [ -f "$OUT/moe/moe_configs.json" ]; then export SNUGKV_MOE_CONFIGS="$OUT/moe/moe_configs.json"; fi
+      for bench in decode prefill; do
+        step "moe bench $bench"
+        timeout "${BENCH_TIMEOUT:-400}" python3 -m snugkv --log-level WARNING bench "$bench" --model "${MOE_MODEL:-qwen3-30b-a3b}" \
+          --out "$OUT/moe" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/moe_bench_$bench.log" | grep -v "^Capturing" || status=1
+        pack
       done
       ;;
     multi-engine)  # two servers on one GPU (scripts/bench_multi_engine.py); needs the server wheels

@@ -24,7 +24,7 @@ def test_a_gpu_benchmark_on_a_cpu_says_it_needs_a_cuda_gpu(capsys, benchmark):
     assert err.startswith(f"error: bench {benchmark} needs a CUDA GPU") and len(err.splitlines()) == 1
 
 
-@pytest.mark.parametrize("name", ["llama-3-8b", "qwen3-0.6b", "configs/llama-3-8b"])
+@pytest.mark.parametrize("name", ["llama-3-8b", "qwen3-0.6b", "configs/llama-3-8b", "qwen3-30b-a3b"])
 def test_shipped_configs_are_found_from_any_directory(tmp_path, monkeypatch, name):
     monkeypatch.chdir(tmp_path)
     assert (Path(benchmark_model(name)) / "config.json").is_file()
@@ -32,7 +32,9 @@ def test_shipped_configs_are_found_from_any_directory(tmp_path, monkeypatch, nam
 
 def test_an_unknown_model_lists_the_shipped_configs(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(argparse.ArgumentTypeError, match=r"llama-3-8b, qwen3-0\.6b"):
+    with pytest.raises(
+        argparse.ArgumentTypeError, match=r"llama-3-8b, mixtral-8x7b, qwen3-0\.6b, qwen3-30b-a3b"
+    ):
         benchmark_model("no-such-model")
 
 

@@ -25,6 +25,10 @@ MODELS = {
     "gemma3": ("gemma3", {}),  # sliding-window and global layers: the SWA pool per rank
     "deepseek_v2": ("deepseek_v2", {}),  # MLA: heads split, the latent cache whole on every rank
     "deepseek_v2_q_lora": ("deepseek_v2_q_lora", {}),
+    # MoE: every expert's intermediate rows split, the router whole on every rank
+    "qwen3_moe": ("qwen3_moe", {}),
+    "mixtral": ("mixtral", {}),
+    "deepseek_v2_moe_grouped": ("deepseek_v2_moe_grouped", {}),  # shared experts split too
 }
 NEW_TOKENS = 12
 
@@ -145,3 +149,35 @@ def test_kv_heads_split_evenly_or_follow_the_query_heads():
         TensorParallel(0, 2).kv_heads(num_heads=6, num_kv_heads=3)
     with pytest.raises(TensorParallelError, match="num_attention_heads=6"):
         TensorParallel(0, 4).kv_heads(num_heads=6, num_kv_heads=2)
+
+
+@pytest.mark.parametrize("load_format", ["safetensors", "dummy"])
+def test_each_rank_keeps_its_slice_of_every_expert(checkpoints, load_format):
+    """8 experts of I = 24 and shared experts of 48 (DeepSeek-V2 layout): a rank keeps 12 gate and
+    12 up rows of each expert, the same 12 columns of its down, and the whole router."""
+    path, _ = checkpoints["deepseek_v2_moe_grouped"]
+    full = _load(path, TensorParallel(), load_format=load_format, seed=5)
+    prefix = "model.layers.1.mlp."
+    w13 = full[prefix + "experts.w13.weight"].view(8, 2, 24, 64)
+    w2 = full[prefix + "experts.w2.weight"].view(8, 64, 24)
+    for rank in (0, 1):
+        shard = _load(path, TensorParallel(rank, 2), load_format=load_format, seed=5)
+        rows = slice(rank * 12, (rank + 1) * 12)
+        torch.testing.assert_close(
+            shard[prefix + "experts.w13.weight"], w13[:, :, rows].reshape(8 * 24, 64), rtol=0, atol=0
+        )
+        torch.testing.assert_close(
+            shard[prefix + "experts.w2.weight"], w2[:, :, rows].reshape(8 * 64, 12), rtol=0, atol=0
+        )
+        torch.testing.assert_close(
+            shard[prefix + "gate.weight"], full[prefix + "gate.weight"], rtol=0, atol=0
+        )
+        gate, up = full[prefix + "shared_experts.gate_up_proj.weight"].chunk(2)
+        shared_rows = slice(rank * 24, (rank + 1) * 24)
+        torch.testing.assert_close(
+            shard[prefix + "shared_experts.gate_up_proj.weight"],
+            torch.cat([gate[shared_rows], up[shared_rows]]),
+            rtol=0,
+            atol=0,
+        )
+        assert shard["model.layers.0.mlp.gate_up_proj.weight"].shape == (2 * 64, 64)  # the dense layer

@@ -10,7 +10,19 @@ from pathlib import Path
 
 import torch
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "deepseek_v2", "deepseek_v2_q_lora")
+ARCHITECTURES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma3",
+    "deepseek_v2",
+    "deepseek_v2_q_lora",
+    "qwen3_moe",
+    "mixtral",
+    "deepseek_v2_moe",
+    "deepseek_v2_moe_grouped",
+)
 VOCAB_SIZE = 320
 
 
@@ -27,8 +39,10 @@ def _tiny_hf_config(arch: str):
         Gemma3TextConfig,
         LlamaConfig,
         MistralConfig,
+        MixtralConfig,
         Qwen2Config,
         Qwen3Config,
+        Qwen3MoeConfig,
     )
 
     common = dict(
@@ -73,6 +87,50 @@ def _tiny_hf_config(arch: str):
                 "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 2.0},
             },
             final_logit_softcapping=5.0,
+        )
+    if arch == "qwen3_moe":
+        # Three layers, the middle one dense (mlp_only_layers); 8 experts, top-2, renormalised.
+        return Qwen3MoeConfig(
+            **{**common, "num_hidden_layers": 3},
+            head_dim=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+        )
+    if arch == "mixtral":  # 4 experts, top-2, and Mistral's sliding window
+        return MixtralConfig(
+            **{**common, "intermediate_size": 48},
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=12,
+        )
+    if arch in ("deepseek_v2_moe", "deepseek_v2_moe_grouped"):
+        # V2-Lite's layout: a dense first layer, then MoE layers with two shared experts. The grouped
+        # one routes like V2 (group-limited top-k, a scaling factor) with queries through q_lora.
+        moe = dict(
+            kv_lora_rank=32,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            first_k_dense_replace=1,
+            n_routed_experts=8,
+            n_shared_experts=2,
+            moe_intermediate_size=24,
+            num_experts_per_tok=3,
+        )
+        common = {**common, "num_key_value_heads": 4, "num_hidden_layers": 3}
+        if arch == "deepseek_v2_moe":
+            return DeepseekV2Config(**common, **moe, q_lora_rank=None, topk_method="greedy")
+        return DeepseekV2Config(
+            **common,
+            **moe,
+            q_lora_rank=48,
+            topk_method="group_limited_greedy",
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
         )
     if arch in ("deepseek_v2", "deepseek_v2_q_lora"):
         # MLA with dense MLPs only (every layer is below first_k_dense_replace).

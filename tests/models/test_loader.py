@@ -53,7 +53,9 @@ def test_dummy_weights_are_deterministic_per_seed_and_finite(llama_dir):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("arch", ["gemma3", "deepseek_v2", "deepseek_v2_q_lora"])
+@pytest.mark.parametrize(
+    "arch", ["gemma3", "deepseek_v2", "deepseek_v2_q_lora", "qwen3_moe", "mixtral", "deepseek_v2_moe_grouped"]
+)
 def test_dummy_weights_give_finite_logits_for_hybrid_window_and_latent_attention(tmp_path, arch, dtype):
     config = tmp_path / "config.json"
     config.write_text(json.dumps(tiny_hf_config(arch).to_dict()))
@@ -66,11 +68,29 @@ def test_dummy_weights_give_finite_logits_for_hybrid_window_and_latent_attention
 @pytest.mark.parametrize(
     ("arch", "override", "message"),
     [
-        ("deepseek_v2", {"first_k_dense_replace": 1}, r"layers 1\.\.1 .*MoE.*first_k_dense_replace"),
+        ("deepseek_v2_moe", {"topk_method": "noaux_tc"}, "topk_method 'noaux_tc' is not supported"),
+        ("deepseek_v2_moe", {"scoring_func": "sigmoid"}, "scoring_func 'sigmoid' is not supported"),
+        (
+            "deepseek_v2_moe",
+            {"norm_topk_prob": True, "routed_scaling_factor": 16.0},
+            "norm_topk_prob with routed_scaling_factor=16.0",
+        ),
+        ("deepseek_v2_moe_grouped", {"topk_group": 5}, "topk_group=5 must be between 1 and n_group=4"),
+        ("qwen3_moe", {"use_sliding_window": True}, "use_sliding_window"),
+        ("mixtral", {"hidden_act": "gelu"}, "MoE experts run SiLU only"),
         ("gemma3", {"attn_logit_softcapping": 50.0}, r"attn_logit_softcapping=50\.0 is not supported"),
         ("gemma3", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
     ],
-    ids=["deepseek-moe", "gemma3-attn-softcap", "gemma3-bidirectional"],
+    ids=[
+        "deepseek-v3-routing",
+        "deepseek-sigmoid-scores",
+        "deepseek-renormalised-and-scaled",
+        "deepseek-more-groups-than-exist",
+        "qwen3-moe-sliding-window",
+        "mixtral-gelu-experts",
+        "gemma3-attn-softcap",
+        "gemma3-bidirectional",
+    ],
 )
 def test_model_options_snugkv_does_not_run_are_refused_by_name(tmp_path, arch, override, message):
     (tmp_path / "config.json").write_text(json.dumps({**tiny_hf_config(arch).to_dict(), **override}))

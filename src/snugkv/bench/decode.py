@@ -10,6 +10,14 @@ table gives the graph step, the eager step and, for the fused engine, the kernel
 launches by kind and per layer (torch profiler). `--transformers` adds the same shapes through
 transformers (static cache, eager). KV is filled with random values first: nothing is timed on
 zeros.
+
+A mixture-of-experts model (`--model qwen3-30b-a3b`) runs batches 1, 64 and 256 at context 1k, each
+row a different random token, and its floor reads the dense weights (attention, router, shared
+experts, norms and the LM head; the embedding only its batch's rows), the experts the batch's
+tokens actually pick in each layer (counted from the routing of the timed step) and the KV. Beside
+the step, the MoE layers alone (each layer's MLP on the hidden rows the step gave it, all layers
+in one CUDA graph) against their part of that floor (router, shared and touched experts). The
+op-by-op baseline and the cuBLAS floor are skipped (the expert kernels have no unfused form).
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from __future__ import annotations
 import argparse
 import collections
 import gc
+import os
 import time
 from typing import Any
 
@@ -30,6 +39,7 @@ from snugkv.memory.vmm import GIB
 from snugkv.models.causal_lm import CausalLM
 
 CASES = ((1, 1024), (16, 1024), (64, 1024), (256, 1024), (1, 4096), (16, 4096), (64, 4096), (256, 4096))
+MOE_CASES = ((1, 1024), (64, 1024), (256, 1024))
 
 
 def copy_bandwidth_bytes_per_s(size_bytes: int = 4 * GIB) -> float:
@@ -64,6 +74,8 @@ def time_cuda(fn: Any, iterations: int = 30, warmup: int = 5) -> float:
 
 
 KERNEL_KINDS = (
+    ("moe-routing", ("route_align", "select_experts", "_count_kernel", "_plan_kernel", "_scatter_kernel")),
+    ("moe-experts", ("grouped_gemm",)),
     ("gemm", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "cublas", "splitk")),
     ("attention", ("decode", "extend", "attn", "attention")),
     ("rope+kv-store", ("rope", "store", "index_put", "scatter")),
@@ -131,6 +143,74 @@ def gemm_floor_s(model: CausalLM, batch: int) -> float:
     return seconds
 
 
+def graph_seconds(fn: Any) -> float:
+    """Median seconds of one replay of `fn` captured in a CUDA graph (run once on a side stream
+    first: Triton compiles, the allocator warms)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    seconds = time_cuda(graph.replay)
+    del graph
+    return seconds
+
+
+def moe_layers(model: CausalLM) -> list[Any]:
+    from snugkv.layers.moe import SparseMoE
+
+    return [module for module in model.modules() if isinstance(module, SparseMoE)]
+
+
+def moe_weight_split(model: CausalLM) -> tuple[int, int]:
+    """(bytes a decode step reads whatever its routing: every weight but the routed experts and the
+    embedding table, which it reads a row per token; bytes of one routed expert of one layer)."""
+    layers = moe_layers(model)
+    params = {id(p): p for p in model.parameters()}.values()
+    total = sum(p.numel() * p.element_size() for p in params)
+    routed = sum(
+        (layer.experts.w13.weight.numel() + layer.experts.w2.weight.numel())
+        * layer.experts.w13.weight.element_size()
+        for layer in layers
+    )
+    embedding = model.model.embed_tokens.weight
+    embedding_bytes = 0 if model.config.tie_word_embeddings else embedding.numel() * embedding.element_size()
+    return total - routed - embedding_bytes, layers[0].expert_bytes()
+
+
+def moe_measurements(runner: Any, forward_batch: Any, layers: list[Any]) -> dict[str, Any]:
+    """Experts the batch's tokens pick in each MoE layer (one eager step, its MoE inputs recorded),
+    and the MoE layers alone on those inputs, captured in one CUDA graph."""
+    inputs: list[torch.Tensor] = []
+    hooks = [
+        layer.register_forward_pre_hook(lambda _, args: inputs.append(args[0].clone())) for layer in layers
+    ]
+    try:
+        runner.forward_eager(forward_batch)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    touched = [int(torch.unique(layer.route(hidden)[1]).numel()) for layer, hidden in zip(layers, inputs)]
+
+    def moe_only() -> None:
+        for layer, hidden in zip(layers, inputs):
+            layer(hidden)
+
+    seconds = graph_seconds(moe_only)
+    fixed = sum(
+        sum(
+            p.numel() * p.element_size()
+            for name, p in layer.named_parameters()
+            if not name.startswith("experts.")
+        )
+        for layer in layers
+    )
+    return {"experts_touched": touched, "moe_ms": seconds * 1e3, "moe_fixed_bytes": fixed}
+
+
 def snugkv_cases(
     model: str, cases: tuple[tuple[int, int], ...], *, fused: bool = True, breakdown: bool = False
 ) -> tuple[list[dict[str, Any]], int, int]:
@@ -150,7 +230,11 @@ def snugkv_cases(
         )
         runner = engine.runner
         assert runner is not None
-        weight_bytes = sum(p.numel() * p.element_size() for p in engine.loaded.model.parameters())
+        net = engine.loaded.model
+        layers = moe_layers(net)
+        weight_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
+        dense_bytes, expert_bytes = moe_weight_split(net) if layers else (weight_bytes, 0)
+        tokens = torch.Generator().manual_seed(0)
         kv_bytes_per_token = int(engine.pool.bytes_per_token)
         for layer in range(engine.config.num_layers):  # random KV everywhere a case will read
             for buffer in engine.pool.get_kv_buffer(layer):
@@ -171,7 +255,9 @@ def snugkv_cases(
                 row = runner.req_to_token_pool.alloc()
                 assert row is not None
                 runner.allocate_slots([BatchRow(row, 0, [1] * context)])
-                rows.append(BatchRow(row, context, [1]))
+                # MoE: a different token per row, so the rows route apart as real requests do
+                token = int(torch.randint(3, net.config.vocab_size, (1,), generator=tokens)) if layers else 1
+                rows.append(BatchRow(row, context, [token]))
                 requests.append(row)
             slots = runner.allocate_slots(rows)
             assert slots is not None
@@ -195,8 +281,14 @@ def snugkv_cases(
                     "weight_bytes": weight_bytes,
                     "kv_bytes": batch * (context + 1) * kv_bytes_per_token,
                 }
+                if layers:
+                    moe = moe_measurements(runner, forward_batch, layers)
+                    result.update(moe)
+                    result["touched_expert_bytes"] = sum(moe["experts_touched"]) * expert_bytes
+                    result["weight_bytes"] = dense_bytes + result["touched_expert_bytes"]
+                    result["dense_weight_bytes"] = dense_bytes
                 if breakdown:
-                    result["gemm_floor_ms"] = gemm_floor_s(engine.loaded.model, batch) * 1e3
+                    result["gemm_floor_ms"] = float("nan") if layers else gemm_floor_s(net, batch) * 1e3
                     result.update(
                         kernel_breakdown(
                             lambda fb=forward_batch: runner.forward_eager(fb), engine.config.num_layers
@@ -206,11 +298,33 @@ def snugkv_cases(
             for row in requests:
                 runner.free_request_slots(row, context + 1)
                 runner.req_to_token_pool.free(row)
+        if layers:  # what start-up sized and measured for this shape, then the capacity stress
+            print(engine.report.ledger.table())
+            results.append({"startup": {**engine.report.to_dict(), **pool_stress(engine)}})
         engine.close()
     return results, weight_bytes, kv_bytes_per_token
 
 
 _GREEDY = SamplingParams(temperature=0.0)
+
+
+def pool_stress(engine: Any) -> dict[str, Any]:
+    """bench capacity's stress on this engine: every slot in use by the largest graph batch, a
+    decode step, then the largest prefill chunk; free memory at the peak, or the OOM."""
+    from snugkv.bench.capacity import _stress
+
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        return {**_stress(engine), "oom": False}
+    except torch.OutOfMemoryError as exc:
+        return {"oom": True, "error": str(exc)[:300]}
+
+
+def is_moe_model(model: str) -> bool:
+    from snugkv.models.loader import read_model_config, resolve_model_source
+
+    hf = read_model_config(resolve_model_source(model, "dummy")).hf
+    return any(hf.get(key) for key in ("num_experts", "num_local_experts", "n_routed_experts"))
 
 
 def transformers_cases(model: str, cases: tuple[tuple[int, int], ...]) -> dict[tuple[int, int], float]:
@@ -238,13 +352,16 @@ def run(args: argparse.Namespace) -> int:
     if cuda_missing("bench decode"):
         return 2
     bandwidth = copy_bandwidth_bytes_per_s()
-    cases = tuple(c for c in CASES if c[0] <= args.max_batch)
+    moe = is_moe_model(args.model)
+    cases = tuple(c for c in (MOE_CASES if moe else CASES) if c[0] <= args.max_batch)
     started = time.perf_counter()
     fused, _, _ = snugkv_cases(args.model, cases, fused=True, breakdown=True)
+    startup = [r["startup"] for r in fused if "startup" in r]
+    fused = [r for r in fused if "startup" not in r]
     gc.collect()
     torch.cuda.empty_cache()
     unfused: list[dict[str, Any]] = []
-    if args.unfused:
+    if args.unfused and not moe:
         unfused, _, _ = snugkv_cases(args.model, cases, fused=False)
         gc.collect()
         torch.cuda.empty_cache()
@@ -280,6 +397,18 @@ def run(args: argparse.Namespace) -> int:
             row["unfused_graph_ms"] = before[key]["graph_ms"]
             row["unfused_eager_ms"] = before[key]["eager_ms"]
             row["unfused_over_fused"] = before[key]["graph_ms"] / result["graph_ms"]
+        if "moe_ms" in result:
+            moe_floor_ms = (result["moe_fixed_bytes"] + result["touched_expert_bytes"]) / bandwidth * 1e3
+            row.update(
+                dense_weight_gb=result["dense_weight_bytes"] / 1e9,
+                touched_expert_gb=result["touched_expert_bytes"] / 1e9,
+                experts_touched_per_layer=sum(result["experts_touched"]) / len(result["experts_touched"]),
+                moe_ms=result["moe_ms"],
+                moe_floor_ms=moe_floor_ms,
+                moe_over_floor=result["moe_ms"] / moe_floor_ms,
+                moe_over_step_floor=result["moe_ms"] / floor_ms,
+            )
+            del row["gemm_floor_ms"]
         if key in hf_ms:
             row["transformers_ms"] = hf_ms[key]
             row["transformers_over_snugkv"] = hf_ms[key] / result["step_ms"]
@@ -292,6 +421,8 @@ def run(args: argparse.Namespace) -> int:
             "copy_bandwidth_gb_per_s": bandwidth / 1e9,
             "seconds": time.perf_counter() - started,
             "model": args.model,
+            "startup": startup,
+            "moe_configs": os.environ.get("SNUGKV_MOE_CONFIGS", "defaults"),
             "kernel_breakdown": [
                 {
                     key: r[key]

@@ -5,11 +5,18 @@ T prompt tokens in all is prefilled in one step. The floor is the weight GEMMs' 
 2 x parameters x tokens FLOPs at the H200's dense bf16 rate (790 TFLOP/s; attention excluded).
 Each case runs through the piecewise CUDA graphs (what the engine uses) and fully eagerly (every
 kernel launched from Python), in the same process.
+
+A mixture-of-experts shape (`--model qwen3-30b-a3b`) counts its active parameters: a routed
+expert's weights `top_k / E` of the time (models.moe.parameter_counts), the router, attention,
+dense layers and the LM head whole; its prompts are random tokens, a different sequence per
+request, so tokens spread over the experts as real prompts do.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 from typing import Any
 
@@ -17,11 +24,14 @@ import torch
 
 from snugkv.bench.model_configs import benchmark_model
 from snugkv.bench.report import cuda_missing, emit
+from snugkv.layers.moe import SparseMoE
+from snugkv.models.moe import parameter_counts
 
 PEAK_FLOPS = 790e12  # H200 dense bf16
 CASES = {
     "llama-3-8b": ((8192, 1), (8192, 8), (2048, 4), (512, 4)),
     "qwen3-0.6b": ((8192, 1), (8192, 16), (2048, 4), (512, 4)),
+    "qwen3-30b-a3b": ((8192, 8), (2048, 4)),
 }
 
 
@@ -44,15 +54,25 @@ def _cases(model_name: str, cases: tuple[tuple[int, int], ...]) -> list[dict[str
     )
     runner = engine.runner
     assert runner is not None
-    params = sum(
-        p.numel() for name, p in engine.loaded.model.named_parameters() if "embed_tokens" not in name
-    )
+    net = engine.loaded.model
+    embedding = net.model.embed_tokens.weight.numel()
+    params = sum(p.numel() for name, p in net.named_parameters() if "embed_tokens" not in name)
+    moe = any(isinstance(module, SparseMoE) for module in net.modules())
+    if moe:  # the embedding counted as the dense shapes count it: out, unless it is the LM head too
+        params = parameter_counts(net)[1] - (0 if net.config.tie_word_embeddings else embedding)
+    prompts = torch.Generator().manual_seed(0)
     rows_out = []
     for tokens, requests in cases:
         per_request = tokens // requests
         table_rows = [runner.req_to_token_pool.alloc() for _ in range(requests)]
         rows = [
-            BatchRow(row, 0, [1 + i % 1000 for i in range(per_request)])
+            BatchRow(
+                row,
+                0,
+                torch.randint(3, net.config.vocab_size, (per_request,), generator=prompts).tolist()
+                if moe
+                else [1 + i % 1000 for i in range(per_request)],
+            )
             for row in table_rows
             if row is not None
         ]
@@ -78,6 +98,7 @@ def _cases(model_name: str, cases: tuple[tuple[int, int], ...]) -> list[dict[str
                 "eager_ms": eager_s * 1e3,
                 "eager_over_floor": eager_s / floor_s,
                 "tokens_per_s": tokens / piecewise_s,
+                "active_params_b": params / 1e9,
             }
         )
         for row in table_rows:
@@ -94,15 +115,32 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     rows = []
     for model_name in args.models.split(","):
+        if model_name not in CASES:
+            print(
+                f"error: bench prefill has no cases for {model_name!r}; it has {', '.join(CASES)}",
+                file=sys.stderr,
+            )
+            return 2
         rows += _cases(model_name, CASES[model_name])
         torch.cuda.empty_cache()
     emit(
-        "prefill", rows, args.out, extra={"seconds": time.perf_counter() - started, "peak_flops": PEAK_FLOPS}
+        "prefill",
+        rows,
+        args.out,
+        extra={
+            "seconds": time.perf_counter() - started,
+            "peak_flops": PEAK_FLOPS,
+            "moe_configs": os.environ.get("SNUGKV_MOE_CONFIGS", "defaults"),
+        },
     )
     return 0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--models", default="llama-3-8b,qwen3-0.6b", help=f"comma-separated: {', '.join(CASES)}"
+        "--models",
+        "--model",
+        dest="models",
+        default="llama-3-8b,qwen3-0.6b",
+        help=f"comma-separated: {', '.join(CASES)}",
     )

@@ -4,7 +4,10 @@ One launch replaces each chain of torch ops a layer runs today:
 - norm.py: RMSNorm (Llama and Gemma flavours), and the residual add fused into it;
 - activation.py: `act(gate) * up` over the merged gate/up projection;
 - rope_store.py: qk-norm + RoPE on the merged qkv projection, and the K/V write into the pool;
-- kv_store.py: pool slot addressing and the storage cast, and `store_kv` for callers without RoPE.
+- kv_store.py: pool slot addressing and the storage cast, and `store_kv` for callers without RoPE;
+- moe_routing.py, moe_align.py, moe_experts.py: a mixture-of-experts layer's expert selection,
+  its routed rows sorted by expert, and the grouped expert GEMMs (these run on every CUDA tensor:
+  their reference loops over experts on the host; see moe_experts.py).
 
 Each kernel comes with a plain-torch reference with the numerics of today's layers; the public
 name dispatches (device.py): Triton on CUDA tensors, the reference elsewhere, so CPU float32 stays

@@ -19,6 +19,8 @@ ARCHITECTURE_BY_MODEL_TYPE = {
     "qwen3": "Qwen3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
 
 
@@ -74,7 +76,7 @@ def _sliding_windows(hf: Mapping[str, Any], num_layers: int) -> tuple[int | None
             return (None,) * num_layers
         first = hf.get("max_window_layers", num_layers)
         return tuple(window if i >= first else None for i in range(num_layers))
-    if hf.get("model_type") == "mistral" and window:
+    if hf.get("model_type") in ("mistral", "mixtral") and window:
         return (int(window),) * num_layers
     if hf.get("model_type") == "gemma3_text":  # older configs: every `pattern`-th layer is global
         pattern = int(hf.get("sliding_window_pattern") or 6)

@@ -1,4 +1,4 @@
-"""DeepSeek-V2 with multi-head latent attention (MLA) and dense MLPs (MoE layers are refused).
+"""DeepSeek-V2 and V2-Lite: multi-head latent attention (MLA), dense then mixture-of-experts MLPs.
 
 MLA compresses each token's keys and values into one latent row shared by all heads:
 `c = kv_a_layernorm(kv_a_proj(x)[:kv_lora_rank])` plus a rotary key `k_pe` of `qk_rope_head_dim`.
@@ -13,6 +13,13 @@ of `kv_b_proj`. The model attends in the absorbed form, so only the latent is ca
 The attention op therefore sees num_kv_heads = 1, head_dim = kv_lora_rank + qk_rope_head_dim and
 v_head_dim = kv_lora_rank, scaled by the expanded head dim's `(qk_nope + qk_rope) ** -0.5`.
 RoPE rotates interleaved pairs (transformers' complex-number form), not halves.
+
+MLPs: the first `first_k_dense_replace` layers are dense (`intermediate_size`); from there every
+`moe_layer_freq`-th layer is MoE (snugkv.layers.moe): `n_routed_experts` experts of
+`moe_intermediate_size`, softmax scores computed in float32, greedy or group-limited top-k
+(`topk_method`, `n_group`, `topk_group`), weights times `routed_scaling_factor` (or renormalised,
+with `norm_topk_prob`: DeepSeek's own modeling code does one or the other), plus
+`n_shared_experts` shared experts as one dense MLP of `n_shared_experts * moe_intermediate_size`.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from torch import nn
 from snugkv.core.forward import ForwardBatch
 from snugkv.distributed.group import TensorParallel, current_tensor_parallel
 from snugkv.layers.attention import PagedAttention
+from snugkv.layers.moe import MoEShape, SparseMoE
 from snugkv.layers.norm import RMSNorm
 from snugkv.layers.parallel_linear import (
     ColumnParallelLinear,
@@ -35,12 +43,17 @@ from snugkv.layers.parallel_linear import (
     VocabParallelEmbedding,
 )
 from snugkv.layers.rotary import RotaryEmbedding, yarn_mscale
-from snugkv.models.causal_lm import CausalLM, DecoderModel, PreNormDecoderLayer
+from snugkv.models.causal_lm import DecoderModel, PreNormDecoderLayer
 from snugkv.models.config import ConfigError, ModelConfig
 from snugkv.models.llama import LlamaMLP
+from snugkv.models.moe import MoECausalLM, expert_stacked_params, moe_shape
 from snugkv.models.weights import StackedParam
 
-STACKED_PARAMS = (StackedParam("gate_proj", "gate_up_proj", 0), StackedParam("up_proj", "gate_up_proj", 1))
+STACKED_PARAMS: tuple[StackedParam, ...] = (
+    StackedParam("gate_proj", "gate_up_proj", 0),
+    StackedParam("up_proj", "gate_up_proj", 1),
+)
+TOPK_METHODS = ("greedy", "group_limited_greedy")
 LATENT_NORM_EPS = 1e-6  # the reference builds q_a_layernorm/kv_a_layernorm without rms_norm_eps
 
 
@@ -62,7 +75,7 @@ class MLADims:
 
     @classmethod
     def from_config(cls, config: ModelConfig) -> MLADims:
-        """The MLA sizes of a DeepSeek-V2 config; refuses configs with MoE layers."""
+        """The MLA sizes of a DeepSeek-V2 config."""
         hf = config.hf
 
         def need(key: str) -> int:
@@ -70,14 +83,6 @@ class MLADims:
                 raise ConfigError(f"config for {config.architecture} is missing {key!r}")
             return int(hf[key])
 
-        first_dense = int(hf.get("first_k_dense_replace") or 0)
-        if hf.get("n_routed_experts") and first_dense < config.num_layers:
-            raise ConfigError(
-                f"layers {first_dense}..{config.num_layers - 1} of this DeepSeek-V2 config are MoE "
-                f"(first_k_dense_replace={first_dense}, n_routed_experts={hf['n_routed_experts']}); "
-                "snugkv does not run MoE layers: only configs with first_k_dense_replace >= "
-                "num_hidden_layers (or n_routed_experts null) are supported"
-            )
         q_lora_rank = hf.get("q_lora_rank")
         return cls(
             kv_lora_rank=need("kv_lora_rank"),
@@ -96,6 +101,46 @@ def mla_softmax_scale(dims: MLADims, rope_parameters: Mapping[str, Any]) -> floa
         mscale = yarn_mscale(float(rope_parameters["factor"]), float(mscale_all_dim))
         scale = scale * mscale * mscale
     return scale
+
+
+def deepseek_moe_shape(config: ModelConfig) -> MoEShape | None:
+    """The MoE layers' shape, or None for a config without MoE layers."""
+    hf = config.hf
+    if not hf.get("n_routed_experts") or not any(deepseek_moe_layers(config)):
+        return None
+    method = hf.get("topk_method") or "greedy"
+    if method not in TOPK_METHODS:
+        raise ConfigError(
+            f"topk_method {method!r} is not supported; snugkv runs {' and '.join(TOPK_METHODS)}"
+        )
+    if (hf.get("scoring_func") or "softmax") != "softmax":
+        raise ConfigError(f"scoring_func {hf['scoring_func']!r} is not supported; snugkv runs softmax")
+    top_k = int(hf.get("num_experts_per_tok") or 0)
+    renormalize = bool(hf.get("norm_topk_prob")) and top_k > 1
+    scale = float(hf.get("routed_scaling_factor") or 1.0)
+    if renormalize and scale != 1.0:
+        raise ConfigError(
+            f"norm_topk_prob with routed_scaling_factor={scale}: DeepSeek-V2's code renormalises and "
+            "then ignores the factor, other implementations apply it; set one of the two"
+        )
+    grouped = method == "group_limited_greedy"
+    return moe_shape(
+        config,
+        num_experts_keys=("n_routed_experts",),
+        intermediate_key="moe_intermediate_size",
+        renormalize=renormalize,
+        scale=1.0 if renormalize else scale,
+        num_groups=int(hf.get("n_group") or 1) if grouped else 1,
+        topk_groups=int(hf.get("topk_group") or 1) if grouped else 1,
+        router_float32=True,
+        shared_intermediate_size=int(hf.get("n_shared_experts") or 0) * int(hf["moe_intermediate_size"]),
+    )
+
+
+def deepseek_moe_layers(config: ModelConfig) -> list[bool]:
+    hf = config.hf
+    first, every = int(hf.get("first_k_dense_replace") or 0), int(hf.get("moe_layer_freq") or 1)
+    return [i >= first and i % every == 0 for i in range(config.num_layers)]
 
 
 class DeepseekV2Attention(nn.Module):
@@ -178,16 +223,19 @@ class DeepseekV2DecoderLayer(PreNormDecoderLayer):
         layer_id: int,
         rotary_emb: RotaryEmbedding,
         tp: TensorParallel,
+        moe: MoEShape | None,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = DeepseekV2Attention(config, dims, layer_id, rotary_emb, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config, tp)
+        self.mlp = LlamaMLP(config, tp) if moe is None else SparseMoE(moe, tp)
 
 
 class DeepseekV2Model(DecoderModel):
-    def __init__(self, config: ModelConfig, dims: MLADims, max_position: int, tp: TensorParallel) -> None:
+    def __init__(
+        self, config: ModelConfig, dims: MLADims, max_position: int, tp: TensorParallel, moe: MoEShape | None
+    ) -> None:
         super().__init__()
         rotary_emb = RotaryEmbedding(
             dims.qk_rope_head_dim,
@@ -197,13 +245,15 @@ class DeepseekV2Model(DecoderModel):
             max_position_embeddings=config.max_position_embeddings,
         )
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp=tp)
+        sparse = deepseek_moe_layers(config)
         self.layers = nn.ModuleList(
-            DeepseekV2DecoderLayer(config, dims, i, rotary_emb, tp) for i in range(config.num_layers)
+            DeepseekV2DecoderLayer(config, dims, i, rotary_emb, tp, moe if moe and sparse[i] else None)
+            for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-class DeepseekV2ForCausalLM(CausalLM):
+class DeepseekV2ForCausalLM(MoECausalLM):
     """`forward` returns the final hidden states `[T, hidden]`; `compute_logits` projects rows of them."""
 
     supports_tensor_parallel = True
@@ -215,7 +265,13 @@ class DeepseekV2ForCausalLM(CausalLM):
         self.tp = tp = current_tensor_parallel()
         self.dims = MLADims.from_config(config)
         self.max_position = max_position or config.max_position_embeddings
-        self.model = DeepseekV2Model(config, self.dims, self.max_position, tp)
+        moe = deepseek_moe_shape(config)
+        self.model = DeepseekV2Model(config, self.dims, self.max_position, tp, moe)
+        if moe is not None:
+            self.stacked_params = (
+                *expert_stacked_params(moe.num_experts, "gate_proj", "up_proj", "down_proj"),
+                *STACKED_PARAMS,
+            )
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp=tp)
         self.tie_weights()
 

@@ -32,7 +32,7 @@ from snugkv.models.causal_lm import CausalLM, DecoderModel, PreNormDecoderLayer
 from snugkv.models.config import ModelConfig
 from snugkv.models.weights import StackedParam
 
-STACKED_PARAMS = (
+STACKED_PARAMS: tuple[StackedParam, ...] = (
     StackedParam("q_proj", "qkv_proj", 0),
     StackedParam("k_proj", "qkv_proj", 1),
     StackedParam("v_proj", "qkv_proj", 2),

@@ -20,6 +20,8 @@ _ARCHITECTURES: dict[str, str] = {
     "Qwen3ForCausalLM": "snugkv.models.qwen3:Qwen3ForCausalLM",
     "Gemma3ForCausalLM": "snugkv.models.gemma3:Gemma3ForCausalLM",
     "DeepseekV2ForCausalLM": "snugkv.models.deepseek_v2:DeepseekV2ForCausalLM",
+    "Qwen3MoeForCausalLM": "snugkv.models.qwen3_moe:Qwen3MoeForCausalLM",
+    "MixtralForCausalLM": "snugkv.models.mixtral:MixtralForCausalLM",
 }
 
 
