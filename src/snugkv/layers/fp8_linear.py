@@ -6,7 +6,11 @@ linear layer (layers/parallel_linear.py) into an FP8 one:
 - `weight`: float8_e4m3fn `[N_local, K_local]`;
 - `weight_scale`: float32, per row `[N_local, 1]` for per-tensor and per-channel checkpoints (a
   per-tensor scale repeated over its part's rows, exact, so merged q|k|v or gate|up parts keep
-  their own scales), or per block `[ceil(N_local / bn), ceil(K_local / bk)]`;
+  their own scales), or per block `[ceil(N_local / bn), ceil(K_local / bk)]`. Where a merged part
+  or this rank's rows do not start on a block (SmolLM2's q is 4.5 blocks of 128 rows), the block
+  scales are kept per row instead, `[N_local, ceil(K_local / bk)]` (each row its block's scales:
+  exact, 4 bytes per 128 weights); a rank's columns must start on a block (activation groups
+  follow them), or the layer is refused;
 - `input_scale`: float32 `[1]`, static activations only: the largest of the merged parts' scales
   (they all quantize the same input; the largest clips none of them).
 They are parameters, so the memory ledger counts them as weights and the weight arena holds them.
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Protocol
 
 import torch
@@ -100,14 +105,18 @@ def install_fp8(
     """Give `layer` (on the meta device) its FP8 parameters and an `Fp8Linear` as `layer.quant`.
 
     `dequantize`: keep a compute-dtype copy of the weight for `F.linear` (CPU). Refuses, before any
-    weight is read, a tensor-parallel cut or a merged part that splits a weight block.
+    weight is read, a tensor-parallel cut of the input columns that splits a weight block.
     """
-    quant = Fp8Linear(scheme, compute_dtype=compute_dtype, dequantize=dequantize, name=name)
+    storage = scheme
+    if scheme.weights is WeightScales.BLOCK:
+        _check_column_cuts(layer, scheme, name)  # type: ignore[arg-type]
+        if not _rows_on_blocks(layer, scheme):  # type: ignore[arg-type]
+            storage = replace(scheme, block_n=1)
+    quant = Fp8Linear(scheme, storage, compute_dtype=compute_dtype, dequantize=dequantize, name=name)
     current: torch.Tensor = layer.weight  # type: ignore[assignment]
     shape, device = tuple(current.shape), current.device
-    quant.check_block_cuts(layer)  # type: ignore[arg-type]
     layer.weight = nn.Parameter(torch.empty(shape, dtype=FP8_DTYPE, device=device), requires_grad=False)
-    scale_shape = scheme.scale_shape(shape) if scheme.weights is WeightScales.BLOCK else (shape[0], 1)
+    scale_shape = storage.scale_shape(shape) if scheme.weights is WeightScales.BLOCK else (shape[0], 1)
     layer.weight_scale = nn.Parameter(torch.empty(scale_shape, device=device), requires_grad=False)
     if scheme.activations is ActivationScales.STATIC_TENSOR:
         layer.input_scale = nn.Parameter(torch.empty(1, device=device), requires_grad=False)
@@ -119,11 +128,46 @@ def install_fp8(
     return quant
 
 
-class Fp8Linear:
-    """The FP8 half of one linear layer: its scheme, the loading bookkeeping, and its forward."""
+def _rows_on_blocks(layer: SlicedLinear, scheme: Fp8Scheme) -> bool:
+    """Whether every part's rows on this rank start (and end, but for a part's last block) on a block."""
+    for part in _parts(layer):
+        for cut in layer.weight_slices(part):
+            if cut.dim != -2:
+                continue
+            end = cut.start + cut.count
+            if cut.start % scheme.block_n or cut.local_start % scheme.block_n:
+                return False
+            if end % scheme.block_n and (end != cut.full_size or (part is None and len(_parts(layer)) > 1)):
+                return False
+    return True
 
-    def __init__(self, scheme: Fp8Scheme, *, compute_dtype: torch.dtype, dequantize: bool, name: str) -> None:
+
+def _check_column_cuts(layer: SlicedLinear, scheme: Fp8Scheme, name: str) -> None:
+    for part in _parts(layer):
+        for cut in layer.weight_slices(part):
+            if cut.dim == -1:
+                check_block_cut(
+                    scheme, dim=-1, start=cut.start, count=cut.count, full_size=cut.full_size, what=name
+                )
+
+
+class Fp8Linear:
+    """The FP8 half of one linear layer: its scheme, the loading bookkeeping, and its forward.
+
+    `storage` is the scheme of the scales as kept: `scheme` itself, or with block scales kept per
+    row (`block_n=1`) where rows do not start on blocks."""
+
+    def __init__(
+        self,
+        scheme: Fp8Scheme,
+        storage: Fp8Scheme,
+        *,
+        compute_dtype: torch.dtype,
+        dequantize: bool,
+        name: str,
+    ) -> None:
         self.scheme = scheme
+        self.storage = storage
         self.compute_dtype = compute_dtype
         self.dequantize = dequantize
         self.name = name
@@ -137,29 +181,10 @@ class Fp8Linear:
 
     @property
     def block_n(self) -> int | None:
-        return self.scheme.block_n if self.scheme.weights is WeightScales.BLOCK else None
+        """Rows per kept block scale (128, or 1 when kept per row); None for row scales."""
+        return self.storage.block_n if self.scheme.weights is WeightScales.BLOCK else None
 
     # -- loading ---------------------------------------------------------------------------
-    def check_block_cuts(self, layer: SlicedLinear) -> None:
-        if self.scheme.weights is not WeightScales.BLOCK:
-            return
-        for part in _parts(layer):
-            for cut in layer.weight_slices(part):
-                block = check_block_cut(
-                    self.scheme,
-                    dim=cut.dim,
-                    start=cut.start,
-                    count=cut.count,
-                    full_size=cut.full_size,
-                    what=self.name,
-                )
-                if cut.local_start % block:
-                    raise QuantizationError(
-                        f"{self.name}: a merged part starts at row {cut.local_start}, inside a "
-                        f"{block}-row block of the block-scaled FP8 weight; every merged part "
-                        f"(q/k/v, gate/up) must be a multiple of {block} rows on each rank"
-                    )
-
     def load(self, layer: SlicedLinear, leaf: str, tensor: torch.Tensor, part: int | None, what: str) -> None:
         """One checkpoint tensor (`weight`, `weight_scale`/`weight_scale_inv`, `input_scale`) of part
         `part` (None: the layer's whole, unmerged tensor) into this rank's parameters."""
@@ -215,6 +240,10 @@ class Fp8Linear:
         scheme = self.scheme
         with torch.no_grad():
             for cut in layer.weight_slices(part):
+                if scheme.weights is WeightScales.BLOCK and cut.dim == -2 and self.storage.block_n == 1:
+                    rows = scale.repeat_interleave(scheme.block_n, dim=-2).narrow(-2, cut.start, cut.count)
+                    destination.narrow(-2, cut.local_start, cut.count).copy_(rows)
+                    continue
                 piece = shard_scale(
                     scale,
                     scheme,
@@ -225,14 +254,25 @@ class Fp8Linear:
                     what=what,
                 )
                 if scheme.weights is WeightScales.BLOCK:
-                    block = scheme.block_n if cut.dim == -2 else scheme.block_k
-                    target = destination.narrow(cut.dim, cut.local_start // block, piece.shape[cut.dim])
+                    target, piece = self._block_target(destination, scale, piece, cut)
                 elif cut.dim == -2:
                     target = destination.narrow(-2, cut.local_start, cut.count)
                 else:
                     target = destination  # row-parallel: every output row is this rank's
                 target.copy_(piece.expand_as(target))
         self._scales.add(part)
+
+    def _block_target(
+        self, destination: torch.Tensor, scale: torch.Tensor, piece: torch.Tensor, cut: WeightSliceLike
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where a block-scale piece goes; kept per row, a column cut's piece is repeated per row."""
+        if cut.dim == -2:  # rows on blocks (per-row rows are handled before)
+            block = self.scheme.block_n
+            return destination.narrow(-2, cut.local_start // block, piece.shape[-2]), piece
+        columns = destination.narrow(-1, cut.local_start // self.scheme.block_k, piece.shape[-1])
+        if self.storage.block_n == 1:
+            piece = piece.repeat_interleave(self.scheme.block_n, dim=-2)[..., : destination.shape[-2], :]
+        return columns, piece
 
     def init_dummy(self, layer: SlicedLinear, generator: torch.Generator, std: float) -> None:
         """Random weights drawn as an unquantized layer of the compute dtype draws them (same
@@ -268,7 +308,7 @@ class Fp8Linear:
         if self.dequantize:
             with torch.no_grad():
                 layer.weight_dequantized.copy_(  # type: ignore[attr-defined]
-                    dequantize_weight(layer.weight, layer.weight_scale, self.scheme, self.compute_dtype)  # type: ignore[attr-defined]
+                    dequantize_weight(layer.weight, layer.weight_scale, self.storage, self.compute_dtype)  # type: ignore[attr-defined]
                 )
 
     # -- forward ---------------------------------------------------------------------------

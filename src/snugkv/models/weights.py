@@ -72,8 +72,10 @@ def load_named_tensors(
     quantized = {
         name: module for name, module in modules.items() if getattr(module, "quant", None) is not None
     }
-    params = {  # an FP8 layer's parameters are its own to account for (finish_loading)
-        name: param for name, param in model.named_parameters() if name.rpartition(".")[0] not in quantized
+    params = {  # an FP8 layer's weight and scales are its own to account for (finish_loading)
+        name: param
+        for name, param in model.named_parameters()
+        if name.rpartition(".")[0] not in quantized or name.rpartition(".")[2] not in CHECKPOINT_LEAVES
     }
     expected: dict[str, set[int]] = {}
     for name in params:
