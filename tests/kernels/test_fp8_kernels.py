@@ -10,6 +10,7 @@ import torch
 
 from snugkv.kernels.fp8_gemm import (
     GemmConfig,
+    fp8_linear_gemv_triton,
     fp8_linear_reference,
     fp8_linear_scaled_mm,
     fp8_linear_triton,
@@ -173,3 +174,17 @@ def test_the_chosen_gemms_run_inside_a_cuda_graph_and_match_eager():
     for got, want, first in zip(captured, expected, eager_first):
         assert torch.equal(got, want)
         assert not torch.equal(got, first)
+
+
+@pytest.mark.parametrize("act", ["token", "static", "group"])
+def test_fp8_gemv_for_one_row_equals_the_reference(act):
+    q, scale = _weights(act, 200, 320, seed=15)
+    x = randn(generator(16), 1, 320, dtype=torch.bfloat16)
+    bias = randn(generator(17), 200, dtype=torch.bfloat16)
+    static = torch.tensor([0.01], device=DEVICE) if act == "static" else None
+    block_n = SCHEMES[act][1]
+    expected = fp8_linear_reference(x, q, scale, act=act, block_n=block_n, static_scale=static, bias=bias)
+    got = fp8_linear_gemv_triton(
+        x, q, scale, act=act, block_n=block_n, static_scale=static, bias=bias, rows_per_program=32
+    )
+    torch.testing.assert_close(got.float(), expected.float(), rtol=8e-3, atol=1e-2)

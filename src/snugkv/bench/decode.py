@@ -10,6 +10,11 @@ table gives the graph step, the eager step and, for the fused engine, the kernel
 launches by kind and per layer (torch profiler). `--transformers` adds the same shapes through
 transformers (static cache, eager). KV is filled with random values first: nothing is timed on
 zeros.
+
+`--quantization fp8` runs the bf16 engine and the FP8 one (the same random weights, rounded:
+models/weights.py) in the same process at batch 1, 64 and 256 (context 1k): each one's graph step,
+the FP8 step over the bf16 one, the KV tokens each start-up sized, and the FP8 GEMM each layer shape
+chose at each batch size with every candidate's time (layers/fp8_gemm_choice.py).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from snugkv.memory.vmm import GIB
 from snugkv.models.causal_lm import CausalLM
 
 CASES = ((1, 1024), (16, 1024), (64, 1024), (256, 1024), (1, 4096), (16, 4096), (64, 4096), (256, 4096))
+FP8_CASES = ((1, 1024), (64, 1024), (256, 1024))
 
 
 def copy_bandwidth_bytes_per_s(size_bytes: int = 4 * GIB) -> float:
@@ -132,7 +138,12 @@ def gemm_floor_s(model: CausalLM, batch: int) -> float:
 
 
 def snugkv_cases(
-    model: str, cases: tuple[tuple[int, int], ...], *, fused: bool = True, breakdown: bool = False
+    model: str,
+    cases: tuple[tuple[int, int], ...],
+    *,
+    fused: bool = True,
+    breakdown: bool = False,
+    quantization: str | None = None,
 ) -> tuple[list[dict[str, Any]], int, int]:
     from snugkv.core.forward import BatchRow
     from snugkv.engine import Engine, EngineArgs
@@ -146,6 +157,7 @@ def snugkv_cases(
                 max_running_requests=256,
                 cuda_graph_max_bs=256,
                 chunked_prefill_size=8192,
+                quantization=quantization,
             )
         )
         runner = engine.runner
@@ -194,9 +206,11 @@ def snugkv_cases(
                     "step_ms": step_s * 1e3,
                     "weight_bytes": weight_bytes,
                     "kv_bytes": batch * (context + 1) * kv_bytes_per_token,
+                    "kv_tokens": engine.report.max_total_num_tokens,
                 }
                 if breakdown:
-                    result["gemm_floor_ms"] = gemm_floor_s(engine.loaded.model, batch) * 1e3
+                    if quantization is None:  # the floor runs cuBLAS on the float weights
+                        result["gemm_floor_ms"] = gemm_floor_s(engine.loaded.model, batch) * 1e3
                     result.update(
                         kernel_breakdown(
                             lambda fb=forward_batch: runner.forward_eager(fb), engine.config.num_layers
@@ -234,10 +248,75 @@ def transformers_cases(model: str, cases: tuple[tuple[int, int], ...]) -> dict[t
     return {(batch, context): ms for batch, context, ms in result["timings"]}
 
 
+def fp8_side_by_side(args: argparse.Namespace, bandwidth: float) -> int:
+    """bf16 and FP8 engines on the same random weights, in this process, at FP8_CASES."""
+    from snugkv.layers.fp8_gemm_choice import measurements
+
+    started = time.perf_counter()
+    cases = tuple(c for c in FP8_CASES if c[0] <= args.max_batch)
+    runs = {}
+    for label, quantization in (("bf16", None), ("fp8", args.quantization)):
+        runs[label], _, _ = snugkv_cases(args.model, cases, breakdown=True, quantization=quantization)
+        gc.collect()
+        torch.cuda.empty_cache()
+    rows = []
+    for bf16, fp8 in zip(runs["bf16"], runs["fp8"]):
+        if "graph_ms" not in bf16 or "graph_ms" not in fp8:
+            rows.append(
+                {"batch": bf16["batch"], "context": bf16["context"], "note": "does not fit the KV pool"}
+            )
+            continue
+        rows.append(
+            {
+                "batch": bf16["batch"],
+                "context": bf16["context"],
+                "bf16_graph_step_ms": bf16["graph_ms"],
+                "fp8_graph_step_ms": fp8["graph_ms"],
+                "fp8_over_bf16": fp8["graph_ms"] / bf16["graph_ms"],
+                "bf16_piecewise_ms": bf16["piecewise_ms"],
+                "fp8_piecewise_ms": fp8["piecewise_ms"],
+                "fp8_floor_ms": (fp8["weight_bytes"] + fp8["kv_bytes"]) / bandwidth * 1e3,
+                "fp8_graph_over_floor": fp8["graph_ms"]
+                / ((fp8["weight_bytes"] + fp8["kv_bytes"]) / bandwidth * 1e3),
+                "bf16_kernels_per_layer": bf16["kernels_per_layer"],
+                "fp8_kernels_per_layer": fp8["kernels_per_layer"],
+                "fp8_tokens_per_s": fp8["batch"] / fp8["step_ms"] * 1e3,
+            }
+        )
+    first = {label: next(r for r in run if "graph_ms" in r) for label, run in runs.items()}
+    emit(
+        "decode_fp8",
+        rows,
+        args.out,
+        extra={
+            "copy_bandwidth_gb_per_s": bandwidth / 1e9,
+            "seconds": time.perf_counter() - started,
+            "model": args.model,
+            "kv_tokens": {label: r["kv_tokens"] for label, r in first.items()},
+            "weight_bytes": {label: r["weight_bytes"] for label, r in first.items()},
+            "kernel_ms_by_kind": {
+                label: {f"b{r['batch']}": r["kernel_ms_by_kind"] for r in run if "graph_ms" in r}
+                for label, run in runs.items()
+            },
+            "fp8_gemm_measurements_us": measurements(),
+        },
+    )
+    kv = {label: r["kv_tokens"] for label, r in first.items()}
+    print(f"KV tokens at start-up: bf16 {kv['bf16']:,}, fp8 {kv['fp8']:,} ({kv['fp8'] / kv['bf16']:.3f}x)")
+    print(
+        f"weights: bf16 {first['bf16']['weight_bytes'] / GIB:.2f} GiB, fp8 {first['fp8']['weight_bytes'] / GIB:.2f} GiB"
+    )
+    for entry in measurements():
+        print("fp8 gemm", entry)
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     if cuda_missing("bench decode"):
         return 2
     bandwidth = copy_bandwidth_bytes_per_s()
+    if args.quantization:
+        return fp8_side_by_side(args, bandwidth)
     cases = tuple(c for c in CASES if c[0] <= args.max_batch)
     started = time.perf_counter()
     fused, _, _ = snugkv_cases(args.model, cases, fused=True, breakdown=True)
@@ -325,4 +404,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--no-unfused", dest="unfused", action="store_false", help="skip the op-by-op (unfused) engine"
+    )
+    parser.add_argument(
+        "--quantization",
+        choices=("fp8",),
+        default=None,
+        help="bf16 and FP8 engines side by side at batch 1/64/256 (the step ratio, KV tokens, GEMM choices)",
     )

@@ -12,6 +12,9 @@ Three ways to run it, all free of host synchronization (capturable in CUDA graph
   quantization launch: what small (decode) batches need, where a launch costs as much as the work.
   With `prequantized=(q, scale)` it reads an activation quantized beforehand instead (large
   batches, where re-reading the row per output tile would cost more than one launch).
+- `fp8_linear_gemv_triton`: one row (batch-1 decode) without tensor cores, which would waste 15 of
+  their 16 rows: each program streams `block_n` weight rows and reduces fp8 x fp8 products in
+  float32 (exact products, as the tensor cores make them), quantizing the row as above.
 - `fp8_linear_scaled_mm`: quantization launch + `torch._scaled_mm` (cuBLASLt / CUTLASS): row-wise
   scales, or 1x128 x 128x128 block scales where torch and cuBLAS support them (SM90, CUDA >= 12.9).
 - `fp8_linear_reference`: plain torch in float32 (the CPU path, the tests' oracle).
@@ -160,6 +163,66 @@ def _fp8_linear_kernel(
     tl.store(out, acc.to(C.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
+@triton.jit
+def _fp8_gemv_kernel(
+    A,
+    B,
+    C,
+    AScale,
+    BScale,
+    Bias,
+    N,
+    K,
+    stride_bn,
+    stride_bs_n,
+    stride_bs_k,
+    ACT: tl.constexpr,
+    B_BLOCKS: tl.constexpr,
+    SCALE_BN: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_n = offs_n < N
+    rows = B + offs_n[:, None].to(tl.int64) * stride_bn
+    a_scale = 1.0
+    if ACT == 0:
+        amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + offs_k
+            amax = tl.maximum(amax, tl.abs(tl.load(A + cols, mask=cols < K, other=0.0).to(tl.float32)))
+        a_scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / 448.0
+    elif ACT == 2:
+        a_scale = tl.load(AScale)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + offs_k
+        mask_k = cols < K
+        x = tl.load(A + cols, mask=mask_k, other=0.0).to(tl.float32)
+        group_scale = a_scale
+        if ACT == 1:
+            group_scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12) / 448.0
+        xq = tl.clamp(x / group_scale, -448.0, 448.0).to(B.dtype.element_ty).to(tl.float32)
+        w = tl.load(rows + cols[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
+        partial = tl.sum(w * xq[None, :], axis=1)
+        if B_BLOCKS:
+            block_scale = tl.load(
+                BScale + (offs_n // SCALE_BN) * stride_bs_n + (k0 // BLOCK_K) * stride_bs_k,
+                mask=mask_n,
+                other=0.0,
+            )
+            acc += partial * (group_scale * block_scale)
+        else:
+            acc += partial
+    if not B_BLOCKS:
+        acc = acc * a_scale * tl.load(BScale + offs_n * stride_bs_n, mask=mask_n, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(Bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    tl.store(C + offs_n, acc.to(C.dtype.element_ty), mask=mask_n)
+
+
 def _check_shapes(
     x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block_n: int | None
 ) -> None:
@@ -231,6 +294,48 @@ def fp8_linear_triton(
         GROUP_M=config.group_m,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+    )
+    return out
+
+
+def fp8_linear_gemv_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    *,
+    act: str,
+    block_n: int | None = None,
+    static_scale: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    rows_per_program: int = 64,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """`fp8_linear_triton` for a single row `x [1, K]`, `rows_per_program` weight rows per program."""
+    _check_shapes(x, weight, weight_scale, block_n)
+    if x.shape[0] != 1:
+        raise ValueError(f"fp8 GEMV takes one row, got {x.shape[0]}")
+    x = x.contiguous()
+    out_rows, cols = weight.shape
+    out = torch.empty(1, out_rows, dtype=x.dtype, device=x.device)
+    _fp8_gemv_kernel[(triton.cdiv(out_rows, rows_per_program),)](
+        x,
+        weight,
+        out,
+        static_scale if static_scale is not None else weight_scale,
+        weight_scale,
+        bias if bias is not None else weight_scale,
+        out_rows,
+        cols,
+        weight.stride(0),
+        weight_scale.stride(0),
+        weight_scale.stride(1),
+        ACT=_ACT_IDS[act],
+        B_BLOCKS=block_n is not None,
+        SCALE_BN=block_n or 1,
+        HAS_BIAS=bias is not None,
+        BLOCK_N=rows_per_program,
+        BLOCK_K=GROUP_K,
+        num_warps=num_warps,
     )
     return out
 

@@ -7,7 +7,8 @@ reference (the first 64 rows: a layout bug shows in any row), times the ones tha
 events, median of 10), and keeps the fastest for every later call of that key, in this process.
 Batch buckets are powers of two, so a captured graph's batch always finds its bucket measured.
 
-Candidates (kernels/fp8_gemm.py): the fused Triton kernel with a few tile shapes; quantization
+Candidates (kernels/fp8_gemm.py): the fused Triton kernel with a few tile shapes; for one row, the
+Triton GEMV (no tensor cores) with 16, 32 or 64 weight rows per program; quantization
 plus the Triton kernel on a prequantized input (batches above 64); quantization plus
 `torch._scaled_mm` (row-wise scales, or cuBLAS's 1x128 x 128x128 block scaling where this torch
 has it). A candidate that raises or disagrees is dropped for that key and logged once.
@@ -31,6 +32,7 @@ import torch
 from snugkv.kernels.fp8_gemm import (
     GemmConfig,
     default_gemm_config,
+    fp8_linear_gemv_triton,
     fp8_linear_reference,
     fp8_linear_scaled_mm,
     fp8_linear_triton,
@@ -130,6 +132,22 @@ def _prequantized(config: GemmConfig) -> Candidate:
     return Candidate(f"triton-prequantized {config.label}", "triton", run)
 
 
+def _gemv(rows_per_program: int) -> Candidate:
+    def run(quant: Fp8Linear, layer: Fp8Params, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return fp8_linear_gemv_triton(
+            x,
+            layer.weight,
+            layer.weight_scale,
+            act=quant.act_mode,
+            block_n=quant.block_n,
+            static_scale=_static(quant, layer),
+            bias=bias,
+            rows_per_program=rows_per_program,
+        )
+
+    return Candidate(f"triton-gemv {rows_per_program} rows", "triton", run)
+
+
 def _scaled_mm(
     quant: Fp8Linear, layer: Fp8Params, x: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
@@ -149,6 +167,8 @@ def candidates(rows: int) -> list[Candidate]:
     spread the weight read over the SMs), the prequantized path for large ones."""
     default = default_gemm_config(rows)
     found = [_fused(default)]
+    if rows == 1:
+        found += [_gemv(16), _gemv(32), _gemv(64)]
     if rows <= 64:
         found.append(_fused(GemmConfig(default.block_m, 32, num_warps=4, num_stages=4)))
         found.append(_fused(GemmConfig(default.block_m, 128, num_warps=4, num_stages=3)))
@@ -236,7 +256,7 @@ class GemmChooser:
                     row[candidate.label] = "wrong"
                     continue
                 seconds = _median_seconds(lambda c=candidate: c.run(quant, layer, x, bias))  # type: ignore[misc]
-            except (RuntimeError, ValueError) as exc:  # e.g. a scaling this torch / cuBLAS lacks
+            except Exception as exc:  # a scaling this torch / cuBLAS lacks, a tile this GPU cannot hold
                 logger.info(
                     "FP8 GEMM %s is unavailable for %s: %s", candidate.label, key, str(exc).splitlines()[0]
                 )
