@@ -188,3 +188,62 @@ def test_fp8_gemv_for_one_row_equals_the_reference(act):
         x, q, scale, act=act, block_n=block_n, static_scale=static, bias=bias, rows_per_program=32
     )
     torch.testing.assert_close(got.float(), expected.float(), rtol=8e-3, atol=1e-2)
+
+
+def test_the_chooser_keeps_the_fastest_candidate_that_agrees_and_drops_a_wrong_one(monkeypatch):
+    """The choice per shape and batch bucket, on any device: timings stubbed (CUDA events need a
+    GPU), one candidate made wrong on purpose and one made to raise."""
+    from snugkv.distributed.group import TensorParallel
+    from snugkv.layers import fp8_gemm_choice as choice
+    from snugkv.layers.fp8_linear import install_fp8
+    from snugkv.layers.parallel_linear import ColumnParallelLinear
+
+    def wrong(quant, layer, x, bias):
+        return torch.zeros(x.shape[0], layer.weight.shape[0], dtype=x.dtype, device=x.device)
+
+    def broken(quant, layer, x, bias):
+        raise RuntimeError("no such scaling here")
+
+    fake = [
+        choice._fused(GemmConfig(16, 64)),
+        choice.Candidate("wrong", "triton", wrong),
+        choice.Candidate("broken", "scaled_mm", broken),
+        choice._fused(GemmConfig(16, 32)),
+    ]
+    speeds = {fake[0].label: 2e-6, fake[3].label: 1e-6, "wrong": 1e-9}
+    calls: list[str] = []
+
+    def timed(fn):
+        calls.append("t")
+        return speeds[timing_label[0]]
+
+    timing_label = [""]
+    original_run = {c.label: c.run for c in fake}
+
+    def labelled(candidate):
+        def run(quant, layer, x, bias):
+            timing_label[0] = candidate.label
+            return original_run[candidate.label](quant, layer, x, bias)
+
+        return choice.Candidate(candidate.label, candidate.family, run)
+
+    monkeypatch.setattr(choice, "candidates", lambda rows: [labelled(c) for c in fake])
+    monkeypatch.setattr(choice, "_median_seconds", timed)
+    monkeypatch.setattr(choice, "CHOOSER", choice.GemmChooser())
+    with torch.device("meta"):
+        layer = ColumnParallelLinear(256, (192,), bias=False, tp=TensorParallel())
+    install_fp8(layer, SCHEMES["token"][0], compute_dtype=torch.bfloat16, dequantize=False, name="layer")
+    layer = layer.to_empty(device=DEVICE)
+    layer.quant.load(layer, "weight", torch.randn(192, 256, generator=generator(20)), None, "w")
+    layer.quant.finish_loading(layer)
+    x = randn(generator(21), 3, 256, dtype=torch.bfloat16)
+    out = layer(x)
+    (row,) = choice.measurements()
+    assert row["chosen"] == fake[3].label and row["wrong"] == "wrong" and row["broken"] == "unavailable"
+    assert (row["n"], row["k"], row["rows"]) == (192, 256, 3)
+    expected = fp8_linear_reference(x, layer.weight, layer.weight_scale, act="token")
+    torch.testing.assert_close(out.float(), expected.float(), rtol=8e-3, atol=1e-2)
+    layer(randn(generator(22), 4, 256, dtype=torch.bfloat16))  # the same bucket (4): no new measurement
+    assert len(choice.measurements()) == 1 and calls == ["t", "t"]
+    layer(randn(generator(23), 5, 256, dtype=torch.bfloat16))  # bucket 8: measured once more
+    assert len(choice.measurements()) == 2

@@ -332,3 +332,28 @@ def test_an_fp8_weight_without_its_scale_is_refused(fp8_dirs, tmp_path):
 def test_unknown_quantization_flag_names_the_choices(float_dir):
     with pytest.raises(ModelLoadError, match=r"--quantization 'int4' is not supported; choose fp8"):
         load_model(float_dir, device="cpu", quantization="int4")
+
+
+@pytest.mark.parametrize("scheme", [TENSOR, CHANNEL, BLOCK], ids=["tensor", "channel", "block"])
+def test_stacked_expert_weights_quantize_as_each_expert_alone(scheme):
+    """`[E, N, K]` (MoE experts): the scales act on the last two dims, expert by expert."""
+    experts = torch.randn(3, 200, 260, generator=torch.Generator().manual_seed(5))
+    q, scale = quantize_weight(experts, scheme)
+    assert scale.shape == scheme.scale_shape((3, 200, 260))
+    for e in range(3):
+        q_e, scale_e = quantize_weight(experts[e], scheme)
+        assert torch.equal(q[e].view(torch.uint8), q_e.view(torch.uint8)) and torch.equal(scale[e], scale_e)
+    rows = shard_scale(
+        scale,
+        scheme,
+        dim=-2,
+        start=128 if scheme is BLOCK else 100,
+        count=72 if scheme is BLOCK else 100,
+        full_size=200,
+        what="experts",
+    )
+    assert rows.shape[0] == 3
+    torch.testing.assert_close(
+        dequantize_weight(q, scale, scheme, torch.float32)[1],
+        dequantize_weight(q[1], scale[1], scheme, torch.float32),
+    )

@@ -209,7 +209,7 @@ class GemmChooser:
         chosen = self.choices.get(key)
         if chosen is not None:
             return chosen
-        if torch.cuda.is_current_stream_capturing():
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
             if key not in self._warned:
                 self._warned.add(key)
                 logger.warning(
