@@ -130,7 +130,7 @@ def test_scaled_mm_with_block_scales_equals_the_reference_where_torch_has_it():
     expected = fp8_linear_reference(x, q, scale, act="group", block_n=128)
     try:
         got = fp8_linear_scaled_mm(x, q, scale, act="group", block_n=128)
-    except RuntimeError as exc:  # the chooser drops it then: say which torch lacked it
+    except (RuntimeError, ValueError) as exc:  # the chooser drops it then: say which torch lacked it
         pytest.skip(f"torch {torch.__version__} has no 1x128 x 128x128 _scaled_mm here: {str(exc)[:200]}")
     torch.testing.assert_close(got.float(), expected.float(), rtol=8e-3, atol=1e-2)
 

@@ -76,8 +76,11 @@ def test_fp8_decode_and_piecewise_graphs_replay_the_eager_step(float_dir, tmp_pa
         graph = runner.forward_batch(batch).clone()
         piecewise = runner.forward_piecewise(batch).clone()
     engine.close()
-    torch.testing.assert_close(graph, eager, rtol=0, atol=0)
-    torch.testing.assert_close(piecewise, eager, rtol=2e-2, atol=2e-2)  # a bucket pads to 16 rows
+    # The graph ran 8 rows (5 and 3 of padding), the piecewise graph 16, eager 5: the same bucket's
+    # kernels, but a library GEMM may pick another algorithm per row count: bf16-rounding close.
+    for replayed in (graph, piecewise):
+        torch.testing.assert_close(replayed, eager, rtol=2e-2, atol=2e-2)
+        assert torch.equal(replayed.argmax(-1), eager.argmax(-1))
 
 
 @pytest.mark.cuda

@@ -275,11 +275,19 @@ class GemmChooser:
         return best[1]
 
 
+_L2_FLUSH_BYTES = 256 << 20  # more than any GPU's L2: each timed run reads its weight from HBM
+
+
 def _median_seconds(fn: Callable[[], object]) -> float:
+    """Median of `_TIMED_RUNS`, each after the L2 cache was overwritten: in a model's step the
+    weight comes from HBM (the other layers' weights evicted it), so a warm-L2 time would flatter
+    the kernels of weights that fit in L2."""
+    flush = torch.empty(_L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     for _ in range(_WARMUP_RUNS):
         fn()
     times = []
     for _ in range(_TIMED_RUNS):
+        flush.zero_()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
