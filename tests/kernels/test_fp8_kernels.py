@@ -12,6 +12,7 @@ from snugkv.kernels.fp8_gemm import (
     GemmConfig,
     fp8_linear_gemv_triton,
     fp8_linear_reference,
+    fp8_linear_rows_triton,
     fp8_linear_scaled_mm,
     fp8_linear_triton,
 )
@@ -227,7 +228,7 @@ def test_the_chooser_keeps_the_fastest_candidate_that_agrees_and_drops_a_wrong_o
 
         return choice.Candidate(candidate.label, candidate.family, run)
 
-    monkeypatch.setattr(choice, "candidates", lambda rows: [labelled(c) for c in fake])
+    monkeypatch.setattr(choice, "candidates", lambda rows, row_scales=True: [labelled(c) for c in fake])
     monkeypatch.setattr(choice, "_median_seconds", timed)
     monkeypatch.setattr(choice, "CHOOSER", choice.GemmChooser())
     with torch.device("meta"):
@@ -247,3 +248,17 @@ def test_the_chooser_keeps_the_fastest_candidate_that_agrees_and_drops_a_wrong_o
     assert len(choice.measurements()) == 1 and calls == ["t", "t"]
     layer(randn(generator(23), 5, 256, dtype=torch.bfloat16))  # bucket 8: measured once more
     assert len(choice.measurements()) == 2
+
+
+@pytest.mark.parametrize("act", ["token", "static"])
+@pytest.mark.parametrize("rows", [1, 3, 4])
+def test_fp8_rows_kernel_for_small_batches_equals_the_reference(act, rows):
+    q, scale = _weights(act, 200, 320, seed=18)
+    x = randn(generator(19), rows, 320, dtype=torch.bfloat16)
+    bias = randn(generator(24), 200, dtype=torch.bfloat16)
+    static = torch.tensor([0.01], device=DEVICE) if act == "static" else None
+    expected = fp8_linear_reference(x, q, scale, act=act, static_scale=static, bias=bias)
+    got = fp8_linear_rows_triton(
+        x, q, scale, act=act, static_scale=static, bias=bias, rows_per_program=8, block_k=128
+    )
+    torch.testing.assert_close(got.float(), expected.float(), rtol=8e-3, atol=1e-2)

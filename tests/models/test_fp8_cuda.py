@@ -1,7 +1,7 @@
 """FP8 on a GPU (cuda-marked; scripts/gpu_check.sh `fp8` runs them): the FP8 engine in decode and
-piecewise CUDA graphs gives its eager steps' logits; teacher-forced top-1 agreement of the FP8
-engine (real FP8 GEMMs) with its bf16 twin on a tiny checkpoint and on the Llama-3-8B shape (random
-weights, printed as JSON); and, on CPU, the refusal a GPU without FP8 gets."""
+piecewise CUDA graphs gives its eager steps' logits; the real FP8 GEMMs compute what the CPU's
+emulation computes (teacher-forced, printed as JSON); and, on CPU, the refusal a GPU without FP8
+gets."""
 
 from __future__ import annotations
 
@@ -84,45 +84,42 @@ def test_fp8_decode_and_piecewise_graphs_replay_the_eager_step(float_dir, tmp_pa
 
 
 @pytest.mark.cuda
-def test_fp8_engine_agrees_with_its_bf16_twin_on_a_tiny_checkpoint(float_dir):
-    ids = torch.randint(3, 300, (4, 96), generator=torch.Generator().manual_seed(2))
-    reference = engine_logits(bf16 := _engine(str(float_dir)), ids, 32)
-    bf16.close()
-    fp8 = _engine(str(float_dir), quantization="fp8")
-    ours = engine_logits(fp8, ids, 32)
-    fp8.close()
-    result = agreement(ours, reference)
-    print(json.dumps({"model": "tiny llama (random)", "case": "--quantization fp8 vs bf16, GPU", **result}))
-    assert result["decisive_top1_agreement"] >= 0.99
-    assert result["top1_agreement"] >= 0.9
+def test_the_gpu_fp8_engine_computes_what_the_cpu_emulates(tmp_path):
+    """Real FP8 GEMMs (bf16 in and out) against the CPU's dequantized weights with the activations
+    rounded as the kernels round them, on a one-layer model (random weights: a deep random stack
+    amplifies any last-bit difference, as it does for bf16 against float32; one layer still does). At 3a9e09d on the H200,
+    a 4-layer random model gave FP8 against its bf16 twin 51% top-1 on the GPU and 48% on CPU with
+    the same emulation: a property of the random model, the same on both devices."""
+    from snugkv.layers.fp8_linear import emulate_fp8_activations
 
-
-@pytest.mark.cuda
-def test_fp8_engine_on_the_llama_3_8b_shape_agrees_with_bf16_where_bf16_is_decisive():
-    """Random weights of the 8B shape (bf16 and their FP8 rounding): their logits are nearly flat,
-    so only the decisive positions are asserted; every figure is printed for docs/bench/fp8.md."""
-    from snugkv.bench.model_configs import benchmark_model
-
-    model = benchmark_model("llama-3-8b")
-    ids = torch.randint(10, 128000, (4, 192), generator=torch.Generator().manual_seed(7))
-    flags = dict(
-        load_format="dummy",
-        max_total_tokens=8192,
-        max_running_requests=4,
-        cuda_graph_max_bs=4,
-        chunked_prefill_size=1024,
-    )
-    bf16 = Engine(EngineArgs(model=model, **flags))
-    reference = engine_logits(bf16, ids, 64)
-    bf16.close()
-    fp8 = Engine(EngineArgs(model=model, quantization="fp8", **flags))
-    ours = engine_logits(fp8, ids, 64)
-    fp8.close()
-    result = agreement(ours, reference)
-    print(
-        json.dumps(
-            {"model": "llama-3-8b shape (random)", "case": "--quantization fp8 vs bf16, GPU", **result}
+    config = tiny_hf_config("llama", hidden_size=256, intermediate_size=512, head_dim=64, num_hidden_layers=1)
+    tiny_hf_model("llama", seed=6, config=config).save_pretrained(tmp_path)
+    ids = torch.randint(3, 300, (4, 64), generator=torch.Generator().manual_seed(3))
+    gpu = _engine(str(tmp_path), quantization="fp8")
+    ours = engine_logits(gpu, ids, 16).cpu()
+    gpu.close()
+    cpu = Engine(
+        EngineArgs(
+            model=str(tmp_path),
+            device="cpu",
+            dtype="bfloat16",
+            quantization="fp8",
+            host_kv_gib=0.05,
+            max_running_requests=4,
         )
     )
-    if result["decisive_fraction"] > 0:
-        assert result["decisive_top1_agreement"] >= 0.97
+    with emulate_fp8_activations():
+        emulated = engine_logits(cpu, ids, 16)
+    cpu.close()
+    result = agreement(ours, emulated)
+    print(
+        json.dumps(
+            {"model": "tiny llama, 1 layer (random)", "case": "GPU FP8 GEMMs vs CPU emulation", **result}
+        )
+    )
+    # On CPU the same emulation in bf16 against float32 gives 88.5% top-1, 100% where decisive and
+    # a largest error of 0.56 std: FP8 rounding of activations turns last-bit differences into
+    # whole steps. A wrong GEMM (layout, scale) loses the decisive positions and every logit.
+    assert result["decisive_top1_agreement"] >= 0.97
+    assert result["top1_agreement"] >= 0.8
+    assert result["max_relative_logit_error"] < 1.0

@@ -15,6 +15,9 @@ Three ways to run it, all free of host synchronization (capturable in CUDA graph
 - `fp8_linear_gemv_triton`: one row (batch-1 decode) without tensor cores, which would waste 15 of
   their 16 rows: each program streams `block_n` weight rows and reduces fp8 x fp8 products in
   float32 (exact products, as the tensor cores make them), quantizing the row as above.
+- `fp8_linear_rows_triton`: 1 to 4 rows over per-row weight scales, also without tensor cores, in
+  wide K chunks (up to 2048 columns a load): on the H200 the 128-column loads above kept too few
+  bytes in flight per SM to stream the weight at much more than a third of HBM bandwidth.
 - `fp8_linear_scaled_mm`: quantization launch + `torch._scaled_mm` (cuBLASLt / CUTLASS): row-wise
   scales, or 1x128 x 128x128 block scales where torch and cuBLAS support them (SM90, CUDA >= 12.9).
 - `fp8_linear_reference`: plain torch in float32 (the CPU path, the tests' oracle).
@@ -223,6 +226,59 @@ def _fp8_gemv_kernel(
     tl.store(C + offs_n, acc.to(C.dtype.element_ty), mask=mask_n)
 
 
+@triton.jit
+def _fp8_rows_kernel(
+    A,
+    B,
+    C,
+    AScale,
+    BScale,
+    Bias,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_bn,
+    stride_cm,
+    stride_bs_n,
+    ACT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_r = tl.arange(0, ROWS)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_n = offs_n < N
+    mask_r = offs_r < M
+    a_rows = A + offs_r[:, None].to(tl.int64) * stride_am
+    w_rows = B + offs_n[:, None].to(tl.int64) * stride_bn
+    if ACT == 0:
+        amax = tl.zeros((ROWS,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + offs_k
+            x = tl.load(a_rows + cols[None, :], mask=mask_r[:, None] & (cols[None, :] < K), other=0.0)
+            amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
+        a_scale = tl.maximum(amax, 1e-12) / 448.0
+    else:
+        a_scale = tl.zeros((ROWS,), dtype=tl.float32) + tl.load(AScale)
+    acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + offs_k
+        mask_k = cols < K
+        w = tl.load(w_rows + cols[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
+        x = tl.load(a_rows + cols[None, :], mask=mask_r[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
+        xq = tl.clamp(x / a_scale[:, None], -448.0, 448.0).to(B.dtype.element_ty).to(tl.float32)
+        acc += tl.sum(xq[:, None, :] * w[None, :, :], axis=2)
+    b_scale = tl.load(BScale + offs_n * stride_bs_n, mask=mask_n, other=0.0)
+    acc = acc * a_scale[:, None] * b_scale[None, :]
+    if HAS_BIAS:
+        acc += tl.load(Bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    out = C + offs_r[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
+    tl.store(out, acc.to(C.dtype.element_ty), mask=mask_r[:, None] & mask_n[None, :])
+
+
 def _check_shapes(
     x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block_n: int | None
 ) -> None:
@@ -335,6 +391,53 @@ def fp8_linear_gemv_triton(
         HAS_BIAS=bias is not None,
         BLOCK_N=rows_per_program,
         BLOCK_K=GROUP_K,
+        num_warps=num_warps,
+    )
+    return out
+
+
+ROWS_KERNEL_MAX_ROWS = 4
+
+
+def fp8_linear_rows_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    *,
+    act: str,
+    static_scale: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    rows_per_program: int = 8,
+    block_k: int = 1024,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """`fp8_linear_triton` for 1..4 rows and per-row weight scales (`act` token or static)."""
+    _check_shapes(x, weight, weight_scale, None)
+    rows = x.shape[0]
+    if not 1 <= rows <= ROWS_KERNEL_MAX_ROWS or act == "group":
+        raise ValueError(f"the FP8 rows kernel takes 1..{ROWS_KERNEL_MAX_ROWS} rows of row-scaled weights")
+    x = x.contiguous()
+    out_rows, cols = weight.shape
+    out = torch.empty(rows, out_rows, dtype=x.dtype, device=x.device)
+    _fp8_rows_kernel[(triton.cdiv(out_rows, rows_per_program),)](
+        x,
+        weight,
+        out,
+        static_scale if static_scale is not None else weight_scale,
+        weight_scale,
+        bias if bias is not None else weight_scale,
+        rows,
+        out_rows,
+        cols,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        weight_scale.stride(0),
+        ACT=_ACT_IDS[act],
+        HAS_BIAS=bias is not None,
+        ROWS=triton.next_power_of_2(rows),
+        BLOCK_N=rows_per_program,
+        BLOCK_K=block_k,
         num_warps=num_warps,
     )
     return out

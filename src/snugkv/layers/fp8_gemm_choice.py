@@ -30,10 +30,12 @@ from typing import Any, Protocol
 import torch
 
 from snugkv.kernels.fp8_gemm import (
+    ROWS_KERNEL_MAX_ROWS,
     GemmConfig,
     default_gemm_config,
     fp8_linear_gemv_triton,
     fp8_linear_reference,
+    fp8_linear_rows_triton,
     fp8_linear_scaled_mm,
     fp8_linear_triton,
 )
@@ -148,6 +150,23 @@ def _gemv(rows_per_program: int) -> Candidate:
     return Candidate(f"triton-gemv {rows_per_program} rows", "triton", run)
 
 
+def _rows(rows_per_program: int, block_k: int, num_warps: int) -> Candidate:
+    def run(quant: Fp8Linear, layer: Fp8Params, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return fp8_linear_rows_triton(
+            x,
+            layer.weight,
+            layer.weight_scale,
+            act=quant.act_mode,
+            static_scale=_static(quant, layer),
+            bias=bias,
+            rows_per_program=rows_per_program,
+            block_k=block_k,
+            num_warps=num_warps,
+        )
+
+    return Candidate(f"triton-rows {rows_per_program}x{block_k}w{num_warps}", "triton", run)
+
+
 def _scaled_mm(
     quant: Fp8Linear, layer: Fp8Params, x: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
@@ -162,17 +181,20 @@ def _scaled_mm(
     )
 
 
-def candidates(rows: int) -> list[Candidate]:
-    """What is tried for a batch of `rows`: narrower tiles for small batches (more programs to
-    spread the weight read over the SMs), the prequantized path for large ones."""
+def candidates(rows: int, row_scales: bool = True) -> list[Candidate]:
+    """What is tried for a batch of `rows`: without tensor cores for 1..4 rows (wide K chunks for
+    row-scaled weights), narrower tiles for small batches (more programs to spread the weight read
+    over the SMs), the prequantized path from 16 rows on."""
     default = default_gemm_config(rows)
     found = [_fused(default)]
+    if rows <= ROWS_KERNEL_MAX_ROWS and row_scales:
+        found += [_rows(8, 1024, 4), _rows(4, 2048, 4), _rows(16, 512, 4), _rows(8, 2048, 8)]
     if rows == 1:
-        found += [_gemv(16), _gemv(32), _gemv(64)]
+        found += [_gemv(16), _gemv(32)]
     if rows <= 64:
         found.append(_fused(GemmConfig(default.block_m, 32, num_warps=4, num_stages=4)))
         found.append(_fused(GemmConfig(default.block_m, 128, num_warps=4, num_stages=3)))
-    else:
+    if rows >= 16:
         found.append(_prequantized(default))
         found.append(_prequantized(GemmConfig(64, 128, num_warps=4, num_stages=4)))
     found.append(Candidate("scaled_mm", "scaled_mm", _scaled_mm))
@@ -242,7 +264,7 @@ class GemmChooser:
             "k": key.in_features,
             "rows": int(x.shape[0]),
         }
-        for candidate in candidates(x.shape[0]):
+        for candidate in candidates(x.shape[0], quant.block_n is None):
             try:
                 got = candidate.run(quant, layer, check, bias).float()
                 error = float((got - expected).abs().max())
@@ -279,15 +301,17 @@ _L2_FLUSH_BYTES = 256 << 20  # more than any GPU's L2: each timed run reads its 
 
 
 def _median_seconds(fn: Callable[[], object]) -> float:
-    """Median of `_TIMED_RUNS`, each after the L2 cache was overwritten: in a model's step the
-    weight comes from HBM (the other layers' weights evicted it), so a warm-L2 time would flatter
-    the kernels of weights that fit in L2."""
-    flush = torch.empty(_L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    """Median of `_TIMED_RUNS`, each after the L2 cache was filled with other (clean) lines: in a
+    model's step the weight comes from HBM (the other layers' weights evicted it), so a warm-L2 time
+    would flatter the kernels of weights that fit in L2. The flush reads, never writes: dirty lines
+    left by a write would be written back during the timed kernel (at 3a9e09d on the H200 that
+    added ~10-20 us to every time)."""
+    flush = torch.ones(_L2_FLUSH_BYTES // 4, dtype=torch.float32, device="cuda")
     for _ in range(_WARMUP_RUNS):
         fn()
     times = []
     for _ in range(_TIMED_RUNS):
-        flush.zero_()
+        flush.sum()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
