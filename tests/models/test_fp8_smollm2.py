@@ -22,7 +22,6 @@ import torch
 from snugkv import LLM, SamplingParams
 from snugkv.engine import Engine, EngineArgs
 from snugkv.layers.fp8_linear import emulate_fp8_activations
-from snugkv.models.default_model import default_model_path
 from snugkv.models.loader import load_model
 from tests.models.fp8_reference import dequantized_state_dict, fp8_checkpoint_script, transformers_with
 from tests.models.test_smollm2 import save_hf_directory
@@ -124,15 +123,3 @@ def test_teacher_forced_top1_agreement_with_bf16_is_at_least_97_percent_where_bf
     for result in results:
         assert result["decisive_top1_agreement"] >= DECISIVE_TARGET, result
         assert result["top1_agreement"] >= ALL_POSITIONS_FLOOR, result
-
-
-def test_an_fp8_smollm2_block_checkpoint_cannot_split_its_576_columns_over_two_ranks(smollm2_fp8):
-    from snugkv.distributed.group import TensorParallel, use_tensor_parallel
-    from snugkv.models.loader import ModelLoadError
-
-    assert default_model_path().is_file()
-    with (
-        use_tensor_parallel(TensorParallel(0, 2)),
-        pytest.raises(ModelLoadError, match=r"columns \[0, 288\) of 576"),
-    ):
-        load_model(smollm2_fp8["block"], device="cpu")
