@@ -22,16 +22,7 @@ export PYTHONPATH=$ROOT/src:$ROOT${PYTHONPATH:+:$PYTHONPATH} OMP_NUM_THREADS=${O
 mkdir -p "$OUT"
 
 if [ ! -f "$MODEL_DIR/config.json" ]; then
-  "$PYTHON" - "$MODEL_DIR" <<'PY'
-import sys
-from transformers import AutoTokenizer
-from snugkv.models.default_model import default_model_path
-from tests.models.test_smollm2 import transformers_from_gguf
-
-path = default_model_path()
-transformers_from_gguf(path).save_pretrained(sys.argv[1])
-AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(sys.argv[1])
-PY
+  "$PYTHON" -c "import sys; from tests.models.test_smollm2 import save_hf_directory; save_hf_directory(sys.argv[1])" "$MODEL_DIR"
 fi
 
 "$PYTHON" -m snugkv serve --model "$MODEL_DIR" --device cpu --dtype float32 --port "$PORT" \

@@ -21,7 +21,7 @@ if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
-STEPS=${STEPS:-"env tests memory vmm kernels attention decode prefill moe capacity serving http elastic structured multi-engine"}
+STEPS=${STEPS:-"env tests memory vmm kernels attention decode fp8 prefill moe capacity serving http elastic structured multi-engine"}
 status=0
 step() { echo "=== $1 ($(date +%T))"; }
 
@@ -67,6 +67,13 @@ for s in $STEPS; do
           --out "$OUT/moe" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/moe_bench_$bench.log" | grep -v "^Capturing" || status=1
         pack
       done
+      ;;
+    fp8)  # FP8 weights: the CUDA tests, then bf16 and FP8 decode side by side (GEMM choices per shape)
+      step "fp8"
+      timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -s -m cuda -p no:cacheprovider \
+        tests/kernels/test_fp8_kernels.py tests/models/test_fp8_cuda.py 2>&1 | tee "$OUT/fp8_tests.txt" | tail -25 || status=1
+      timeout "${BENCH_TIMEOUT:-400}" python3 -m snugkv --log-level WARNING bench decode --quantization fp8 \
+        --out "$OUT" ${ARGS_fp8:-} 2>&1 | tee "$OUT/bench_fp8.log" | grep -v "^Capturing" || status=1
       ;;
     multi-engine)  # two servers on one GPU (scripts/bench_multi_engine.py); needs the server wheels
       step "bench multi-engine"

@@ -30,6 +30,17 @@ def transformers_smollm2(smollm2):
     return transformers_from_gguf(smollm2[0])
 
 
+def save_hf_directory(directory, path=None):
+    """SmolLM2 (the embedded GGUF, or `path`) dequantized into a float32 Hugging Face directory with
+    its tokenizer: what scripts/eval_harness.sh and the FP8 tests load."""
+    from transformers import AutoTokenizer
+
+    path = path or default_model_path()
+    transformers_from_gguf(path).save_pretrained(directory)
+    AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(directory)
+    return directory
+
+
 def transformers_from_gguf(path):
     """transformers' own reading of SmolLM2's GGUF (parser, dequantization, q/k un-permutation)."""
     from transformers import AutoConfig, LlamaForCausalLM

@@ -46,6 +46,11 @@ def compare(
     ours = engine_logits(engine, ids, prefix)
     with torch.no_grad():
         theirs = hf(ids.to(engine.device)).logits.float()[:, prefix - 1 : length - 1]
+    return agreement(ours, theirs)
+
+
+def agreement(ours: torch.Tensor, theirs: torch.Tensor) -> dict[str, float]:
+    """The figures of `compare` for two sets of logits at the same positions (`theirs`: the reference)."""
     agree = ours.argmax(-1) == theirs.argmax(-1)
     top2 = theirs.topk(2, dim=-1).values
     decisive = (top2[..., 0] - top2[..., 1]) / theirs.std(-1) >= DECISIVE_MARGIN

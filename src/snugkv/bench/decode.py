@@ -18,6 +18,11 @@ tokens actually pick in each layer (counted from the routing of the timed step) 
 the step, the MoE layers alone (each layer's MLP on the hidden rows the step gave it, all layers
 in one CUDA graph) against their part of that floor (router, shared and touched experts). The
 op-by-op baseline and the cuBLAS floor are skipped (the expert kernels have no unfused form).
+
+`--quantization fp8` runs the bf16 engine and the FP8 one (the same random weights, rounded:
+models/weights.py) in the same process at batch 1, 64 and 256 (context 1k): each one's graph step,
+the FP8 step over the bf16 one, the KV tokens each start-up sized, and the FP8 GEMM each layer shape
+chose at each batch size with every candidate's time (layers/fp8_gemm_choice.py).
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from snugkv.memory.vmm import GIB
 from snugkv.models.causal_lm import CausalLM
 
 CASES = ((1, 1024), (16, 1024), (64, 1024), (256, 1024), (1, 4096), (16, 4096), (64, 4096), (256, 4096))
-MOE_CASES = ((1, 1024), (64, 1024), (256, 1024))
+MOE_CASES = FP8_CASES = ((1, 1024), (64, 1024), (256, 1024))  # batch 1 / 64 / 256 at 1k
 
 
 def copy_bandwidth_bytes_per_s(size_bytes: int = 4 * GIB) -> float:
@@ -76,7 +81,8 @@ def time_cuda(fn: Any, iterations: int = 30, warmup: int = 5) -> float:
 KERNEL_KINDS = (
     ("moe-routing", ("route_align", "select_experts", "_count_kernel", "_plan_kernel", "_scatter_kernel")),
     ("moe-experts", ("grouped_gemm",)),
-    ("gemm", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "cublas", "splitk")),
+    ("fp8 quantize", ("_quantize_rows", "_quantize_groups")),
+    ("gemm", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "cublas", "splitk", "fp8_linear")),
     ("attention", ("decode", "extend", "attn", "attention")),
     ("rope+kv-store", ("rope", "store", "index_put", "scatter")),
     ("norm", ("norm", "rsqrt", "pow", "mean", "reduce")),
@@ -212,8 +218,16 @@ def moe_measurements(runner: Any, forward_batch: Any, layers: list[Any]) -> dict
 
 
 def snugkv_cases(
-    model: str, cases: tuple[tuple[int, int], ...], *, fused: bool = True, breakdown: bool = False
+    model: str,
+    cases: tuple[tuple[int, int], ...],
+    *,
+    fused: bool = True,
+    breakdown: bool = False,
+    quantization: str | None = None,
+    fill_tokens: int | None = None,
 ) -> tuple[list[dict[str, Any]], int, int]:
+    """`fill_tokens`: random KV in only the lowest that many slots (the allocator hands out the lowest
+    free pages first, so the cases read no others), not in the whole pool: seconds, not a minute."""
     from snugkv.core.forward import BatchRow
     from snugkv.engine import Engine, EngineArgs
     from snugkv.kernels import fused_kernels
@@ -226,6 +240,7 @@ def snugkv_cases(
                 max_running_requests=256,
                 cuda_graph_max_bs=256,
                 chunked_prefill_size=8192,
+                quantization=quantization,
             )
         )
         runner = engine.runner
@@ -236,12 +251,17 @@ def snugkv_cases(
         dense_bytes, expert_bytes = moe_weight_split(net) if layers else (weight_bytes, 0)
         tokens = torch.Generator().manual_seed(0)
         kv_bytes_per_token = int(engine.pool.bytes_per_token)
+        filled_tokens = (
+            engine.pool.committed_tokens
+            if fill_tokens is None
+            else min(fill_tokens, engine.pool.committed_tokens)
+        )
         for layer in range(engine.config.num_layers):  # random KV everywhere a case will read
             for buffer in engine.pool.get_kv_buffer(layer):
                 filled = (
-                    engine.pool.committed_tokens // engine.pool.page_size + 1
+                    filled_tokens // engine.pool.page_size + 2
                     if buffer.dim() == 4
-                    else engine.pool.committed_tokens
+                    else filled_tokens + engine.pool.page_size
                 )
                 buffer[:filled].normal_()
         del buffer  # a live view would keep the arena from closing
@@ -280,6 +300,7 @@ def snugkv_cases(
                     "step_ms": step_s * 1e3,
                     "weight_bytes": weight_bytes,
                     "kv_bytes": batch * (context + 1) * kv_bytes_per_token,
+                    "kv_tokens": engine.report.max_total_num_tokens,
                 }
                 if layers:
                     moe = moe_measurements(runner, forward_batch, layers)
@@ -288,7 +309,8 @@ def snugkv_cases(
                     result["weight_bytes"] = dense_bytes + result["touched_expert_bytes"]
                     result["dense_weight_bytes"] = dense_bytes
                 if breakdown:
-                    result["gemm_floor_ms"] = float("nan") if layers else gemm_floor_s(net, batch) * 1e3
+                    if quantization is None:  # the floor runs cuBLAS on the float weights
+                        result["gemm_floor_ms"] = float("nan") if layers else gemm_floor_s(net, batch) * 1e3
                     result.update(
                         kernel_breakdown(
                             lambda fb=forward_batch: runner.forward_eager(fb), engine.config.num_layers
@@ -348,10 +370,78 @@ def transformers_cases(model: str, cases: tuple[tuple[int, int], ...]) -> dict[t
     return {(batch, context): ms for batch, context, ms in result["timings"]}
 
 
+def fp8_side_by_side(args: argparse.Namespace, bandwidth: float) -> int:
+    """bf16 and FP8 engines on the same random weights, in this process, at FP8_CASES."""
+    from snugkv.layers.fp8_gemm_choice import measurements
+
+    started = time.perf_counter()
+    cases = tuple(c for c in FP8_CASES if c[0] <= args.max_batch)
+    runs = {}
+    for label, quantization in (("bf16", None), ("fp8", args.quantization)):
+        most = max(batch * (context + 32) for batch, context in cases)  # a case's slots, pages rounded up
+        runs[label], _, _ = snugkv_cases(
+            args.model, cases, breakdown=True, quantization=quantization, fill_tokens=most
+        )
+        gc.collect()
+        torch.cuda.empty_cache()
+    rows = []
+    for bf16, fp8 in zip(runs["bf16"], runs["fp8"]):
+        if "graph_ms" not in bf16 or "graph_ms" not in fp8:
+            rows.append(
+                {"batch": bf16["batch"], "context": bf16["context"], "note": "does not fit the KV pool"}
+            )
+            continue
+        rows.append(
+            {
+                "batch": bf16["batch"],
+                "context": bf16["context"],
+                "bf16_graph_step_ms": bf16["graph_ms"],
+                "fp8_graph_step_ms": fp8["graph_ms"],
+                "fp8_over_bf16": fp8["graph_ms"] / bf16["graph_ms"],
+                "bf16_piecewise_ms": bf16["piecewise_ms"],
+                "fp8_piecewise_ms": fp8["piecewise_ms"],
+                "fp8_floor_ms": (fp8["weight_bytes"] + fp8["kv_bytes"]) / bandwidth * 1e3,
+                "fp8_graph_over_floor": fp8["graph_ms"]
+                / ((fp8["weight_bytes"] + fp8["kv_bytes"]) / bandwidth * 1e3),
+                "bf16_kernels_per_layer": bf16["kernels_per_layer"],
+                "fp8_kernels_per_layer": fp8["kernels_per_layer"],
+                "fp8_tokens_per_s": fp8["batch"] / fp8["step_ms"] * 1e3,
+            }
+        )
+    first = {label: next(r for r in run if "graph_ms" in r) for label, run in runs.items()}
+    emit(
+        "decode_fp8",
+        rows,
+        args.out,
+        extra={
+            "copy_bandwidth_gb_per_s": bandwidth / 1e9,
+            "seconds": time.perf_counter() - started,
+            "model": args.model,
+            "kv_tokens": {label: r["kv_tokens"] for label, r in first.items()},
+            "weight_bytes": {label: r["weight_bytes"] for label, r in first.items()},
+            "kernel_ms_by_kind": {
+                label: {f"b{r['batch']}": r["kernel_ms_by_kind"] for r in run if "graph_ms" in r}
+                for label, run in runs.items()
+            },
+            "fp8_gemm_measurements_us": measurements(),
+        },
+    )
+    kv = {label: r["kv_tokens"] for label, r in first.items()}
+    print(f"KV tokens at start-up: bf16 {kv['bf16']:,}, fp8 {kv['fp8']:,} ({kv['fp8'] / kv['bf16']:.3f}x)")
+    print(
+        f"weights: bf16 {first['bf16']['weight_bytes'] / GIB:.2f} GiB, fp8 {first['fp8']['weight_bytes'] / GIB:.2f} GiB"
+    )
+    for entry in measurements():
+        print("fp8 gemm", entry)
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     if cuda_missing("bench decode"):
         return 2
     bandwidth = copy_bandwidth_bytes_per_s()
+    if args.quantization:
+        return fp8_side_by_side(args, bandwidth)
     moe = is_moe_model(args.model)
     cases = tuple(c for c in (MOE_CASES if moe else CASES) if c[0] <= args.max_batch)
     started = time.perf_counter()
@@ -456,4 +546,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--no-unfused", dest="unfused", action="store_false", help="skip the op-by-op (unfused) engine"
+    )
+    parser.add_argument(
+        "--quantization",
+        choices=("fp8",),
+        default=None,
+        help="bf16 and FP8 engines side by side at batch 1/64/256 (the step ratio, KV tokens, GEMM choices)",
     )

@@ -69,6 +69,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 (GPU default), float16")
     group.add_argument(
+        "--quantization",
+        default=None,
+        choices=("fp8",),
+        help="fp8: quantize a float checkpoint's linear layers at load (per-channel weights, per-token "
+        "activations); FP8 checkpoints (compressed-tensors, block fp8) load as FP8 without it",
+    )
+    group.add_argument(
         "--device", default=None, type=device_name, help="cpu, cuda, cuda:N (default: cuda if present)"
     )
     group.add_argument(

@@ -11,6 +11,7 @@ from snugkv.memory.arena import DEFAULT_CHUNK_BYTES
 from snugkv.memory.layout import KVLayout
 from snugkv.memory.vmm import MIB
 from snugkv.models.loader import LOAD_FORMATS
+from snugkv.models.quantization import QUANTIZATION_CHOICES
 from snugkv.sizing.modes import SizingMode
 
 
@@ -22,6 +23,7 @@ class EngineArgs:
     load_format: str = "auto"
     revision: str | None = None  # with a Hugging Face Hub id: the branch, tag or commit
     dtype: str | None = None
+    quantization: str | None = None  # "fp8": quantize a float checkpoint at load (FP8 ones load as FP8)
     device: str | None = None
     weights_seed: int = 0  # random (dummy) weights only
     kv_dtype: str | None = None
@@ -58,6 +60,7 @@ class EngineArgs:
             ("--kv-layout", self.kv_layout, tuple(KVLayout)),
             ("--attention-backend", self.attention_backend, attention_backend_names()),
             ("--kv-sizing", self.kv_sizing, tuple(SizingMode)),
+            ("--quantization", self.quantization, QUANTIZATION_CHOICES),
         ):
             if value is not None and value not in choices:
                 raise InvalidEngineArgs(f"{flag} must be one of {', '.join(choices)}, got {value!r}")

@@ -112,6 +112,7 @@ class Engine(ElasticMemory):
                 max_position=args.context_length,
                 revision=args.revision,
                 weights_memory=self._weights_memory(),
+                quantization=args.quantization,
             )
         if tp.enabled and not self.loaded.model.supports_tensor_parallel:
             raise ValueError(
@@ -140,6 +141,7 @@ class Engine(ElasticMemory):
             retries=sized.retries,
             per_rank_free_bytes=sized.per_rank_free_bytes,
             timings={"load_s": load_s, **sized.timings, "total_s": time.perf_counter() - started},
+            quantization=self.loaded.quantization_name,
         )
         self._log("%s", ledger.table())
         freeze_startup_objects()  # a full collection no longer walks the model and the graphs

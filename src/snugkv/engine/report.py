@@ -42,9 +42,11 @@ class StartupReport:
     retries: int = 0
     per_rank_free_bytes: tuple[int, ...] = ()
     timings: dict[str, float] = field(default_factory=dict)  # keys carry their unit
+    quantization: str = "none"  # the FP8 scheme the linear layers run, when they do
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            "quantization": self.quantization,
             "sizing_mode": str(self.mode),
             "max_total_num_tokens": self.max_total_num_tokens,
             "max_running_requests": self.max_running_requests,

@@ -16,18 +16,27 @@ Each layer knows how its parameters relate to the full (unsharded) tensors: `ful
 part of it). Weight loading and random weights both go through that, so every rank keeps only its
 slice and tp=1 and tp=N hold the same numbers. At tp=1 every layer is the plain layer, with no
 communication. Layers get the `TensorParallel` object explicitly; they never read a global.
+`weight_slices(part)` says the same as `shard_weight` in numbers (which rows or columns of the full
+tensor, placed where), so quantization scales (layers/fp8_linear.py) follow the weight's cut.
+
+A linear layer may be quantized (`quant`, set by snugkv.models.quantization before the weights are
+materialised): its `weight` is then float8_e4m3fn with scales beside it, and `quant` runs the GEMM.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from snugkv.distributed.group import TensorParallel
+
+if TYPE_CHECKING:
+    from snugkv.layers.fp8_linear import Fp8Linear
 
 
 @runtime_checkable
@@ -37,6 +46,19 @@ class ShardedLayer(Protocol):
     def full_shape(self, name: str, part: int | None = None) -> tuple[int, ...]: ...
 
     def shard_weight(self, name: str, full: torch.Tensor, part: int | None) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True, slots=True)
+class WeightSlice:
+    """Entries `[start, start + count)` along `dim` (-2: output rows, -1: input columns) of a full
+    checkpoint tensor with `full_size` entries there go to `[local_start, local_start + count)` of
+    this rank's parameter; the other dim is kept whole."""
+
+    dim: int
+    start: int
+    count: int
+    local_start: int
+    full_size: int
 
 
 def _rows(full: torch.Tensor, start: int, count: int, dim: int = 0) -> torch.Tensor:
@@ -78,24 +100,37 @@ class ColumnParallelLinear(nn.Module):
         self.local_sizes = tuple(count for _, count in self.part_slices)
         self.weight = nn.Parameter(torch.empty(sum(self.local_sizes), input_size))
         self.bias = nn.Parameter(torch.empty(sum(self.local_sizes))) if bias else None
+        self.quant: Fp8Linear | None = None
 
     def full_shape(self, name: str, part: int | None = None) -> tuple[int, ...]:
         rows = sum(self.output_sizes) if part is None else self.output_sizes[part]
         return (rows, self.input_size) if name == "weight" else (rows,)
 
+    def weight_slices(self, part: int | None) -> tuple[WeightSlice, ...]:
+        """The rows of part `part`'s full tensor this rank keeps, or of the merged full tensor (every
+        part stacked) when `part` is None."""
+        parts = range(len(self.output_sizes)) if part is None else (part,)
+        full_size = sum(self.output_sizes) if part is None else self.output_sizes[part]
+        slices = []
+        for index in parts:
+            offset = sum(self.output_sizes[:index]) if part is None else 0
+            start, count = self.part_slices[index]
+            slices.append(WeightSlice(-2, offset + start, count, sum(self.local_sizes[:index]), full_size))
+        return tuple(slices)
+
     def shard_weight(self, name: str, full: torch.Tensor, part: int | None) -> torch.Tensor:
         """This rank's rows of part `part` of a full tensor, or of every part when `part` is None."""
-        if part is not None:
-            start, count = self.part_slices[part]
-            return _rows(full, start, count)
-        pieces = full.split(self.output_sizes, dim=0)
-        return torch.cat([_rows(p, s, c) for p, (s, c) in zip(pieces, self.part_slices)], dim=0)
+        pieces = [_rows(full, s.start, s.count) for s in self.weight_slices(part)]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return self.quant.linear(self, x, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
-        return f"in={self.input_size}, out={list(self.local_sizes)} of {list(self.output_sizes)}, tp={self.tp.world_size}"
+        quant = f", {self.quant.scheme.name}" if self.quant is not None else ""
+        return f"in={self.input_size}, out={list(self.local_sizes)} of {list(self.output_sizes)}, tp={self.tp.world_size}{quant}"
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -135,23 +170,35 @@ class RowParallelLinear(nn.Module):
         self.local_input_size = tp.split(input_size, "input size")
         self.weight = nn.Parameter(torch.empty(output_size, self.local_input_size))
         self.bias = nn.Parameter(torch.empty(output_size)) if bias else None
+        self.quant: Fp8Linear | None = None
 
     def full_shape(self, name: str, part: int | None = None) -> tuple[int, ...]:
         return (self.output_size, self.input_size) if name == "weight" else (self.output_size,)
 
+    def weight_slices(self, part: int | None) -> tuple[WeightSlice, ...]:
+        start = self.tp.rank * self.local_input_size
+        return (WeightSlice(-1, start, self.local_input_size, 0, self.input_size),)
+
     def shard_weight(self, name: str, full: torch.Tensor, part: int | None) -> torch.Tensor:
         if name != "weight":
             return full
-        return full.narrow(1, self.tp.rank * self.local_input_size, self.local_input_size)
+        (cut,) = self.weight_slices(part)
+        return full.narrow(1, cut.start, cut.count)
+
+    def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.quant is not None:
+            return self.quant.linear(self, x, bias)
+        return F.linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.tp.enabled:
-            return F.linear(x, self.weight, self.bias)
-        out = self.tp.all_reduce(F.linear(x, self.weight))
+            return self._linear(x, self.bias)
+        out = self.tp.all_reduce(self._linear(x, None))
         return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:
-        return f"in={self.local_input_size} of {self.input_size}, out={self.output_size}, tp={self.tp.world_size}"
+        quant = f", {self.quant.scheme.name}" if self.quant is not None else ""
+        return f"in={self.local_input_size} of {self.input_size}, out={self.output_size}, tp={self.tp.world_size}{quant}"
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -13,6 +13,11 @@ virtual-memory backend, the parameters are materialised in a `WeightArena` inste
 allocator, so the engine can release their memory and take it back at the same addresses
 (sleep and wake) without capturing its graphs again; `fill_weights` loads them again after a
 sleep that dropped them.
+
+Quantization (models/quantization.py): a checkpoint whose config.json has a `quantization_config`
+loads as the FP8 model it describes; `quantization="fp8"` quantizes a float checkpoint (or GGUF, or
+random weights) at load. The scheme is installed on the meta model, so the FP8 parameters are what
+gets materialised (and what the ledger counts).
 """
 
 from __future__ import annotations
@@ -28,12 +33,14 @@ from typing import Any, Literal
 
 import torch
 
+from snugkv.layers.quantization import QuantizationError
 from snugkv.memory.vmm import CommitError, VirtualMemory
 from snugkv.memory.weight_arena import WeightArena, aligned
 from snugkv.models.causal_lm import CausalLM
 from snugkv.models.config import ConfigError, ModelConfig
 from snugkv.models.gguf_loader import GGUFError, config_from_gguf, is_gguf_file, iter_gguf_tensors, open_gguf
 from snugkv.models.hub import HubModelError, hub_snapshot, is_hub_id
+from snugkv.models.quantization import QuantizationConfig, apply_quantization, quantization_config
 from snugkv.models.registry import UnsupportedArchitectureError, get_model_class, supported_architectures
 from snugkv.models.weights import WeightLoadError, init_dummy_weights
 
@@ -84,6 +91,12 @@ class LoadedModel:
     load_format: str = "auto"
     seed: int = 0
     weights: WeightArena | None = None  # where the parameters live when placed in virtual memory
+    quantization: QuantizationConfig | None = None  # FP8 layers, when the model runs any
+
+    @property
+    def quantization_name(self) -> str:
+        """What runs, for the startup report and /server_info: `none` or the FP8 scheme and its source."""
+        return "none" if self.quantization is None else self.quantization.name
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -260,9 +273,11 @@ def build_model(
     *,
     max_position: int | None = None,
     weights_memory: VirtualMemory | None = None,
+    quantization: QuantizationConfig | None = None,
 ) -> CausalLM:
     """An uninitialised model of `config`'s architecture on `device` (weights not loaded); with
-    `weights_memory`, its parameters live in a `WeightArena` over that backend."""
+    `weights_memory`, its parameters live in a `WeightArena` over that backend; with `quantization`,
+    its linear layers are FP8."""
     try:
         model_class = get_model_class(config.architecture)
     except UnsupportedArchitectureError as exc:
@@ -270,7 +285,9 @@ def build_model(
     try:
         with torch.device("meta"), _default_dtype(dtype):
             model = model_class(config, max_position=max_position)
-    except ConfigError as exc:  # an architecture's own checks (an option snugkv does not run)
+        if quantization is not None:
+            apply_quantization(model, quantization, device, dtype)
+    except (ConfigError, QuantizationError) as exc:  # an option snugkv does not run
         raise ModelLoadError(str(exc)) from exc
     if weights_memory is None:
         model = model.to_empty(device=device)
@@ -296,12 +313,14 @@ def load_model(
     max_position: int | None = None,
     weights_memory: VirtualMemory | None = None,
     revision: str | None = None,
+    quantization: str | None = None,
 ) -> LoadedModel:
     """Load `model` (see the module docstring) in `dtype` on `device`.
 
     `max_position` bounds the rotary cache (default: the config's max_position_embeddings);
     `weights_memory` places the parameters in a `WeightArena` over that backend; `revision` is the
-    Hub revision when `model` is a Hub id.
+    Hub revision when `model` is a Hub id; `quantization="fp8"` quantizes a float checkpoint at load
+    (a checkpoint with a `quantization_config` is FP8 whatever it says).
     """
     started = time.perf_counter()
     source = resolve_model_source(model, load_format, revision)
@@ -312,26 +331,33 @@ def load_model(
     device_ = resolve_device(device)
     dtype_ = resolve_dtype(dtype, device_)
     config = read_model_config(source)
+    try:
+        quant = quantization_config(config.hf, quantization)
+    except QuantizationError as exc:
+        raise ModelLoadError(str(exc)) from exc
     out_of_memory = False
     try:
         net = _build_and_load(
-            config, source, load_format, dtype_, device_, seed, max_position, weights_memory
+            config, source, load_format, dtype_, device_, seed, max_position, weights_memory, quant
         )
     except (torch.OutOfMemoryError, CommitError):  # e.g. another engine already holds the GPU
         out_of_memory = True
     if out_of_memory:  # outside the handler, so the half-loaded model is gone before free memory is read
-        raise WeightsDoNotFit(_weights_do_not_fit(config, dtype_, device_, max_position))
+        raise WeightsDoNotFit(_weights_do_not_fit(config, dtype_, device_, max_position, quant))
     seconds = time.perf_counter() - started
     logger.info(
-        "Loaded %s (%s, %s) from %s in %.1f s%s",
+        "Loaded %s (%s, %s%s) from %s in %.1f s%s",
         config.architecture,
         dtype_,
         device_,
+        "" if quant is None else f", weights {quant.name}",
         source.path,
         seconds,
         " with random weights" if load_format == "dummy" else "",
     )
-    return LoadedModel(net, config, source, dtype_, device_, seconds, load_format, seed, net.weight_arena)
+    return LoadedModel(
+        net, config, source, dtype_, device_, seconds, load_format, seed, net.weight_arena, quant
+    )
 
 
 def _fill(net: CausalLM, config: ModelConfig, source: ModelSource, load_format: str, seed: int) -> None:
@@ -342,9 +368,28 @@ def _fill(net: CausalLM, config: ModelConfig, source: ModelSource, load_format: 
             gguf = open_gguf(source.path)
             net.load_weights(iter_gguf_tensors(gguf, dict(config.hf)), source=str(source.path))
         else:
-            net.load_weights(iter_safetensors(safetensors_files(source.path)), source=str(source.path))
+            tensors = iter_safetensors(safetensors_files(source.path))
+            net.load_weights(_without_kv_scales(tensors, source.path), source=str(source.path))
     except (WeightLoadError, GGUFError) as exc:
         raise ModelLoadError(str(exc)) from exc
+
+
+_KV_SCALE_LEAVES = ("k_scale", "v_scale", "kv_scale")
+
+
+def _without_kv_scales(
+    tensors: Iterator[tuple[str, torch.Tensor]], path: Path
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """An FP8 checkpoint's KV-cache scales are not used (the KV cache stores values unscaled, or
+    clamped with scale 1 under --kv-dtype fp8_e4m3): skipped, said once."""
+    said = False
+    for name, tensor in tensors:
+        if name.rsplit(".", 1)[-1] in _KV_SCALE_LEAVES:
+            if not said:
+                logger.info("%s has KV-cache scales (%s, ...); snugkv does not use them", path, name)
+                said = True
+            continue
+        yield name, tensor
 
 
 def fill_weights(loaded: LoadedModel) -> None:
@@ -362,8 +407,16 @@ def _build_and_load(
     seed: int,
     max_position: int | None,
     weights_memory: Any,
+    quantization: QuantizationConfig | None,
 ) -> CausalLM:
-    net = build_model(config, dtype, device, max_position=max_position, weights_memory=weights_memory)
+    net = build_model(
+        config,
+        dtype,
+        device,
+        max_position=max_position,
+        weights_memory=weights_memory,
+        quantization=quantization,
+    )
     _fill(net, config, source, load_format, seed)
     return net
 
@@ -379,14 +432,21 @@ def device_memory_bytes(device: torch.device) -> tuple[int, int, int] | None:
 
 
 def _weights_do_not_fit(
-    config: ModelConfig, dtype: torch.dtype, device: torch.device, max_position: int | None
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_position: int | None,
+    quantization: QuantizationConfig | None,
 ) -> str:
     gib = 1 << 30
     with torch.device("meta"), _default_dtype(dtype):  # sizes only: this rank's shard under --tp
         model = get_model_class(config.architecture)(config, max_position=max_position)
+        if quantization is not None:
+            apply_quantization(model, quantization, device, dtype)
     tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}.values()
     needed = sum(t.numel() * t.element_size() for t in tensors) / gib
-    what = f"the weights of {config.architecture} need about {needed:.2f} GiB ({str(dtype).removeprefix('torch.')})"
+    kind = str(dtype).removeprefix("torch.") + ("" if quantization is None else ", linear layers FP8")
+    what = f"the weights of {config.architecture} need about {needed:.2f} GiB ({kind})"
     memory = device_memory_bytes(device)
     if memory is None:
         return (

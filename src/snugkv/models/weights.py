@@ -10,6 +10,11 @@ Tensor-parallel layers (snugkv.layers.parallel_linear) hold a slice of each full
 define `shard_weight(name, full, part)` and `full_shape(name, part)`, and both checkpoint loading and
 random weights go through them, so a rank keeps only its slice and every tp size holds the same
 numbers.
+
+An FP8 layer (`layer.quant`, layers/fp8_linear.py) takes its checkpoint tensors (`weight`,
+`weight_scale` / `weight_scale_inv`, `input_scale`) itself, slicing scales as it slices the weight,
+and says at the end whether every part arrived; an FP8 tensor bound for a layer that is not FP8 is
+refused rather than cast without its scale.
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from snugkv.layers.fp8_linear import CHECKPOINT_LEAVES
 from snugkv.layers.parallel_linear import ShardedLayer
+from snugkv.layers.quantization import FP8_DTYPE, QuantizationError
 
 
 class WeightLoadError(ValueError):
@@ -61,8 +68,15 @@ def load_named_tensors(
     names to skip (rotary caches, a tied lm_head).
     """
     shard_sizes = shard_sizes or {}
-    params = dict(model.named_parameters())
     modules = dict(model.named_modules())
+    quantized = {
+        name: module for name, module in modules.items() if getattr(module, "quant", None) is not None
+    }
+    params = {  # an FP8 layer's weight and scales are its own to account for (finish_loading)
+        name: param
+        for name, param in model.named_parameters()
+        if name.rpartition(".")[0] not in quantized or name.rpartition(".")[2] not in CHECKPOINT_LEAVES
+    }
     expected: dict[str, set[int]] = {}
     for name in params:
         sizes = next((s for suffix, s in shard_sizes.items() if f".{suffix}." in name), None)
@@ -73,11 +87,25 @@ def load_named_tensors(
         if any(pattern in name for pattern in ignore):
             continue
         target, spec = _target_of(name, stacked)
+        owner_name, _, leaf = target.rpartition(".")
+        if owner_name in quantized and leaf in CHECKPOINT_LEAVES:
+            layer = quantized[owner_name]
+            part = None if spec is None else spec.index
+            try:
+                layer.quant.load(layer, leaf, tensor, part, f"{source} tensor {name}")
+            except QuantizationError as exc:
+                raise WeightLoadError(str(exc)) from exc
+            continue
         param = params.get(target)
         if param is None:
             unknown.append(name)
             continue
-        owner_name, _, leaf = target.rpartition(".")
+        if tensor.dtype == FP8_DTYPE and param.dtype != FP8_DTYPE:
+            raise WeightLoadError(
+                f"{source} tensor {name} is FP8, but snugkv keeps {owner_name} in {param.dtype} (an `ignore`d "
+                "or unquantizable layer): a checkpoint whose quantization_config does not describe its "
+                "FP8 tensors cannot load"
+            )
         owner = modules.get(owner_name)
         if isinstance(owner, ShardedLayer):  # a tensor-parallel layer keeps only this rank's slice
             part = None if spec is None else spec.index
@@ -111,6 +139,18 @@ def load_named_tensors(
     if missing:
         shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
         raise WeightLoadError(f"{source} lacks {len(missing)} parameter(s) of the model: {shown}")
+    finish_quantized_layers(model, source)
+
+
+def finish_quantized_layers(model: nn.Module, source: str) -> None:
+    """Every FP8 layer checks that it got all its tensors (and on CPU dequantizes)."""
+    for module in model.modules():
+        quant = getattr(module, "quant", None)
+        if quant is not None:
+            try:
+                quant.finish_loading(module)
+            except QuantizationError as exc:
+                raise WeightLoadError(f"{source}: {exc}") from exc
 
 
 @torch.no_grad()
@@ -126,16 +166,27 @@ def init_dummy_weights(model: nn.Module, *, seed: int = 0, std: float = 0.02) ->
     generators: dict[torch.device, torch.Generator] = {}
     for module in model.modules():
         constant = getattr(module, "dummy_weight_value", None)
-        for param in module.parameters(recurse=False):
+        quant = getattr(module, "quant", None)
+        for name, param in module.named_parameters(recurse=False):
+            if quant is not None and name != "bias":  # drawn as its float twin draws it, then quantized
+                if name == "weight":
+                    quant.init_dummy(module, _generator(generators, param.device, seed), std)
+                continue
             if constant is not None:
                 param.fill_(constant)
                 continue
-            if param.device not in generators:
-                generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
-            generator = generators[param.device]
+            generator = _generator(generators, param.device, seed)
             if isinstance(module, ShardedLayer):
-                name = next(n for n, p in module.named_parameters(recurse=False) if p is param)
                 full = torch.empty(module.full_shape(name), dtype=param.dtype, device=param.device)
                 param.copy_(module.shard_weight(name, full.normal_(0.0, std, generator=generator), None))
             else:
                 param.normal_(0.0, std, generator=generator)
+    finish_quantized_layers(model, "random weights")
+
+
+def _generator(
+    generators: dict[torch.device, torch.Generator], device: torch.device, seed: int
+) -> torch.Generator:
+    if device not in generators:
+        generators[device] = torch.Generator(device=device).manual_seed(seed)
+    return generators[device]
