@@ -7,8 +7,12 @@ types, so a mistake is one `error: argument --FLAG: ...` line before any model i
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import logging
 
 from snugkv.engine import EngineArgs
+
+logger = logging.getLogger(__name__)
 
 
 def tensor_parallel_size(value: str) -> int:
@@ -122,9 +126,20 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="read each step's tokens before launching the next (default: the GPU runs the next "
         "step while the host handles the last one's tokens)",
     )
-    group.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="--kv-sizing profiled only")
+    group.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="--kv-sizing profiled only: the share of the GPU the engine may take (default: 0.9)",
+    )
     group.add_argument(
         "--mem-fraction-static", type=float, default=None, help="--kv-sizing static-fraction only"
+    )
+    group.add_argument(
+        "--swa-full-tokens-ratio",
+        type=float,
+        default=None,
+        help="sliding-window models: the window layers' KV tokens per full-attention token (default: 0.8)",
     )
     group.add_argument(
         "--headroom-margin-mib",
@@ -174,5 +189,57 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_args_from(namespace: argparse.Namespace) -> EngineArgs:
-    fields = EngineArgs.__dataclass_fields__
-    return EngineArgs(**{name: getattr(namespace, name) for name in fields if hasattr(namespace, name)})
+    """The flags as `EngineArgs`; a flag left out whose field has a value by default keeps it
+    (such flags default to None so that `mode_flag_problems` can tell a given one)."""
+    values = {}
+    for field in dataclasses.fields(EngineArgs):
+        value = getattr(namespace, field.name, None)
+        if value is not None or field.default is None:
+            values[field.name] = value
+    return EngineArgs(**values)
+
+
+def checked_engine_args(namespace: argparse.Namespace) -> EngineArgs:
+    """`engine_args_from`, refused (`InvalidEngineArgs`: one line, exit code 2) as the engine would
+    refuse it, before any model is read or process started; one warning per flag the sizing mode
+    ignores."""
+    from snugkv.models.loader import resolve_device
+
+    args = engine_args_from(namespace)
+    args.validate()
+    args.resolved(resolve_device(args.device))
+    for warning in ignored_flag_warnings(args, given_flags(namespace)):
+        logger.warning("%s", warning)
+    return args
+
+
+def given_flags(namespace: argparse.Namespace) -> set[str]:
+    """The `EngineArgs` fields whose flag was given (those that default to None)."""
+    return {
+        name
+        for name in ("gpu_memory_utilization", "mem_fraction_static")
+        if getattr(namespace, name, None) is not None
+    }
+
+
+def ignored_flag_warnings(args: EngineArgs, given: set[str]) -> list[str]:
+    """One line per given flag that does nothing under the sizing mode `args` asks for."""
+    warnings = []
+    # Without VMM an unset --kv-sizing falls back to profiled, where the fraction does apply.
+    if "gpu_memory_utilization" in given and args.kv_sizing not in (None, "profiled"):
+        warnings.append(
+            f"--gpu-memory-utilization {args.gpu_memory_utilization} is ignored: it applies only with "
+            f"--kv-sizing profiled, not {args.kv_sizing} (--max-device-memory caps the engine in every mode)"
+        )
+    elif "gpu_memory_utilization" in given and args.kv_sizing is None:
+        warnings.append(
+            f"--gpu-memory-utilization {args.gpu_memory_utilization} is ignored under post-capture sizing "
+            "(the default: the KV cache takes what is free after capture); it applies with --kv-sizing "
+            "profiled, or where the engine falls back to it without VMM (--max-device-memory caps the engine)"
+        )
+    if "mem_fraction_static" in given and args.kv_sizing != "static-fraction":
+        warnings.append(
+            f"--mem-fraction-static {args.mem_fraction_static} is ignored: it applies only with "
+            "--kv-sizing static-fraction"
+        )
+    return warnings

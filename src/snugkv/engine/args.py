@@ -8,9 +8,9 @@ import torch
 
 from snugkv.attention.registry import attention_backend_names
 from snugkv.memory.arena import DEFAULT_CHUNK_BYTES
-from snugkv.memory.layout import KVLayout
+from snugkv.memory.layout import KV_DTYPES, KVLayout, parse_kv_dtype
 from snugkv.memory.vmm import MIB
-from snugkv.models.loader import LOAD_FORMATS
+from snugkv.models.loader import DTYPE_NAMES, LOAD_FORMATS
 from snugkv.sizing.modes import SizingMode
 
 
@@ -61,6 +61,49 @@ class EngineArgs:
         ):
             if value is not None and value not in choices:
                 raise InvalidEngineArgs(f"{flag} must be one of {', '.join(choices)}, got {value!r}")
+        if self.dtype is not None and self.dtype not in DTYPE_NAMES:
+            raise InvalidEngineArgs(
+                f"--dtype must be one of auto, float32, bfloat16, float16, got {self.dtype!r}"
+            )
+        if self.kv_dtype is not None:
+            try:
+                parse_kv_dtype(self.kv_dtype)
+            except ValueError:
+                raise InvalidEngineArgs(
+                    f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}"
+                ) from None
+        # A context of 0 tokens holds no prompt; left out, it is the model's own.
+        for flag, count in (
+            ("--context-length", self.context_length),
+            ("--chunked-prefill-size", self.chunked_prefill_size),
+        ):
+            if count is not None and count < 1:
+                raise InvalidEngineArgs(
+                    f"{flag} must be a positive number of tokens, got {count} (or leave it out)"
+                )
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
+            raise InvalidEngineArgs(
+                f"--cuda-graph-max-bs must be at least 1, got {self.cuda_graph_max_bs} "
+                "(--disable-cuda-graph turns the graphs off)"
+            )
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise InvalidEngineArgs(
+                f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
+            raise InvalidEngineArgs(
+                f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}"
+            )
+        if self.headroom_margin_mib < 0:
+            raise InvalidEngineArgs(
+                f"--headroom-margin-mib must be 0 or more, got {self.headroom_margin_mib}"
+            )
+        if not 0 < self.swa_full_tokens_ratio <= 1:
+            raise InvalidEngineArgs(
+                f"--swa-full-tokens-ratio must be in (0, 1], got {self.swa_full_tokens_ratio}"
+            )
+        if self.kv_reserve_gib is not None and self.kv_reserve_gib <= 0:
+            raise InvalidEngineArgs(f"--kv-reserve-gib must be positive, got {self.kv_reserve_gib}")
         if self.page_size is not None and self.page_size < 1:
             raise InvalidEngineArgs(f"--page-size must be at least 1, got {self.page_size}")
         page = self.page_size or 1
@@ -87,7 +130,13 @@ class EngineArgs:
             raise InvalidEngineArgs(f"--tp must be >= 1, got {self.tp_size}")
 
     def resolved(self, device: torch.device) -> EngineArgs:
+        """The defaults of `device` filled in; refuses what cannot run there (`InvalidEngineArgs`)."""
         gpu = device.type == "cuda"
+        if self.attention_backend == "triton" and not gpu:
+            raise InvalidEngineArgs(
+                f"--attention-backend triton runs on a CUDA GPU, not on {device.type}; "
+                "use --attention-backend torch (the default there)"
+            )
         chunk = self.chunked_prefill_size or (8192 if gpu else 512)
         prefill_graphs = self.prefill_graph_max_tokens
         if prefill_graphs is None:

@@ -50,6 +50,7 @@ _DTYPES = {
     "fp16": torch.float16,
     "half": torch.float16,
 }
+DTYPE_NAMES = ("auto", *_DTYPES)  # what --dtype takes
 _WHAT_TO_PASS = (
     "pass a Hugging Face model directory (config.json + *.safetensors), a .gguf file, "
     "a Hugging Face Hub id (Org/Name), or no --model for the default SmolLM2-135M-Instruct"
@@ -312,6 +313,16 @@ def load_model(
     device_ = resolve_device(device)
     dtype_ = resolve_dtype(dtype, device_)
     config = read_model_config(source)
+    if max_position is not None and max_position > config.max_position_embeddings:
+        # Rotary positions past the trained ones compute, but the model was never taught them.
+        logger.warning(
+            "--context-length %d is beyond the %d positions %s was trained for; output past %d tokens "
+            "is likely to degrade (leave --context-length out for the model's own)",
+            max_position,
+            config.max_position_embeddings,
+            source.path.name,
+            config.max_position_embeddings,
+        )
     out_of_memory = False
     try:
         net = _build_and_load(
