@@ -11,8 +11,9 @@ from typing import Literal
 
 from snugkv.core.sampling import SamplingParams
 
-# "abort" and "kv_capacity" (cut short because the KV cache cannot hold the next token) reach clients
-# as OpenAI's "length" with the engine's reason in `finish_detail` (server/formats.py).
+# "abort" (cut off before the model finished) reaches HTTP clients as "abort", as vLLM has it;
+# "kv_capacity" (the KV cache cannot hold the next token) as OpenAI's "length" with the engine's
+# reason in `finish_detail` (server/formats.py).
 FinishReason = Literal["stop", "length", "abort", "kv_capacity", "error"]
 
 

@@ -262,7 +262,7 @@ class PromptLogprob(BaseModel):
 
 class _Choice(BaseModel):
     """A choice's `finish_detail` (snugkv's own reason when `finish_reason` alone would mislead, e.g.
-    "abort") and `prompt_logprobs` (asked for) appear only when set; the other fields keep
+    "kv_capacity") and `prompt_logprobs` (asked for) appear only when set; the other fields keep
     OpenAI's explicit nulls."""
 
     @model_serializer(mode="wrap")
