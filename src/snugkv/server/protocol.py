@@ -1,9 +1,11 @@
 """The OpenAI completions and chat completions wire format, as pydantic models.
 
-Requests are strict (a string where a number belongs is an error, not a guess) and keep fields
-they do not know, as OpenAI clients send extras: a field that would change the output but is not
+Requests are strict (a string where a number belongs is an error, not a guess). A top-level field
+the models do not declare is one of three kinds: one that would change the output but is not
 implemented is refused by name (`REFUSED_FIELDS`, the one list of them: remove an entry when its
-feature lands), and the others (`user`, `metadata`, ...) are informational and accepted. Fields whose JSON may take several shapes
+feature lands); one that changes nothing here (`INFORMATIONAL_FIELDS`: `user`, `metadata`, `store`,
+...) is accepted; any other is a 400 "Unrecognized request argument" naming it, as OpenAI answers,
+so that a typo (`max_token`) is not silently ignored (`unrecognized_field`). Fields whose JSON may take several shapes
 (`prompt`, `stop`, message `content`) are checked by hand so that the error says which shapes are
 accepted. Responses mirror OpenAI's field names so the official client parses them unchanged.
 This module holds no behaviour beyond shape checks.
@@ -71,7 +73,7 @@ class GenerationRequest(_Request):
     regex: str | None = None
     ebnf: str | None = None
 
-    @field_validator("stop", mode="plain")
+    @field_validator("stop", mode="plain", json_schema_input_type=str | list[str] | None)
     @classmethod
     def _stop_shape(cls, value: Any) -> str | list[str] | None:
         if value is None or isinstance(value, str):
@@ -88,7 +90,7 @@ class CompletionRequest(GenerationRequest):
     prompt_logprobs: int | None = None  # vLLM's extension: top alternatives per prompt position
     best_of: int | None = None
 
-    @field_validator("prompt", mode="plain")
+    @field_validator("prompt", mode="plain", json_schema_input_type=PromptInput)
     @classmethod
     def _prompt_shape(cls, value: Any) -> PromptInput:
         if isinstance(value, str):
@@ -118,7 +120,7 @@ class ChatMessage(_Request):
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
 
-    @field_validator("content", mode="plain")
+    @field_validator("content", mode="plain", json_schema_input_type=str | list[dict[str, Any]] | None)
     @classmethod
     def _content_shape(cls, value: Any) -> str | list[dict[str, Any]] | None:
         if value is None or isinstance(value, str):
@@ -170,14 +172,20 @@ class RefusedField:
 
 
 _STRUCTURED = "structured output"
-_TOOLS = "tool calling"  # `tools` and `tool_choice` are implemented; the legacy function fields are not
+# `tools` and `tool_choice` are implemented; the legacy function fields are not, and their refusal
+# points to the fields that do the same.
+_LEGACY_FUNCTIONS = "OpenAI's legacy function calling"
+_AS_TOOLS = (
+    'send each function as a tool instead, tools: [{"type": "function", "function": {...}}], '
+    "with tool_choice for function_call (tool calling is supported)"
+)
 
 # The one list of fields refused by name: remove an entry when its feature lands.
 REFUSED_FIELDS: dict[str, RefusedField] = {
     "guided_whitespace_pattern": RefusedField(_STRUCTURED),
     "structured_outputs": RefusedField(_STRUCTURED),
-    "functions": RefusedField(_TOOLS, _unset_or_empty),
-    "function_call": RefusedField(_TOOLS, _unset_or("none", "auto")),
+    "functions": RefusedField(_LEGACY_FUNCTIONS, _unset_or_empty, instead=_AS_TOOLS),
+    "function_call": RefusedField(_LEGACY_FUNCTIONS, _unset_or("none", "auto"), instead=_AS_TOOLS),
     "suffix": RefusedField(
         "text after the insertion point (suffix)", _unset_or_empty, frozenset({"completions"})
     ),
@@ -221,7 +229,39 @@ REFUSED_FIELDS: dict[str, RefusedField] = {
     ),
     "documents": RefusedField("documents for the chat template", _unset_or_empty, frozenset({"chat"})),
     "echo": RefusedField("echoing the last message", _falsy, frozenset({"chat"})),
+    "moderation": RefusedField("content moderation", _unset_or_empty),
 }
+
+
+# Fields OpenAI's and vLLM's clients send that change nothing this server computes: who asks
+# (user, safety_identifier, metadata), what the provider stores or bills (store, service_tier),
+# prompt-cache routing (prompt_cache_*, cache_salt), vLLM's request_id and scheduling priority.
+INFORMATIONAL_FIELDS = frozenset(
+    {
+        "user",
+        "metadata",
+        "store",
+        "service_tier",
+        "safety_identifier",
+        "prompt_cache_key",
+        "prompt_cache_options",
+        "prompt_cache_retention",
+        "cache_salt",
+        "request_id",
+        "priority",
+    }
+)
+
+
+def unrecognized_field(request: GenerationRequest, endpoint: str) -> str | None:
+    """The first top-level field of `request` that its model does not declare, `REFUSED_FIELDS`
+    does not name on `endpoint` ("completions" or "chat") and `INFORMATIONAL_FIELDS` does not
+    hold, or None."""
+    for name in request.model_extra or {}:
+        refused = REFUSED_FIELDS.get(name)
+        if (refused is None or endpoint not in refused.endpoints) and name not in INFORMATIONAL_FIELDS:
+            return name
+    return None
 
 
 def refused_field(request: GenerationRequest, endpoint: str) -> tuple[str, RefusedField] | None:
