@@ -18,6 +18,7 @@ BENCHMARKS = {
     "tp": "snugkv.bench.tp",
     "elastic": "snugkv.bench.elastic",
     "structured": "snugkv.bench.structured",
+    "fuzz": "snugkv.bench.fuzz",
 }
 
 

@@ -33,6 +33,7 @@ from snugkv.server.errors import NOT_FOUND, SERVER_ERROR, APIError, install_erro
 from snugkv.server.formats import ChatFormat, CompletionFormat, ResponseFormat
 from snugkv.server.metrics import ServerMetrics
 from snugkv.server.middleware import BearerAuthMiddleware, BodySizeLimitMiddleware, ShutdownCutoffMiddleware
+from snugkv.server.openapi import install_openapi, request_body
 from snugkv.server.prepare import (
     PreparedRequest,
     SequenceLimit,
@@ -40,7 +41,6 @@ from snugkv.server.prepare import (
     prepare_chat,
     prepare_completion,
 )
-from snugkv.server.openapi import install_openapi, request_body
 from snugkv.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,

@@ -46,7 +46,11 @@ def api_error(exc: KvResizeError) -> APIError:
 async def _json_object(request: Request, example: str) -> dict[str, Any]:
     raw = await request.body()
     try:
-        body = json.loads(raw) if raw.strip() else None
+        body = json.loads(raw.decode("utf-8-sig")) if raw.strip() else None
+    except UnicodeDecodeError:
+        raise APIError(
+            400, f"The body is not UTF-8 text; send a UTF-8 JSON object such as {example}."
+        ) from None
     except json.JSONDecodeError as exc:
         raise APIError(
             400, f"The body is not valid JSON ({exc.msg}); send an object such as {example}."
@@ -91,7 +95,9 @@ _TAGS_QUERY = ("tags", {"type": "string", "description": "comma-separated: weigh
 def install_elastic_routes(app: FastAPI, engine: Any) -> None:
     @app.post(
         "/kv/resize",
-        openapi_extra=_json_body({"max_total_num_tokens": {"type": "integer"}, "free_gib": {"type": "number"}}),
+        openapi_extra=_json_body(
+            {"max_total_num_tokens": {"type": "integer"}, "free_gib": {"type": "number"}}
+        ),
     )
     async def resize_kv(request: Request) -> Any:
         resize = _elastic(engine, "resize_kv")

@@ -27,7 +27,9 @@ from snugkv.server.engine_protocol import EngineClient
 from snugkv.server.errors import APIError, bad_request, from_validation_error
 from snugkv.server.guided import requested_structured_output
 from snugkv.server.protocol import (
+    CHAT_ROLES,
     INFORMATIONAL_FIELDS,
+    MAX_CHOICES,
     REFUSED_FIELDS,
     ChatCompletionRequest,
     CompletionRequest,
@@ -37,10 +39,8 @@ from snugkv.server.protocol import (
 )
 from snugkv.server.tools import ToolPlan, plan_tools, render_messages
 
-MAX_CHOICES = 128  # n times the number of prompts
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the room left
 SEED_MODULUS = 2**63
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 JSON_KINDS = {
     list: "array",

@@ -26,7 +26,15 @@ from pydantic import (
     model_serializer,
 )
 
+from snugkv.core.sampling import MAX_LOGPROBS
+
 PromptInput = str | list[str] | list[int] | list[list[int]]
+MAX_CHOICES = 128  # n times the number of prompts
+
+
+def _bounds(minimum: float, maximum: float | None = None) -> dict[str, Any]:
+    """A number's range in the OpenAPI schema."""
+    return {"minimum": minimum} if maximum is None else {"minimum": minimum, "maximum": maximum}
 
 
 class _Request(BaseModel):
@@ -44,23 +52,25 @@ class GenerationRequest(_Request):
 
     model_config = ConfigDict(strict=True, extra="allow")  # unknown fields: see `refused_field`
 
+    # `_bounds` only describe the ranges in the OpenAPI schema (server/openapi.py); the checks, with
+    # their messages, are prepare's and SamplingParams'.
     model: str | None = None
-    n: int = 1
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
+    n: int = Field(1, json_schema_extra=_bounds(1, MAX_CHOICES))
+    max_tokens: int | None = Field(None, json_schema_extra=_bounds(0))
+    temperature: float | None = Field(None, json_schema_extra=_bounds(0, 100))
+    top_p: float | None = Field(None, json_schema_extra={"exclusiveMinimum": 0, "maximum": 1})
+    top_k: int | None = Field(None, json_schema_extra=_bounds(-1))
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, json_schema_extra=_bounds(0, 2**63 - 1))
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    min_p: float | None = None
-    min_tokens: int | None = None
+    presence_penalty: float | None = Field(None, json_schema_extra=_bounds(-2, 2))
+    frequency_penalty: float | None = Field(None, json_schema_extra=_bounds(-2, 2))
+    repetition_penalty: float | None = Field(None, json_schema_extra={"exclusiveMinimum": 0, "maximum": 100})
+    min_p: float | None = Field(None, json_schema_extra=_bounds(0, 1))
+    min_tokens: int | None = Field(None, json_schema_extra=_bounds(0))
     logit_bias: dict[str, Any] | None = None
     user: str | None = None
     # Structured output (snugkv.server.guided): OpenAI's, vLLM's and SGLang's names.
@@ -85,9 +95,10 @@ class GenerationRequest(_Request):
 
 class CompletionRequest(GenerationRequest):
     prompt: PromptInput
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, json_schema_extra=_bounds(0, MAX_LOGPROBS))
     echo: bool = False
-    prompt_logprobs: int | None = None  # vLLM's extension: top alternatives per prompt position
+    # vLLM's extension: top alternatives per prompt position
+    prompt_logprobs: int | None = Field(None, json_schema_extra=_bounds(0, MAX_LOGPROBS))
     best_of: int | None = None
 
     @field_validator("prompt", mode="plain", json_schema_input_type=PromptInput)
@@ -113,8 +124,11 @@ def _is_token_id(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
 class ChatMessage(_Request):
-    role: str
+    role: str = Field(json_schema_extra={"enum": list(CHAT_ROLES)})
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
@@ -133,12 +147,13 @@ class ChatMessage(_Request):
 class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage]
     logprobs: bool = False
-    top_logprobs: int | None = None
-    max_completion_tokens: int | None = None
+    top_logprobs: int | None = Field(None, json_schema_extra=_bounds(0, MAX_LOGPROBS))
+    max_completion_tokens: int | None = Field(None, json_schema_extra=_bounds(1))
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    prompt_logprobs: int | None = None  # vLLM's extension, on the rendered template; not streamed
+    # vLLM's extension, on the rendered template; not streamed
+    prompt_logprobs: int | None = Field(None, json_schema_extra=_bounds(0, MAX_LOGPROBS))
 
 
 def _unset(value: Any) -> bool:
