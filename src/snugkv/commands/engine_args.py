@@ -9,8 +9,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+from typing import TYPE_CHECKING, Any
 
-from snugkv.engine import EngineArgs
+if TYPE_CHECKING:  # the engine (and torch) load when a command runs, not to build --help
+    from snugkv.engine.args import EngineArgs
 
 logger = logging.getLogger(__name__)
 
@@ -190,8 +192,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 def engine_args_from(namespace: argparse.Namespace) -> EngineArgs:
     """The flags as `EngineArgs`; a flag left out whose field has a value by default keeps it
-    (such flags default to None so that `mode_flag_problems` can tell a given one)."""
-    values = {}
+    (such flags default to None so that `given_flags` can tell a given one)."""
+    from snugkv.engine.args import EngineArgs
+
+    values: dict[str, Any] = {}
     for field in dataclasses.fields(EngineArgs):
         value = getattr(namespace, field.name, None)
         if value is not None or field.default is None:
@@ -208,7 +212,7 @@ def checked_engine_args(namespace: argparse.Namespace) -> EngineArgs:
     args = engine_args_from(namespace)
     args.validate()
     args.resolved(resolve_device(args.device))
-    for warning in ignored_flag_warnings(args, given_flags(namespace)):
+    for warning in args.ignored_flag_warnings(given_flags(namespace)):
         logger.warning("%s", warning)
     return args
 
@@ -220,26 +224,3 @@ def given_flags(namespace: argparse.Namespace) -> set[str]:
         for name in ("gpu_memory_utilization", "mem_fraction_static")
         if getattr(namespace, name, None) is not None
     }
-
-
-def ignored_flag_warnings(args: EngineArgs, given: set[str]) -> list[str]:
-    """One line per given flag that does nothing under the sizing mode `args` asks for."""
-    warnings = []
-    # Without VMM an unset --kv-sizing falls back to profiled, where the fraction does apply.
-    if "gpu_memory_utilization" in given and args.kv_sizing not in (None, "profiled"):
-        warnings.append(
-            f"--gpu-memory-utilization {args.gpu_memory_utilization} is ignored: it applies only with "
-            f"--kv-sizing profiled, not {args.kv_sizing} (--max-device-memory caps the engine in every mode)"
-        )
-    elif "gpu_memory_utilization" in given and args.kv_sizing is None:
-        warnings.append(
-            f"--gpu-memory-utilization {args.gpu_memory_utilization} is ignored under post-capture sizing "
-            "(the default: the KV cache takes what is free after capture); it applies with --kv-sizing "
-            "profiled, or where the engine falls back to it without VMM (--max-device-memory caps the engine)"
-        )
-    if "mem_fraction_static" in given and args.kv_sizing != "static-fraction":
-        warnings.append(
-            f"--mem-fraction-static {args.mem_fraction_static} is ignored: it applies only with "
-            "--kv-sizing static-fraction"
-        )
-    return warnings

@@ -129,6 +129,29 @@ class EngineArgs:
         if self.tp_size < 1:
             raise InvalidEngineArgs(f"--tp must be >= 1, got {self.tp_size}")
 
+    def ignored_flag_warnings(self, given: set[str]) -> list[str]:
+        """One line per field in `given` (set by the caller, not by default) whose flag does nothing
+        under the sizing mode these args ask for."""
+        warnings = []
+        # Without VMM an unset --kv-sizing falls back to profiled, where the fraction does apply.
+        if "gpu_memory_utilization" in given and self.kv_sizing not in (None, "profiled"):
+            warnings.append(
+                f"--gpu-memory-utilization {self.gpu_memory_utilization} is ignored: it applies only with "
+                f"--kv-sizing profiled, not {self.kv_sizing} (--max-device-memory caps the engine in every mode)"
+            )
+        elif "gpu_memory_utilization" in given and self.kv_sizing is None:
+            warnings.append(
+                f"--gpu-memory-utilization {self.gpu_memory_utilization} is ignored under post-capture sizing "
+                "(the default: the KV cache takes what is free after capture); it applies with --kv-sizing "
+                "profiled, or where the engine falls back to it without VMM (--max-device-memory caps the engine)"
+            )
+        if "mem_fraction_static" in given and self.kv_sizing != "static-fraction":
+            warnings.append(
+                f"--mem-fraction-static {self.mem_fraction_static} is ignored: it applies only with "
+                "--kv-sizing static-fraction"
+            )
+        return warnings
+
     def resolved(self, device: torch.device) -> EngineArgs:
         """The defaults of `device` filled in; refuses what cannot run there (`InvalidEngineArgs`)."""
         gpu = device.type == "cuda"
