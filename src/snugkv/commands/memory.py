@@ -15,7 +15,8 @@ import sys
 from collections.abc import Iterator
 
 from snugkv.commands.engine_args import add_engine_arguments, checked_engine_args, engine_args_from
-from snugkv.memory.vmm import GIB
+
+GIB = 1 << 30  # as snugkv.memory.vmm has it; that module imports torch, which --help need not
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -17,13 +17,10 @@ import signal
 from pathlib import Path
 
 from snugkv.commands.engine_args import add_engine_arguments, checked_engine_args, engine_args_from
-from snugkv.memory.arena import DEFAULT_CHUNK_BYTES
-from snugkv.memory.vmm import MIB
 
 logger = logging.getLogger(__name__)
 
 API_KEY_ENV = "SNUGKV_API_KEY"
-DEFAULT_KV_CHUNK_MIB = DEFAULT_CHUNK_BYTES // MIB
 DEFAULT_MEMORY_SHARE = 1.0
 DEFAULT_KV_MIN_TOKENS = 4096
 
@@ -332,9 +329,11 @@ def _serve_rank(tp, args: argparse.Namespace, sock=None) -> int:
 
 def _join_memory_share(args: argparse.Namespace):
     """--kv-elastic: register on the GPU's record and wait until the running engines made room."""
+    from snugkv.memory.arena import DEFAULT_CHUNK_BYTES
+    from snugkv.memory.vmm import MIB
     from snugkv.server.memory_share import ELASTIC_CHUNK_MIB, MemoryShare, ShareOptions, device_total_gib
 
-    if args.kv_chunk_mib == DEFAULT_KV_CHUNK_MIB:  # a shrink on a full device frees whole chunks only
+    if args.kv_chunk_mib == DEFAULT_CHUNK_BYTES // MIB:  # a shrink on a full device frees whole chunks only
         args.kv_chunk_mib = ELASTIC_CHUNK_MIB
     if args.kv_reserve_gib is None:  # room to grow into all the others may give back
         args.kv_reserve_gib = device_total_gib(engine_args_from(args))

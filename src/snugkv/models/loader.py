@@ -32,6 +32,7 @@ from snugkv.memory.vmm import CommitError, VirtualMemory
 from snugkv.memory.weight_arena import WeightArena, aligned
 from snugkv.models.causal_lm import CausalLM
 from snugkv.models.config import ConfigError, ModelConfig
+from snugkv.models.gguf_cache import read_cached, writing_cache
 from snugkv.models.gguf_loader import GGUFError, config_from_gguf, is_gguf_file, iter_gguf_tensors, open_gguf
 from snugkv.models.hub import HubModelError, hub_snapshot, is_hub_id
 from snugkv.models.registry import UnsupportedArchitectureError, get_model_class, supported_architectures
@@ -239,7 +240,8 @@ def _materialize_in_arena(model: CausalLM, device: torch.device, memory: Virtual
                 params[id(param)] = param
         for name, buffer in module._buffers.items():
             if buffer is not None:
-                module._buffers[name] = torch.empty_like(buffer, device=device)
+                # Not empty_like: on a meta tensor it loads torch's symbolic shapes (sympy), seconds.
+                module._buffers[name] = torch.empty(buffer.shape, dtype=buffer.dtype, device=device)
     offsets, size = {}, 0
     for key, param in params.items():
         offsets[key] = size
@@ -350,8 +352,12 @@ def _fill(net: CausalLM, config: ModelConfig, source: ModelSource, load_format: 
         if load_format == "dummy":
             init_dummy_weights(net, seed=seed, std=float(config.hf.get("initializer_range") or 0.02))
         elif source.kind == "gguf":
-            gguf = open_gguf(source.path)
-            net.load_weights(iter_gguf_tensors(gguf, dict(config.hf)), source=str(source.path))
+            tensors = read_cached(source.path)  # the default model's, dequantized at an earlier start
+            if tensors is None:
+                tensors = writing_cache(
+                    source.path, iter_gguf_tensors(open_gguf(source.path), dict(config.hf))
+                )
+            net.load_weights(tensors, source=str(source.path))
         else:
             net.load_weights(iter_safetensors(safetensors_files(source.path)), source=str(source.path))
     except (WeightLoadError, GGUFError) as exc:
