@@ -4,7 +4,9 @@ Ctrl-C, `memory --json`, `chat --help`, `--version`, and no message naming a fla
 
 from __future__ import annotations
 
+import argparse
 import ast
+import importlib
 import json
 import logging
 import os
@@ -194,6 +196,12 @@ def _every_flag() -> set[str]:
             flags.update(action.option_strings)
             if hasattr(action, "choices") and isinstance(action.choices, dict):
                 parsers.extend(p for p in action.choices.values() if hasattr(p, "_actions"))
+    from snugkv.commands.bench import BENCHMARKS  # their arguments join their parser when they run
+
+    for module_name in BENCHMARKS.values():
+        bench_parser = argparse.ArgumentParser()
+        importlib.import_module(module_name).add_arguments(bench_parser)
+        flags.update(option for action in bench_parser._actions for option in action.option_strings)
     flags.update("--no-" + f[2:] for f in list(flags))  # BooleanOptionalAction's negations
     return flags
 
