@@ -42,7 +42,8 @@ def _transformers_model(path: Any) -> Any:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from snugkv import LLM, SamplingParams
+    from snugkv.core.sampling import SamplingParams
+    from snugkv.llm import LLM
     from snugkv.models.default_model import default_model_path
 
     if args.threads:
