@@ -13,6 +13,8 @@ import logging
 import sys
 from typing import NoReturn
 
+from snugkv.version import __version__
+
 DESCRIPTION = """\
 Run a language model on this machine: answer a prompt, chat in the terminal, or serve an
 OpenAI-compatible API. Without --model it uses SmolLM2-135M-Instruct (downloaded once). The KV
@@ -28,6 +30,7 @@ examples:
 'snugkv COMMAND --help' describes each command."""
 
 COMMANDS = ("generate", "chat", "serve", "memory", "memory_demo", "bench")
+INTERRUPTED_EXIT_CODE = 130  # what a shell reports for a command that SIGINT stopped
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
@@ -48,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_log_level(parser, default="INFO")
+    parser.add_argument("--version", action="version", version=f"snugkv {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
         try:
@@ -85,6 +89,14 @@ def _subparsers_below(parser: argparse.ArgumentParser) -> list[argparse.Argument
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _run(argv)
+    except KeyboardInterrupt:  # Ctrl-C while importing, loading or generating: the user asked, not a bug
+        print("\nstopped (Ctrl-C)", file=sys.stderr)
+        return INTERRUPTED_EXIT_CODE
+
+
+def _run(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(

@@ -133,6 +133,9 @@ def test_bad_resizes_name_the_limit(model_dir):
         elastic.resize_kv(scheduler, max_total_num_tokens=12.5)  # type: ignore[arg-type]
     with pytest.raises(KvResizeError, match="free_gib=-1 is negative"):
         elastic.resize_kv(scheduler, free_gib=-1)
+    # found by the fuzzer (snugkv bench fuzz): free_gib * GIB overflowed to inf, a 500 over HTTP
+    with pytest.raises(KvResizeError, match="more memory than any device has"):
+        elastic.resize_kv(scheduler, free_gib=1.7976931348623157e308)
     scheduler.add_request("long", list(range(5, 105)), SamplingParams(max_new_tokens=4))
     with pytest.raises(
         KvResizeError, match=r"request long holds 100 and needs a page more: .* shrink to 104"

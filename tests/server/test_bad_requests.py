@@ -160,8 +160,30 @@ BAD_BODIES = {
         {"messages": HI, "functions": [{"name": "f"}]},
         400,
         "functions",
-        ["tool calling"],
+        ["legacy function calling", "as a tool instead", "tool calling is supported"],
     ),
+    "legacy function_call": (
+        CHAT,
+        {"messages": HI, "function_call": {"name": "f"}},
+        400,
+        "function_call",
+        ["tools: [", "tool_choice"],
+    ),
+    "a typo of max_tokens": (
+        COMPLETIONS,
+        {"prompt": "x", "max_token": 3},
+        400,
+        "max_token",
+        ["Unrecognized request argument supplied: max_token", "did you mean max_tokens?"],
+    ),
+    "an unknown chat field": (
+        CHAT,
+        {"messages": HI, "some_future_field": 3},
+        400,
+        "some_future_field",
+        ["Unrecognized request argument supplied: some_future_field"],
+    ),
+    "suffix on chat": (CHAT, {"messages": HI, "suffix": "x"}, 400, "suffix", ["Unrecognized"]),
     "guided whitespace": (
         COMPLETIONS,
         {"prompt": "x", "guided_whitespace_pattern": " *"},
@@ -215,14 +237,21 @@ BAD_BODIES = {
             {"user": "me", "metadata": {"a": "b"}, "store": False, "response_format": {"type": "text"}},
         ),
         (CHAT, {"tools": [], "tool_choice": "none", "service_tier": "auto", "parallel_tool_calls": True}),
-        (COMPLETIONS, {"skip_special_tokens": True, "some_future_field": 3}),
+        (COMPLETIONS, {"skip_special_tokens": True, "priority": 0, "request_id": "mine"}),
         (CHAT, {"seed": 4, "best_of": 1, "verbosity": "medium", "web_search_options": {}}),
         (
             CHAT,
-            {"stream_options": {"include_usage": True}, "safety_identifier": "u1", "prompt_cache_key": "k"},
+            {
+                "stream_options": {"include_usage": True},
+                "safety_identifier": "u1",
+                "prompt_cache_key": "k",
+                "prompt_cache_retention": "24h",
+                "store": True,
+                "metadata": {"k": "v"},
+            },
         ),
     ],
-    ids=["informational", "inert tools", "inert and unknown", "inert chat extras", "usage without stream"],
+    ids=["informational", "inert tools", "inert and vLLM's own", "inert chat extras", "usage without stream"],
 )
 def test_fields_that_change_nothing_are_accepted(client: httpx.Client, endpoint: str, extra: dict) -> None:
     body = {"prompt": "x"} if endpoint == COMPLETIONS else {"messages": HI}

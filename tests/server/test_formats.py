@@ -1,4 +1,4 @@
-"""Response shapes in-process: only OpenAI's finish_reason values reach clients, and the completions
+"""Response shapes in-process: OpenAI's finish_reason values and vLLM's "abort" reach clients, and the completions
 API's alternatives hold the sampled token."""
 
 from __future__ import annotations
@@ -34,19 +34,21 @@ def finished(rid: str, reason: str, logprobs: list[TokenLogprob] | None = None) 
     )
 
 
-def test_an_aborted_choice_says_length_and_keeps_abort_as_its_detail() -> None:
-    request = prepared(2)
-    states = [ChoiceState(prompt_tokens=2), ChoiceState(prompt_tokens=2)]
-    states[0].absorb(finished("r-0", "abort"))
-    states[1].absorb(finished("r-1", "stop"))
+def test_an_aborted_choice_says_abort_and_a_kv_capacity_one_length_with_its_detail() -> None:
+    """A cut answer is not reported as a normal finish: "abort" (vLLM's value) reaches the client."""
+    request = prepared(3)
+    states = [ChoiceState(prompt_tokens=2) for _ in range(3)]
+    for state, (rid, reason) in zip(states, [("r-0", "abort"), ("r-1", "stop"), ("r-2", "kv_capacity")]):
+        state.absorb(finished(rid, reason))
     for response_format in (CompletionFormat(), ChatFormat()):
         choices = json.loads(response_format.response(request, states).model_dump_json())["choices"]
-        assert {choice["finish_reason"] for choice in choices} <= OPENAI_FINISH_REASONS
-        assert choices[0]["finish_reason"] == "length" and choices[0]["finish_detail"] == "abort"
+        assert {choice["finish_reason"] for choice in choices} <= OPENAI_FINISH_REASONS | {"abort"}
+        assert choices[0]["finish_reason"] == "abort" and "finish_detail" not in choices[0]
         assert choices[1]["finish_reason"] == "stop" and "finish_detail" not in choices[1]
+        assert choices[2]["finish_reason"] == "length" and choices[2]["finish_detail"] == "kv_capacity"
         streamed = response_format.delta(request, 0, finished("r-0", "abort"), states[0])
         chunk = json.loads(streamed.model_dump_json())["choices"][0]
-        assert chunk["finish_reason"] == "length" and chunk["finish_detail"] == "abort"
+        assert chunk["finish_reason"] == "abort"
 
 
 def test_completion_top_logprobs_hold_the_sampled_token() -> None:

@@ -186,8 +186,9 @@ def test_memory_command_prints_the_plan_the_ledger_and_json(tiny_dir, capsys, tm
     assert (
         main(["memory", "--model", tiny_dir, "--max-total-tokens", "256", "--json", "--plot", str(plot)]) == 0
     )
+    report = json.loads(capsys.readouterr().out)  # with --json, stdout is the JSON alone
+    assert report["max_total_num_tokens"] == 256 and len(report["ledger_per_rank"]) == 1
+    assert main(["memory", "--model", tiny_dir, "--max-total-tokens", "256"]) == 0
     out = capsys.readouterr().out
     assert "kv sizing: post-capture, max_total_num_tokens=256" in out and "Memory ledger" in out
-    report = json.loads(out[out.index("{") : out.rindex("}") + 1])
-    assert report["max_total_num_tokens"] == 256 and len(report["ledger_per_rank"]) == 1
     assert plot.stat().st_size > 0

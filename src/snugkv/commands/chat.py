@@ -13,7 +13,7 @@ import signal
 import sys
 from typing import Any
 
-from snugkv.commands.engine_args import add_engine_arguments
+from snugkv.commands.engine_args import add_engine_arguments, checked_engine_args
 from snugkv.commands.generate import Session, add_sampling_arguments, sampling_from
 
 
@@ -22,14 +22,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "chat", help="interactive chat in the terminal (streaming)", description=__doc__
     )
     parser.add_argument("--system", default=None, help="a system message for the conversation")
-    add_sampling_arguments(parser)
+    add_sampling_arguments(parser, max_tokens=512)
     add_engine_arguments(parser)
-    parser.set_defaults(func=run, max_tokens=512)
+    parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from snugkv.distributed.launch import device_type_for, launch
 
+    checked_engine_args(args)
     return int(launch(_chat_rank, args.tp_size, (args,), device_type=device_type_for(args.device)) or 0)
 
 

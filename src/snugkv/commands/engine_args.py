@@ -7,8 +7,14 @@ types, so a mistake is one `error: argument --FLAG: ...` line before any model i
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import logging
+from typing import TYPE_CHECKING, Any
 
-from snugkv.engine import EngineArgs
+if TYPE_CHECKING:  # the engine (and torch) load when a command runs, not to build --help
+    from snugkv.engine.args import EngineArgs
+
+logger = logging.getLogger(__name__)
 
 
 def tensor_parallel_size(value: str) -> int:
@@ -129,9 +135,20 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="read each step's tokens before launching the next (default: the GPU runs the next "
         "step while the host handles the last one's tokens)",
     )
-    group.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="--kv-sizing profiled only")
+    group.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="--kv-sizing profiled only: the share of the GPU the engine may take (default: 0.9)",
+    )
     group.add_argument(
         "--mem-fraction-static", type=float, default=None, help="--kv-sizing static-fraction only"
+    )
+    group.add_argument(
+        "--swa-full-tokens-ratio",
+        type=float,
+        default=None,
+        help="sliding-window models: the window layers' KV tokens per full-attention token (default: 0.8)",
     )
     group.add_argument(
         "--headroom-margin-mib",
@@ -181,5 +198,36 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_args_from(namespace: argparse.Namespace) -> EngineArgs:
-    fields = EngineArgs.__dataclass_fields__
-    return EngineArgs(**{name: getattr(namespace, name) for name in fields if hasattr(namespace, name)})
+    """The flags as `EngineArgs`; a flag left out whose field has a value by default keeps it
+    (such flags default to None so that `given_flags` can tell a given one)."""
+    from snugkv.engine.args import EngineArgs
+
+    values: dict[str, Any] = {}
+    for field in dataclasses.fields(EngineArgs):
+        value = getattr(namespace, field.name, None)
+        if value is not None or field.default is None:
+            values[field.name] = value
+    return EngineArgs(**values)
+
+
+def checked_engine_args(namespace: argparse.Namespace) -> EngineArgs:
+    """`engine_args_from`, refused (`InvalidEngineArgs`: one line, exit code 2) as the engine would
+    refuse it, before any model is read or process started; one warning per flag the sizing mode
+    ignores."""
+    from snugkv.models.loader import resolve_device
+
+    args = engine_args_from(namespace)
+    args.validate()
+    args.resolved(resolve_device(args.device))
+    for warning in args.ignored_flag_warnings(given_flags(namespace)):
+        logger.warning("%s", warning)
+    return args
+
+
+def given_flags(namespace: argparse.Namespace) -> set[str]:
+    """The `EngineArgs` fields whose flag was given (those that default to None)."""
+    return {
+        name
+        for name in ("gpu_memory_utilization", "mem_fraction_static")
+        if getattr(namespace, name, None) is not None
+    }

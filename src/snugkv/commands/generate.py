@@ -15,14 +15,17 @@ import sys
 import time
 from typing import Any
 
-from snugkv.commands.engine_args import add_engine_arguments, engine_args_from
+from snugkv.commands.engine_args import add_engine_arguments, checked_engine_args, engine_args_from
 
 logger = logging.getLogger(__name__)
 
 
-def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+def add_sampling_arguments(parser: argparse.ArgumentParser, *, max_tokens: int = 128) -> None:
+    """The sampling flags; `max_tokens` is the command's default for --max-tokens."""
     group = parser.add_argument_group("sampling")
-    group.add_argument("--max-tokens", type=int, default=128, help="new tokens at most (default: 128)")
+    group.add_argument(
+        "--max-tokens", type=int, default=max_tokens, help=f"new tokens at most (default: {max_tokens})"
+    )
     group.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
     group.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0, off)")
     group.add_argument(
@@ -125,6 +128,7 @@ def _silent(text: str) -> None:
 def run(args: argparse.Namespace) -> int:
     from snugkv.distributed.launch import device_type_for, launch
 
+    checked_engine_args(args)  # before the model is read: one line for a bad flag
     if args.prompt == "-":  # read here: only this process (rank 0) has the terminal's stdin
         args.prompt = sys.stdin.read()
     return int(launch(_run_rank, args.tp_size, (args,), device_type=device_type_for(args.device)) or 0)

@@ -11,10 +11,12 @@ import argparse
 import contextlib
 import json
 import logging
+import sys
 from collections.abc import Iterator
 
-from snugkv.commands.engine_args import add_engine_arguments, engine_args_from
-from snugkv.memory.vmm import GIB
+from snugkv.commands.engine_args import add_engine_arguments, checked_engine_args, engine_args_from
+
+GIB = 1 << 30  # as snugkv.memory.vmm has it; that module imports torch, which --help need not
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -39,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.gpu is not None:
         return _show_engines(args.gpu, as_json=args.json)
-
+    checked_engine_args(args)  # a bad flag is one line before loading, as `generate` has it
     return int(launch(_memory_rank, args.tp_size, (args,), device_type=device_type_for(args.device)) or 0)
 
 
@@ -55,6 +57,29 @@ def _memory_rank(tp, args: argparse.Namespace) -> int:
     engine.close()
     if not tp.is_first_rank:
         return 0
+    if args.json:  # stdout holds the JSON alone, so it can be piped into a parser
+        print(
+            json.dumps(
+                {**report.to_dict(), "ledger_per_rank": [ledger.to_dict() for ledger in ledgers]}, indent=2
+            )
+        )
+    else:
+        _print_report(report, ledgers)
+    if args.plot:
+        from snugkv.bench.plots import plot_ledgers
+
+        plot_ledgers(
+            {f"rank {rank}": ledger for rank, ledger in enumerate(ledgers)}
+            if len(ledgers) > 1
+            else {str(report.mode): report.ledger},
+            args.plot,
+            title=f"snugkv memory ledger ({report.ledger.device})",
+        )
+        print(f"wrote {args.plot}", file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
+def _print_report(report, ledgers) -> None:
     ledger = report.ledger
     print(
         f"kv sizing: {report.mode}, max_total_num_tokens={report.max_total_num_tokens:,}, "
@@ -68,24 +93,6 @@ def _memory_rank(tp, args: argparse.Namespace) -> int:
                 f"rank {rank}: KV committed {ledger.kv_committed_bytes / GIB:.2f} GiB, "
                 f"free {ledger.free_bytes / GIB:.2f} GiB, unaccounted {ledger.unaccounted_bytes / GIB:.3f} GiB"
             )
-    if args.json:
-        print(
-            json.dumps(
-                {**report.to_dict(), "ledger_per_rank": [ledger.to_dict() for ledger in ledgers]}, indent=2
-            )
-        )
-    if args.plot:
-        from snugkv.bench.plots import plot_ledgers
-
-        plot_ledgers(
-            {f"rank {rank}": ledger for rank, ledger in enumerate(ledgers)}
-            if len(ledgers) > 1
-            else {str(report.mode): report.ledger},
-            args.plot,
-            title=f"snugkv memory ledger ({report.ledger.device})",
-        )
-        print(f"wrote {args.plot}")
-    return 0
 
 
 @contextlib.contextmanager

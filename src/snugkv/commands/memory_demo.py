@@ -10,13 +10,6 @@ from __future__ import annotations
 import argparse
 import time
 
-import torch
-
-from snugkv.memory.arena import KvArena
-from snugkv.memory.kv_pool import KVPoolSpec, MHAKVPool
-from snugkv.memory.vmm import GIB, MIB
-from snugkv.memory.vmm_factory import create_vmm
-
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
@@ -31,6 +24,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from snugkv.memory.arena import KvArena
+    from snugkv.memory.kv_pool import KVPoolSpec, MHAKVPool
+    from snugkv.memory.vmm import GIB, MIB
+    from snugkv.memory.vmm_factory import create_vmm
+
     vmm = create_vmm("cpu", granularity_bytes=2 * MIB)
     arena = KvArena(vmm, 64 * GIB, label="memory-demo")
     layers, kv_heads, head_dim = 30, 3, 64  # SmolLM2-135M

@@ -16,14 +16,13 @@ import os
 import signal
 from pathlib import Path
 
-from snugkv.commands.engine_args import add_engine_arguments, engine_args_from
-from snugkv.memory.arena import DEFAULT_CHUNK_BYTES
-from snugkv.memory.vmm import MIB
+from snugkv.commands.engine_args import add_engine_arguments, checked_engine_args, engine_args_from
 
 logger = logging.getLogger(__name__)
 
 API_KEY_ENV = "SNUGKV_API_KEY"
-DEFAULT_KV_CHUNK_MIB = DEFAULT_CHUNK_BYTES // MIB
+DEFAULT_MEMORY_SHARE = 1.0
+DEFAULT_KV_MIN_TOKENS = 4096
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -43,7 +42,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--served-model-name", default=None, help="model name in the API (default: from the model)"
     )
     parser.add_argument(
-        "--max-body-bytes", type=int, default=4 << 20, help="largest request body (default: 4 MiB)"
+        "--max-body-bytes", type=body_bytes, default=4 << 20, help="largest request body (default: 4 MiB)"
     )
     parser.add_argument("--disable-prefix-cache", action="store_true", help="turn the radix prefix cache off")
     parser.add_argument(
@@ -65,15 +64,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     share.add_argument(
         "--memory-share",
         type=positive_weight,
-        default=1.0,
+        default=None,
         metavar="W",
-        help="this engine's weight when --kv-elastic engines split KV memory (default: 1)",
+        help=f"--kv-elastic: this engine's weight when engines split KV memory (default: {DEFAULT_MEMORY_SHARE:g})",
     )
     share.add_argument(
         "--kv-min-tokens",
         type=int,
-        default=4096,
-        help="--kv-elastic: the KV cache this engine asks for at start and never gives below (default: 4096)",
+        default=None,
+        help="--kv-elastic: the KV cache this engine asks for at start and never gives below "
+        f"(default: {DEFAULT_KV_MIN_TOKENS})",
     )
     parser.set_defaults(func=run)
 
@@ -89,6 +89,19 @@ def positive_weight(value: str) -> float:
     if not weight > 0 or weight == float("inf"):
         raise argparse.ArgumentTypeError(f"{value} is not a positive weight; pass a number above 0")
     return weight
+
+
+def body_bytes(value: str) -> int:
+    """`--max-body-bytes`: a positive number of bytes (0 would refuse every request)."""
+    try:
+        size = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of bytes; pass e.g. 4194304") from None
+    if size < 1:
+        raise argparse.ArgumentTypeError(
+            f"{size} bytes would refuse every request body; pass a positive size (default: 4 MiB)"
+        )
+    return size
 
 
 def port_number(value: str) -> int:
@@ -159,6 +172,12 @@ def build_engine_process(args: argparse.Namespace, on_exit=None):
 def run(args: argparse.Namespace) -> int:
     from snugkv.distributed.launch import device_type_for, launch
 
+    # Before the port, the engine process or a rank: a bad flag is one line, not a traceback after loading.
+    checked_engine_args(args)
+    problem = _api_key_problem(args) or _share_flags_problem(args)
+    if problem:
+        logger.error("%s", problem)
+        return 2
     if getattr(args, "kv_elastic", False):
         problem = _kv_elastic_problem(args)
         if problem:
@@ -185,6 +204,30 @@ def run(args: argparse.Namespace) -> int:
             )
             or 0
         )
+
+
+def _api_key_problem(args: argparse.Namespace) -> str | None:
+    """An empty key (`--api-key "$UNSET"`) would silently open the server to everyone."""
+    key = api_key_from(args)
+    if key is not None and not key.strip():
+        source = "--api-key" if args.api_key is not None else f"${API_KEY_ENV}"
+        return (
+            f"{source} is empty, which would turn authentication off; pass a key, or leave "
+            f"{source} out to serve without one"
+        )
+    return None
+
+
+def _share_flags_problem(args: argparse.Namespace) -> str | None:
+    """--memory-share and --kv-min-tokens do nothing without --kv-elastic; sets their defaults."""
+    for flag, name in (("--memory-share", "memory_share"), ("--kv-min-tokens", "kv_min_tokens")):
+        if getattr(args, name, None) is not None and not getattr(args, "kv_elastic", False):
+            return f"{flag} applies only with --kv-elastic; add --kv-elastic or drop {flag}"
+    if getattr(args, "memory_share", None) is None:
+        args.memory_share = DEFAULT_MEMORY_SHARE
+    if getattr(args, "kv_min_tokens", None) is None:
+        args.kv_min_tokens = DEFAULT_KV_MIN_TOKENS
+    return None
 
 
 def _kv_elastic_problem(args: argparse.Namespace) -> str | None:
@@ -286,9 +329,11 @@ def _serve_rank(tp, args: argparse.Namespace, sock=None) -> int:
 
 def _join_memory_share(args: argparse.Namespace):
     """--kv-elastic: register on the GPU's record and wait until the running engines made room."""
+    from snugkv.memory.arena import DEFAULT_CHUNK_BYTES
+    from snugkv.memory.vmm import MIB
     from snugkv.server.memory_share import ELASTIC_CHUNK_MIB, MemoryShare, ShareOptions, device_total_gib
 
-    if args.kv_chunk_mib == DEFAULT_KV_CHUNK_MIB:  # a shrink on a full device frees whole chunks only
+    if args.kv_chunk_mib == DEFAULT_CHUNK_BYTES // MIB:  # a shrink on a full device frees whole chunks only
         args.kv_chunk_mib = ELASTIC_CHUNK_MIB
     if args.kv_reserve_gib is None:  # room to grow into all the others may give back
         args.kv_reserve_gib = device_total_gib(engine_args_from(args))
@@ -320,7 +365,7 @@ def _share_then_stop(share, async_engine, app, host: str, sock):
 
 
 def api_key_from(args: argparse.Namespace) -> str | None:
-    """--api-key if given (even empty: no key), else $SNUGKV_API_KEY; None or "" means no key."""
+    """--api-key if given, else $SNUGKV_API_KEY; None means no key (an empty one is refused first)."""
     return args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
 
 

@@ -6,13 +6,15 @@ command-line tools turn them into responses. None of them knows about pools or t
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
 from snugkv.core.sampling import SamplingParams
 
-# "abort" and "kv_capacity" (cut short because the KV cache cannot hold the next token) reach clients
-# as OpenAI's "length" with the engine's reason in `finish_detail` (server/formats.py).
+# "abort" (cut off before the model finished) reaches HTTP clients as "abort", as vLLM has it;
+# "kv_capacity" (the KV cache cannot hold the next token) as OpenAI's "length" with the engine's
+# reason in `finish_detail` (server/formats.py).
 FinishReason = Literal["stop", "length", "abort", "kv_capacity", "error"]
 
 
@@ -24,10 +26,22 @@ class GenerateInput:
 
 
 @dataclass(frozen=True, slots=True)
-class TokenLogprob:
+class Logprob:
+    """One token's entry in vLLM's shape: what `TokenLogprob[token_id]` gives."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob(Mapping[int, Logprob]):
     """A token's log-probability; `top` holds the most likely alternatives (text, logprob) and
     `top_ids` their ids, best first; `rank` is the token's place among all (1: the most likely),
-    where it was computed (prompt tokens)."""
+    where it was computed (prompt tokens).
+
+    It is also vLLM's `{token_id: Logprob}` of its position (the token and its alternatives), so
+    code written for vLLM reads `entry[token_id].logprob` or `entry.items()` unchanged."""
 
     token_id: int
     token: str
@@ -35,6 +49,23 @@ class TokenLogprob:
     top: list[tuple[str, float]] = field(default_factory=list)
     top_ids: tuple[int, ...] = ()
     rank: int | None = None
+
+    def _entries(self) -> dict[int, Logprob]:
+        entries = {
+            token_id: Logprob(logprob, place, text)
+            for place, (token_id, (text, logprob)) in enumerate(zip(self.top_ids, self.top), start=1)
+        }
+        entries.setdefault(self.token_id, Logprob(self.logprob, self.rank, self.token))
+        return entries
+
+    def __getitem__(self, token_id: int) -> Logprob:
+        return self._entries()[token_id]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._entries())
+
+    def __len__(self) -> int:
+        return len(self._entries())
 
 
 @dataclass(slots=True)

@@ -1,7 +1,13 @@
-"""Sampling parameters of one request, validated with messages that say what to change."""
+"""Sampling parameters of one request, validated with messages that say what to change.
+
+`SamplingParams` takes vLLM's names as well as its own (`max_tokens` for `max_new_tokens`, `n`,
+`stop` as one string, `logit_bias` as a dict, `top_k=-1`, `skip_special_tokens=True`, ...), so that
+code written for vLLM runs unchanged; an alias pair given with two different values is refused.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -24,7 +30,10 @@ class InvalidRequest(ValueError):
     """A request the engine cannot run; the message is shown to the client as is."""
 
 
-@dataclass(frozen=True, slots=True)
+DEFAULT_MAX_NEW_TOKENS = 128
+
+
+@dataclass(frozen=True, slots=True, init=False)
 class SamplingParams:
     """How to pick the next tokens and when to stop.
 
@@ -45,6 +54,13 @@ class SamplingParams:
     `max_new_tokens == 0` is allowed only with `prompt_logprobs` (scoring a prompt, nothing new);
     `prompt_logprobs` is the number of top alternatives per prompt position (0: only the prompt's
     own token), like `logprobs` for the output.
+
+    vLLM's names: `max_tokens` (= `max_new_tokens`, also readable as `.max_tokens`), `n` (choices per
+    prompt: `LLM.generate` and the server fan out; the scheduler runs one), `stop` as one string,
+    `stop_token_ids` and `logit_bias` (`{token_id: bias}`) as list and dict, `top_k=-1` (off),
+    and `skip_special_tokens`, `spaces_between_special_tokens`, `include_stop_str_in_output`,
+    `detokenize` and `best_of` at the values this engine implements (others are refused by
+    name). Unlike vLLM, the default is greedy (`temperature=0`) with 128 new tokens.
     """
 
     max_new_tokens: int = 128
@@ -65,9 +81,87 @@ class SamplingParams:
     min_tokens: int = 0
     structured: StructuredOutput | None = None  # what the output must match (snugkv.structured)
     extra: dict[str, object] = field(default_factory=dict, compare=False)
+    n: int = 1  # completions per prompt (vLLM's name); one engine request each
 
-    def __post_init__(self) -> None:
+    def __init__(
+        self,
+        *,
+        max_new_tokens: int | None = None,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop: str | Iterable[str] | None = (),
+        stop_token_ids: Iterable[int] | None = (),
+        ignore_eos: bool = False,
+        logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float = 1.0,
+        logit_bias: Mapping[int, float] | Iterable[tuple[int, float]] | None = (),
+        min_p: float = 0.0,
+        min_tokens: int = 0,
+        structured: StructuredOutput | None = None,
+        extra: dict[str, object] | None = None,
+        n: int = 1,
+        # vLLM's names and switches
+        max_tokens: int | None = None,
+        best_of: int | None = None,
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+        include_stop_str_in_output: bool = False,
+        detokenize: bool = True,
+    ) -> None:
+        if max_tokens is not None and max_new_tokens is not None and max_tokens != max_new_tokens:
+            raise InvalidRequest(
+                f"max_tokens={max_tokens} and max_new_tokens={max_new_tokens} are one limit under two "
+                "names (max_tokens is vLLM's); pass one of them"
+            )
+        limit = max_new_tokens if max_new_tokens is not None else max_tokens
+        for name, value, implemented in (
+            ("skip_special_tokens", skip_special_tokens, True),
+            ("spaces_between_special_tokens", spaces_between_special_tokens, True),
+            ("include_stop_str_in_output", include_stop_str_in_output, False),
+            ("detokenize", detokenize, True),
+        ):
+            if value != implemented:
+                raise InvalidRequest(f"{name}={value!r} is not supported; leave it at {implemented}")
+        if best_of is not None and best_of != n:
+            raise InvalidRequest(
+                f"best_of={best_of} is not supported; leave it out (n={n} gives n completions)"
+            )
+        values: dict[str, object] = {
+            "max_new_tokens": DEFAULT_MAX_NEW_TOKENS if limit is None else limit,
+            "temperature": temperature,
+            "top_p": top_p,
+            "top_k": 0 if top_k == -1 else top_k,  # -1 disables top-k in vLLM's dialect
+            "seed": seed,
+            "stop": (stop,) if isinstance(stop, str) else tuple(stop or ()),
+            "stop_token_ids": tuple(stop_token_ids or ()),
+            "ignore_eos": ignore_eos,
+            "logprobs": logprobs,
+            "prompt_logprobs": prompt_logprobs,
+            "presence_penalty": presence_penalty,
+            "frequency_penalty": frequency_penalty,
+            "repetition_penalty": repetition_penalty,
+            "logit_bias": tuple((logit_bias or {}).items())
+            if isinstance(logit_bias, Mapping)
+            else tuple(logit_bias or ()),
+            "min_p": min_p,
+            "min_tokens": min_tokens,
+            "structured": structured,
+            "extra": dict(extra or {}),
+            "n": n,
+        }
+        for name, field_value in values.items():
+            object.__setattr__(self, name, field_value)
         self.validate()
+
+    @property
+    def max_tokens(self) -> int:
+        """vLLM's name for `max_new_tokens`."""
+        return self.max_new_tokens
 
     @property
     def greedy(self) -> bool:
@@ -96,6 +190,8 @@ class SamplingParams:
         return torch.Generator(device=device).manual_seed(self.seed)
 
     def validate(self, max_context_tokens: int | None = None) -> None:
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+            raise InvalidRequest(f"n must be a positive integer (completions per prompt), got {self.n!r}")
         scoring = self.prompt_logprobs is not None
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < (0 if scoring else 1):
             raise InvalidRequest(

@@ -8,9 +8,9 @@ import torch
 
 from snugkv.attention.registry import attention_backend_names
 from snugkv.memory.arena import DEFAULT_CHUNK_BYTES
-from snugkv.memory.layout import KVLayout
+from snugkv.memory.layout import KV_DTYPES, KVLayout, parse_kv_dtype
 from snugkv.memory.vmm import MIB
-from snugkv.models.loader import LOAD_FORMATS
+from snugkv.models.loader import DTYPE_NAMES, LOAD_FORMATS
 from snugkv.models.quantization import QUANTIZATION_CHOICES
 from snugkv.sizing.modes import SizingMode
 
@@ -64,6 +64,49 @@ class EngineArgs:
         ):
             if value is not None and value not in choices:
                 raise InvalidEngineArgs(f"{flag} must be one of {', '.join(choices)}, got {value!r}")
+        if self.dtype is not None and self.dtype not in DTYPE_NAMES:
+            raise InvalidEngineArgs(
+                f"--dtype must be one of auto, float32, bfloat16, float16, got {self.dtype!r}"
+            )
+        if self.kv_dtype is not None:
+            try:
+                parse_kv_dtype(self.kv_dtype)
+            except ValueError:
+                raise InvalidEngineArgs(
+                    f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}"
+                ) from None
+        # A context of 0 tokens holds no prompt; left out, it is the model's own.
+        for flag, count in (
+            ("--context-length", self.context_length),
+            ("--chunked-prefill-size", self.chunked_prefill_size),
+        ):
+            if count is not None and count < 1:
+                raise InvalidEngineArgs(
+                    f"{flag} must be a positive number of tokens, got {count} (or leave it out)"
+                )
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
+            raise InvalidEngineArgs(
+                f"--cuda-graph-max-bs must be at least 1, got {self.cuda_graph_max_bs} "
+                "(--disable-cuda-graph turns the graphs off)"
+            )
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise InvalidEngineArgs(
+                f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
+            raise InvalidEngineArgs(
+                f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}"
+            )
+        if self.headroom_margin_mib < 0:
+            raise InvalidEngineArgs(
+                f"--headroom-margin-mib must be 0 or more, got {self.headroom_margin_mib}"
+            )
+        if not 0 < self.swa_full_tokens_ratio <= 1:
+            raise InvalidEngineArgs(
+                f"--swa-full-tokens-ratio must be in (0, 1], got {self.swa_full_tokens_ratio}"
+            )
+        if self.kv_reserve_gib is not None and self.kv_reserve_gib <= 0:
+            raise InvalidEngineArgs(f"--kv-reserve-gib must be positive, got {self.kv_reserve_gib}")
         if self.page_size is not None and self.page_size < 1:
             raise InvalidEngineArgs(f"--page-size must be at least 1, got {self.page_size}")
         page = self.page_size or 1
@@ -89,8 +132,37 @@ class EngineArgs:
         if self.tp_size < 1:
             raise InvalidEngineArgs(f"--tp must be >= 1, got {self.tp_size}")
 
+    def ignored_flag_warnings(self, given: set[str]) -> list[str]:
+        """One line per field in `given` (set by the caller, not by default) whose flag does nothing
+        under the sizing mode these args ask for."""
+        warnings = []
+        # Without VMM an unset --kv-sizing falls back to profiled, where the fraction does apply.
+        if "gpu_memory_utilization" in given and self.kv_sizing not in (None, "profiled"):
+            warnings.append(
+                f"--gpu-memory-utilization {self.gpu_memory_utilization} is ignored: it applies only with "
+                f"--kv-sizing profiled, not {self.kv_sizing} (--max-device-memory caps the engine in every mode)"
+            )
+        elif "gpu_memory_utilization" in given and self.kv_sizing is None:
+            warnings.append(
+                f"--gpu-memory-utilization {self.gpu_memory_utilization} is ignored under post-capture sizing "
+                "(the default: the KV cache takes what is free after capture); it applies with --kv-sizing "
+                "profiled, or where the engine falls back to it without VMM (--max-device-memory caps the engine)"
+            )
+        if "mem_fraction_static" in given and self.kv_sizing != "static-fraction":
+            warnings.append(
+                f"--mem-fraction-static {self.mem_fraction_static} is ignored: it applies only with "
+                "--kv-sizing static-fraction"
+            )
+        return warnings
+
     def resolved(self, device: torch.device) -> EngineArgs:
+        """The defaults of `device` filled in; refuses what cannot run there (`InvalidEngineArgs`)."""
         gpu = device.type == "cuda"
+        if self.attention_backend == "triton" and not gpu:
+            raise InvalidEngineArgs(
+                f"--attention-backend triton runs on a CUDA GPU, not on {device.type}; "
+                "use --attention-backend torch (the default there)"
+            )
         chunk = self.chunked_prefill_size or (8192 if gpu else 512)
         prefill_graphs = self.prefill_graph_max_tokens
         if prefill_graphs is None:

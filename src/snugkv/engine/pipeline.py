@@ -282,6 +282,11 @@ class Engine(ElasticMemory):
         # which then stays (allocated before the KV cache is sized, so the sizing counts it).
         sampling = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, min_p=0.05)
         penalised = replace(sampling, repetition_penalty=1.1, min_tokens=1)
+        if self.device.type != "cuda":
+            # The host backend keeps no activation headroom (measure_peak_bytes is 0 there): only
+            # what the step leaves behind is made, not its forward (seconds of every CPU start).
+            runner.sample_on_device(torch.zeros(1, self.config.vocab_size), [penalised], None, [0])
+            return
         chunk = min(self._chunked_prefill_size, self.context_length)
         scored = min(chunk, PROMPT_LOGITS_PER_STEP)  # a prompt being scored: logits for each position
         rows = [BatchRow(0, 0, [0] * scored, prompt_logits=True)]

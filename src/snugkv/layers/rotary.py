@@ -132,6 +132,13 @@ class RotaryEmbedding(nn.Module):
     def init_buffers(self) -> None:
         """(Re)compute the cos/sin caches on the module's device; loaders call it after `to_empty`."""
         device = self.cos_cache.device
+        if device.type == "meta":
+            # Shapes only (a model built on meta before `to_empty`, or sized): arithmetic on meta
+            # tensors loads torch's Python decompositions and dynamo, seconds of every start-up.
+            shape = (self.max_position, self.rotary_dim // 2)
+            self.cos_cache = torch.empty(shape, device=device)
+            self.sin_cache = torch.empty(shape, device=device)
+            return
         inv_freq, scale = compute_inv_freq(
             self.rotary_dim, self.rope_parameters, self.max_position_embeddings
         )

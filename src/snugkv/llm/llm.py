@@ -13,6 +13,7 @@ call's requests; with `tp > 1` it closes the `LLM` (the ranks may have stopped a
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import weakref
 from collections.abc import Mapping, Sequence
@@ -21,17 +22,21 @@ from typing import Any
 
 import snugkv.llm.ranks as ranks
 from snugkv.core.sampling import InvalidRequest, SamplingParams
-from snugkv.engine import Engine
+from snugkv.engine import Engine, InvalidEngineArgs
 from snugkv.llm.options import engine_args_from_options
 from snugkv.llm.outputs import MemoryReport, RequestOutput
 from snugkv.llm.runtime import CLOSED, Conversation, Prompt, PromptInput, Runtime, prompt_name
-from snugkv.models.tokenizer import Tokenizer
+from snugkv.models.tokenizer import Tokenizer, TokenizerUnavailable
+
+SEED_MODULUS = 2**63  # a seed is a non-negative 64-bit integer
 
 
 class LLM:
     """`LLM(model=None, **options)`: `options` are the engine's command-line flags, `_` for `-`
     (`page_size=16`, `max_total_tokens=65536`, `kv_sizing="profiled"`, `tp=2` or
-    `tensor_parallel_size=2`), refused with the command line's messages (`InvalidEngineArgs`).
+    `tensor_parallel_size=2`), refused with the command line's messages (`InvalidEngineArgs`);
+    vLLM's names are taken too (`max_model_len`, `max_num_seqs`, `enforce_eager`, `block_size`,
+    `enable_prefix_caching`, `kv_cache_dtype`, `seed`: see `llm.options`).
     Without `model`, the embedded default (SmolLM2-135M-Instruct). With `tp > 1` this process is
     rank 0 and helper processes are spawned: guard the script with `if __name__ == "__main__":`."""
 
@@ -40,8 +45,16 @@ class LLM:
         model: str | os.PathLike[str] | None = None,
         *,
         disable_prefix_cache: bool = False,
+        enable_prefix_caching: bool | None = None,
         **options: Any,
     ) -> None:
+        if enable_prefix_caching is not None:
+            if enable_prefix_caching and disable_prefix_cache:
+                raise InvalidEngineArgs(
+                    "enable_prefix_caching=True (vLLM's name) and disable_prefix_cache=True say opposite "
+                    "things; pass one"
+                )
+            disable_prefix_cache = not enable_prefix_caching
         args = engine_args_from_options(model, options)
         self._runtime = Runtime(args, enable_prefix_cache=not disable_prefix_cache)
         self._close = weakref.finalize(self, self._runtime.close)  # also at exit, if never closed
@@ -60,11 +73,10 @@ class LLM:
         runtime = self._open()
         batch = _prompt_list(prompts)
         params = _per_prompt(sampling_params, len(batch))
-        return runtime.run(
-            [Prompt(p if isinstance(p, str) else None, runtime.encode(p), s) for p, s in zip(batch, params)],
-            use_tqdm=use_tqdm,
-            what="prompts",
-        )
+        prompts_in = [
+            Prompt(p if isinstance(p, str) else None, runtime.encode(p), s) for p, s in zip(batch, params)
+        ]
+        return _run_n(runtime, prompts_in, use_tqdm=use_tqdm, what="prompts")
 
     def chat(
         self,
@@ -84,7 +96,7 @@ class LLM:
             name = prompt_name("conversations", index, conversations)
             ids = runtime.encode_chat(conversation, add_generation_prompt, name)
             prompts.append(Prompt(None, ids, sampling))
-        return runtime.run(prompts, use_tqdm=use_tqdm, what="conversations")
+        return _run_n(runtime, prompts, use_tqdm=use_tqdm, what="conversations")
 
     # -- state --------------------------------------------------------------------------
     def memory(self) -> MemoryReport:
@@ -111,6 +123,15 @@ class LLM:
     @property
     def tokenizer(self) -> Tokenizer | None:
         return self._open().tokenizer
+
+    def get_tokenizer(self) -> Any:
+        """The model's transformers tokenizer, as vLLM's `LLM.get_tokenizer()` returns it
+        (`encode`, `decode`, `apply_chat_template`); raises `TokenizerUnavailable` for a model
+        without one (random weights from a bare config.json)."""
+        tokenizer = self._open().tokenizer
+        if tokenizer is None:
+            raise TokenizerUnavailable("this model has no tokenizer; prompts are token ids")
+        return tokenizer.hf
 
     @property
     def engine(self) -> Engine:
@@ -141,6 +162,28 @@ class LLM:
         if self.closed:
             raise RuntimeError(CLOSED)
         return self._runtime
+
+
+def _run_n(runtime: Runtime, prompts: list[Prompt], *, use_tqdm: bool, what: str) -> list[RequestOutput]:
+    """`runtime.run` with each prompt's `sampling.n` completions: one request each (seeded ones
+    with `seed + i`, as the server's choices are), gathered back into one result per prompt."""
+    if all(prompt.sampling.n == 1 for prompt in prompts):
+        return runtime.run(prompts, use_tqdm=use_tqdm, what=what)
+    requests = []
+    for prompt in prompts:
+        sampling = prompt.sampling
+        for index in range(sampling.n):
+            seed = None if sampling.seed is None else (sampling.seed + index) % SEED_MODULUS
+            requests.append(
+                dataclasses.replace(prompt, sampling=dataclasses.replace(sampling, n=1, seed=seed))
+            )
+    results = iter(runtime.run(requests, use_tqdm=use_tqdm, what=f"completions of {what}"))
+    gathered = []
+    for prompt in prompts:
+        mine = [next(results) for _ in range(prompt.sampling.n)]
+        outputs = [dataclasses.replace(result.outputs[0], index=i) for i, result in enumerate(mine)]
+        gathered.append(dataclasses.replace(mine[0], outputs=outputs))
+    return gathered
 
 
 def _prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:

@@ -1,15 +1,19 @@
 """`LLM(**options)` -> `EngineArgs`: the engine's command-line flags as keyword arguments.
 
 An option is named as its flag with `_` for `-` (`page_size=16` is `--page-size 16`, `tp=2` is
-`--tp 2`, also spelled `tensor_parallel_size`). This module checks names and Python types; values
-are checked by `EngineArgs.validate`, the check the command line runs, with the same messages.
-Every refusal is an `InvalidEngineArgs` whose one line names the flag.
+`--tp 2`, also spelled `tensor_parallel_size`). vLLM's names for the same settings are taken too
+(`VLLM_NAMES`: `max_model_len` is `context_length`, `max_num_seqs` `max_running_requests`,
+`enforce_eager` `disable_cuda_graph`, `block_size` `page_size`, `kv_cache_dtype` `kv_dtype`), and
+`trust_remote_code` is accepted (no model here runs code of its own). This module checks names and
+Python types; values are checked by `EngineArgs.validate`, the check the command line runs, with
+the same messages. Every refusal is an `InvalidEngineArgs` whose one line names the flag.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 import numbers
 import os
 from typing import Any
@@ -18,7 +22,24 @@ import torch
 
 from snugkv.engine import EngineArgs, InvalidEngineArgs
 
+logger = logging.getLogger(__name__)
+
 ALIASES = {"tensor_parallel_size": "tp"}
+# vLLM's `LLM(...)` names -> this engine's option
+VLLM_NAMES = {
+    "max_model_len": "context_length",
+    "max_num_seqs": "max_running_requests",
+    "enforce_eager": "disable_cuda_graph",
+    "block_size": "page_size",
+    "kv_cache_dtype": "kv_dtype",
+}
+ACCEPTED_AND_IGNORED = {"trust_remote_code"}  # no architecture here runs a checkpoint's own code
+# vLLM's kv_cache_dtype values -> --kv-dtype ("auto": the model's dtype)
+VLLM_KV_DTYPES = {"auto": None, "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3"}
+NOT_ENGINE_OPTIONS = {
+    "seed": "vLLM's engine-wide sampling seed; here each request is seeded: SamplingParams(seed=...)",
+    "tokenizer": "a tokenizer of its own; the model's directory or GGUF file brings its tokenizer",
+}
 
 
 # fields whose flag is not their name with - for _
@@ -47,7 +68,13 @@ def engine_args_from_options(model: str | os.PathLike[str] | None, options: dict
     values: dict[str, Any] = {"model": _typed("--model", frozenset({"str", "None"}), model)}
     given: dict[str, str] = {}  # field -> the name the caller used
     for name, value in options.items():
-        known = OPTIONS.get(ALIASES.get(name, name))
+        if name in ACCEPTED_AND_IGNORED:
+            continue
+        if name in NOT_ENGINE_OPTIONS:
+            raise InvalidEngineArgs(f"{name}= is not an engine option here: {NOT_ENGINE_OPTIONS[name]}")
+        if name == "kv_cache_dtype" and isinstance(value, str):
+            value = VLLM_KV_DTYPES.get(value, value)
+        known = OPTIONS.get(ALIASES.get(name, VLLM_NAMES.get(name, name)))
         if known is None:
             raise InvalidEngineArgs(_unknown(name))
         field, kinds = known
@@ -59,11 +86,13 @@ def engine_args_from_options(model: str | os.PathLike[str] | None, options: dict
         values[field] = _typed(flag_of(field), kinds, value)
     args = EngineArgs(**values)
     args.validate()
+    for warning in args.ignored_flag_warnings(set(given)):
+        logger.warning("%s", warning)
     return args
 
 
 def _unknown(name: str) -> str:
-    close = difflib.get_close_matches(name, [*OPTIONS, *ALIASES], n=1)
+    close = difflib.get_close_matches(name, [*OPTIONS, *ALIASES, *VLLM_NAMES], n=1)
     hint = (
         f"did you mean {close[0]!r}?"
         if close

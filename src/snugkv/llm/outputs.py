@@ -1,6 +1,6 @@
 """What `LLM` hands back, and how it gathers it from the scheduler's output stream.
 
-`RequestOutput` is one prompt's whole result. `Collector` is the scheduler's `on_output` callback:
+`RequestOutput` is one prompt's whole result, its `CompletionOutput`s in `outputs` (vLLM's shape). `Collector` is the scheduler's `on_output` callback:
 it appends each request's increments (tokens, text, log-probabilities) and keeps the final one.
 `Progress` is the tqdm bar of a long call. None of them touches the scheduler's state.
 """
@@ -31,20 +31,71 @@ class RequestTimes:
 
 
 @dataclass(frozen=True, slots=True)
-class RequestOutput:
-    """One prompt's result. `prompt` is the text given (None for token ids and chats);
-    `logprobs` holds one entry per output token when the prompt's `SamplingParams.logprobs` asked;
-    `prompt_logprobs` one per prompt token (the first None) when `SamplingParams.prompt_logprobs` did."""
+class CompletionOutput:
+    """One completion of a prompt, as vLLM's `CompletionOutput`: `index` among the prompt's `n`,
+    its `text`, `token_ids`, `finish_reason` ("stop", "length", "abort", ...), `logprobs` (one entry
+    per token when asked; each is also vLLM's `{token_id: Logprob}`) and `cumulative_logprob`."""
 
-    prompt: str | None
-    prompt_token_ids: list[int]
+    index: int
     text: str
     token_ids: list[int]
     finish_reason: FinishReason
-    cached_tokens: int  # prompt tokens served from the prefix cache
     logprobs: list[TokenLogprob] | None
     times: RequestTimes
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """The sum of the tokens' log-probabilities (None unless `logprobs` was asked, as in vLLM)."""
+        return None if self.logprobs is None else sum(entry.logprob for entry in self.logprobs)
+
+    @property
+    def stop_reason(self) -> None:
+        """vLLM's stop string or token that ended the text; not tracked here."""
+        return None
+
+    def finished(self) -> bool:
+        return True
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """One prompt's result, as vLLM's `RequestOutput`: `request_id`, `prompt` (the text given; None
+    for token ids and chats), `prompt_token_ids`, `prompt_logprobs` (one entry per prompt token,
+    the first None, when `SamplingParams.prompt_logprobs` asked) and `outputs`, its `n`
+    completions. `text`, `token_ids`, `finish_reason`, `logprobs`, `cached_tokens` and `times` are
+    the first completion's (snugkv's own names from before `n`)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    finished: bool = True
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> FinishReason:
+        return self.outputs[0].finish_reason
+
+    @property
+    def logprobs(self) -> list[TokenLogprob] | None:
+        return self.outputs[0].logprobs
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.outputs[0].cached_tokens
+
+    @property
+    def times(self) -> RequestTimes:
+        return self.outputs[0].times
 
     @property
     def prompt_tokens(self) -> int:
@@ -52,7 +103,7 @@ class RequestOutput:
 
     @property
     def completion_tokens(self) -> int:
-        return len(self.token_ids)
+        return sum(len(output.token_ids) for output in self.outputs)
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,7 +27,7 @@ from snugkv.core.sampling import InvalidRequest, SamplingParams
 from snugkv.distributed.group import TensorParallel
 from snugkv.distributed.launch import HelperRanks, device_type_for, start_helpers
 from snugkv.engine import Engine, EngineArgs
-from snugkv.llm.outputs import Collector, Progress, RequestOutput
+from snugkv.llm.outputs import Collector, CompletionOutput, Progress, RequestOutput
 from snugkv.models.tokenizer import Tokenizer, TokenizerUnavailable
 from snugkv.scheduler import lockstep
 from snugkv.scheduler.lockstep import Add, Stop
@@ -214,17 +214,16 @@ class Runtime:
         text = "".join(stream.text_pieces)
         if text_at_end and self.tokenizer is not None:
             text = self.tokenizer.decode(stream.token_ids)
-        return RequestOutput(
-            prompt=prompt.text,
-            prompt_token_ids=prompt.ids,
+        completion = CompletionOutput(
+            index=0,
             text=text,
             token_ids=stream.token_ids,
             finish_reason=final.finish_reason,
-            cached_tokens=final.cached_tokens,
             logprobs=stream.logprobs if prompt.sampling.logprobs is not None else None,
             times=times,
-            prompt_logprobs=stream.prompt_logprobs,
+            cached_tokens=final.cached_tokens,
         )
+        return RequestOutput(rid, prompt.text, prompt.ids, [completion], stream.prompt_logprobs)
 
     # -- closing ------------------------------------------------------------------------
     def close(self) -> None:

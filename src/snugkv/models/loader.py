@@ -38,6 +38,7 @@ from snugkv.memory.vmm import CommitError, VirtualMemory
 from snugkv.memory.weight_arena import WeightArena, aligned
 from snugkv.models.causal_lm import CausalLM
 from snugkv.models.config import ConfigError, ModelConfig
+from snugkv.models.gguf_cache import read_cached, writing_cache
 from snugkv.models.gguf_loader import GGUFError, config_from_gguf, is_gguf_file, iter_gguf_tensors, open_gguf
 from snugkv.models.hub import HubModelError, hub_snapshot, is_hub_id
 from snugkv.models.quantization import QuantizationConfig, apply_quantization, quantization_config
@@ -57,6 +58,7 @@ _DTYPES = {
     "fp16": torch.float16,
     "half": torch.float16,
 }
+DTYPE_NAMES = ("auto", *_DTYPES)  # what --dtype takes
 _WHAT_TO_PASS = (
     "pass a Hugging Face model directory (config.json + *.safetensors), a .gguf file, "
     "a Hugging Face Hub id (Org/Name), or no --model for the default SmolLM2-135M-Instruct"
@@ -251,7 +253,8 @@ def _materialize_in_arena(model: CausalLM, device: torch.device, memory: Virtual
                 params[id(param)] = param
         for name, buffer in module._buffers.items():
             if buffer is not None:
-                module._buffers[name] = torch.empty_like(buffer, device=device)
+                # Not empty_like: on a meta tensor it loads torch's symbolic shapes (sympy), seconds.
+                module._buffers[name] = torch.empty(buffer.shape, dtype=buffer.dtype, device=device)
     offsets, size = {}, 0
     for key, param in params.items():
         offsets[key] = size
@@ -335,6 +338,16 @@ def load_model(
         quant = quantization_config(config.hf, quantization)
     except QuantizationError as exc:
         raise ModelLoadError(str(exc)) from exc
+    if max_position is not None and max_position > config.max_position_embeddings:
+        # Rotary positions past the trained ones compute, but the model was never taught them.
+        logger.warning(
+            "--context-length %d is beyond the %d positions %s was trained for; output past %d tokens "
+            "is likely to degrade (leave --context-length out for the model's own)",
+            max_position,
+            config.max_position_embeddings,
+            source.path.name,
+            config.max_position_embeddings,
+        )
     out_of_memory = False
     try:
         net = _build_and_load(
@@ -365,8 +378,12 @@ def _fill(net: CausalLM, config: ModelConfig, source: ModelSource, load_format: 
         if load_format == "dummy":
             init_dummy_weights(net, seed=seed, std=float(config.hf.get("initializer_range") or 0.02))
         elif source.kind == "gguf":
-            gguf = open_gguf(source.path)
-            net.load_weights(iter_gguf_tensors(gguf, dict(config.hf)), source=str(source.path))
+            tensors = read_cached(source.path)  # the default model's, dequantized at an earlier start
+            if tensors is None:
+                tensors = writing_cache(
+                    source.path, iter_gguf_tensors(open_gguf(source.path), dict(config.hf))
+                )
+            net.load_weights(tensors, source=str(source.path))
         else:
             tensors = iter_safetensors(safetensors_files(source.path))
             net.load_weights(_without_kv_scales(tensors, source.path), source=str(source.path))

@@ -57,6 +57,7 @@ class OutputBuilder:
                 top=[(self.piece(int(t)), float(v)) for v, t in zip(top.values, top.indices)]
                 if top is not None
                 else [],
+                top_ids=tuple(int(t) for t in top.indices) if top is not None else (),
             )
         return result
 

@@ -7,6 +7,7 @@ Routes:
     GET  /server_info, /get_server_info                the engine's sizing, ledger and arguments
                                                        (?steps=true: the last steps one by one)
     GET  /metrics                                      Prometheus text
+    GET  /openapi.json                                 the OpenAPI schema of all of them
     POST /kv/resize, GET /kv                           elastic memory (see `elastic_routes`)
     POST /sleep, /wake_up, GET /is_sleeping            sleep and wake (and SGLang's names for them)
 
@@ -32,6 +33,7 @@ from snugkv.server.errors import NOT_FOUND, SERVER_ERROR, APIError, install_erro
 from snugkv.server.formats import ChatFormat, CompletionFormat, ResponseFormat
 from snugkv.server.metrics import ServerMetrics
 from snugkv.server.middleware import BearerAuthMiddleware, BodySizeLimitMiddleware, ShutdownCutoffMiddleware
+from snugkv.server.openapi import install_openapi, request_body
 from snugkv.server.prepare import (
     PreparedRequest,
     SequenceLimit,
@@ -39,7 +41,14 @@ from snugkv.server.prepare import (
     prepare_chat,
     prepare_completion,
 )
-from snugkv.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from snugkv.server.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+)
 from snugkv.server.serving import EventStreamResponse, collect_response, stream_events
 from snugkv.server.tool_format import ToolCallFormat
 from snugkv.version import __version__
@@ -57,7 +66,8 @@ def create_app(
 ) -> FastAPI:
     """An app serving `engine` as `served_model_name`; pass `metrics` to share it with the engine."""
     metrics = metrics if metrics is not None else ServerMetrics()
-    app = FastAPI(title="snugkv", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
+    # GET /openapi.json describes every route, with the generation routes' bodies (`openapi`).
+    app = FastAPI(title="snugkv", version=__version__, docs_url=None, redoc_url=None)
     app.state.engine = engine
     app.state.metrics = metrics
     install_error_handlers(app)
@@ -86,14 +96,22 @@ def create_app(
             return EventStreamResponse(stream_events(prepared, engine, metrics, request, response_format))
         return await collect_response(prepared, engine, metrics, request, response_format)
 
-    @app.post("/v1/completions")
+    @app.post(
+        "/v1/completions",
+        openapi_extra={"requestBody": request_body(CompletionRequest)},
+        responses={200: {"model": CompletionResponse}},
+    )
     async def completions(request: Request) -> Response:
         body = parse_body(await request.body(), CompletionRequest)
         return await run(
             prepare_completion(body, engine, served_model_name, limit), request, CompletionFormat()
         )
 
-    @app.post("/v1/chat/completions")
+    @app.post(
+        "/v1/chat/completions",
+        openapi_extra={"requestBody": request_body(ChatCompletionRequest)},
+        responses={200: {"model": ChatCompletionResponse}},
+    )
     async def chat_completions(request: Request) -> Response:
         body = parse_body(await request.body(), ChatCompletionRequest)
         prepared = prepare_chat(body, engine, served_model_name, limit)
@@ -138,6 +156,7 @@ def create_app(
     app.add_api_route("/get_server_info", server_info, methods=["GET"])
     install_elastic_routes(app, engine)
     install_sleep_routes(app, engine)
+    install_openapi(app)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

@@ -25,6 +25,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 
+from snugkv.memory.vmm import MIB
 from snugkv.server.errors import SERVER_ERROR, APIError
 from snugkv.sizing.resize import KvResizeError
 
@@ -45,7 +46,11 @@ def api_error(exc: KvResizeError) -> APIError:
 async def _json_object(request: Request, example: str) -> dict[str, Any]:
     raw = await request.body()
     try:
-        body = json.loads(raw) if raw.strip() else None
+        body = json.loads(raw.decode("utf-8-sig")) if raw.strip() else None
+    except UnicodeDecodeError:
+        raise APIError(
+            400, f"The body is not UTF-8 text; send a UTF-8 JSON object such as {example}."
+        ) from None
     except json.JSONDecodeError as exc:
         raise APIError(
             400, f"The body is not valid JSON ({exc.msg}); send an object such as {example}."
@@ -55,8 +60,45 @@ async def _json_object(request: Request, example: str) -> dict[str, Any]:
     return body
 
 
+def with_what_it_freed(result: dict[str, Any]) -> dict[str, Any]:
+    """The resize's answer with `freed_bytes`, and a `warning` when a shrink gave no memory back
+    (the arena keeps a buffer's top extension whole when there is no memory to split it: a client
+    that shrank to free memory must not have to read the server's log to learn it did not)."""
+    freed_bytes = result.get("from_committed_bytes", 0) - result.get("to_committed_bytes", 0)
+    shrank = result.get("to_tokens", 0) < result.get("from_tokens", 0)
+    answer = {**result, "freed_bytes": max(freed_bytes, 0)}
+    if shrank and freed_bytes <= 0:
+        chunk = (result.get("kv") or {}).get("chunk_bytes")
+        chunk_text = f" of {chunk / MIB:g} MiB" if isinstance(chunk, int) else ""
+        answer["warning"] = (
+            f"The KV cache now hands out {result['to_tokens']} tokens, but no memory was freed: each "
+            f"buffer keeps its top extension{chunk_text} whole, as there was no free memory to split it "
+            "in. A later shrink gives it back, or start the server with a smaller --kv-chunk-mib."
+        )
+    return answer
+
+
+def _json_body(properties: dict[str, Any]) -> dict[str, Any]:
+    """The OpenAPI `requestBody` of a route that reads a JSON object by hand (server/openapi.py)."""
+    schema = {"type": "object", "properties": properties, "additionalProperties": False}
+    return {"requestBody": {"required": False, "content": {"application/json": {"schema": schema}}}}
+
+
+def _query(*parameters: tuple[str, dict[str, Any]]) -> dict[str, Any]:
+    return {"parameters": [{"name": name, "in": "query", "schema": schema} for name, schema in parameters]}
+
+
+_TAGS = {"type": "array", "items": {"type": "string"}}
+_TAGS_QUERY = ("tags", {"type": "string", "description": "comma-separated: weights, kv_cache, cuda_graph"})
+
+
 def install_elastic_routes(app: FastAPI, engine: Any) -> None:
-    @app.post("/kv/resize")
+    @app.post(
+        "/kv/resize",
+        openapi_extra=_json_body(
+            {"max_total_num_tokens": {"type": "integer"}, "free_gib": {"type": "number"}}
+        ),
+    )
     async def resize_kv(request: Request) -> Any:
         resize = _elastic(engine, "resize_kv")
         body = await _json_object(request, RESIZE_EXAMPLE)
@@ -71,7 +113,7 @@ def install_elastic_routes(app: FastAPI, engine: Any) -> None:
                 400, f"Give exactly one of max_total_num_tokens and free_gib, e.g. {RESIZE_EXAMPLE}."
             )
         try:
-            return await resize(**body)
+            return with_what_it_freed(await resize(**body))
         except KvResizeError as exc:
             raise api_error(exc) from exc
 
@@ -129,11 +171,11 @@ def install_sleep_routes(app: FastAPI, engine: Any) -> None:
         except KvResizeError as exc:
             raise api_error(exc) from exc
 
-    @app.post("/sleep")
+    @app.post("/sleep", openapi_extra=_query(("level", {"type": "integer", "enum": [1, 2]}), _TAGS_QUERY))
     async def sleep(request: Request) -> Any:
         return await sleep_with(_level(request.query_params.get("level", "1")), _query_tags(request))
 
-    @app.post("/wake_up")
+    @app.post("/wake_up", openapi_extra=_query(_TAGS_QUERY))
     async def wake_up(request: Request) -> Any:
         return await wake_with(_query_tags(request))
 
@@ -141,12 +183,15 @@ def install_sleep_routes(app: FastAPI, engine: Any) -> None:
     async def is_sleeping() -> Any:
         return _elastic(engine, "sleep_state")()
 
-    @app.post("/release_memory_occupation")
+    @app.post(
+        "/release_memory_occupation",
+        openapi_extra=_json_body({"tags": _TAGS, "level": {"type": "integer", "enum": [1, 2]}}),
+    )
     async def release_memory_occupation(request: Request) -> Any:
         tags, level = await _body_tags(request)
         return await sleep_with(_level(level if level is not None else 1), tags)
 
-    @app.post("/resume_memory_occupation")
+    @app.post("/resume_memory_occupation", openapi_extra=_json_body({"tags": _TAGS}))
     async def resume_memory_occupation(request: Request) -> Any:
         tags, _ = await _body_tags(request)
         return await wake_with(tags)

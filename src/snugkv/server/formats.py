@@ -64,15 +64,16 @@ class ChoiceState:
 
 
 def openai_finish_reason(engine_reason: str | None) -> tuple[str, str | None]:
-    """OpenAI's `finish_reason` for the engine's, and the engine's own when it differs.
+    """The `finish_reason` a client sees for the engine's, and the engine's own in `finish_detail`
+    where the two differ.
 
-    The engine ends a request with "abort" when it is cut off before the model finished (the server
-    is stopping, or the request was cancelled). OpenAI has no such value: strict clients reject the
-    response and others treat it as an unknown kind of complete. "length" is the OpenAI value that
-    says the text is cut short ("stop" would say the model finished its answer), so an aborted choice
-    says "length" and keeps "abort" in `finish_detail`.
+    "abort" (cut off before the model finished: the server is stopping, or the request was
+    cancelled) stays "abort", vLLM's value for it, so a client can tell a cut answer from a
+    finished one and send it again; it is not one of OpenAI's values, and the openai client
+    passes it through as a string. "kv_capacity" (the KV cache could not hold the next token) is
+    OpenAI's "length" (the text is cut at a size limit), with "kv_capacity" as its detail.
     """
-    if engine_reason in (None, "stop", "length"):
+    if engine_reason in (None, "stop", "length", "abort"):
         return engine_reason or "stop", None
     return "length", engine_reason
 

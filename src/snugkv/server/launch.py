@@ -2,8 +2,11 @@
 
 `serve` binds the socket itself (so a busy port fails with a clear message before anything
 starts, and port 0 picks a free one), announces the address, runs uvicorn, and on Ctrl-C or
-SIGTERM lets uvicorn finish in-flight requests for a bounded time before calling `on_shutdown`
-(where the engine releases its pools). `on_shutdown` runs however serving ends.
+SIGTERM stops taking connections and lets in-flight requests finish for at most
+`graceful_shutdown_s`; what is still running `CUT_MARGIN_S` before that deadline is cut by
+`on_stop_requested` (the engine ends it with finish_reason "abort", so the client sees a cut answer
+and not a normal finish), and a second Ctrl-C cuts at once. Then `on_shutdown` runs (where the
+engine releases its pools), however serving ends.
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 GRACEFUL_SHUTDOWN_S = 10
+# Requests still running this long before the graceful deadline are cut, so that their last
+# output ("abort") reaches the client before uvicorn cancels what is left.
+CUT_MARGIN_S = 1.5
 BACKLOG = 2048
 MAX_PORT = 65535
 
@@ -59,7 +65,7 @@ def serve(
             timeout_graceful_shutdown=graceful_shutdown_s,
             lifespan="off",
         )
-        server = _Server(config, on_stop_requested)
+        server = _Server(config, on_stop_requested, cut_after_s=max(graceful_shutdown_s - CUT_MARGIN_S, 0.0))
         if sock is None:
             sock = bind_socket(host, port)
         else:
@@ -69,7 +75,10 @@ def serve(
             logger.info("snugkv is serving on %s (Ctrl-C to stop)", url)
             if on_listening is not None:
                 on_listening(url)
-            server.run(sockets=[sock])
+            try:
+                server.run(sockets=[sock])
+            finally:
+                server.finish_cut_timer()
         logger.info("Stopped serving on %s", url)
     finally:
         if on_shutdown is not None:
@@ -77,17 +86,47 @@ def serve(
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server, telling the engine first when a signal asks it to stop, so in-flight
-    streams end properly (finish_detail "abort") before the graceful-shutdown deadline."""
+    """uvicorn's server, which on the first stop signal lets in-flight requests run on and cuts
+    them (`on_stop_requested`) `cut_after_s` later; on a second Ctrl-C at once. The cut requests
+    end properly (finish_reason "abort") before the graceful-shutdown deadline."""
 
-    def __init__(self, config: uvicorn.Config, on_stop_requested: Callable[[], None] | None) -> None:
+    def __init__(
+        self, config: uvicorn.Config, on_stop_requested: Callable[[], None] | None, *, cut_after_s: float
+    ) -> None:
         super().__init__(config)
         self._on_stop_requested = on_stop_requested
+        self._cut_after_s = cut_after_s
+        self._cut_timer: threading.Timer | None = None
+        self._cut_lock = threading.Lock()
 
     def handle_exit(self, sig: int, frame: object) -> None:
-        if self._on_stop_requested is not None and not self.should_exit:
-            self._on_stop_requested()
+        if self._on_stop_requested is not None:
+            if not self.should_exit:
+                logger.info(
+                    "Stopping: in-flight requests may finish for %.0f s, then they are cut", self._cut_after_s
+                )
+                self._cut_timer = threading.Timer(self._cut_after_s, self._cut)
+                self._cut_timer.daemon = True
+                self._cut_timer.start()
+            elif sig == signal.SIGINT:  # uvicorn's force exit: no more waiting
+                self._cut()
         super().handle_exit(sig, frame)  # type: ignore[arg-type]
+
+    def _cut(self) -> None:
+        with self._cut_lock:
+            if self._cut_timer is None or self._on_stop_requested is None:
+                return
+            self._cut_timer.cancel()
+            self._cut_timer = None
+            cut = self._on_stop_requested
+        cut()
+
+    def finish_cut_timer(self) -> None:
+        """Serving is over: a cut not yet due has nothing left to cut."""
+        with self._cut_lock:
+            if self._cut_timer is not None:
+                self._cut_timer.cancel()
+                self._cut_timer = None
 
 
 def bind_socket(host: str, port: int, *, listen: bool = True) -> socket.socket:

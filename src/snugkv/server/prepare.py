@@ -10,6 +10,7 @@ Never calls `generate`; never holds state between requests.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import re
 import time
@@ -26,17 +27,20 @@ from snugkv.server.engine_protocol import EngineClient
 from snugkv.server.errors import APIError, bad_request, from_validation_error
 from snugkv.server.guided import requested_structured_output
 from snugkv.server.protocol import (
+    CHAT_ROLES,
+    INFORMATIONAL_FIELDS,
+    MAX_CHOICES,
+    REFUSED_FIELDS,
     ChatCompletionRequest,
     CompletionRequest,
     GenerationRequest,
     refused_field,
+    unrecognized_field,
 )
 from snugkv.server.tools import ToolPlan, plan_tools, render_messages
 
-MAX_CHOICES = 128  # n times the number of prompts
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the room left
 SEED_MODULUS = 2**63
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 JSON_KINDS = {
     list: "array",
@@ -159,6 +163,8 @@ def prepare_completion(
     )
     sampling = dataclasses.replace(sampling, structured=requested_structured_output(body))
     raw_prompts = _split_prompts(body.prompt)
+    if engine.tokenizer is None:
+        _check_needs_no_tokenizer(body, raw_prompts)
     prompts = [_completion_prompt_ids(prompt, engine.tokenizer) for prompt in raw_prompts]
     for index, ids in enumerate(prompts):
         name = "prompt" if len(prompts) == 1 else f"prompt[{index}]"
@@ -175,6 +181,27 @@ def prepare_completion(
     )
 
 
+def _check_needs_no_tokenizer(body: CompletionRequest, raw_prompts: list[str | list[int]]) -> None:
+    """A model without tokenizer files (random weights from a bare config.json) takes and gives
+    token ids only: text in (a prompt string, stop strings) or text out of the prompt (echo) has
+    no tokenizer to go through."""
+    needs = None
+    if any(isinstance(prompt, str) for prompt in raw_prompts):
+        needs, param = "A text prompt", "prompt"
+    elif body.echo:
+        needs, param = "echo", "echo"
+    elif body.stop:
+        needs, param = "stop strings", "stop"
+    if needs is not None:
+        raise bad_request(
+            f"{needs} needs the model's tokenizer, and this server's model has none (its directory holds no "
+            "tokenizer files); send the prompt as token ids, with stop_token_ids for stop strings and "
+            "without echo.",
+            param=param,
+            code="no_tokenizer",
+        )
+
+
 def _echoed(raw: str | list[int], ids: list[int], tokenizer: Any) -> EchoedPrompt:
     text = raw if isinstance(raw, str) else tokenizer.decode(ids)
     return EchoedPrompt(text=text, first_token=tokenizer.decode(ids[:1]))
@@ -184,6 +211,13 @@ def prepare_chat(
     body: ChatCompletionRequest, engine: EngineClient, served_model_name: str, limit: SequenceLimit
 ) -> PreparedRequest:
     _check_common(body, served_model_name, "chat")
+    if engine.tokenizer is None:
+        raise bad_request(
+            "Chat needs the model's tokenizer and chat template, and this server's model has none (its "
+            "directory holds no tokenizer files); send token ids to /v1/completions instead.",
+            param="messages",
+            code="no_tokenizer",
+        )
     _check_stop_token_ids(body, engine.tokenizer)
     parallel_tool_calls = body.parallel_tool_calls is not False
     tools = plan_tools(
@@ -247,6 +281,17 @@ def _check_common(body: GenerationRequest, served_model_name: str, endpoint: str
         )
     if not 1 <= body.n <= MAX_CHOICES:
         raise bad_request(f"n must be between 1 and {MAX_CHOICES}, got {body.n}.", param="n")
+    unknown = unrecognized_field(body, endpoint)
+    if unknown is not None:
+        declared = [*type(body).model_fields, *REFUSED_FIELDS, *INFORMATIONAL_FIELDS]
+        close = difflib.get_close_matches(unknown, declared, n=1)
+        hint = f"did you mean {close[0]}?" if close else "remove it"
+        raise bad_request(
+            f"Unrecognized request argument supplied: {unknown}; {hint} (this endpoint takes "
+            "OpenAI's fields and vLLM's extensions, see the README)",
+            param=unknown,
+            code="unrecognized_argument",
+        )
     refused = refused_field(body, endpoint)
     if refused is not None:
         name, field = refused

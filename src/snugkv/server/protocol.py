@@ -1,9 +1,11 @@
 """The OpenAI completions and chat completions wire format, as pydantic models.
 
-Requests are strict (a string where a number belongs is an error, not a guess) and keep fields
-they do not know, as OpenAI clients send extras: a field that would change the output but is not
+Requests are strict (a string where a number belongs is an error, not a guess). A top-level field
+the models do not declare is one of three kinds: one that would change the output but is not
 implemented is refused by name (`REFUSED_FIELDS`, the one list of them: remove an entry when its
-feature lands), and the others (`user`, `metadata`, ...) are informational and accepted. Fields whose JSON may take several shapes
+feature lands); one that changes nothing here (`INFORMATIONAL_FIELDS`: `user`, `metadata`, `store`,
+...) is accepted; any other is a 400 "Unrecognized request argument" naming it, as OpenAI answers,
+so that a typo (`max_token`) is not silently ignored (`unrecognized_field`). Fields whose JSON may take several shapes
 (`prompt`, `stop`, message `content`) are checked by hand so that the error says which shapes are
 accepted. Responses mirror OpenAI's field names so the official client parses them unchanged.
 This module holds no behaviour beyond shape checks.
@@ -24,7 +26,15 @@ from pydantic import (
     model_serializer,
 )
 
+from snugkv.core.sampling import MAX_LOGPROBS
+
 PromptInput = str | list[str] | list[int] | list[list[int]]
+MAX_CHOICES = 128  # n times the number of prompts
+
+
+def _bounds(minimum: float, maximum: float | None = None) -> dict[str, Any]:
+    """A number's range in the OpenAPI schema."""
+    return {"minimum": minimum} if maximum is None else {"minimum": minimum, "maximum": maximum}
 
 
 class _Request(BaseModel):
@@ -42,23 +52,25 @@ class GenerationRequest(_Request):
 
     model_config = ConfigDict(strict=True, extra="allow")  # unknown fields: see `refused_field`
 
+    # `_bounds` only describe the ranges in the OpenAPI schema (server/openapi.py); the checks, with
+    # their messages, are prepare's and SamplingParams'.
     model: str | None = None
-    n: int = 1
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
+    n: int = Field(1, json_schema_extra=_bounds(1, MAX_CHOICES))
+    max_tokens: int | None = Field(None, json_schema_extra=_bounds(0))
+    temperature: float | None = Field(None, json_schema_extra=_bounds(0, 100))
+    top_p: float | None = Field(None, json_schema_extra={"exclusiveMinimum": 0, "maximum": 1})
+    top_k: int | None = Field(None, json_schema_extra=_bounds(-1))
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, json_schema_extra=_bounds(0, 2**63 - 1))
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    min_p: float | None = None
-    min_tokens: int | None = None
+    presence_penalty: float | None = Field(None, json_schema_extra=_bounds(-2, 2))
+    frequency_penalty: float | None = Field(None, json_schema_extra=_bounds(-2, 2))
+    repetition_penalty: float | None = Field(None, json_schema_extra={"exclusiveMinimum": 0, "maximum": 100})
+    min_p: float | None = Field(None, json_schema_extra=_bounds(0, 1))
+    min_tokens: int | None = Field(None, json_schema_extra=_bounds(0))
     logit_bias: dict[str, Any] | None = None
     user: str | None = None
     # Structured output (snugkv.server.guided): OpenAI's, vLLM's and SGLang's names.
@@ -71,7 +83,7 @@ class GenerationRequest(_Request):
     regex: str | None = None
     ebnf: str | None = None
 
-    @field_validator("stop", mode="plain")
+    @field_validator("stop", mode="plain", json_schema_input_type=str | list[str] | None)
     @classmethod
     def _stop_shape(cls, value: Any) -> str | list[str] | None:
         if value is None or isinstance(value, str):
@@ -83,12 +95,13 @@ class GenerationRequest(_Request):
 
 class CompletionRequest(GenerationRequest):
     prompt: PromptInput
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, json_schema_extra=_bounds(0, MAX_LOGPROBS))
     echo: bool = False
-    prompt_logprobs: int | None = None  # vLLM's extension: top alternatives per prompt position
+    # vLLM's extension: top alternatives per prompt position
+    prompt_logprobs: int | None = Field(None, json_schema_extra=_bounds(0, MAX_LOGPROBS))
     best_of: int | None = None
 
-    @field_validator("prompt", mode="plain")
+    @field_validator("prompt", mode="plain", json_schema_input_type=PromptInput)
     @classmethod
     def _prompt_shape(cls, value: Any) -> PromptInput:
         if isinstance(value, str):
@@ -111,14 +124,17 @@ def _is_token_id(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
 class ChatMessage(_Request):
-    role: str
+    role: str = Field(json_schema_extra={"enum": list(CHAT_ROLES)})
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
 
-    @field_validator("content", mode="plain")
+    @field_validator("content", mode="plain", json_schema_input_type=str | list[dict[str, Any]] | None)
     @classmethod
     def _content_shape(cls, value: Any) -> str | list[dict[str, Any]] | None:
         if value is None or isinstance(value, str):
@@ -131,12 +147,13 @@ class ChatMessage(_Request):
 class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage]
     logprobs: bool = False
-    top_logprobs: int | None = None
-    max_completion_tokens: int | None = None
+    top_logprobs: int | None = Field(None, json_schema_extra=_bounds(0, MAX_LOGPROBS))
+    max_completion_tokens: int | None = Field(None, json_schema_extra=_bounds(1))
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    prompt_logprobs: int | None = None  # vLLM's extension, on the rendered template; not streamed
+    # vLLM's extension, on the rendered template; not streamed
+    prompt_logprobs: int | None = Field(None, json_schema_extra=_bounds(0, MAX_LOGPROBS))
 
 
 def _unset(value: Any) -> bool:
@@ -170,14 +187,20 @@ class RefusedField:
 
 
 _STRUCTURED = "structured output"
-_TOOLS = "tool calling"  # `tools` and `tool_choice` are implemented; the legacy function fields are not
+# `tools` and `tool_choice` are implemented; the legacy function fields are not, and their refusal
+# points to the fields that do the same.
+_LEGACY_FUNCTIONS = "OpenAI's legacy function calling"
+_AS_TOOLS = (
+    'send each function as a tool instead, tools: [{"type": "function", "function": {...}}], '
+    "with tool_choice for function_call (tool calling is supported)"
+)
 
 # The one list of fields refused by name: remove an entry when its feature lands.
 REFUSED_FIELDS: dict[str, RefusedField] = {
     "guided_whitespace_pattern": RefusedField(_STRUCTURED),
     "structured_outputs": RefusedField(_STRUCTURED),
-    "functions": RefusedField(_TOOLS, _unset_or_empty),
-    "function_call": RefusedField(_TOOLS, _unset_or("none", "auto")),
+    "functions": RefusedField(_LEGACY_FUNCTIONS, _unset_or_empty, instead=_AS_TOOLS),
+    "function_call": RefusedField(_LEGACY_FUNCTIONS, _unset_or("none", "auto"), instead=_AS_TOOLS),
     "suffix": RefusedField(
         "text after the insertion point (suffix)", _unset_or_empty, frozenset({"completions"})
     ),
@@ -221,7 +244,39 @@ REFUSED_FIELDS: dict[str, RefusedField] = {
     ),
     "documents": RefusedField("documents for the chat template", _unset_or_empty, frozenset({"chat"})),
     "echo": RefusedField("echoing the last message", _falsy, frozenset({"chat"})),
+    "moderation": RefusedField("content moderation", _unset_or_empty),
 }
+
+
+# Fields OpenAI's and vLLM's clients send that change nothing this server computes: who asks
+# (user, safety_identifier, metadata), what the provider stores or bills (store, service_tier),
+# prompt-cache routing (prompt_cache_*, cache_salt), vLLM's request_id and scheduling priority.
+INFORMATIONAL_FIELDS = frozenset(
+    {
+        "user",
+        "metadata",
+        "store",
+        "service_tier",
+        "safety_identifier",
+        "prompt_cache_key",
+        "prompt_cache_options",
+        "prompt_cache_retention",
+        "cache_salt",
+        "request_id",
+        "priority",
+    }
+)
+
+
+def unrecognized_field(request: GenerationRequest, endpoint: str) -> str | None:
+    """The first top-level field of `request` that its model does not declare, `REFUSED_FIELDS`
+    does not name on `endpoint` ("completions" or "chat") and `INFORMATIONAL_FIELDS` does not
+    hold, or None."""
+    for name in request.model_extra or {}:
+        refused = REFUSED_FIELDS.get(name)
+        if (refused is None or endpoint not in refused.endpoints) and name not in INFORMATIONAL_FIELDS:
+            return name
+    return None
 
 
 def refused_field(request: GenerationRequest, endpoint: str) -> tuple[str, RefusedField] | None:
@@ -262,7 +317,7 @@ class PromptLogprob(BaseModel):
 
 class _Choice(BaseModel):
     """A choice's `finish_detail` (snugkv's own reason when `finish_reason` alone would mislead, e.g.
-    "abort") and `prompt_logprobs` (asked for) appear only when set; the other fields keep
+    "kv_capacity") and `prompt_logprobs` (asked for) appear only when set; the other fields keep
     OpenAI's explicit nulls."""
 
     @model_serializer(mode="wrap")

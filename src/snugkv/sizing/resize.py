@@ -80,6 +80,9 @@ class ResizeLimits:
         return num_tokens // self.page_size * self.page_size
 
 
+MAX_FREE_GIB = 1 << 20  # 1 PiB: beyond every device
+
+
 def check_free_gib(free_gib: object) -> float:
     """A `free_gib` request value: a finite number >= 0, or `KvResizeError`."""
     if isinstance(free_gib, bool) or not isinstance(free_gib, int | float) or not math.isfinite(free_gib):
@@ -88,6 +91,11 @@ def check_free_gib(free_gib: object) -> float:
         raise KvResizeError(
             f"free_gib={free_gib} is negative; it is the device memory to leave free beyond the activation "
             "headroom (0 or more)",
+            param="free_gib",
+        )
+    if free_gib > MAX_FREE_GIB:  # also keeps free_gib * GIB a finite number of bytes
+        raise KvResizeError(
+            f"free_gib={free_gib:g} is more memory than any device has; ask to leave at most {MAX_FREE_GIB} GiB free",
             param="free_gib",
         )
     return float(free_gib)

@@ -1,0 +1,66 @@
+"""SIGTERM (or Ctrl-C) drains: requests in flight finish as they would have, for at most the
+graceful-shutdown time; one still running near its end is cut and says so (finish_reason
+"abort", never a normal "length"); the server then exits 0."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tests.server.conftest import start_server
+from tests.server.serve_for_tests import SHUTDOWN_COMPLETE
+
+
+def _stream(server: Any, body: dict[str, Any], chunks: list[dict[str, Any]], first: threading.Event) -> None:
+    with server.client(timeout=60) as http, http.stream("POST", "/v1/completions", json=body) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                chunks.append(json.loads(line.removeprefix("data: ")))
+                first.set()
+            elif line == "data: [DONE]":
+                chunks.append({"done": True})
+    first.set()
+
+
+def test_sigterm_lets_a_short_request_finish_and_cuts_a_long_one_as_abort(tmp_path: Path) -> None:
+    server = start_server(tmp_path)
+    short_body = {"prompt": "Count:", "max_tokens": 6, "ignore_eos": True, "stream": True}
+    long_body = {"prompt": "Count on:", "max_tokens": 450, "ignore_eos": True, "stream": True}
+    short: list[dict[str, Any]] = []
+    long: list[dict[str, Any]] = []
+    started = [threading.Event(), threading.Event()]
+    threads = [
+        threading.Thread(target=_stream, args=(server, long_body, long, started[0])),
+        threading.Thread(target=_stream, args=(server, short_body, short, started[1])),
+    ]
+    for thread in threads:
+        thread.start()
+    assert all(event.wait(timeout=60) for event in started)
+    server.process.send_signal(signal.SIGTERM)
+    for thread in threads:
+        thread.join(timeout=60)
+    assert server.process.wait(timeout=60) == 0, server.log()
+    assert SHUTDOWN_COMPLETE in server.log() and "Traceback" not in server.log(), server.log()
+
+    def finish(chunks: list[dict[str, Any]]) -> tuple[str | None, int]:
+        assert chunks and chunks[-1] == {"done": True}, chunks[-2:]
+        texts = [c["choices"][0] for c in chunks[:-1] if c["choices"]]
+        return texts[-1]["finish_reason"], len(texts)
+
+    short_reason, _ = finish(short)
+    assert short_reason == "length"  # drained: all 6 tokens, the normal finish
+    long_reason, long_chunks = finish(long)
+    assert long_reason == "abort" and long_chunks < 450  # cut, and it says so
+    assert "finish_detail" not in long[-2]["choices"][0]
+    # the port is closed: nothing new gets in after the signal
+    try:
+        httpx.get(f"{server.base_url}/health", timeout=2)
+    except httpx.TransportError:
+        pass
+    else:
+        raise AssertionError("the server still answered after it stopped")
