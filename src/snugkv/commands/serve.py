@@ -4,6 +4,7 @@ Serves POST /v1/completions and /v1/chat/completions (JSON or streamed as server
 GET /v1/models, /health, /server_info and /metrics, on 127.0.0.1:8000 unless --host and --port
 say otherwise. Before opening it to other machines, set SNUGKV_API_KEY (or pass --api-key).
 Ctrl-C or SIGTERM stops it once in-flight requests end (at most 10 s).
+`--nnodes` spreads the `--tp` ranks over several hosts (`distributed.nodes`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import signal
 from pathlib import Path
 
 from snugkv.commands.engine_args import add_engine_arguments, engine_args_from
+from snugkv.distributed.nodes import add_node_arguments
 from snugkv.memory.arena import DEFAULT_CHUNK_BYTES
 from snugkv.memory.vmm import MIB
 
@@ -75,6 +77,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=4096,
         help="--kv-elastic: the KV cache this engine asks for at start and never gives below (default: 4096)",
     )
+    add_node_arguments(parser)
     parser.set_defaults(func=run)
 
 
@@ -158,7 +161,13 @@ def build_engine_process(args: argparse.Namespace, on_exit=None):
 
 def run(args: argparse.Namespace) -> int:
     from snugkv.distributed.launch import device_type_for, launch
+    from snugkv.distributed.nodes import NodePlacementError, placement_from
 
+    try:
+        nodes = placement_from(args)  # torchrun's environment may set --tp
+    except NodePlacementError as exc:
+        logger.error("%s", exc)
+        return 2
     if getattr(args, "kv_elastic", False):
         problem = _kv_elastic_problem(args)
         if problem:
@@ -170,9 +179,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from snugkv.server.launch import GRACEFUL_SHUTDOWN_S, bind_socket
 
-    # Hold the port now, so a taken one fails before the engine starts (listening comes later).
-    sock = bind_socket(args.host, args.port, listen=False)
-    with sock:
+    # Hold the port now, so a taken one fails before the engine starts (listening comes later);
+    # only rank 0's host serves HTTP.
+    sock = bind_socket(args.host, args.port, listen=False) if nodes.hosts_rank_zero else None
+    with sock if sock is not None else contextlib.nullcontext():
         return int(
             launch(
                 _serve_rank,
@@ -182,6 +192,7 @@ def run(args: argparse.Namespace) -> int:
                 leader_kwargs={"sock": sock},
                 on_helper_failure=_stop_serving,
                 helper_failure_grace_s=GRACEFUL_SHUTDOWN_S + 20,
+                nodes=nodes,
             )
             or 0
         )
