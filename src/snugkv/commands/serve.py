@@ -4,7 +4,8 @@ Serves POST /v1/completions and /v1/chat/completions (JSON or streamed as server
 GET /v1/models, /health, /server_info and /metrics, on 127.0.0.1:8000 unless --host and --port
 say otherwise. Before opening it to other machines, set SNUGKV_API_KEY (or pass --api-key).
 Ctrl-C or SIGTERM stops it once in-flight requests end (at most 10 s).
-`--nnodes` spreads the `--tp` ranks over several hosts (`distributed.nodes`).
+`--dp N` serves N replicas behind the smg router instead (`serve_replicas`); `--nnodes` spreads
+the `--tp` ranks over several hosts (`distributed.nodes`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import signal
 from pathlib import Path
 
 from snugkv.commands.engine_args import add_engine_arguments, engine_args_from
+from snugkv.commands.serve_replicas import add_replica_arguments
 from snugkv.distributed.nodes import add_node_arguments
 from snugkv.memory.arena import DEFAULT_CHUNK_BYTES
 from snugkv.memory.vmm import MIB
@@ -77,8 +79,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=4096,
         help="--kv-elastic: the KV cache this engine asks for at start and never gives below (default: 4096)",
     )
+    add_replica_arguments(parser)
     add_node_arguments(parser)
     parser.set_defaults(func=run)
+
+
+def _serve_parser() -> argparse.ArgumentParser:
+    """A fresh `serve` parser (`--dp` repeats each flag given to it for every replica)."""
+    subparsers = argparse.ArgumentParser(add_help=False).add_subparsers()
+    register(subparsers)
+    parser: argparse.ArgumentParser = subparsers.choices["serve"]
+    return parser
 
 
 def positive_weight(value: str) -> float:
@@ -163,6 +174,10 @@ def run(args: argparse.Namespace) -> int:
     from snugkv.distributed.launch import device_type_for, launch
     from snugkv.distributed.nodes import NodePlacementError, placement_from
 
+    if getattr(args, "dp_size", 1) > 1:
+        from snugkv.commands.serve_replicas import serve_replicas
+
+        return serve_replicas(args, _serve_parser(), api_key=api_key_from(args), api_key_env=API_KEY_ENV)
     try:
         nodes = placement_from(args)  # torchrun's environment may set --tp
     except NodePlacementError as exc:
