@@ -132,3 +132,33 @@ def test_two_nodes_of_one_rank_each_serve_the_tokens_of_tp_1_and_transformers(ti
         assert text == alone == expected, prompt
     for log in logs:
         assert "Traceback" not in log.read_text(), log.read_text()
+
+
+def test_torchrun_starts_both_ranks_and_its_rank_0_serves_the_same_tokens(tiny_model, tmp_path):
+    path, model, tokenizer = tiny_model
+    log_path = tmp_path / "torchrun.log"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+        "-m", "snugkv", "serve", "--model", str(path), "--device", "cpu", "--dtype", "float32",
+        "--max-total-tokens", "2048", "--port", "0",
+    ]  # fmt: skip
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        url = _serving_url(process, log_path)
+        body = {"prompt": PROMPTS[0], "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+        answer = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+        info = httpx.get(f"{url}/server_info", timeout=30).json()
+        process.send_signal(signal.SIGTERM)  # torchrun passes it to both ranks; rank 0 leads the stop
+        process.wait(timeout=90)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    expected = tokenizer.decode(hf_greedy(model, tokenizer.encode(PROMPTS[0]), NEW_TOKENS))
+    assert answer.json()["choices"][0]["text"] == expected
+    assert info["tp_size"] == 2 and len(info["per_rank_free_bytes"]) == 2
+    log = log_path.read_text()
+    assert "Stopped serving on" in log, log
+    assert "[rank0]" not in log and "[rank1]" not in log, log  # no rank failed on the way out

@@ -99,6 +99,11 @@ def launch(
     check_tp_size(tp_size)
     nodes = nodes or single_host(tp_size)
     leader_kwargs = (leader_kwargs or {}) if nodes.hosts_rank_zero else {}
+    if nodes.torchrun and not nodes.hosts_rank_zero:
+        # torchrun sends Ctrl-C and SIGTERM to every rank at once; rank 0 decides when to stop and
+        # tells the others, as it tells its helpers (it kills what is left once its grace is over).
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if tp_size == 1:
         disable_multicast()
         return target(TensorParallel(), *args, **leader_kwargs)
