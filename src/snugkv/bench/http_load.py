@@ -16,6 +16,9 @@ With `--stub-step-ms` (any machine) the model forward is a stub device (`stub_de
 takes a fixed time on a virtual device clock and reading its tokens releases the GIL as a CUDA
 event wait does, so the scheduler thread, the overlap and the server's event loop contend as on a
 GPU. Without it (CUDA) the model is the real one with random weights and the server is `snugkv serve`.
+
+With `--url` the same offline load, a request rate and a multi-turn chat run against a server that
+is already running, any OpenAI-compatible one (`openai_load`).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import torch
 
 from snugkv.bench.idle import gc_figures, step_figures
 from snugkv.bench.model_configs import benchmark_model
+from snugkv.bench.openai_load import add_url_arguments, run_against_url
 from snugkv.bench.report import cuda_missing, emit
 from snugkv.bench.serving import bench_llm, run_scheduler, workload
 from snugkv.bench.serving_http import run_on_server, serve_command
@@ -124,6 +128,13 @@ def _stub_server_command(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.url is not None:
+        return run_against_url(args)
+    try:
+        args.model = benchmark_model(args.model or "qwen3-0.6b")
+    except argparse.ArgumentTypeError as exc:
+        print(f"error: argument --model: {exc}", file=sys.stderr)
+        return 2
     stub = args.stub_step_ms is not None
     if not stub and cuda_missing("bench http", "pass --stub-step-ms to run on a stub device"):
         return 2
@@ -168,7 +179,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", type=benchmark_model, default="qwen3-0.6b", help="(without a stub)")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="a shipped config or a path, without a stub (default: qwen3-0.6b); with --url: the served "
+        "model's name (default: the first the server lists)",
+    )
     parser.add_argument(
         "--servers",
         type=_server_modes,
@@ -186,3 +202,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="replace the model forward by a stub device taking this long per decode step (runs on a CPU)",
     )
     add_stub_arguments(parser, with_step=False)
+    add_url_arguments(parser)

@@ -4,6 +4,8 @@ Serves POST /v1/completions and /v1/chat/completions (JSON or streamed as server
 GET /v1/models, /health, /server_info and /metrics, on 127.0.0.1:8000 unless --host and --port
 say otherwise. Before opening it to other machines, set SNUGKV_API_KEY (or pass --api-key).
 Ctrl-C or SIGTERM stops it once in-flight requests end (at most 10 s).
+`--dp N` serves N replicas behind the smg router instead (`serve_replicas`); `--nnodes` spreads
+the `--tp` ranks over several hosts (`distributed.nodes`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import signal
 from pathlib import Path
 
 from snugkv.commands.engine_args import add_engine_arguments, checked_engine_args, engine_args_from
+from snugkv.commands.serve_replicas import add_replica_arguments
+from snugkv.distributed.nodes import add_node_arguments
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +79,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="--kv-elastic: the KV cache this engine asks for at start and never gives below "
         f"(default: {DEFAULT_KV_MIN_TOKENS})",
     )
+    add_replica_arguments(parser)
+    add_node_arguments(parser)
     parser.set_defaults(func=run)
+
+
+def _serve_parser() -> argparse.ArgumentParser:
+    """A fresh `serve` parser (`--dp` repeats each flag given to it for every replica)."""
+    subparsers = argparse.ArgumentParser(add_help=False).add_subparsers()
+    register(subparsers)
+    parser: argparse.ArgumentParser = subparsers.choices["serve"]
+    return parser
 
 
 def positive_weight(value: str) -> float:
@@ -171,12 +185,22 @@ def build_engine_process(args: argparse.Namespace, on_exit=None):
 
 def run(args: argparse.Namespace) -> int:
     from snugkv.distributed.launch import device_type_for, launch
+    from snugkv.distributed.nodes import NodePlacementError, placement_from
 
     # Before the port, the engine process or a rank: a bad flag is one line, not a traceback after loading.
     checked_engine_args(args)
     problem = _api_key_problem(args) or _share_flags_problem(args)
     if problem:
         logger.error("%s", problem)
+        return 2
+    if getattr(args, "dp_size", 1) > 1:
+        from snugkv.commands.serve_replicas import serve_replicas
+
+        return serve_replicas(args, _serve_parser(), api_key=api_key_from(args), api_key_env=API_KEY_ENV)
+    try:
+        nodes = placement_from(args)  # torchrun's environment may set --tp
+    except NodePlacementError as exc:
+        logger.error("%s", exc)
         return 2
     if getattr(args, "kv_elastic", False):
         problem = _kv_elastic_problem(args)
@@ -189,9 +213,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from snugkv.server.launch import GRACEFUL_SHUTDOWN_S, bind_socket
 
-    # Hold the port now, so a taken one fails before the engine starts (listening comes later).
-    sock = bind_socket(args.host, args.port, listen=False)
-    with sock:
+    # Hold the port now, so a taken one fails before the engine starts (listening comes later);
+    # only rank 0's host serves HTTP.
+    sock = bind_socket(args.host, args.port, listen=False) if nodes.hosts_rank_zero else None
+    with sock if sock is not None else contextlib.nullcontext():
         return int(
             launch(
                 _serve_rank,
@@ -201,6 +226,7 @@ def run(args: argparse.Namespace) -> int:
                 leader_kwargs={"sock": sock},
                 on_helper_failure=_stop_serving,
                 helper_failure_grace_s=GRACEFUL_SHUTDOWN_S + 20,
+                nodes=nodes,
             )
             or 0
         )

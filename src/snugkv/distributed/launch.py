@@ -8,6 +8,10 @@ waiting in a collective: rank 0 is told (`on_helper_failure`, e.g. a server stop
 stops it, failing its in-flight requests), the launch then ends with `RankFailed`, and if rank 0
 has not finished within the grace period the process exits with code 1.
 
+Across hosts (`nodes`, see `nodes.NodePlacement`) each host's launch starts its own share of the
+ranks the same way, all meeting at node 0; only the launch that holds rank 0 gets `leader_kwargs`.
+Under torchrun every rank is a process torchrun started, and a launch starts no helper.
+
 `launch(target, tp_size, args)` calls `target(tp, *args)` on every rank and returns rank 0's
 value. With `tp_size == 1` it calls `target` here with no process groups at all. Every process
 has the no-multicast variables set before NCCL is touched. `start_helpers` is the same start for
@@ -31,6 +35,7 @@ import torch
 import torch.multiprocessing as mp
 
 from snugkv.distributed.group import TensorParallel
+from snugkv.distributed.nodes import NodePlacement, single_host
 from snugkv.distributed.setup import (
     NO_MULTICAST_ENV,
     destroy_tensor_parallel,
@@ -81,8 +86,10 @@ def launch(
     leader_kwargs: dict[str, Any] | None = None,
     on_helper_failure: Callable[[], None] | None = None,
     helper_failure_grace_s: float = HELPER_FAILURE_GRACE_S,
+    nodes: NodePlacement | None = None,
 ) -> Any:
-    """Run `target(tp, *args)` on `tp_size` ranks; returns rank 0's result.
+    """Run `target(tp, *args)` on `tp_size` ranks; returns rank 0's result (across hosts, this
+    launch's first rank's).
 
     `target` must be importable (a module-level function): spawned ranks import it by name.
     `leader_kwargs` go to rank 0's call only, unpickled (e.g. a socket bound before start-up).
@@ -90,7 +97,13 @@ def launch(
     rank 0 then has `helper_failure_grace_s` to return before the process exits with code 1.
     """
     check_tp_size(tp_size)
-    leader_kwargs = leader_kwargs or {}
+    nodes = nodes or single_host(tp_size)
+    leader_kwargs = (leader_kwargs or {}) if nodes.hosts_rank_zero else {}
+    if nodes.torchrun and not nodes.hosts_rank_zero:
+        # torchrun sends Ctrl-C and SIGTERM to every rank at once; rank 0 decides when to stop and
+        # tells the others, as it tells its helpers (it kills what is left once its grace is over).
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if tp_size == 1:
         disable_multicast()
         return target(TensorParallel(), *args, **leader_kwargs)
@@ -101,6 +114,7 @@ def launch(
         device_type=device_type,
         on_helper_failure=on_helper_failure,
         helper_failure_grace_s=helper_failure_grace_s,
+        nodes=nodes,
     )
     try:
         value = target(tp, *args, **leader_kwargs)
@@ -131,25 +145,35 @@ def start_helpers(
     device_type: str | None = None,
     on_helper_failure: Callable[[], None] | None = None,
     helper_failure_grace_s: float = HELPER_FAILURE_GRACE_S,
+    nodes: NodePlacement | None = None,
 ) -> tuple[TensorParallel, HelperRanks]:
     """Spawn ranks 1..N-1 running `target(tp, *args)` and join this process to their groups as
     rank 0; returns rank 0's `TensorParallel` and the helpers, which `stop` ends (for callers whose
     rank 0 outlives one call, such as `snugkv.LLM`)."""
     check_tp_size(tp_size)
+    nodes = nodes or single_host(tp_size)
     disable_multicast()  # inherited by every helper, and set again inside each one
     device_type = device_type or default_device_type()
-    init_method = f"tcp://127.0.0.1:{free_port()}"
+    init_method = nodes.init_method if nodes.spans_nodes else f"tcp://127.0.0.1:{free_port()}"
     log_level = logging.getLogger().getEffectiveLevel()
+    placement = (nodes.first_rank, nodes.local_ranks)
     processes = mp.start_processes(
         _helper_main,
-        args=(tp_size, init_method, device_type, target, args, log_level, os.getpid()),
-        nprocs=tp_size - 1,
+        args=(tp_size, init_method, device_type, target, args, log_level, os.getpid(), placement),
+        nprocs=nodes.helpers,
         join=False,
         start_method="spawn",
     )
     helpers = HelperRanks(processes, on_helper_failure, helper_failure_grace_s)
     try:
-        tp = init_tensor_parallel(0, tp_size, init_method=init_method, device_type=device_type)
+        tp = init_tensor_parallel(
+            nodes.first_rank,
+            tp_size,
+            init_method=init_method,
+            device_type=device_type,
+            local_rank=nodes.local_rank,
+            local_world_size=nodes.local_ranks,
+        )
     except BaseException:
         helpers.abandon()
         raise
@@ -210,8 +234,10 @@ def _helper_main(
     args: tuple[Any, ...],
     log_level: int,
     parent_pid: int,
+    placement: tuple[int, int] = (0, 0),
 ) -> None:
-    rank = index + 1
+    first_rank, local_ranks = placement  # this host's first rank (the parent) and its rank count
+    rank = first_rank + index + 1
     # Signals for the terminal or for rank 0's process group (Ctrl-C, `kill -- -PGID`, systemd)
     # are rank 0's to handle: it tells the helpers when to stop. A session of our own keeps them
     # out; PR_SET_PDEATHSIG still ends a helper whose rank 0 is gone.
@@ -225,7 +251,14 @@ def _helper_main(
         format=f"%(asctime)s %(levelname)s rank {rank} %(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )
-    tp = init_tensor_parallel(rank, world_size, init_method=init_method, device_type=device_type)
+    tp = init_tensor_parallel(
+        rank,
+        world_size,
+        init_method=init_method,
+        device_type=device_type,
+        local_rank=index + 1,
+        local_world_size=local_ranks or world_size,
+    )
     finished = False
     try:
         target(tp, *args)

@@ -45,8 +45,12 @@ def init_tensor_parallel(
     init_method: str,
     device_type: str,
     timeout_s: float | None = None,
+    local_rank: int | None = None,
+    local_world_size: int | None = None,
 ) -> TensorParallel:
-    """Join the group of `world_size` ranks at `init_method` (for example `tcp://127.0.0.1:29500`)."""
+    """Join the group of `world_size` ranks at `init_method` (for example `tcp://127.0.0.1:29500`).
+    A group across hosts passes this rank's index on its host (its GPU) and the host's rank count;
+    by default every rank is on this host and `rank` is the GPU."""
     disable_multicast()
     if world_size == 1:
         return TensorParallel()
@@ -60,23 +64,25 @@ def init_tensor_parallel(
             init_method, rank, world_size, timeout=timedelta(seconds=max(timeout_s, JOIN_TIMEOUT_S))
         )
     )
+    gpu = rank if local_rank is None else local_rank
+    ranks_here = world_size if local_world_size is None else local_world_size
     if device_type == "cuda":
-        if torch.cuda.device_count() < world_size:
+        if torch.cuda.device_count() < ranks_here:
             raise RuntimeError(
-                f"--tp {world_size} needs {world_size} GPUs; this machine has {torch.cuda.device_count()}"
+                f"--tp {world_size} needs {ranks_here} GPUs on this host; it has {torch.cuda.device_count()}"
             )
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(gpu)
         dist.init_process_group(
             "nccl",
             store=store,
             rank=rank,
             world_size=world_size,
             timeout=timeout,
-            device_id=torch.device("cuda", rank),
+            device_id=torch.device("cuda", gpu),
         )
     else:
         # Ranks share the host's cores: oversubscribed OpenMP threads spin against each other.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_here))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
     device_group = dist.group.WORLD
     cpu_group = dist.new_group(backend="gloo", timeout=timeout) if device_type == "cuda" else device_group

@@ -8,6 +8,7 @@ Routes:
                                                        (?steps=true: the last steps one by one)
     GET  /metrics                                      Prometheus text
     GET  /openapi.json                                 the OpenAPI schema of all of them
+    GET  /v1/loads, /ready                             load for a router, readiness (see `loads`)
     POST /kv/resize, GET /kv                           elastic memory (see `elastic_routes`)
     POST /sleep, /wake_up, GET /is_sleeping            sleep and wake (and SGLang's names for them)
 
@@ -31,6 +32,7 @@ from snugkv.server.elastic_routes import install_elastic_routes, install_sleep_r
 from snugkv.server.engine_protocol import EngineClient
 from snugkv.server.errors import NOT_FOUND, SERVER_ERROR, APIError, install_error_handlers
 from snugkv.server.formats import ChatFormat, CompletionFormat, ResponseFormat
+from snugkv.server.loads import install_load_routes
 from snugkv.server.metrics import ServerMetrics
 from snugkv.server.middleware import BearerAuthMiddleware, BodySizeLimitMiddleware, ShutdownCutoffMiddleware
 from snugkv.server.openapi import install_openapi, request_body
@@ -157,6 +159,7 @@ def create_app(
     install_elastic_routes(app, engine)
     install_sleep_routes(app, engine)
     install_openapi(app)
+    install_load_routes(app, engine, metrics)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

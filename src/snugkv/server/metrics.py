@@ -165,15 +165,20 @@ class ServerMetrics:
             self._prompt_tokens_sum += prompt_tokens
             self._cached_tokens_sum += cached_tokens
 
-    def render(self) -> bytes:
-        """The Prometheus text exposition, with the derived gauges brought up to date."""
+    def recent_tokens_per_s(self) -> float:
+        """Generated tokens per second over the last `THROUGHPUT_WINDOW_S`."""
         now_s = time.perf_counter()
         with self._lock:
             while self._recent_tokens and self._recent_tokens[0][0] < now_s - THROUGHPUT_WINDOW_S:
                 self._recent_tokens.popleft()
             recent = sum(count for _, count in self._recent_tokens)
+        return recent / THROUGHPUT_WINDOW_S
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition, with the derived gauges brought up to date."""
+        self.tokens_per_s.set(self.recent_tokens_per_s())
+        with self._lock:
             prompt, cached = self._prompt_tokens_sum, self._cached_tokens_sum
-        self.tokens_per_s.set(recent / THROUGHPUT_WINDOW_S)
         if not self._engine_reports_hit_rate:
             self.prefix_hit_rate.set(cached / prompt if prompt else 0.0)
         return generate_latest(self.registry)

@@ -19,11 +19,11 @@ from snugkv.server.errors import AUTHENTICATION, SERVER_ERROR, error_body
 
 logger = logging.getLogger(__name__)
 
-UNAUTHENTICATED_PATHS = frozenset({"/health"})
+UNAUTHENTICATED_PATHS = frozenset({"/health", "/ready"})  # probes carry no key
 
 
 class BearerAuthMiddleware:
-    """Requires `Authorization: Bearer <api_key>` on every path except `/health`."""
+    """Requires `Authorization: Bearer <api_key>` on every path except the probes (`/health`, `/ready`)."""
 
     def __init__(self, app: ASGIApp, *, api_key: str) -> None:
         self.app = app

@@ -1,0 +1,84 @@
+"""What a router or an orchestrator reads to place work on this server: its load and its readiness.
+
+    GET /v1/loads   the queue, the KV usage and the generation rate, in the shape Shepherd Model
+                    Gateway (`smg`) polls from its workers (SGLang's `/v1/loads`): a list with one
+                    entry per data-parallel rank (snugkv has one), every figure taken from the
+                    scheduler's stats and the server's metrics at the time of the call
+    GET /ready      200 while the engine is healthy and awake, 503 while it sleeps or is broken:
+                    the readiness signal (send no traffic here now), beside `/health`, the liveness
+                    one (this process still works; a supervisor restarts it when that fails)
+
+A sleeping engine is alive (it wakes on request), so `/health` stays 200 through a sleep and a
+Kubernetes liveness probe never restarts it; `/ready` is what takes it out of a Service or a
+router's rotation meanwhile. This module reads the engine and the metrics; it changes neither.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+
+from snugkv.server.errors import SERVER_ERROR, APIError
+from snugkv.server.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+
+def load_report(engine: Any, metrics: ServerMetrics) -> dict[str, Any]:
+    """One load entry for this server (SGLang's field names, which smg reads)."""
+    info = engine.server_info()  # the sizing report (updated on every resize) and the scheduler's stats
+    stats = info.get("stats") or {}
+    running = int(stats.get("num_running_requests", 0))
+    waiting = int(stats.get("num_queued_requests", 0))
+    total_tokens = int(info.get("max_total_num_tokens") or 0)
+    usage = float(stats.get("kv_cache_usage", 0.0))
+    return {
+        "dp_rank": 0,
+        "num_running_reqs": running,
+        "num_waiting_reqs": waiting,
+        "num_total_reqs": running + waiting,
+        "num_used_tokens": round(usage * total_tokens),
+        "max_total_num_tokens": total_tokens,
+        "token_usage": usage,
+        "gen_throughput": metrics.recent_tokens_per_s(),
+        "cache_hit_rate": float(stats.get("prefix_cache_hit_rate", 0.0)),
+        "utilization": usage,
+        "max_running_requests": int(info.get("max_running_requests") or 0),
+    }
+
+
+def install_load_routes(app: FastAPI, engine: Any, metrics: ServerMetrics) -> None:
+    @app.get("/v1/loads")
+    async def loads() -> Any:
+        try:
+            entry = load_report(engine, metrics)
+        except Exception as exc:
+            logger.exception("Reading the engine's load failed")
+            raise APIError(
+                503, "The engine's load cannot be read; see the server log.", type=SERVER_ERROR
+            ) from exc
+        now = datetime.datetime.now(datetime.UTC).isoformat()
+        return {"timestamp": now, "dp_rank_count": 1, "loads": [entry]}
+
+    @app.get("/ready")
+    async def ready() -> Any:
+        try:
+            healthy = bool(engine.check_health())
+        except Exception:
+            logger.exception("The engine's health check raised")
+            healthy = False
+        if not healthy:
+            raise APIError(503, "The engine is not healthy; see the server log.", type=SERVER_ERROR)
+        is_sleeping = getattr(engine, "is_sleeping", None)
+        if is_sleeping is not None and is_sleeping():
+            raise APIError(
+                503,
+                "The engine is asleep; wake it (POST /wake_up) to take traffic again.",
+                type=SERVER_ERROR,
+                code="engine_asleep",
+            )
+        return JSONResponse({"status": "ready"})

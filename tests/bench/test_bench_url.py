@@ -1,0 +1,100 @@
+"""`snugkv bench http --url` against a second server that is already running (the stub-device
+server: the real app, scheduler and tokenizer, a pretend device whose step time dominates, so the
+figures do not hang on what else the machine runs): the three workloads, every token counted, and
+the offline figures those of the built-in path, which starts its own server of the same shape."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from snugkv.bench.serving import workload
+from snugkv.cli import main
+from snugkv.distributed.launch import free_port
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+STEP_MS = "20"  # a step of the pretend device; the run's time is mostly the device's
+LOAD = ["--requests", "24", "--low", "16", "--high", "48", "--tokenizer", "default"]
+SERVER_SHAPE = ["--max-batch", "32", "--chunk", "512"]
+
+
+@pytest.fixture(scope="module")
+def stub_server(tmp_path_factory: pytest.TempPathFactory):
+    port = free_port()
+    log = tmp_path_factory.mktemp("stub") / "server.log"
+    command = [sys.executable, "-m", "snugkv.bench.stub_device", "--port", str(port), "--step-ms", STEP_MS]
+    command += ["--tokenizer", "default", "--no-engine-process", *SERVER_SHAPE]
+    with open(log, "wb") as out:
+        process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        assert process.poll() is None and time.monotonic() < deadline, log.read_text()
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    yield url
+    process.terminate()
+    process.wait(timeout=60)
+
+
+def _rows(directory: Path) -> list[dict]:
+    return json.loads((directory / "http.json").read_text())["rows"]
+
+
+def test_the_three_workloads_count_every_token_and_see_the_shared_system_prompts_cached(
+    stub_server: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["bench", "http", "--url", stub_server, *LOAD, "--online-requests", "12", "--request-rates", "20"]
+    args += [
+        "--chat-system-prompts",
+        "2",
+        "--chat-users",
+        "6",
+        "--chat-turns",
+        "2",
+        "--chat-system-tokens",
+        "96",
+    ]
+    args += ["--chat-turn-tokens", "16", "--chat-answer-tokens", "8", "--chat-concurrency", "3"]
+    assert main([*args, "--out", str(tmp_path)]) == 0, capsys.readouterr()
+    first, offline, rate, chat = _rows(tmp_path)
+    expected = workload(24, seed=0, vocab=500, low=16, high=48)
+    for row in (first, offline):  # the built-in load's lengths, as text of that many tokens
+        assert row["output_tokens"] == sum(out for _, out in expected) and row["errors"] == 0, row
+        assert abs(row["prompt_tokens"] - sum(len(prompt) for prompt, _ in expected)) <= 24, row
+        assert row["cached_prompt_fraction"] < 0.1, row  # fresh text each pass
+        assert 0 <= row["gpu_idle_fraction"] <= 1 and row["ttft_p50_ms"] > 0, row
+    online = workload(12, seed=200, vocab=500, low=16, high=48)
+    assert (rate["requests"], rate["output_tokens"]) == (12, sum(out for _, out in online)), rate
+    assert rate["errors"] == 0 and rate["tpot_p50_ms"] > 0, rate
+    assert (chat["requests"], chat["output_tokens"], chat["errors"]) == (12, 12 * 8, 0), chat
+    # 6 users share 2 system prompts and each second turn repeats the first: most of it is cached
+    assert chat["cached_prompt_fraction"] > 0.5, chat
+    assert "chat 6 users x 2 turns" in capsys.readouterr().out
+
+
+def test_offline_figures_match_the_built_in_path_within_noise(
+    stub_server: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url_dir, built_in_dir = tmp_path / "url", tmp_path / "built-in"
+    url_args = ["bench", "http", "--url", stub_server, *LOAD, "--workloads", "offline"]
+    assert main([*url_args, "--out", str(url_dir)]) == 0, capsys.readouterr()
+    built_in = ["bench", "http", "--stub-step-ms", STEP_MS, *LOAD, *SERVER_SHAPE, "--servers", "thread"]
+    assert main([*built_in, "--out", str(built_in_dir)]) == 0, capsys.readouterr()
+    through_url = _rows(url_dir)[1]
+    reference = next(row for row in _rows(built_in_dir) if row["path"] == "HTTP, httpx client, streamed")
+    assert through_url["output_tokens"] == reference["output_tokens"]
+    ratio = through_url["output_tok_per_s"] / reference["output_tok_per_s"]
+    print(
+        f"output tok/s: --url {through_url['output_tok_per_s']:.0f}, built-in {reference['output_tok_per_s']:.0f}"
+    )
+    assert 0.75 < ratio < 1.33, (through_url, reference)
