@@ -187,6 +187,9 @@ def run(args: argparse.Namespace) -> int:
     from snugkv.distributed.launch import device_type_for, launch
     from snugkv.distributed.nodes import NodePlacementError, placement_from
 
+    # The flags as given: replicas get these, not the defaults the checks below fill in (a filled-in
+    # --memory-share would read to a replica as given without --kv-elastic).
+    given = argparse.Namespace(**vars(args))
     # Before the port, the engine process or a rank: a bad flag is one line, not a traceback after loading.
     checked_engine_args(args)
     problem = _api_key_problem(args) or _share_flags_problem(args)
@@ -196,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "dp_size", 1) > 1:
         from snugkv.commands.serve_replicas import serve_replicas
 
-        return serve_replicas(args, _serve_parser(), api_key=api_key_from(args), api_key_env=API_KEY_ENV)
+        return serve_replicas(given, _serve_parser(), api_key=api_key_from(args), api_key_env=API_KEY_ENV)
     try:
         nodes = placement_from(args)  # torchrun's environment may set --tp
     except NodePlacementError as exc:
