@@ -68,10 +68,10 @@ def run(args: argparse.Namespace) -> int:
             out = hf.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
             hf_s.append(time.perf_counter() - started - one)
         # transformers' min_new_tokens masks end-of-sequence, snugkv's ignore_eos does not: the two
-        # agree up to the first end-of-sequence token.
+        # agree on the tokens before the first end-of-sequence.
         theirs = out[0, prompt.shape[1] :].tolist()
         eos = [i for i, t in enumerate(result.token_ids) if t in eos_ids]
-        agree = eos[0] + 1 if eos else new_tokens
+        agree = eos[0] if eos else new_tokens
         same_tokens = theirs[:agree] == result.token_ids[:agree]
     llm.close()
     decoded = new_tokens - 1
