@@ -81,6 +81,7 @@ def time_cuda(fn: Any, iterations: int = 30, warmup: int = 5) -> float:
 KERNEL_KINDS = (
     ("moe-routing", ("route_align", "select_experts", "_count_kernel", "_plan_kernel", "_scatter_kernel")),
     ("moe-experts", ("grouped_gemm",)),
+    ("moe-direct", ("_direct_gate_up", "_direct_down")),  # experts with routing and combine inside
     ("fp8 quantize", ("_quantize_rows", "_quantize_groups")),
     ("gemm", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "cublas", "splitk", "fp8_linear")),
     ("attention", ("decode", "extend", "attn", "attention")),
