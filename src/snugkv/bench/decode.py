@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from snugkv.bench.model_configs import benchmark_model
 from snugkv.bench.report import cuda_missing, emit
 from snugkv.core.sampling import SamplingParams
+from snugkv.kernels.moe_direct import direct_max_tokens
 from snugkv.memory.vmm import GIB
 from snugkv.models.causal_lm import CausalLM
 
@@ -514,6 +515,7 @@ def run(args: argparse.Namespace) -> int:
             "model": args.model,
             "startup": startup,
             "moe_configs": os.environ.get("SNUGKV_MOE_CONFIGS", "defaults"),
+            "moe_direct_max_tokens": direct_max_tokens(),
             "kernel_breakdown": [
                 {
                     key: r[key]
