@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -145,27 +147,44 @@ def test_the_switch_sets_the_largest_direct_batch(monkeypatch):
         direct_max_tokens()
 
 
+QWEN3 = Routing(num_experts=128, top_k=8, renormalize=True)
+
+
+@pytest.fixture(scope="module")
+def qwen3_experts():
+    """Qwen3-30B-A3B's experts (H=2048, I=768, 128 of them) in bf16, made on the GPU (1.2 GB:
+    the CPU generator would take seconds per test)."""
+    gen = torch.Generator(device="cuda").manual_seed(48)
+    w13 = torch.randn(128, 2 * 768, 2048, device="cuda", generator=gen).mul_(2048**-0.5).bfloat16()
+    w2 = torch.randn(128, 2048, 768, device="cuda", generator=gen).mul_(768**-0.5).bfloat16()
+    return w13, w2
+
+
+def _device_reference(x, logits, w13, w2, ids=None):
+    """transformers' expert loop on the GPU (it syncs, so outside any capture)."""
+    weights, picked = select_experts_reference(logits.float(), QWEN3)
+    return fused_experts_reference(x, w13, w2, weights, picked if ids is None else ids.to(x.device))
+
+
 @pytest.mark.cuda
-@pytest.mark.parametrize("num_tokens", [1, 2, 4])
-def test_direct_path_replays_in_a_cuda_graph_for_any_routing(num_tokens, monkeypatch):
+@pytest.mark.parametrize("num_tokens", [1, 4])
+def test_direct_path_replays_in_a_cuda_graph_for_any_routing(num_tokens, qwen3_experts, monkeypatch):
     """Qwen3-30B-A3B's expert geometry in bf16 through `fused_moe` (which takes the direct path at
     these counts): captured once, replayed with new hidden states and router logits."""
     monkeypatch.delenv(moe_direct.DIRECT_TOKENS_ENV, raising=False)
     monkeypatch.delenv("SNUGKV_MOE_CONFIGS", raising=False)
-    gen = generator(48)
-    routing = Routing(num_experts=128, top_k=8, renormalize=True)
     assert moe_config(num_tokens, 8, 128, 2048, 768, torch.bfloat16).direct is not None
-    w13, w2 = _experts(gen, 128, 2048, 768, torch.bfloat16)
-    x = randn(gen, num_tokens, 2048, dtype=torch.bfloat16)
-    logits = randn(gen, num_tokens, 128, dtype=torch.bfloat16)
+    w13, w2 = qwen3_experts
+    x = torch.zeros(num_tokens, 2048, dtype=torch.bfloat16, device="cuda")
+    logits = torch.zeros(num_tokens, 128, dtype=torch.bfloat16, device="cuda")
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        fused_moe(x, logits, w13, w2, routing)  # compiles outside the capture
+        fused_moe(x, logits, w13, w2, QWEN3)  # compiles outside the capture
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = fused_moe(x, logits, w13, w2, routing)
+        out = fused_moe(x, logits, w13, w2, QWEN3)
     for seed, skew in ((49, 1.0), (50, 0.0), (51, 8.0)):  # skew 0: every token ties; 8: few experts
         gen = generator(seed)
         x.copy_(randn(gen, num_tokens, 2048, dtype=torch.bfloat16))
@@ -173,20 +192,21 @@ def test_direct_path_replays_in_a_cuda_graph_for_any_routing(num_tokens, monkeyp
         graph.replay()
         lowest = torch.arange(8, dtype=torch.int32).expand(num_tokens, 8) if skew == 0.0 else None
         torch.testing.assert_close(
-            out.cpu(), _reference(x, logits, w13, w2, routing, ids=lowest), **TOLERANCE[torch.bfloat16]
+            out, _device_reference(x, logits, w13, w2, ids=lowest), **TOLERANCE[torch.bfloat16]
         )
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("num_tokens", [8, 16])
-def test_direct_path_is_right_past_its_default_batch(num_tokens):
-    """What SNUGKV_MOE_DIRECT_TOKENS=16 would run: many tokens sharing experts, Qwen3's geometry."""
+def test_direct_path_is_right_past_its_default_batch(qwen3_experts):
+    """What SNUGKV_MOE_DIRECT_TOKENS=16 would run: 16 tokens, many sharing experts; and the same
+    step through the sorted path agrees."""
+    w13, w2 = qwen3_experts
     gen = generator(52)
-    routing = Routing(num_experts=128, top_k=8, renormalize=True)
-    w13, w2 = _experts(gen, 128, 2048, 768, torch.bfloat16)
-    x = randn(gen, num_tokens, 2048, dtype=torch.bfloat16)
-    logits = randn(gen, num_tokens, 128, dtype=torch.bfloat16)
-    out = fused_moe_direct(x, logits, w13, w2, routing)
+    x = randn(gen, 16, 2048, dtype=torch.bfloat16)
+    logits = randn(gen, 16, 128, dtype=torch.bfloat16)
+    out = fused_moe_direct(x, logits, w13, w2, QWEN3)
+    torch.testing.assert_close(out, _device_reference(x, logits, w13, w2), **TOLERANCE[torch.bfloat16])
+    sorted_path = replace(moe_config(16, 8, 128, 2048, 768, torch.bfloat16), direct=None)
     torch.testing.assert_close(
-        out.cpu(), _reference(x, logits, w13, w2, routing), **TOLERANCE[torch.bfloat16]
+        out, fused_moe_triton(x, logits, w13, w2, QWEN3, sorted_path), **TOLERANCE[torch.bfloat16]
     )

@@ -1,7 +1,7 @@
 """`python -m snugkv.bench.moe_tune`: the MoE kernels' block sizes for one model's expert geometry.
 
 One layer of the model's shape (`--model`, default qwen3-30b-a3b), random bf16 experts and router
-logits, at each token count (`--tokens`, default 1 4 64 256 8192). Each candidate config runs the
+logits, at each token count (`--tokens`, default 1 64 256 8192). Each candidate config runs the
 whole routed part of the layer (`fused_moe_triton`: routing, sorting, both grouped GEMMs, the
 combine) captured `--reps` times in one CUDA graph, timed over replays. Candidates are tried
 in two passes per row block: gate/up tiles with the default down tiles, then down tiles with the
@@ -286,7 +286,7 @@ def run(args: argparse.Namespace) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", type=benchmark_model, default="qwen3-30b-a3b")
-    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 64, 256, 8192])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 256, 8192])
     parser.add_argument("--reps", type=int, default=5, help="calls captured per graph")
     parser.add_argument("--iters", type=int, default=10, help="graph replays timed")
     parser.add_argument(
