@@ -41,6 +41,7 @@ from snugkv.bench.model_configs import benchmark_model
 from snugkv.bench.report import cuda_missing, emit
 from snugkv.core.sampling import SamplingParams
 from snugkv.kernels.moe_direct import direct_max_tokens
+from snugkv.layers import dense_gemm_choice
 from snugkv.memory.vmm import GIB
 from snugkv.models.causal_lm import CausalLM
 
@@ -516,6 +517,7 @@ def run(args: argparse.Namespace) -> int:
             "startup": startup,
             "moe_configs": os.environ.get("SNUGKV_MOE_CONFIGS", "defaults"),
             "moe_direct_max_tokens": direct_max_tokens(),
+            "dense_gemm_measurements_us": dense_gemm_choice.measurements(),
             "kernel_breakdown": [
                 {
                     key: r[key]
@@ -537,6 +539,8 @@ def run(args: argparse.Namespace) -> int:
             print(
                 f"b{r['batch']} c{r['context']}: {r['kernels_per_step']} kernels, ms by kind {r['kernel_ms_by_kind']}"
             )
+    for entry in dense_gemm_choice.measurements():
+        print("1-4 row gemm", entry)
     print(f"copy bandwidth (read + write): {bandwidth / 1e12:.2f} TB/s")
     return 0
 
