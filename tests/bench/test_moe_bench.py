@@ -151,18 +151,18 @@ def test_the_tuner_times_the_direct_path_for_a_few_tokens_and_the_table_says_whi
     monkeypatch.delenv("SNUGKV_MOE_DIRECT_TOKENS", raising=False)
     routing = Routing(num_experts=8, top_k=2, renormalize=True)
 
-    def cost(config: MoEConfig, call) -> float:  # made-up times: 16-wide gate/up steps of 1024 win
+    def cost(config: MoEConfig, call) -> float:  # made-up times: gate/up steps of 8 x 1024 win
         if config.direct is None:
             return 2.0
-        faster_tiles = (config.direct.gate_up_block_n, config.direct.gate_up_block_k) == (4, 1024)
+        faster_tiles = (config.direct.gate_up_block_n, config.direct.gate_up_block_k) == (8, 1024)
         return (1.0 if direct_wins else 3.0) - 0.5 * faster_tiles
 
     result = moe_tune.tune(1, routing, 32, 16, timer=cost, deadline=math.inf, device="cpu")
     (entry,) = moe_tune.table_entries([result])
     assert result["sorted_s"] == 2.0 and result["direct_s"] == (0.5 if direct_wins else 2.5)
     if direct_wins:
-        assert result["best"].direct == DirectConfig(4, 1024, 4, 256, 4)
-        assert entry["direct"] == [4, 1024, 4, 256, 4]
+        assert result["best"].direct == DirectConfig(8, 1024, 4, 256, 4)
+        assert entry["direct"] == [8, 1024, 4, 256, 4]
     else:
         assert result["best"].direct is None and entry["direct"] is None
     assert result["default_s"] == cost(default_config(1, 2, 8), None)  # what runs without a table

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
 
@@ -198,15 +196,11 @@ def test_direct_path_replays_in_a_cuda_graph_for_any_routing(num_tokens, qwen3_e
 
 @pytest.mark.cuda
 def test_direct_path_is_right_past_its_default_batch(qwen3_experts):
-    """What SNUGKV_MOE_DIRECT_TOKENS=16 would run: 16 tokens, many sharing experts; and the same
-    step through the sorted path agrees."""
+    """What SNUGKV_MOE_DIRECT_TOKENS=8 would run: 8 tokens, several sharing experts (the kernels
+    compiled for 4 tokens serve any count but 1)."""
     w13, w2 = qwen3_experts
     gen = generator(52)
-    x = randn(gen, 16, 2048, dtype=torch.bfloat16)
-    logits = randn(gen, 16, 128, dtype=torch.bfloat16)
+    x = randn(gen, 8, 2048, dtype=torch.bfloat16)
+    logits = randn(gen, 8, 128, dtype=torch.bfloat16)
     out = fused_moe_direct(x, logits, w13, w2, QWEN3)
     torch.testing.assert_close(out, _device_reference(x, logits, w13, w2), **TOLERANCE[torch.bfloat16])
-    sorted_path = replace(moe_config(16, 8, 128, 2048, 768, torch.bfloat16), direct=None)
-    torch.testing.assert_close(
-        out, fused_moe_triton(x, logits, w13, w2, QWEN3, sorted_path), **TOLERANCE[torch.bfloat16]
-    )

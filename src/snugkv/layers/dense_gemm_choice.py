@@ -65,10 +65,11 @@ def _rows_kernel(block_n: int, block_k: int, num_warps: int) -> Candidate:
 
 
 CUBLAS = Candidate("cublas", lambda x, weight, bias: F.linear(x, weight, bias))
-# 8 or 16 KB of bf16 weights a step, in more or fewer programs (the FP8 rows kernel's measurements
-# on the H200, docs/bench/raw/decode_fp8-b638307.json: at one row, 4x2048 and 8x1024 of 8 KB
-# ran ~1.5x faster than 16x512 of the same bytes, whose grid had a quarter of the programs).
-CANDIDATES = (CUBLAS, _rows_kernel(4, 1024, 4), _rows_kernel(2, 2048, 4), _rows_kernel(8, 1024, 8))
+# 8 or 16 KB of bf16 weights a step in programs of 4 rows (the FP8 rows kernel's measurements on
+# the H200, docs/bench/raw/decode_fp8-b638307.json: at one row, 4x2048 and 8x1024 of 8 KB ran ~1.5x
+# faster than 16x512 of the same bytes, whose grid had a quarter of the programs). Two, because
+# each is a compile per row bucket at start-up.
+CANDIDATES = (CUBLAS, _rows_kernel(4, 1024, 4), _rows_kernel(4, 2048, 4))
 
 
 def rows_bucket(rows: int) -> int:
