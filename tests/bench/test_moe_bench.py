@@ -161,8 +161,8 @@ def test_the_tuner_times_the_direct_path_for_a_few_tokens_and_the_table_says_whi
     (entry,) = moe_tune.table_entries([result])
     assert result["sorted_s"] == 2.0 and result["direct_s"] == (0.5 if direct_wins else 2.5)
     if direct_wins:
-        assert result["best"].direct == DirectConfig(8, 1024, 4, 256, 4)
-        assert entry["direct"] == [8, 1024, 4, 256, 4]
+        assert result["best"].direct == DirectConfig(8, 1024, 4, 1024, 4)  # k=2: down steps of 1024
+        assert entry["direct"] == [8, 1024, 4, 1024, 4]
     else:
         assert result["best"].direct is None and entry["direct"] is None
     assert result["default_s"] == cost(default_config(1, 2, 8), None)  # what runs without a table

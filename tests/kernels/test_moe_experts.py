@@ -160,7 +160,7 @@ def test_a_tuned_table_overrides_the_defaults_for_its_geometry(tmp_path, monkeyp
     tuned = moe_config(6, 2, 8, 32, 16, torch.float32)
     assert tuned == MoEConfig(32, GemmConfig(32, 32, 1, 4, 2), GemmConfig(64, 32, 1, 4, 2), small_batch=False)
     # an entry without a word on the direct path leaves its default (a few tokens take it)
-    assert moe_config(3, 2, 8, 32, 16, torch.float32).direct == default_direct_config()
+    assert moe_config(3, 2, 8, 32, 16, torch.float32).direct == default_direct_config(2)
     assert moe_config(10, 2, 8, 32, 16, torch.float32) == default_config(10, 2, 8, 4)  # past its max_tokens
     assert moe_config(6, 2, 8, 64, 16, torch.float32) == default_config(6, 2, 8, 4)  # another geometry
 

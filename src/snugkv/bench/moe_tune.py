@@ -54,9 +54,9 @@ PREFILL_TILES = (
     GemmConfig(64, 128, 8, 4, 3),
     GemmConfig(128, 64, 8, 4, 4),
 )
-# The direct path's tiles around its default (moe_direct.default_direct_config, always timed): as
-# many bytes a step in half the programs, and twice the bytes a step. Few, to keep the moe step of
-# gpu_check.sh short: each is a compile.
+# The direct path's tiles around its default for k=8 (moe_direct.default_direct_config, always
+# timed): as many bytes a step in half the programs, and twice the bytes a step. Few, to keep the
+# moe step of gpu_check.sh short: each is a compile.
 DIRECT_GATE_UP_TILES = ((16, 512), (8, 1024))
 DIRECT_DOWN_TILES = ((8, 256), (4, 512))
 
@@ -146,7 +146,7 @@ def tune(
             best = flipped
     best_sorted, best_direct = best, None
     if num_tokens <= direct_max_tokens():
-        best_direct = _tune_direct(best_sorted, measure, deadline)
+        best_direct = _tune_direct(best_sorted, routing.top_k, measure, deadline)
         if measure(best_direct) < measure(best):
             best = best_direct
     with torch.inference_mode():
@@ -166,11 +166,11 @@ def tune(
 
 
 def _tune_direct(
-    sorted_config: MoEConfig, measure: Callable[[MoEConfig], float], deadline: float
+    sorted_config: MoEConfig, top_k: int, measure: Callable[[MoEConfig], float], deadline: float
 ) -> MoEConfig:
     """The direct path's fastest tiles: gate/up tiles with the default down tiles, then down tiles
     with the best gate/up, then twice the warps."""
-    start = default_direct_config()
+    start = default_direct_config(top_k)
 
     def config(tiles: DirectConfig) -> MoEConfig:
         return replace(sorted_config, direct=tiles)

@@ -91,7 +91,7 @@ class DirectConfig:
         ]
 
 
-def default_direct_config() -> DirectConfig:
+def default_direct_config(top_k: int = 8) -> DirectConfig:
     """Tiles that keep HBM busy at one token of Qwen3-30B-A3B (H=2048, I=768, k=8, 132 SMs).
 
     Streaming needs about bandwidth x latency = 4.2 TB/s x ~1.5 us ~ 6 MB of loads in flight,
@@ -100,8 +100,12 @@ def default_direct_config() -> DirectConfig:
     step: docs/bench/raw/decode_fp8-b638307.json). gate/up: 8 x 512 of gate and of up, 16 KB a
     step, 768 programs (5.8 an SM, ~93 KB in flight); down: 8 experts x 4 x 256, 16 KB a step,
     512 programs (3.9 an SM, ~62 KB). About 32 registers of loads a thread at 4 warps: the
-    programs fit an SM's register file together."""
-    return DirectConfig(gate_up_block_n=8, gate_up_block_k=512, down_block_n=4, down_block_i=256)
+    programs fit an SM's register file together. With fewer experts a token (Mixtral's 2) the
+    down step covers more of I, so it stays 16 KB."""
+    slots = triton.next_power_of_2(top_k)
+    return DirectConfig(
+        gate_up_block_n=8, gate_up_block_k=512, down_block_n=4, down_block_i=2048 // min(slots, 8)
+    )
 
 
 @triton.jit
@@ -262,7 +266,7 @@ def fused_moe_direct(
     num_tokens, hidden = x.shape
     if num_tokens == 0:
         return torch.zeros_like(x)
-    config = config or default_direct_config()
+    config = config or default_direct_config(routing.top_k)
     top_k, n_inter = routing.top_k, w2.shape[2]
     device = x.device
     inter = torch.empty(num_tokens * top_k, n_inter, dtype=x.dtype, device=device)

@@ -110,7 +110,7 @@ def default_config(
         _fit(gate_up, block_m, element_size, gated=True),
         _fit(down, block_m, element_size, gated=False),
         small,
-        default_direct_config() if num_tokens <= direct_limit else None,
+        default_direct_config(top_k) if num_tokens <= direct_limit else None,
     )
 
 
