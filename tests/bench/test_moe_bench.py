@@ -52,7 +52,7 @@ def test_decode_bench_moe_rows_count_the_experts_the_batch_touches(tiny_moe, tmp
         },
     )
     args = argparse.Namespace(
-        model=tiny_moe, max_batch=64, transformers=False, unfused=True, out=str(tmp_path)
+        model=tiny_moe, max_batch=64, transformers=False, unfused=True, out=str(tmp_path), quantization=None
     )
     assert decode.run(args) == 0
     report = json.loads((tmp_path / "decode.json").read_text())
