@@ -51,7 +51,8 @@ for s in $STEPS; do
       # many small configs, so the tests spread over workers when pytest-xdist is there
       workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${MOE_TEST_WORKERS:-4}")
       timeout "${MOE_TESTS_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider $workers tests/kernels/test_moe_routing.py \
-        tests/kernels/test_moe_align.py tests/kernels/test_moe_experts.py tests/models/test_moe_models.py \
+        tests/kernels/test_moe_align.py tests/kernels/test_moe_experts.py tests/kernels/test_moe_direct.py tests/kernels/test_dense_gemv.py \
+        tests/models/test_moe_models.py \
         2>&1 | tee "$OUT/moe_cuda_tests.txt" | tail -15 || status=1
       timeout "${MOE_TESTS_TIMEOUT:-150}" python3 -m pytest -q -m cuda -p no:cacheprovider $workers \
         tests/models/test_hf_equivalence.py -k "moe or mixtral" 2>&1 | tee -a "$OUT/moe_cuda_tests.txt" | tail -5 || status=1

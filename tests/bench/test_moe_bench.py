@@ -52,7 +52,7 @@ def test_decode_bench_moe_rows_count_the_experts_the_batch_touches(tiny_moe, tmp
         },
     )
     args = argparse.Namespace(
-        model=tiny_moe, max_batch=64, transformers=False, unfused=True, out=str(tmp_path)
+        model=tiny_moe, max_batch=64, transformers=False, unfused=True, out=str(tmp_path), quantization=None
     )
     assert decode.run(args) == 0
     report = json.loads((tmp_path / "decode.json").read_text())
@@ -140,3 +140,31 @@ def test_the_tuner_reads_the_geometry_of_the_models_moe_layers(tiny_moe):
 def test_the_tuner_on_a_cpu_says_it_needs_a_cuda_gpu(capsys):
     assert moe_tune.main(["--tokens", "1"]) == 2
     assert capsys.readouterr().err.startswith("error: bench moe_tune needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("direct_wins", [True, False])
+def test_the_tuner_times_the_direct_path_for_a_few_tokens_and_the_table_says_which_won(
+    direct_wins, monkeypatch
+):
+    from snugkv.kernels.moe_direct import DirectConfig
+
+    monkeypatch.delenv("SNUGKV_MOE_DIRECT_TOKENS", raising=False)
+    routing = Routing(num_experts=8, top_k=2, renormalize=True)
+
+    def cost(config: MoEConfig, call) -> float:  # made-up times: gate/up steps of 8 x 1024 win
+        if config.direct is None:
+            return 2.0
+        faster_tiles = (config.direct.gate_up_block_n, config.direct.gate_up_block_k) == (8, 1024)
+        return (1.0 if direct_wins else 3.0) - 0.5 * faster_tiles
+
+    result = moe_tune.tune(1, routing, 32, 16, timer=cost, deadline=math.inf, device="cpu")
+    (entry,) = moe_tune.table_entries([result])
+    assert result["sorted_s"] == 2.0 and result["direct_s"] == (0.5 if direct_wins else 2.5)
+    if direct_wins:
+        assert result["best"].direct == DirectConfig(8, 1024, 4, 1024, 4)  # k=2: down steps of 1024
+        assert entry["direct"] == [8, 1024, 4, 1024, 4]
+    else:
+        assert result["best"].direct is None and entry["direct"] is None
+    assert result["default_s"] == cost(default_config(1, 2, 8), None)  # what runs without a table
+    many = moe_tune.tune(64, routing, 32, 16, timer=cost, deadline=math.inf, device="cpu")
+    assert not many["direct_timed"] and "direct" not in moe_tune.table_entries([many])[0]

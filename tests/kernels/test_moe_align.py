@@ -67,7 +67,8 @@ def test_parallel_kernel_gives_the_reference_layout(case, block_m):
     assert set(past_blocks) <= {-1} and set(past_rows) <= {num_rows}
 
 
-@pytest.mark.parametrize("num_tokens", [1, 5, 40])
+# every size bucket of the one program's vectors (1, 2, 3-4, 5-8 tokens), then a loop over rows
+@pytest.mark.parametrize("num_tokens", [1, 2, 3, 5, 8, 40])
 def test_one_program_routes_and_sorts_like_the_reference(num_tokens):
     routing = Routing(num_experts=12, top_k=3, renormalize=True)
     logits = randn(generator(num_tokens), num_tokens, 12)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
+from snugkv.kernels.moe_direct import DirectConfig, default_direct_config
 from snugkv.kernels.moe_experts import (
     GemmConfig,
     MoEConfig,
@@ -142,7 +145,7 @@ def test_a_tuned_table_overrides_the_defaults_for_its_geometry(tmp_path, monkeyp
     table = {
         moe_experts.geometry_key(8, 2, 32, 16, torch.float32): [
             {
-                "max_tokens": 4,
+                "max_tokens": 9,
                 "block_m": 32,
                 "gate_up": [32, 32, 1, 4, 2],
                 "down": [64, 32, 1, 4, 2],
@@ -153,30 +156,62 @@ def test_a_tuned_table_overrides_the_defaults_for_its_geometry(tmp_path, monkeyp
     path = tmp_path / "moe.json"
     path.write_text(json.dumps(table))
     monkeypatch.setenv("SNUGKV_MOE_CONFIGS", str(path))
-    tuned = moe_config(3, 2, 8, 32, 16, torch.float32)
+    monkeypatch.delenv("SNUGKV_MOE_DIRECT_TOKENS", raising=False)
+    tuned = moe_config(6, 2, 8, 32, 16, torch.float32)
     assert tuned == MoEConfig(32, GemmConfig(32, 32, 1, 4, 2), GemmConfig(64, 32, 1, 4, 2), small_batch=False)
-    assert moe_config(5, 2, 8, 32, 16, torch.float32) == default_config(5, 2, 8, 4)  # past its max_tokens
-    assert moe_config(3, 2, 8, 64, 16, torch.float32) == default_config(3, 2, 8, 4)  # another geometry
+    # an entry without a word on the direct path leaves its default (a few tokens take it)
+    assert moe_config(3, 2, 8, 32, 16, torch.float32).direct == default_direct_config(2)
+    assert moe_config(10, 2, 8, 32, 16, torch.float32) == default_config(10, 2, 8, 4)  # past its max_tokens
+    assert moe_config(6, 2, 8, 64, 16, torch.float32) == default_config(6, 2, 8, 4)  # another geometry
+
+
+def test_a_tuned_table_turns_the_direct_path_off_or_retiles_it_within_its_limit(tmp_path, monkeypatch):
+    import json
+
+    from snugkv.kernels import moe_experts
+
+    entry = {"block_m": 16, "gate_up": [32, 32, 1, 4, 2], "down": [64, 32, 1, 4, 2], "small_batch": True}
+    table = {
+        moe_experts.geometry_key(8, 2, 32, 16, torch.float32): [
+            {**entry, "max_tokens": 1, "direct": None},  # the tuner found the sorted path faster
+            {**entry, "max_tokens": 8, "direct": [4, 1024, 2, 512, 8]},
+        ]
+    }
+    path = tmp_path / "moe.json"
+    path.write_text(json.dumps(table))
+    monkeypatch.setenv("SNUGKV_MOE_CONFIGS", str(path))
+    monkeypatch.delenv("SNUGKV_MOE_DIRECT_TOKENS", raising=False)
+    assert moe_config(1, 2, 8, 32, 16, torch.float32).direct is None
+    assert moe_config(2, 2, 8, 32, 16, torch.float32).direct == DirectConfig(4, 1024, 2, 512, 8)
+    assert moe_config(5, 2, 8, 32, 16, torch.float32).direct is None  # a table never goes past the limit
+    monkeypatch.setenv("SNUGKV_MOE_DIRECT_TOKENS", "0")
+    assert moe_config(2, 2, 8, 32, 16, torch.float32).direct is None  # nor past the switch
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("num_tokens", [1, 64, 256, 2048])
 def test_kernels_replay_in_a_cuda_graph_for_any_routing(num_tokens):
     """Qwen3-30B-A3B's expert geometry in bf16: captured once, replayed with new hidden states and
-    router logits (other experts, other counts) and compared with the reference each time."""
+    router logits (other experts, other counts) and compared with the reference each time. The
+    sorted path at every count (test_moe_direct.py replays the direct path a single token takes)."""
     gen = generator(26)
     routing = Routing(num_experts=128, top_k=8, renormalize=True)
     w13, w2 = _experts(gen, 128, 2048, 768, torch.bfloat16)
     x = randn(gen, num_tokens, 2048, dtype=torch.bfloat16)
     logits = randn(gen, num_tokens, 128, dtype=torch.bfloat16)
+    sorted_path = replace(moe_config(num_tokens, 8, 128, 2048, 768, torch.bfloat16), direct=None)
+
+    def call() -> torch.Tensor:
+        return fused_moe_triton(x, logits, w13, w2, routing, sorted_path)
+
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        fused_moe(x, logits, w13, w2, routing)  # compiles outside the capture
+        call()  # compiles outside the capture
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = fused_moe(x, logits, w13, w2, routing)
+        out = call()
     for seed, skew in ((27, 1.0), (28, 0.0), (29, 8.0)):  # skew 0: every token ties; 8: few experts
         gen = generator(seed)
         x.copy_(randn(gen, num_tokens, 2048, dtype=torch.bfloat16))
@@ -190,7 +225,7 @@ def test_kernels_replay_in_a_cuda_graph_for_any_routing(num_tokens):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("num_tokens", [64, 8192])
+@pytest.mark.parametrize("num_tokens", [1, 64, 8192])
 def test_the_memory_a_call_takes_does_not_depend_on_the_routing(num_tokens):
     """Every buffer is sized for the worst case of its token count, so the activation peak the
     engine measures on its warm-up routing (every token on the same experts) covers any other."""

@@ -40,6 +40,8 @@ import torch.nn.functional as F
 from snugkv.bench.model_configs import benchmark_model
 from snugkv.bench.report import cuda_missing, emit
 from snugkv.core.sampling import SamplingParams
+from snugkv.kernels.moe_direct import direct_max_tokens
+from snugkv.layers import dense_gemm_choice
 from snugkv.memory.vmm import GIB
 from snugkv.models.causal_lm import CausalLM
 
@@ -81,6 +83,7 @@ def time_cuda(fn: Any, iterations: int = 30, warmup: int = 5) -> float:
 KERNEL_KINDS = (
     ("moe-routing", ("route_align", "select_experts", "_count_kernel", "_plan_kernel", "_scatter_kernel")),
     ("moe-experts", ("grouped_gemm",)),
+    ("moe-direct", ("_direct_gate_up", "_direct_down")),  # experts with routing and combine inside
     ("fp8 quantize", ("_quantize_rows", "_quantize_groups")),
     ("gemm", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "cublas", "splitk", "fp8_linear")),
     ("attention", ("decode", "extend", "attn", "attention")),
@@ -513,6 +516,8 @@ def run(args: argparse.Namespace) -> int:
             "model": args.model,
             "startup": startup,
             "moe_configs": os.environ.get("SNUGKV_MOE_CONFIGS", "defaults"),
+            "moe_direct_max_tokens": direct_max_tokens(),
+            "dense_gemm_measurements_us": dense_gemm_choice.measurements(),
             "kernel_breakdown": [
                 {
                     key: r[key]
@@ -534,6 +539,8 @@ def run(args: argparse.Namespace) -> int:
             print(
                 f"b{r['batch']} c{r['context']}: {r['kernels_per_step']} kernels, ms by kind {r['kernel_ms_by_kind']}"
             )
+    for entry in dense_gemm_choice.measurements():
+        print("1-4 row gemm", entry)
     print(f"copy bandwidth (read + write): {bandwidth / 1e12:.2f} TB/s")
     return 0
 

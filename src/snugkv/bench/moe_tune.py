@@ -5,12 +5,15 @@ logits, at each token count (`--tokens`, default 1 64 256 8192). Each candidate 
 whole routed part of the layer (`fused_moe_triton`: routing, sorting, both grouped GEMMs, the
 combine) captured `--reps` times in one CUDA graph, timed over replays. Candidates are tried
 in two passes per row block: gate/up tiles with the default down tiles, then down tiles with the
-best gate/up; then, for decode-sized batches, sorting in one program or in parallel. The fastest
-per token count is written as a SNUGKV_MOE_CONFIGS table (`moe_configs.json`: each entry covers
-token counts up to the geometric mean with the next tuned count), next to a table of each token
-count's best and default times against the layer's floors: the experts its tokens touch read
-once (copy bandwidth measured in the same run), and 2 x 3 x H x I FLOPs per routed row at the
-H200's dense bf16 rate.
+best gate/up; then, for decode-sized batches, sorting in one program or in parallel. Up to
+moe_direct.direct_max_tokens() the direct path (no sort, moe_direct.py) is timed too, its tiles
+in the same two passes, against the best sorted config: where it loses, the table says so
+(`"direct": null`) and the engine sorts. The fastest per token count is written as a
+SNUGKV_MOE_CONFIGS table (`moe_configs.json`: each entry covers token counts up to the geometric
+mean with the next tuned count), next to a table of each token count's best and default times
+(the default: what the engine runs without a table) against the layer's floors: the experts its
+tokens touch read once (copy bandwidth measured in the same run), and 2 x 3 x H x I FLOPs per
+routed row at the H200's dense bf16 rate.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from snugkv.bench.kernels import graph_seconds_per_call
 from snugkv.bench.model_configs import benchmark_model
 from snugkv.bench.prefill import PEAK_FLOPS
 from snugkv.bench.report import cuda_missing, emit
+from snugkv.kernels.moe_direct import DirectConfig, default_direct_config, direct_max_tokens
 from snugkv.kernels.moe_experts import GemmConfig, MoEConfig, default_config, fused_moe_triton, geometry_key
 from snugkv.kernels.moe_routing import Routing
 from snugkv.layers.moe import SparseMoE
@@ -50,6 +54,11 @@ PREFILL_TILES = (
     GemmConfig(64, 128, 8, 4, 3),
     GemmConfig(128, 64, 8, 4, 4),
 )
+# The direct path's tiles around its default for k=8 (moe_direct.default_direct_config, always
+# timed): as many bytes a step in half the programs, and twice the bytes a step. Few, to keep the
+# moe step of gpu_check.sh short: each is a compile.
+DIRECT_GATE_UP_TILES = ((16, 512), (8, 1024))
+DIRECT_DOWN_TILES = ((8, 256), (4, 512))
 
 
 def moe_geometry(model: str) -> tuple[Routing, int, int]:
@@ -117,7 +126,8 @@ def tune(
             timings[key] = timer(config, lambda: fused_moe_triton(x, logits, w13, w2, routing, config))
         return timings[key]
 
-    default = default_config(num_tokens, routing.top_k, experts)
+    engine_default = default_config(num_tokens, routing.top_k, experts)
+    default = replace(engine_default, direct=None)  # the sorted path's starting point
     best = default
     measure(default)
     tiles = DECODE_TILES if num_tokens * routing.top_k / experts <= 24 else PREFILL_TILES
@@ -134,6 +144,11 @@ def tune(
         flipped = replace(best, small_batch=not best.small_batch)
         if measure(flipped) < measure(best):
             best = flipped
+    best_sorted, best_direct = best, None
+    if num_tokens <= direct_max_tokens():
+        best_direct = _tune_direct(best_sorted, routing.top_k, measure, deadline)
+        if measure(best_direct) < measure(best):
+            best = best_direct
     with torch.inference_mode():
         ids = torch.topk(logits.float(), routing.top_k, dim=-1).indices
     touched = int(torch.unique(ids).numel())
@@ -141,10 +156,38 @@ def tune(
         "tokens": num_tokens,
         "best": best,
         "best_s": measure(best),
-        "default_s": measure(default),
+        "default_s": measure(engine_default),
+        "sorted_s": measure(best_sorted),
+        "direct_s": measure(best_direct) if best_direct is not None else None,
+        "direct_timed": best_direct is not None,
         "experts_touched": touched,
         "candidates_timed": len(timings),
     }
+
+
+def _tune_direct(
+    sorted_config: MoEConfig, top_k: int, measure: Callable[[MoEConfig], float], deadline: float
+) -> MoEConfig:
+    """The direct path's fastest tiles: gate/up tiles with the default down tiles, then down tiles
+    with the best gate/up, then twice the warps."""
+    start = default_direct_config(top_k)
+
+    def config(tiles: DirectConfig) -> MoEConfig:
+        return replace(sorted_config, direct=tiles)
+
+    best = start
+    measure(config(best))
+    for n, k in DIRECT_GATE_UP_TILES:
+        if time.perf_counter() < deadline:
+            best = min(
+                best, replace(best, gate_up_block_n=n, gate_up_block_k=k), key=lambda d: measure(config(d))
+            )
+    for n, i in DIRECT_DOWN_TILES:
+        if time.perf_counter() < deadline:
+            best = min(best, replace(best, down_block_n=n, down_block_i=i), key=lambda d: measure(config(d)))
+    if time.perf_counter() < deadline:
+        best = min(best, replace(best, num_warps=2 * best.num_warps), key=lambda d: measure(config(d)))
+    return config(best)
 
 
 def table_entries(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -159,16 +202,17 @@ def table_entries(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
             else 1 << 30
         )
         best: MoEConfig = result["best"]
-        entries.append(
-            {
-                "max_tokens": upper,
-                "block_m": best.block_m,
-                "gate_up": list(asdict(best.gate_up).values()),
-                "down": list(asdict(best.down).values()),
-                "small_batch": best.small_batch,
-                "tuned_at_tokens": result["tokens"],
-            }
-        )
+        entry = {
+            "max_tokens": upper,
+            "block_m": best.block_m,
+            "gate_up": list(asdict(best.gate_up).values()),
+            "down": list(asdict(best.down).values()),
+            "small_batch": best.small_batch,
+            "tuned_at_tokens": result["tokens"],
+        }
+        if result.get("direct_timed"):  # null: sorting was faster here, so the engine sorts
+            entry["direct"] = best.direct.as_list() if best.direct is not None else None
+        entries.append(entry)
     return entries
 
 
@@ -207,6 +251,9 @@ def run(args: argparse.Namespace) -> int:
                 "flops_floor_us": flops_floor_s * 1e6,
                 "best_over_floor": result["best_s"] / floor_s,
                 "default_over_floor": result["default_s"] / floor_s,
+                "sorted_best_us": result["sorted_s"] * 1e6,
+                "direct_best_us": result["direct_s"] * 1e6 if result["direct_s"] is not None else None,
+                "direct": str(best.direct.as_list()) if best.direct is not None else None,
                 "block_m": best.block_m,
                 "gate_up": str(list(asdict(best.gate_up).values())),
                 "down": str(list(asdict(best.down).values())),

@@ -35,6 +35,7 @@ from snugkv.kernels.moe_routing import Routing, load_logits, routing_constants, 
 
 _CHUNK = 1024  # rows per vector in the sorting loops
 _BLOCK_CHUNK = 128  # blocks per vector when the blocks' experts are written
+_SMALL_BLOCK_TOKENS = 16  # token rows per selection step of the one-program path, at most
 
 
 @dataclass(frozen=True, slots=True)
@@ -284,13 +285,19 @@ def route_and_align_small(
 ) -> tuple[torch.Tensor, torch.Tensor, ExpertBlocks]:
     """Select experts for every row of `logits [T, E]` and sort the routed rows, in one program:
     (weights float32 [T, k], ids int32 [T, k], blocks). For small T (a decode batch), where one
-    launch costs less than the parallel path's four."""
+    launch costs less than the parallel path's four.
+
+    The program's vectors are sized by the batch (powers of two up to the parallel path's
+    chunks): at 8 tokens it selects over 8 rows, not 16, and places 64 blocks, not 128, so a
+    small batch's one serial program does a small batch's work. One compiled variant per size
+    bucket: for 128 experts, k=8 and 16-row blocks 1, 2, 3-4, 5-8 tokens, then the caps from 9."""
     num_tokens = logits.shape[0]
     device = logits.device
     weights = torch.empty(num_tokens, routing.top_k, dtype=torch.float32, device=device)
     ids = torch.empty(num_tokens, routing.top_k, dtype=torch.int32, device=device)
     blocks = _empty_blocks(num_tokens * routing.top_k, routing.num_experts, block_m, device)
     cursor = torch.empty(routing.expert_bins, dtype=torch.int32, device=device)
+    token_rows = max(1, min(_SMALL_BLOCK_TOKENS, 2048 // routing.expert_cols))
     _route_align_small_kernel[(1,)](
         logits,
         weights,
@@ -307,10 +314,10 @@ def route_and_align_small(
         blocks.max_blocks,
         **routing_constants(routing),
         BINS=routing.expert_bins,
-        BLOCK_T=max(1, min(16, 2048 // routing.expert_cols)),
+        BLOCK_T=min(token_rows, triton.next_power_of_2(num_tokens)),
         BLOCK_M=block_m,
-        CHUNK=_CHUNK,
-        BLOCK_CHUNK=_BLOCK_CHUNK,
+        CHUNK=min(_CHUNK, triton.next_power_of_2(blocks.sorted_rows.shape[0])),
+        BLOCK_CHUNK=min(_BLOCK_CHUNK, triton.next_power_of_2(blocks.max_blocks)),
         num_warps=4,
     )
     return weights, ids, blocks

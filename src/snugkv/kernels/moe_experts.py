@@ -9,6 +9,7 @@ experts each make `T * k` routed rows (moe_align.py). Two launches of one Triton
    `out [T * k, H]`; then the k rows of each token are summed (the weighted combine).
 The grid is the worst case for the token count (moe_align.max_padded_rows); programs past the
 used blocks return at once, so a CUDA graph replays any routing and nothing waits for the host.
+A step of a few tokens (`MoEConfig.direct`) skips the sort and the combine: moe_direct.py.
 
 `fused_experts_reference` is transformers' expert loop op for op (each expert that has tokens,
 in ascending order, accumulated with `index_add_`), which keeps CPU float32 token-identical to
@@ -35,6 +36,7 @@ import triton
 import triton.language as tl
 
 from snugkv.kernels.moe_align import ExpertBlocks, align_triton, route_and_align_small
+from snugkv.kernels.moe_direct import DirectConfig, default_direct_config, direct_max_tokens, fused_moe_direct
 from snugkv.kernels.moe_routing import Routing, select_experts_reference, select_experts_triton
 
 SMALL_BATCH_TOKENS = 64  # up to this many tokens, one program routes and sorts (route_and_align_small)
@@ -57,6 +59,7 @@ class MoEConfig:
     gate_up: GemmConfig
     down: GemmConfig
     small_batch: bool  # route and sort in one program (route_and_align_small)
+    direct: DirectConfig | None = None  # no sort at all: experts by the routing's ids (moe_direct.py)
 
 
 SHARED_MEMORY_BUDGET_BYTES = 160 * 1024  # of the H200's 227 KiB per block: room for the epilogue
@@ -80,10 +83,17 @@ def _fit(config: GemmConfig, block_m: int, element_size: int, gated: bool) -> Ge
     return config
 
 
-def default_config(num_tokens: int, top_k: int, num_experts: int, element_size: int = 2) -> MoEConfig:
+def default_config(
+    num_tokens: int,
+    top_k: int,
+    num_experts: int,
+    element_size: int = 2,
+    direct_tokens: int | None = None,
+) -> MoEConfig:
     """Blocks sized by the rows an expert gets on average: a decode batch leaves most experts a
     few rows (small row blocks, narrow column blocks so many programs stream the weights), a
-    prefill chunk hundreds (large tiles, grouped launch order so an expert's weights stay in L2)."""
+    prefill chunk hundreds (large tiles, grouped launch order so an expert's weights stay in L2).
+    Up to `direct_tokens` tokens (default: moe_direct.direct_max_tokens()) the direct path."""
     rows_per_expert = num_tokens * top_k / num_experts
     small = num_tokens <= SMALL_BATCH_TOKENS
     if rows_per_expert <= 12:
@@ -94,11 +104,13 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, element_size: 
         block_m, gate_up, down = 64, GemmConfig(64, 64, 8, 4, 4), GemmConfig(128, 64, 8, 4, 4)
     else:
         block_m, gate_up, down = 128, GemmConfig(64, 64, 8, 8, 3), GemmConfig(128, 64, 8, 8, 3)
+    direct_limit = direct_max_tokens() if direct_tokens is None else direct_tokens
     return MoEConfig(
         block_m,
         _fit(gate_up, block_m, element_size, gated=True),
         _fit(down, block_m, element_size, gated=False),
         small,
+        default_direct_config(top_k) if num_tokens <= direct_limit else None,
     )
 
 
@@ -117,9 +129,18 @@ def moe_config(
     num_tokens: int, top_k: int, num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype
 ) -> MoEConfig:
     """The tuned entry for this geometry and token count when SNUGKV_MOE_CONFIGS lists one (the
-    first whose `max_tokens` covers `num_tokens`), else `default_config`."""
+    first whose `max_tokens` covers `num_tokens`), else `default_config`. An entry's `direct`
+    (tiles, or null where the tuner found the sorted path faster) applies only up to
+    moe_direct.direct_max_tokens()."""
     return _config(
-        num_tokens, top_k, num_experts, hidden, intermediate, dtype, os.environ.get("SNUGKV_MOE_CONFIGS")
+        num_tokens,
+        top_k,
+        num_experts,
+        hidden,
+        intermediate,
+        dtype,
+        os.environ.get("SNUGKV_MOE_CONFIGS"),
+        direct_max_tokens(),
     )
 
 
@@ -132,18 +153,24 @@ def _config(
     intermediate: int,
     dtype: torch.dtype,
     path: str | None,
+    direct_tokens: int,
 ) -> MoEConfig:
+    default = default_config(num_tokens, top_k, num_experts, dtype.itemsize, direct_tokens)
     if path:
         entries = _tuned_table(path).get(geometry_key(num_experts, top_k, hidden, intermediate, dtype), [])
         for entry in sorted(entries, key=lambda e: int(e["max_tokens"])):
             if num_tokens <= int(entry["max_tokens"]):
+                direct = default.direct
+                if direct is not None and "direct" in entry:
+                    direct = DirectConfig(*entry["direct"]) if entry["direct"] is not None else None
                 return MoEConfig(
                     int(entry["block_m"]),
                     GemmConfig(*entry["gate_up"]),
                     GemmConfig(*entry["down"]),
                     bool(entry.get("small_batch", num_tokens <= SMALL_BATCH_TOKENS)),
+                    direct,
                 )
-    return default_config(num_tokens, top_k, num_experts, dtype.itemsize)
+    return default
 
 
 @triton.jit
@@ -340,8 +367,9 @@ def fused_moe_triton(
     routing: Routing,
     config: MoEConfig | None = None,
 ) -> torch.Tensor:
-    """Route, sort and run the experts with no host sync: 4 launches for a decode batch (one
-    program routes and sorts), 8 for a prefill chunk."""
+    """Route, sort and run the experts with no host sync: 2 launches for a few tokens (the
+    direct path: no sort, no combine), 4 for a decode batch (one program routes and sorts), 8 for
+    a prefill chunk."""
     _check_experts(x, w13, w2)
     num_tokens = x.shape[0]
     if num_tokens == 0:
@@ -349,6 +377,8 @@ def fused_moe_triton(
     config = config or moe_config(
         num_tokens, routing.top_k, routing.num_experts, x.shape[1], w2.shape[2], x.dtype
     )
+    if config.direct is not None and w13.dtype == x.dtype:  # weights of another dtype: the grouped kernels
+        return fused_moe_direct(x, logits, w13, w2, routing, config.direct)
     if config.small_batch:
         weights, _, blocks = route_and_align_small(logits, routing, config.block_m)
     else:

@@ -21,6 +21,8 @@ tensor, placed where), so quantization scales (layers/fp8_linear.py) follow the 
 
 A linear layer may be quantized (`quant`, set by snugkv.models.quantization before the weights are
 materialised): its `weight` is then float8_e4m3fn with scales beside it, and `quant` runs the GEMM.
+Otherwise the GEMM is `F.linear`, or for 1-4 rows on a GPU what layers/dense_gemm_choice.py
+measured faster.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from snugkv.distributed.group import TensorParallel
+from snugkv.layers.dense_gemm_choice import dense_linear
 
 if TYPE_CHECKING:
     from snugkv.layers.fp8_linear import Fp8Linear
@@ -126,7 +129,7 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:
             return self.quant.linear(self, x, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return dense_linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         quant = f", {self.quant.scheme.name}" if self.quant is not None else ""
@@ -188,7 +191,7 @@ class RowParallelLinear(nn.Module):
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quant is not None:
             return self.quant.linear(self, x, bias)
-        return F.linear(x, self.weight, bias)
+        return dense_linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.tp.enabled:
@@ -242,7 +245,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = dense_linear(hidden, self.weight)
         if not self.tp.enabled:
             return logits
         return self.tp.all_gather_last_dim(logits)[..., : self.num_embeddings]
