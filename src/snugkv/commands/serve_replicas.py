@@ -15,8 +15,6 @@ import os
 import sys
 from typing import Any
 
-from snugkv.distributed.launch import device_type_for, free_port
-
 logger = logging.getLogger(__name__)
 
 # Flags that describe the fleet, not one replica; a replica gets its own value or none.
@@ -73,6 +71,7 @@ def serve_replicas(
 ) -> int:
     """Run `args` (parsed by `serve_parser`) as `--dp` replicas behind the router; the exit code. The
     key reaches the replicas as `api_key_env` in their environment, the router on its command line."""
+    from snugkv.distributed.launch import free_port
     from snugkv.server.launch import bind_socket
     from snugkv.server.replicas import Fleet, FleetSpec, ReplicaSpec
     from snugkv.server.router import RouterOptions, RouterUnavailable, find_router_binary, router_version
@@ -170,6 +169,8 @@ def replica_flags(args: argparse.Namespace, serve_parser: argparse.ArgumentParse
 
 def replica_devices(args: argparse.Namespace) -> list[str | None]:
     """Each replica's `CUDA_VISIBLE_DEVICES` (None: leave it as it is, on a CPU or a named GPU)."""
+    from snugkv.distributed.launch import device_type_for  # torch: not while the parser is built
+
     dp, tp = args.dp_size, args.tp_size
     if device_type_for(args.device) == "cpu":
         return [None] * dp
@@ -203,6 +204,8 @@ def _visible_gpus() -> list[str]:
 def _cpu_threads_per_replica(args: Any) -> int | None:
     """On a CPU the replicas split the cores (oversubscribed OpenMP threads spin against each
     other); None on GPUs or when OMP_NUM_THREADS is already set."""
+    from snugkv.distributed.launch import device_type_for
+
     if device_type_for(args.device) != "cpu" or "OMP_NUM_THREADS" in os.environ:
         return None
     return max(1, (os.cpu_count() or 1) // args.dp_size)
