@@ -76,32 +76,41 @@ def _k_per_split(k: int, split_k: int, block_k: int) -> tuple[int, int]:
 
 
 @triton.jit
-def _split_k_sum(acc, Partials, Arrivals, tile, num_tiles, pid_k, SPLIT_K: tl.constexpr):
-    """`(sum, last)`: this program's float32 partial tile `acc` written to the workspace, a ticket
-    taken; the program holding the last ticket gets the tile's partials added in split order (the
-    same sum whoever arrives last) and `last` true, and zeroes the tile's counter."""
-    tile_size: tl.constexpr = acc.shape[0] * acc.shape[1]
+def _split_k_sum(
+    acc,
+    Partials,
+    Arrivals,
+    tile,
+    num_tiles,
+    pid_k,
+    split_k,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
+):
+    """`(sum, last)`: this program's float32 partial tile `acc [ROWS, COLS]` written to the
+    workspace, a ticket taken; the program holding the last ticket gets the tile's partials added in
+    split order (the same sum whoever arrives last) and `last` true, and zeroes the tile's counter."""
     # flat, so the workspace moves in 16-byte vectors and the pointers take few registers (the
     # tile's own layout scatters each thread's elements)
-    offsets = tl.arange(0, tile_size)
-    base = Partials + tile.to(tl.int64) * tile_size
-    stride_split = num_tiles.to(tl.int64) * tile_size
-    tl.store(base + pid_k * stride_split + offsets, tl.reshape(acc, (tile_size,)))
+    offsets = tl.arange(0, ROWS * COLS)
+    base = Partials + tile.to(tl.int64) * (ROWS * COLS)
+    stride_split = num_tiles.to(tl.int64) * (ROWS * COLS)
+    tl.store(base + pid_k * stride_split + offsets, tl.reshape(acc, (ROWS * COLS,)))
     # every thread's partial is written before the ticket publishes them (bar.sync, then one
     # gpu-scope acq_rel atomic: the release is cumulative over what the barrier ordered before it)
     tl.debug_barrier()
     ticket = tl.atomic_add(Arrivals + tile, 1, sem="acq_rel", scope="gpu")
-    last = ticket == SPLIT_K - 1
+    last = ticket == split_k - 1
     if last:
         total = tl.load(base + offsets, cache_modifier=".cg")  # .cg: from L2, where the others wrote
-        for split in tl.range(1, SPLIT_K, loop_unroll_factor=1):  # one partial tile at a time
+        for split in tl.range(1, split_k, loop_unroll_factor=1):  # one partial tile at a time
             total += tl.load(base + split * stride_split + offsets, cache_modifier=".cg")
         tl.atomic_xchg(Arrivals + tile, 0)  # zero again for the next launch or graph replay
-        acc = tl.reshape(total, acc.shape)
+        acc = tl.reshape(total, (ROWS, COLS))
     return acc, last
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["split_k"])  # one binary per tile shape, whatever the split
 def _fp8_swapab_gemm_kernel(
     A,
     B,
@@ -115,6 +124,7 @@ def _fp8_swapab_gemm_kernel(
     N,
     K,
     k_per_split,
+    split_k,
     stride_am,
     stride_bn,
     stride_cm,
@@ -129,7 +139,6 @@ def _fp8_swapab_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -143,7 +152,6 @@ def _fp8_swapab_gemm_kernel(
     k_begin = pid_k * k_per_split
     w_ptrs = B + offs_n[:, None].to(tl.int64) * stride_bn + (k_begin + offs_k)[None, :]
     x_ptrs = A + offs_m[None, :].to(tl.int64) * stride_am + (k_begin + offs_k)[:, None]
-    PER_BLOCK_SCALES: tl.constexpr = B_BLOCKS or A_MODE == A_FP8_GROUPS
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(0, k_per_split, BLOCK_K):
         k_ok = (k_begin + k0 + offs_k) < K
@@ -151,7 +159,7 @@ def _fp8_swapab_gemm_kernel(
         x = tl.load(x_ptrs, mask=k_ok[:, None] & mask_m[None, :], other=0.0)
         if A_MODE == A_FLOAT:
             w = w.to(x.dtype)  # exact: every e4m3 value is a bf16 / fp16 / fp32 value
-        if PER_BLOCK_SCALES:  # BLOCK_K is the 128-column group: scale this block's product
+        if B_BLOCKS or A_MODE == A_FP8_GROUPS:  # BLOCK_K is the 128-column group: scale this block
             partial = tl.dot(w, x, input_precision=DOT_PRECISION)
             group = (k_begin + k0) // BLOCK_K
             if B_BLOCKS:
@@ -168,14 +176,13 @@ def _fp8_swapab_gemm_kernel(
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     # per-row weight and activation scales and the bias apply to the sum: partials are raw dots
-    last = True
-    if SPLIT_K > 1:
+    last = pid_k == 0  # without a split, the one program of the tile
+    if split_k > 1:
         tile = pid_m * tl.num_programs(0) + pid_n
-        acc, last = _split_k_sum(
-            acc, Partials, Arrivals, tile, tl.num_programs(0) * tl.num_programs(1), pid_k, SPLIT_K
-        )
+        num_tiles = tl.num_programs(0) * tl.num_programs(1)
+        acc, last = _split_k_sum(acc, Partials, Arrivals, tile, num_tiles, pid_k, split_k, BLOCK_N, BLOCK_M)
     if last:
-        if not PER_BLOCK_SCALES:
+        if not (B_BLOCKS or A_MODE == A_FP8_GROUPS):
             acc = acc * tl.load(BScale + offs_n * stride_bs_n, mask=mask_n, other=0.0)[:, None]
             if A_MODE == A_FP8_ROWS:
                 acc = acc * tl.load(AScale + offs_m * stride_as_m, mask=mask_m, other=0.0)[None, :]
@@ -185,7 +192,7 @@ def _fp8_swapab_gemm_kernel(
         tl.store(out, acc.to(C.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["split_k"])
 def _fp8_gemv_wide_kernel(
     A,
     B,
@@ -198,13 +205,13 @@ def _fp8_gemv_wide_kernel(
     N,
     K,
     k_per_split,
+    split_k,
     stride_bn,
     stride_bs_n,
     ACT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -242,9 +249,11 @@ def _fp8_gemv_wide_kernel(
             x = tl.clamp(x / a_scale, -448.0, 448.0).to(B.dtype.element_ty).to(tl.float32)
         acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
     partial = acc[:, None]  # [BLOCK_N, 1]: the split-K helper takes 2-D tiles
-    last = True
-    if SPLIT_K > 1:
-        partial, last = _split_k_sum(partial, Partials, Arrivals, pid_n, tl.num_programs(0), pid_k, SPLIT_K)
+    last = pid_k == 0
+    if split_k > 1:
+        partial, last = _split_k_sum(
+            partial, Partials, Arrivals, pid_n, tl.num_programs(0), pid_k, split_k, BLOCK_N, 1
+        )
     if last:
         out = tl.sum(partial, axis=1) * tl.load(BScale + offs_n * stride_bs_n, mask=mask_n, other=0.0)
         if ACT != GEMV_FLOAT:
@@ -270,7 +279,7 @@ def _workspace(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(float32 partials, counters) of a split-K launch; a dummy pair without a split."""
     if split_k == 1:
-        return x, x  # never read: SPLIT_K == 1 compiles the split-K path away
+        return x, x  # never read without a split
     if tiles > ARRIVAL_SLOTS:
         raise ValueError(f"split-K over {tiles} output tiles; the counters hold {ARRIVAL_SLOTS}")
     partials = torch.empty(split_k * tiles * tile_elements, dtype=torch.float32, device=x.device)
@@ -334,6 +343,7 @@ def fp8_linear_swapab(
         out_rows,
         cols,
         per_split,
+        splits,
         a.stride(0),
         weight.stride(0),
         out.stride(0),
@@ -348,7 +358,6 @@ def fp8_linear_swapab(
         BLOCK_N=tile_n,
         BLOCK_M=tile_m,
         BLOCK_K=block_k,
-        SPLIT_K=splits,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         num_warps=num_warps,
         num_stages=num_stages,
@@ -398,13 +407,13 @@ def fp8_linear_gemv_wide(
         out_rows,
         cols,
         per_split,
+        splits,
         weight.stride(0),
         weight_scale.stride(0),
         ACT=act_id,
         HAS_BIAS=bias is not None,
         BLOCK_N=rows_per_program,
         BLOCK_K=block_k,
-        SPLIT_K=splits,
         num_warps=num_warps,
     )
     return out
