@@ -47,7 +47,10 @@ _ARRIVALS: dict[tuple[str, int | None], torch.Tensor] = {}
 
 def arrival_counters(device: torch.device) -> torch.Tensor:
     """The device's zeroed split-K counters (made on first use, which must not be in a capture)."""
-    key = (device.type, device.index)
+    index = device.index
+    if device.type == "cuda" and index is None:
+        index = torch.cuda.current_device()
+    key = (device.type, index)
     counters = _ARRIVALS.get(key)
     if counters is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
