@@ -5,9 +5,12 @@
         [--activations dynamic|static [--calibration FILE]] [--dtype bfloat16|float32|keep]
     python scripts/fp8_checkpoint.py SRC OUT --format block      # quant_method fp8, 128x128 blocks
 
-Every 2-D `*.weight` under `model.layers.` (the decoder's linear layers) is quantized with snugkv's
-own rounding (snugkv.layers.quantization: absmax / 448, round to nearest even); embeddings, the LM
-head and norms are copied (in `--dtype`). The formats are the ones published checkpoints use:
+Every 2-D `*.weight` under `model.layers.` (the decoder's linear layers, and each MoE expert's
+`experts.N.gate_proj` / `up_proj` / `down_proj`, quantized expert by expert as published MoE FP8
+checkpoints are) is quantized with snugkv's own rounding (snugkv.layers.quantization: absmax / 448,
+round to nearest even); embeddings, the LM head, norms and MoE routers (`mlp.gate`,
+`block_sparse_moe.gate`: listed as not converted) are copied (in `--dtype`). The formats are the
+ones published checkpoints use:
 - `compressed-tensors`: `weight` (float8_e4m3fn) + `weight_scale` (`[1]` per tensor or `[N, 1]` per
   channel); `--activations static` adds `input_scale` (`[1]`), the absmax / 448 of each layer's
   input over a calibration text run through transformers (a few built-in sentences, or --calibration);
@@ -53,9 +56,21 @@ _WEIGHT_FILES = ("model.safetensors.index.json",)
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
+ROUTER_PATTERNS = (r"re:.*\.mlp\.gate$", r"re:.*\.block_sparse_moe\.gate$")  # MoE routers stay float
+
+
+def is_router(name: str) -> bool:
+    return name.endswith((".mlp.gate.weight", ".block_sparse_moe.gate.weight"))
+
+
 def quantizes(name: str, tensor: torch.Tensor) -> bool:
-    """The decoder's linear weights: 2-D `*.weight` tensors under `model.layers.`."""
-    return name.startswith("model.layers.") and name.endswith(".weight") and tensor.dim() == 2
+    """The decoder's linear weights: 2-D `*.weight` tensors under `model.layers.`, routers aside."""
+    return (
+        name.startswith("model.layers.")
+        and name.endswith(".weight")
+        and tensor.dim() == 2
+        and not is_router(name)
+    )
 
 
 def scheme_of(fmt: str, weights: str, activations: str) -> Fp8Scheme:
@@ -65,13 +80,16 @@ def scheme_of(fmt: str, weights: str, activations: str) -> Fp8Scheme:
     return Fp8Scheme(WeightScales(weights), acts)
 
 
-def quantization_config(fmt: str, scheme: Fp8Scheme) -> dict[str, Any]:
+def quantization_config(fmt: str, scheme: Fp8Scheme, routers: bool = False) -> dict[str, Any]:
+    """`routers`: the model has MoE routers, kept unquantized and listed so."""
+    kept = list(ROUTER_PATTERNS) if routers else []
     if fmt == "block":
         return {
             "quant_method": "fp8",
             "fmt": "e4m3",
             "activation_scheme": "dynamic",
             "weight_block_size": [scheme.block_n, scheme.block_k],
+            **({"modules_to_not_convert": kept} if kept else {}),
         }
     static = scheme.activations is ActivationScales.STATIC_TENSOR
 
@@ -99,7 +117,7 @@ def quantization_config(fmt: str, scheme: Fp8Scheme) -> dict[str, Any]:
                 "output_activations": None,
             }
         },
-        "ignore": ["lm_head"],
+        "ignore": ["lm_head", *kept],
         "kv_cache_scheme": None,
     }
 
@@ -120,11 +138,14 @@ def calibration_inputs(source: Path, texts: list[str], vocab_size: int) -> list[
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
+        ids = [tokenizer(text, return_tensors="pt")["input_ids"] for text in texts]
     except (OSError, ValueError):
-        print(f"{source} has no tokenizer: calibrating on random token ids", file=sys.stderr)
+        ids = []
+    if not ids or any(row.numel() == 0 for row in ids):  # none, or one without a vocabulary
+        print(f"{source} has no usable tokenizer: calibrating on random token ids", file=sys.stderr)
         generator = torch.Generator().manual_seed(0)
         return [torch.randint(0, vocab_size, (1, 32), generator=generator) for _ in texts]
-    return [tokenizer(text, return_tensors="pt")["input_ids"] for text in texts]
+    return ids
 
 
 def calibrate_input_scales(source: Path, texts: list[str]) -> dict[str, float]:
@@ -194,10 +215,12 @@ def convert(
         sizes[-1] += tensor.numel() * tensor.element_size()
 
     quantized = 0
+    routers = False
     for file in source_files(source):
         with safe_open(str(file), framework="pt", device="cpu") as handle:
             for name in handle.keys():  # noqa: SIM118 (safe_open is not a Mapping)
                 tensor = handle.get_tensor(name)
+                routers = routers or is_router(name)
                 if not quantizes(name, tensor):
                     put(
                         name,
@@ -213,7 +236,9 @@ def convert(
                     f"{prefix}.{scale_name}",
                     scale.reshape(1) if scheme.weights is WeightScales.TENSOR else scale,
                 )
-                if input_scales:
+                if input_scales and not (".experts." in prefix and prefix not in input_scales):
+                    # (transformers runs experts as fused tensors, not Linear modules: no scale to
+                    # calibrate; snugkv runs experts weight-only and needs none)
                     if prefix not in input_scales:
                         raise SystemExit(f"error: calibration never ran {prefix}; is it a linear layer?")
                     put(f"{prefix}.input_scale", torch.tensor([input_scales[prefix]], dtype=torch.float32))
@@ -234,7 +259,7 @@ def convert(
         (out / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}, indent=2)
         )
-    config["quantization_config"] = quantization_config(fmt, scheme)
+    config["quantization_config"] = quantization_config(fmt, scheme, routers)
     if keep_dtype is not None:
         config["torch_dtype"] = dtype
     (out / "config.json").write_text(json.dumps(config, indent=2))

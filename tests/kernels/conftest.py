@@ -9,6 +9,9 @@ GPU rounds to nearest even. The kernels mirror torch's roundings on purpose (so 
 results are torch's bits), and a truncating emulator would hide exactly the bugs those tests are
 for. So the interpreter's one float-conversion routine is swapped for torch's conversions, which
 round to nearest even like the hardware (and saturate fp8 like `cvt.rn.satfinite`).
+
+Its `tl.dot` also multiplies bfloat16 operands as their raw 16-bit storage (numpy has no bfloat16),
+so bfloat16 operands are widened to float32 first (exact), as the tensor cores multiply them.
 """
 
 from __future__ import annotations
@@ -68,6 +71,27 @@ def gpu_rounding_in_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
             "to make this triton's interpreter round like the GPU"
         )
     monkeypatch.setattr(interpreter, "_convert_float", _gpu_like_convert(interpreter._convert_float))
+    monkeypatch.setattr(
+        interpreter.InterpreterBuilder,
+        "create_dot",
+        _bf16_widening_dot(interpreter.InterpreterBuilder.create_dot),
+    )
+
+
+def _bf16_widening_dot(original: Any) -> Any:
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    def widen(handle: Any) -> Any:
+        if handle.dtype.scalar != tl.bfloat16:
+            return handle
+        bits = torch.from_numpy(np.ascontiguousarray(handle.data).view(np.int16))
+        return interpreter.TensorHandle(bits.view(torch.bfloat16).float().numpy(), tl.float32)
+
+    def dot(self: Any, a: Any, b: Any, d: Any, input_precision: Any, max_num_imprecise_acc: Any) -> Any:
+        return original(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+    return dot
 
 
 @pytest.fixture(autouse=True)

@@ -193,8 +193,10 @@ def test_fp8_gemv_for_one_row_equals_the_reference(act):
 
 def test_the_chooser_keeps_the_fastest_candidate_that_agrees_and_drops_a_wrong_one(monkeypatch):
     """The choice per shape and batch bucket, on any device: timings stubbed (CUDA events need a
-    GPU), one candidate made wrong on purpose and one made to raise."""
+    GPU), one candidate made wrong on purpose, one made to raise, one that gives other bits when
+    run again (a racy split-K would), and a weight-only one checked against its own reference."""
     from snugkv.distributed.group import TensorParallel
+    from snugkv.layers import fp8_gemm_candidates as listed
     from snugkv.layers import fp8_gemm_choice as choice
     from snugkv.layers.fp8_linear import install_fp8
     from snugkv.layers.parallel_linear import ColumnParallelLinear
@@ -205,31 +207,29 @@ def test_the_chooser_keeps_the_fastest_candidate_that_agrees_and_drops_a_wrong_o
     def broken(quant, layer, x, bias):
         raise RuntimeError("no such scaling here")
 
+    flips = iter(range(1000))
+
+    def unstable(quant, layer, x, bias):  # right within tolerance, but never the same bits twice
+        out = fp8_linear_reference(x, layer.weight, layer.weight_scale, act="token")
+        return out + (next(flips) % 2) * 1e-2
+
     fake = [
-        choice._fused(GemmConfig(16, 64)),
-        choice.Candidate("wrong", "triton", wrong),
-        choice.Candidate("broken", "scaled_mm", broken),
-        choice._fused(GemmConfig(16, 32)),
+        listed.fused(GemmConfig(16, 64)),
+        listed.Candidate("wrong", "triton", wrong),
+        listed.Candidate("broken", "scaled_mm", broken),
+        listed.Candidate("unstable", "triton", unstable),
+        listed.fused(GemmConfig(16, 32)),
+        listed._swapab("float", 64, 16, split_k=2, num_stages=2),
     ]
-    speeds = {fake[0].label: 2e-6, fake[3].label: 1e-6, "wrong": 1e-9}
-    calls: list[str] = []
+    speeds = {fake[0].label: 2e-6, fake[4].label: 1e-6, fake[5].label: 3e-6}
+    timed_labels: list[list[str]] = []
 
-    def timed(fn):
-        calls.append("t")
-        return speeds[timing_label[0]]
+    def timed(passed, call, row):
+        timed_labels.append([c.label for c in passed])
+        return {c.label: speeds[c.label] for c in passed}
 
-    timing_label = [""]
-    original_run = {c.label: c.run for c in fake}
-
-    def labelled(candidate):
-        def run(quant, layer, x, bias):
-            timing_label[0] = candidate.label
-            return original_run[candidate.label](quant, layer, x, bias)
-
-        return choice.Candidate(candidate.label, candidate.family, run)
-
-    monkeypatch.setattr(choice, "candidates", lambda rows, row_scales=True: [labelled(c) for c in fake])
-    monkeypatch.setattr(choice, "_median_seconds", timed)
+    monkeypatch.setattr(choice, "candidates", lambda shape: fake)
+    monkeypatch.setattr(choice, "_timed", timed)
     monkeypatch.setattr(choice, "CHOOSER", choice.GemmChooser())
     with torch.device("meta"):
         layer = ColumnParallelLinear(256, (192,), bias=False, tp=TensorParallel())
@@ -240,14 +240,18 @@ def test_the_chooser_keeps_the_fastest_candidate_that_agrees_and_drops_a_wrong_o
     x = randn(generator(21), 3, 256, dtype=torch.bfloat16)
     out = layer(x)
     (row,) = choice.measurements()
-    assert row["chosen"] == fake[3].label and row["wrong"] == "wrong" and row["broken"] == "unavailable"
+    assert row["chosen"] == fake[4].label
+    assert (row["wrong"], row["broken"], row["unstable"]) == ("wrong", "unavailable", "wrong")
+    assert row[fake[5].label] == 3.0  # the weight-only one agreed with the weight-only reference
+    assert timed_labels == [[fake[0].label, fake[4].label, fake[5].label]]
     assert (row["n"], row["k"], row["rows"]) == (192, 256, 3)
     expected = fp8_linear_reference(x, layer.weight, layer.weight_scale, act="token")
     torch.testing.assert_close(out.float(), expected.float(), rtol=8e-3, atol=1e-2)
     layer(randn(generator(22), 4, 256, dtype=torch.bfloat16))  # the same bucket (4): no new measurement
-    assert len(choice.measurements()) == 1 and calls == ["t", "t"]
+    assert len(choice.measurements()) == 1 and len(timed_labels) == 1
     layer(randn(generator(23), 5, 256, dtype=torch.bfloat16))  # bucket 8: measured once more
     assert len(choice.measurements()) == 2
+    assert choice.summary()["keys"] == 2
 
 
 @pytest.mark.parametrize("act", ["token", "static"])
@@ -262,3 +266,43 @@ def test_fp8_rows_kernel_for_small_batches_equals_the_reference(act, rows):
         x, q, scale, act=act, static_scale=static, bias=bias, rows_per_program=8, block_k=128
     )
     torch.testing.assert_close(got.float(), expected.float(), rtol=8e-3, atol=1e-2)
+
+
+def test_the_candidate_lists_are_short_and_fit_the_batch(monkeypatch):
+    from snugkv.layers.fp8_gemm_candidates import GemmShape, candidates
+
+    one_row = [c.label for c in candidates(GemmShape(1, 6144, 4096, row_scales=True))]
+    assert len(one_row) == len(set(one_row)) <= 10
+    assert any(label.startswith("triton-gemv-wide weight-only") for label in one_row)
+    assert "triton-swapab fp8 64x16 split4 w4s4" in one_row  # 96 weight tiles: split in 4 for 132 SMs
+    blocks = [c.label for c in candidates(GemmShape(1, 6144, 4096, row_scales=False))]
+    assert not any("gemv" in label or "rows" in label for label in blocks)  # row scales only
+    big = [c.label for c in candidates(GemmShape(256, 28672, 4096, row_scales=True))]
+    assert not any("swapab" in label for label in big) and "scaled_mm" in big
+    monkeypatch.setenv("SNUGKV_FP8_WEIGHT_ONLY", "0")
+    assert all(c.activations == "fp8" for c in candidates(GemmShape(8, 4096, 4096, row_scales=True)))
+    monkeypatch.setenv("SNUGKV_FP8_GEMM", "scaled_mm")
+    assert [c.label for c in candidates(GemmShape(8, 4096, 4096, row_scales=True))] == ["scaled_mm"]
+
+
+def test_a_candidate_that_fails_when_timed_is_dropped_and_the_others_timed_alone(monkeypatch):
+    from snugkv.layers import fp8_gemm_candidates as listed
+    from snugkv.layers import fp8_gemm_choice as choice
+
+    def fine(quant, layer, x, bias):
+        return x
+
+    def fails_on_the_full_batch(quant, layer, x, bias):
+        raise RuntimeError("out of resources on the full batch")
+
+    def stub(fns):
+        return [fn() and 1e-6 for fn in fns]  # runs each: the failing one raises
+
+    monkeypatch.setattr(choice, "_interleaved_seconds", stub)
+    passed = [
+        listed.Candidate("fine", "triton", fine),
+        listed.Candidate("fails", "triton", fails_on_the_full_batch),
+    ]
+    row: dict = {}
+    seconds = choice._timed(passed, lambda c: c.run(None, None, torch.ones(1), None), row)
+    assert seconds == {"fine": 1e-6} and row == {"fails": "unavailable"}

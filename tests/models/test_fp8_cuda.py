@@ -84,13 +84,18 @@ def test_fp8_decode_and_piecewise_graphs_replay_the_eager_step(float_dir, tmp_pa
 
 
 @pytest.mark.cuda
-def test_the_gpu_fp8_engine_computes_what_the_cpu_emulates(tmp_path):
+def test_the_gpu_fp8_engine_computes_what_the_cpu_emulates(tmp_path, monkeypatch):
     """Real FP8 GEMMs (bf16 in and out) against the CPU's dequantized weights with the activations
     rounded as the kernels round them, on a one-layer model (random weights: a deep random stack
     amplifies any last-bit difference, as it does for bf16 against float32; one layer still does). At 3a9e09d on the H200,
     a 4-layer random model gave FP8 against its bf16 twin 51% top-1 on the GPU and 48% on CPU with
-    the same emulation: a property of the random model, the same on both devices."""
+    the same emulation: a property of the random model, the same on both devices. W8A8 GEMMs only
+    (weight-only candidates compute what the CPU computes without the emulation)."""
+    from snugkv.layers import fp8_gemm_choice
     from snugkv.layers.fp8_linear import emulate_fp8_activations
+
+    monkeypatch.setenv("SNUGKV_FP8_WEIGHT_ONLY", "0")
+    monkeypatch.setattr(fp8_gemm_choice, "CHOOSER", fp8_gemm_choice.GemmChooser())  # no earlier choice
 
     config = tiny_hf_config("llama", hidden_size=256, intermediate_size=512, head_dim=64, num_hidden_layers=1)
     tiny_hf_model("llama", seed=6, config=config).save_pretrained(tmp_path)
@@ -123,3 +128,34 @@ def test_the_gpu_fp8_engine_computes_what_the_cpu_emulates(tmp_path):
     assert result["decisive_top1_agreement"] >= 0.97
     assert result["top1_agreement"] >= 0.8
     assert result["max_relative_logit_error"] < 1.0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt", ["flag", "block"])
+def test_an_fp8_moe_engine_replays_its_eager_step_in_graphs(tmp_path, fmt):
+    """A tiny Qwen3-MoE with FP8 experts (the grouped GEMMs' fp8 path: per-row scales from the flag,
+    block scales kept per row from the block checkpoint: I = 32 is off the 128 grid)."""
+    from tests.models.fp8_reference import fp8_checkpoint_script
+
+    float_dir = tmp_path / "float"
+    tiny_hf_model("qwen3_moe", seed=11).save_pretrained(float_dir)
+    model, flags = str(float_dir), {"quantization": "fp8"}
+    if fmt == "block":
+        fp8_checkpoint_script().convert(float_dir, tmp_path / "block", fmt="block")
+        model, flags = str(tmp_path / "block"), {}
+    engine = _engine(model, **flags)
+    runner = engine.runner
+    experts = engine.loaded.model.model.layers[0].mlp.experts
+    assert experts.w13.weight.dtype == torch.float8_e4m3fn and experts.fp8_scales() is not None
+    assert "MoE experts: fp8 weights" in engine.report.quantization
+    rows_idx = [runner.req_to_token_pool.alloc() for _ in range(5)]
+    prefill = [BatchRow(row, 0, list(range(3 + i, 40 + i))) for i, row in enumerate(rows_idx)]
+    runner.forward(prefill, runner.allocate_slots(prefill))
+    rows = [BatchRow(row, 37, [7 + i]) for i, row in enumerate(rows_idx)]
+    batch = runner.build_batch(rows, runner.allocate_slots(rows))
+    with torch.inference_mode():
+        eager = runner.forward_eager(batch).clone()
+        graph = runner.forward_batch(batch).clone()
+    engine.close()
+    torch.testing.assert_close(graph, eager, rtol=2e-2, atol=2e-2)
+    assert torch.equal(graph.argmax(-1), eager.argmax(-1))

@@ -22,7 +22,10 @@ op-by-op baseline and the cuBLAS floor are skipped (the expert kernels have no u
 `--quantization fp8` runs the bf16 engine and the FP8 one (the same random weights, rounded:
 models/weights.py) in the same process at batch 1, 64 and 256 (context 1k): each one's graph step,
 the FP8 step over the bf16 one, the KV tokens each start-up sized, and the FP8 GEMM each layer shape
-chose at each batch size with every candidate's time (layers/fp8_gemm_choice.py).
+chose at each batch size with every candidate's time (layers/fp8_gemm_choice.py) and how long the
+choosing took. A MoE model runs the same way (its FP8 engine's experts in fp8: layers/fp8_experts.py),
+each row with both engines' MoE layers alone and the experts its batch touched; the capacity stress
+is left out.
 """
 
 from __future__ import annotations
@@ -85,7 +88,7 @@ KERNEL_KINDS = (
     ("moe-experts", ("grouped_gemm",)),
     ("moe-direct", ("_direct_gate_up", "_direct_down")),  # experts with routing and combine inside
     ("fp8 quantize", ("_quantize_rows", "_quantize_groups")),
-    ("gemm", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "cublas", "splitk", "fp8_linear")),
+    ("gemm", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "cublas", "splitk", "fp8_linear", "_fp8_rows")),
     ("attention", ("decode", "extend", "attn", "attention")),
     ("rope+kv-store", ("rope", "store", "index_put", "scatter")),
     ("norm", ("norm", "rsqrt", "pow", "mean", "reduce")),
@@ -228,9 +231,12 @@ def snugkv_cases(
     breakdown: bool = False,
     quantization: str | None = None,
     fill_tokens: int | None = None,
+    stress: bool = True,
 ) -> tuple[list[dict[str, Any]], int, int]:
     """`fill_tokens`: random KV in only the lowest that many slots (the allocator hands out the lowest
-    free pages first, so the cases read no others), not in the whole pool: seconds, not a minute."""
+    free pages first, so the cases read no others), not in the whole pool: seconds, not a minute.
+    `stress`: a MoE model's run ends with its start-up report and bench capacity's stress (a last
+    row `{"startup": ...}`)."""
     from snugkv.core.forward import BatchRow
     from snugkv.engine import Engine, EngineArgs
     from snugkv.kernels import fused_kernels
@@ -323,7 +329,7 @@ def snugkv_cases(
             for row in requests:
                 runner.free_request_slots(row, context + 1)
                 runner.req_to_token_pool.free(row)
-        if layers:  # what start-up sized and measured for this shape, then the capacity stress
+        if layers and stress:  # what start-up sized and measured for this shape, then the capacity stress
             print(engine.report.ledger.table())
             results.append({"startup": {**engine.report.to_dict(), **pool_stress(engine)}})
         engine.close()
@@ -375,18 +381,20 @@ def transformers_cases(model: str, cases: tuple[tuple[int, int], ...]) -> dict[t
 
 def fp8_side_by_side(args: argparse.Namespace, bandwidth: float) -> int:
     """bf16 and FP8 engines on the same random weights, in this process, at FP8_CASES."""
-    from snugkv.layers.fp8_gemm_choice import measurements
+    from snugkv.layers.fp8_gemm_choice import measurements, summary
 
     started = time.perf_counter()
     cases = tuple(c for c in FP8_CASES if c[0] <= args.max_batch)
-    runs = {}
+    runs, seconds = {}, {}
     for label, quantization in (("bf16", None), ("fp8", args.quantization)):
+        begun = time.perf_counter()
         most = max(batch * (context + 32) for batch, context in cases)  # a case's slots, pages rounded up
         runs[label], _, _ = snugkv_cases(
-            args.model, cases, breakdown=True, quantization=quantization, fill_tokens=most
+            args.model, cases, breakdown=True, quantization=quantization, fill_tokens=most, stress=False
         )
         gc.collect()
         torch.cuda.empty_cache()
+        seconds[label] = time.perf_counter() - begun
     rows = []
     for bf16, fp8 in zip(runs["bf16"], runs["fp8"]):
         if "graph_ms" not in bf16 or "graph_ms" not in fp8:
@@ -409,6 +417,7 @@ def fp8_side_by_side(args: argparse.Namespace, bandwidth: float) -> int:
                 "bf16_kernels_per_layer": bf16["kernels_per_layer"],
                 "fp8_kernels_per_layer": fp8["kernels_per_layer"],
                 "fp8_tokens_per_s": fp8["batch"] / fp8["step_ms"] * 1e3,
+                **_moe_columns(bf16, fp8),
             }
         )
     first = {label: next(r for r in run if "graph_ms" in r) for label, run in runs.items()}
@@ -427,6 +436,8 @@ def fp8_side_by_side(args: argparse.Namespace, bandwidth: float) -> int:
                 for label, run in runs.items()
             },
             "fp8_gemm_measurements_us": measurements(),
+            "fp8_gemm_choice": summary(),
+            "engine_seconds": seconds,
         },
     )
     kv = {label: r["kv_tokens"] for label, r in first.items()}
@@ -436,7 +447,26 @@ def fp8_side_by_side(args: argparse.Namespace, bandwidth: float) -> int:
     )
     for entry in measurements():
         print("fp8 gemm", entry)
+    choice = summary()
+    print(
+        f"FP8 GEMM choice: {choice['keys']} shapes x batch buckets measured, {choice['timed_runs']} timed runs, "
+        f"{choice['seconds']:.1f} s (compiles included); engines bf16 {seconds['bf16']:.0f} s, fp8 {seconds['fp8']:.0f} s"
+    )
     return 0
+
+
+def _moe_columns(bf16: dict[str, Any], fp8: dict[str, Any]) -> dict[str, Any]:
+    """A MoE row's extra columns: both engines' MoE layers alone, the experts the FP8 batch touched."""
+    if "moe_ms" not in fp8:
+        return {}
+    touched = fp8["experts_touched"]
+    return {
+        "bf16_moe_ms": bf16["moe_ms"],
+        "fp8_moe_ms": fp8["moe_ms"],
+        "fp8_moe_over_bf16": fp8["moe_ms"] / bf16["moe_ms"],
+        "experts_touched_per_layer": sum(touched) / len(touched),
+        "fp8_touched_expert_gb": fp8["touched_expert_bytes"] / 1e9,
+    }
 
 
 def run(args: argparse.Namespace) -> int:

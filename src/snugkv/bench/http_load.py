@@ -12,6 +12,12 @@ waited for the host); the HTTP rows also the CPU seconds of the server's event-l
 (`client_cpu_s`): figures a busy machine does not change much, unlike the wall time. `--tokenizer default` detokenizes (and so
 streams text) with the embedded SmolLM2's tokenizer, in process too; the shipped shapes have none.
 
+`--quantization fp8` (CUDA) runs only the servers: the offline workload streamed through a fresh
+`snugkv serve` of the bf16 model, then of the FP8 one (`--quantization fp8` on the same random
+weights), each after the 16-request warm-up (no untimed pass of the whole workload: the graphs'
+warm-up already met every decode batch and prefill bucket, and the FP8 GEMMs were chosen there), and
+the FP8 server's output tok/s over the bf16 one's.
+
 With `--stub-step-ms` (any machine) the model forward is a stub device (`stub_device`): each step
 takes a fixed time on a virtual device clock and reading its tokens releases the GIL as a CUDA
 event wait does, so the scheduler thread, the overlap and the server's event loop contend as on a
@@ -127,6 +133,47 @@ def _stub_server_command(args: argparse.Namespace) -> list[str]:
     return command + (["--tokenizer", args.tokenizer] if args.tokenizer else [])
 
 
+def _server_flags(args: argparse.Namespace) -> list[str]:
+    flags = ["--max-running-requests", str(args.max_batch), "--cuda-graph-max-bs", str(args.max_batch)]
+    return [*flags, "--chunked-prefill-size", str(args.chunk)]
+
+
+def run_fp8(args: argparse.Namespace) -> int:
+    """bf16 against FP8 through the real server (see the module docstring)."""
+    from snugkv.models.loader import read_model_config, resolve_model_source
+
+    vocab = int(read_model_config(resolve_model_source(args.model, "dummy")).hf["vocab_size"])
+    offline = workload(args.requests, seed=0, vocab=vocab, low=args.low, high=args.high)
+    case = f"offline {args.requests} req, in/out U[{args.low},{args.high}], streamed"
+    label, server_flags = SERVERS[args.servers[0]]
+    rows: list[dict[str, Any]] = []
+    for weights, extra in (("bf16", []), ("fp8", ["--quantization", args.quantization])):
+        command = serve_command(args.model, _server_flags(args) + server_flags + extra)
+        started = time.monotonic()
+        try:
+            (result,) = run_on_server(command, offline, (True,))
+        except Exception as exc:  # the other row still counts
+            result = {"error": f"{type(exc).__name__}: {str(exc)[:300]}", "output_tok_per_s": float("nan")}
+        rows.append(
+            {
+                "weights": weights,
+                "path": label,
+                "case": case,
+                **result,
+                "server_s": time.monotonic() - started,
+            }
+        )
+    ratio = rows[1]["output_tok_per_s"] / rows[0]["output_tok_per_s"]
+    emit(
+        "http_fp8",
+        rows,
+        args.out,
+        extra={"model": args.model, "fp8_over_bf16_tok_per_s": ratio, "target": 1.25},
+    )
+    print(f"FP8 over bf16, output tok/s through HTTP: {ratio:.3f}x (target >= 1.25x)")
+    return 1 if any("error" in row for row in rows) else 0
+
+
 def run(args: argparse.Namespace) -> int:
     if args.url is not None:
         return run_against_url(args)
@@ -135,6 +182,11 @@ def run(args: argparse.Namespace) -> int:
     except argparse.ArgumentTypeError as exc:
         print(f"error: argument --model: {exc}", file=sys.stderr)
         return 2
+    if args.quantization:
+        if cuda_missing("bench http --quantization"):
+            return 2
+        logging.getLogger("httpx").setLevel(logging.WARNING)
+        return run_fp8(args)
     stub = args.stub_step_ms is not None
     if not stub and cuda_missing("bench http", "pass --stub-step-ms to run on a stub device"):
         return 2
@@ -164,9 +216,7 @@ def run(args: argparse.Namespace) -> int:
         del engine
         if llm is not None:
             llm.close()  # the server process needs the memory
-        flags = ["--max-running-requests", str(args.max_batch), "--cuda-graph-max-bs", str(args.max_batch)]
-        flags += ["--chunked-prefill-size", str(args.chunk)]
-        command = _stub_server_command(args) if stub else serve_command(args.model, flags)
+        command = _stub_server_command(args) if stub else serve_command(args.model, _server_flags(args))
         for mode in args.servers:
             label, server_flags = SERVERS[mode]
             rows.extend(_server_rows(label, command + server_flags, offline))
@@ -193,6 +243,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(--engine-process, serve's default); default: thread,process",
     )
     parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument(
+        "--quantization",
+        choices=("fp8",),
+        default=None,
+        help="only the server (the first of --servers), bf16 then FP8 weights: output tok/s side by side",
+    )
     parser.add_argument("--low", type=int, default=100, help="shortest input and output")
     parser.add_argument("--high", type=int, default=1024, help="longest input and output")
     parser.add_argument(

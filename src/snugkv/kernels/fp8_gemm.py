@@ -21,7 +21,8 @@ Three ways to run it, all free of host synchronization (capturable in CUDA graph
 - `fp8_linear_scaled_mm`: quantization launch + `torch._scaled_mm` (cuBLASLt / CUTLASS): row-wise
   scales, or 1x128 x 128x128 block scales where torch and cuBLAS support them (SM90, CUDA >= 12.9).
 - `fp8_linear_reference`: plain torch in float32 (the CPU path, the tests' oracle).
-Which one a layer runs is measured per shape (layers/fp8_linear.py); this module only computes.
+Which one a layer runs is measured per shape (layers/fp8_gemm_choice.py), beside the small-batch
+kernels of kernels/fp8_small_gemm.py; this module only computes.
 Imports only torch and triton.
 """
 

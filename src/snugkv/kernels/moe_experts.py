@@ -10,6 +10,9 @@ experts each make `T * k` routed rows (moe_align.py). Two launches of one Triton
 The grid is the worst case for the token count (moe_align.max_padded_rows); programs past the
 used blocks return at once, so a CUDA graph replays any routing and nothing waits for the host.
 A step of a few tokens (`MoEConfig.direct`) skips the sort and the combine: moe_direct.py.
+FP8 experts (`scales`: `ExpertScales`, layers/fp8_experts.py): w13 and w2 are float8_e4m3fn, each
+weight tile converted to the activations' dtype as it is multiplied (weight-only: the activations
+stay as they are), its scales applied per row to the sum or per 128 x 128 block to each K block.
 
 `fused_experts_reference` is transformers' expert loop op for op (each expert that has tokens,
 in ascending order, accumulated with `index_add_`), which keeps CPU float32 token-identical to
@@ -60,6 +63,36 @@ class MoEConfig:
     down: GemmConfig
     small_batch: bool  # route and sort in one program (route_and_align_small)
     direct: DirectConfig | None = None  # no sort at all: experts by the routing's ids (moe_direct.py)
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertScale:
+    """The float32 scales of one stacked float8_e4m3fn expert weight `[E, N, K]` (`w ~= q * scale`):
+    `scale [E, N, 1]`, one per row; or, `per_block`, `[E, ceil(N / rows_per_scale), ceil(K / 128)]`,
+    one per `rows_per_scale` rows (128, or 1 where rows are kept apart) and 128 columns."""
+
+    scale: torch.Tensor
+    rows_per_scale: int = 1
+    per_block: bool = False
+
+    def dequantized(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """`weight * scale` in `dtype` (the torch reference's weights)."""
+        rows, cols = weight.shape[1:]
+        scale = self.scale.float().repeat_interleave(self.rows_per_scale, dim=1)[:, :rows]
+        if self.per_block:
+            scale = scale.repeat_interleave(FP8_BLOCK_K, dim=2)[:, :, :cols]
+        return (weight.float() * scale).to(dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertScales:
+    """The scales of a layer's fp8 `w13` and `w2`."""
+
+    w13: ExpertScale
+    w2: ExpertScale
+
+
+FP8_BLOCK_K = 128  # columns per block scale
 
 
 SHARED_MEMORY_BUDGET_BYTES = 160 * 1024  # of the H200's 227 KiB per block: room for the epilogue
@@ -174,6 +207,21 @@ def _config(
 
 
 @triton.jit
+def _times_weight(
+    acc, a, b, scale_rows, col_ok, k0, stride_sk, B_SCALES: tl.constexpr, DOT_PRECISION: tl.constexpr
+):
+    """`acc + a @ b`; fp8 weights converted to a's dtype (exact), block scales applied per K block."""
+    if B_SCALES == 0:
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+    elif B_SCALES == 1:
+        acc = tl.dot(a, b.to(a.dtype), acc, input_precision=DOT_PRECISION)
+    else:
+        block_scale = tl.load(scale_rows + (k0 // 128) * stride_sk, mask=col_ok, other=0.0)
+        acc += tl.dot(a, b.to(a.dtype), input_precision=DOT_PRECISION) * block_scale[None, :]
+    return acc
+
+
+@triton.jit
 def _grouped_gemm_kernel(
     A,
     B,
@@ -191,8 +239,14 @@ def _grouped_gemm_kernel(
     stride_be,
     stride_bn,
     stride_cm,
+    BScale,
+    stride_se,
+    stride_sn,
+    stride_sk,
     GATED: tl.constexpr,
     WEIGHTED: tl.constexpr,
+    B_SCALES: tl.constexpr,
+    SCALE_BN: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -200,7 +254,10 @@ def _grouped_gemm_kernel(
     DOT_PRECISION: tl.constexpr,
 ):
     """`C[row] = A[row // a_row_div] @ B[expert]^T` for the sorted rows of one block; GATED: B's
-    rows [n, n + n_out) are the up half, and C = SiLU(gate) * up; WEIGHTED: times the row's weight."""
+    rows [n, n + n_out) are the up half, and C = SiLU(gate) * up; WEIGHTED: times the row's weight.
+    B_SCALES (fp8 weights, converted to A's dtype as they are multiplied): 1, one scale per weight
+    row, applied to the sum; 2, one per `SCALE_BN` rows and 128 columns, applied per K block
+    (BLOCK_K divides 128)."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(n_out, BLOCK_N)
     in_group = GROUP_M * num_n
@@ -220,18 +277,26 @@ def _grouped_gemm_kernel(
     a_ptrs = A + a_rows[:, None] * stride_am + ks[None, :]
     b_ptrs = B + expert * stride_be + cols[None, :].to(tl.int64) * stride_bn + ks[:, None]
     up_offset = n_out * stride_bn
+    scale_rows = BScale + expert * stride_se + (cols // SCALE_BN) * stride_sn  # B_SCALES only
+    scale_up_rows = BScale + expert * stride_se + ((cols + n_out) // SCALE_BN) * stride_sn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, k_dim, BLOCK_K):
         k_ok = ks < k_dim - k0
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        acc = _times_weight(acc, a, b, scale_rows, col_ok, k0, stride_sk, B_SCALES, DOT_PRECISION)
         if GATED:
             b_up = tl.load(b_ptrs + up_offset, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
+            acc_up = _times_weight(
+                acc_up, a, b_up, scale_up_rows, col_ok, k0, stride_sk, B_SCALES, DOT_PRECISION
+            )
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
+    if B_SCALES == 1:
+        acc = acc * tl.load(scale_rows, mask=col_ok, other=0.0)[None, :]
+        if GATED:
+            acc_up = acc_up * tl.load(scale_up_rows, mask=col_ok, other=0.0)[None, :]
     out_dtype = C.dtype.element_ty
     # Rounded where the reference rounds: each projection to the dtype, SiLU, then the product.
     result = acc.to(out_dtype).to(tl.float32)
@@ -255,7 +320,11 @@ def _launch_gemm(
     a_row_div: int,
     gated: bool,
     config: GemmConfig,
+    scale: ExpertScale | None = None,
 ) -> None:
+    if scale is not None and scale.per_block and FP8_BLOCK_K % config.block_k:
+        config = replace(config, block_k=FP8_BLOCK_K)  # a K block never straddles two scales
+    b_scale = b if scale is None else scale.scale
     grid = (blocks.max_blocks * triton.cdiv(n_out, config.block_n),)
     _grouped_gemm_kernel[grid](
         a,
@@ -274,8 +343,14 @@ def _launch_gemm(
         b.stride(0),
         b.stride(1),
         c.stride(0),
+        b_scale,
+        b_scale.stride(0),
+        b_scale.stride(1),
+        b_scale.stride(2),
         GATED=gated,
         WEIGHTED=not gated,
+        B_SCALES=0 if scale is None else 2 if scale.per_block else 1,
+        SCALE_BN=1 if scale is None else scale.rows_per_scale,
         BLOCK_M=blocks.block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
@@ -312,17 +387,23 @@ def experts_from_blocks(
     weights: torch.Tensor,
     blocks: ExpertBlocks,
     config: MoEConfig,
+    scales: ExpertScales | None = None,
 ) -> torch.Tensor:
-    """The two grouped GEMMs and the combine over rows already sorted by expert: `[T, H]`."""
+    """The two grouped GEMMs and the combine over rows already sorted by expert: `[T, H]`
+    (`scales`: w13 and w2 are float8_e4m3fn, multiplied in x's dtype, each scaled as it says)."""
     num_tokens, hidden = x.shape
     top_k = blocks.num_rows // max(num_tokens, 1)
     intermediate = w2.shape[2]
     inter = torch.empty(blocks.num_rows, intermediate, dtype=x.dtype, device=x.device)
     _launch_gemm(
-        x, w13, inter, weights, blocks, n_out=intermediate, a_row_div=top_k, gated=True, config=config.gate_up
-    )
+        x, w13, inter, weights, blocks, n_out=intermediate, a_row_div=top_k, gated=True,
+        config=config.gate_up, scale=None if scales is None else scales.w13,
+    )  # fmt: skip
     out = torch.empty(blocks.num_rows, hidden, dtype=x.dtype, device=x.device)
-    _launch_gemm(inter, w2, out, weights, blocks, n_out=hidden, a_row_div=1, gated=False, config=config.down)
+    _launch_gemm(
+        inter, w2, out, weights, blocks, n_out=hidden, a_row_div=1, gated=False, config=config.down,
+        scale=None if scales is None else scales.w2,
+    )  # fmt: skip
     if top_k == 1:
         return out
     return out.view(num_tokens, top_k, hidden).sum(dim=1)
@@ -335,6 +416,7 @@ def fused_experts_triton(
     weights: torch.Tensor,
     ids: torch.Tensor,
     config: MoEConfig | None = None,
+    scales: ExpertScales | None = None,
 ) -> torch.Tensor:
     """`[T, H]`: each token's experts' outputs weighted by `weights [T, k]` and summed."""
     _check_experts(x, w13, w2)
@@ -343,7 +425,7 @@ def fused_experts_triton(
         return torch.zeros_like(x)
     config = config or moe_config(num_tokens, top_k, w13.shape[0], x.shape[1], w2.shape[2], x.dtype)
     blocks = align_triton(ids.to(torch.int32).contiguous(), w13.shape[0], config.block_m)
-    return experts_from_blocks(x, w13, w2, weights.float().contiguous(), blocks, config)
+    return experts_from_blocks(x, w13, w2, weights.float().contiguous(), blocks, config, scales)
 
 
 def fused_experts_reference(
@@ -366,6 +448,7 @@ def fused_moe_triton(
     w2: torch.Tensor,
     routing: Routing,
     config: MoEConfig | None = None,
+    scales: ExpertScales | None = None,
 ) -> torch.Tensor:
     """Route, sort and run the experts with no host sync: 2 launches for a few tokens (the
     direct path: no sort, no combine), 4 for a decode batch (one program routes and sorts), 8 for
@@ -384,15 +467,23 @@ def fused_moe_triton(
     else:
         weights, ids = select_experts_triton(logits, routing)
         blocks = align_triton(ids, routing.num_experts, config.block_m)
-    return experts_from_blocks(x, w13, w2, weights, blocks, config)
+    return experts_from_blocks(x, w13, w2, weights, blocks, config, scales)
 
 
 def fused_moe(
-    x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, routing: Routing
+    x: torch.Tensor,
+    logits: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    routing: Routing,
+    scales: ExpertScales | None = None,
 ) -> torch.Tensor:
     """A MoE layer's routed experts: hidden rows `x [T, H]` and router logits `[T, E]` -> `[T, H]`
-    (this rank's partial sum under tensor parallelism). Kernels on CUDA, the reference elsewhere."""
+    (this rank's partial sum under tensor parallelism). Kernels on CUDA, the reference elsewhere
+    (on weights dequantized here when `scales` come with fp8 ones)."""
     if x.is_cuda:
-        return fused_moe_triton(x, logits, w13, w2, routing)
+        return fused_moe_triton(x, logits, w13, w2, routing, scales=scales)
     weights, ids = select_experts_reference(logits, routing)
+    if scales is not None:
+        w13, w2 = scales.w13.dequantized(w13, x.dtype), scales.w2.dequantized(w2, x.dtype)
     return fused_experts_reference(x, w13, w2, weights, ids)

@@ -3,67 +3,64 @@
 For each (weight layout, activation scales, N, K, dtype, bias, batch bucket) the first forward that
 meets it outside a graph capture (the engine's warm-up before each decode and piecewise graph
 capture) runs every candidate on the layer's own input, checks each against the float32 torch
-reference (the first 64 rows: a layout bug shows in any row), times the ones that agree (CUDA
-events, median of 10), and keeps the fastest for every later call of that key, in this process.
-Batch buckets are powers of two, so a captured graph's batch always finds its bucket measured.
+reference of what it computes (the first 64 rows: a layout bug shows in any row) and that a rerun
+gives the same bits (split-K must be deterministic), times the ones that pass, and keeps the
+fastest for every later call of that key, in this process. Batch buckets are powers of two, so a
+captured graph's batch always finds its bucket measured.
 
-Candidates (kernels/fp8_gemm.py): the fused Triton kernel with a few tile shapes; for one row, the
-Triton GEMV (no tensor cores) with 16, 32 or 64 weight rows per program; quantization
-plus the Triton kernel on a prequantized input (batches above 64); quantization plus
+Timing (`_interleaved_seconds`): the candidates of a key run round-robin, each run after an L2
+flush, all enqueued without a host sync between them (median of 10 per candidate), after a few ms
+of flushes that take the clocks out of idle. At b638307 each candidate was timed alone with a sync
+after every run: the GPU idled between runs, and the torch profiler's kernel times of the chosen
+GEMMs at batch 64 came to half of what the chooser had measured for them.
+
+Candidates (kernels/fp8_gemm.py, kernels/fp8_small_gemm.py): up to 128 rows the swap-AB
+tensor-core kernel (fp8 x fp8 after a quantization launch; weight-only up to 16 rows), split over
+K where N leaves SMs idle; for one row the wide GEMV (weight-only, or W8A8 quantizing in the
+kernel), and the older one-row kernels that were fastest at b638307; the fused Triton kernel with
+its default tiles; prequantized tensor-core tiles from 16 rows; quantization plus
 `torch._scaled_mm` (row-wise scales, or cuBLAS's 1x128 x 128x128 block scaling where this torch
-has it). A candidate that raises or disagrees is dropped for that key and logged once.
+has it). A candidate that raises (a tile this GPU cannot hold, a scaling this torch lacks) or
+disagrees is dropped for that key and logged once.
 
-`SNUGKV_FP8_GEMM=triton|scaled_mm` restricts the candidates to one family (benchmarks, tests).
-`measurements()` returns every timing taken, for `snugkv bench` to print. A forward that meets an
-unmeasured key during a capture (none should: warm-up runs first) gets the fused Triton kernel
-with its default tiles, logged once. Nothing here synchronizes inside a capture.
+Weight-only candidates (`activations="float"`) multiply the unquantized bf16 input by the fp8
+weight: more accurate than W8A8 and what the CPU path computes, but not the same rounding as the
+larger buckets' W8A8 GEMMs. `SNUGKV_FP8_WEIGHT_ONLY=0` leaves them out; `SNUGKV_FP8_GEMM=triton|scaled_mm`
+restricts the candidates to one family (benchmarks, tests). `measurements()` returns every timing
+taken and `summary()` the time the measuring took, for `snugkv bench` to print. A forward that
+meets an unmeasured key during a capture (none should: warm-up runs first) gets the fused Triton
+kernel with its default tiles, logged once. Nothing here synchronizes inside a capture.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
-from snugkv.kernels.fp8_gemm import (
-    ROWS_KERNEL_MAX_ROWS,
-    GemmConfig,
-    default_gemm_config,
-    fp8_linear_gemv_triton,
-    fp8_linear_reference,
-    fp8_linear_rows_triton,
-    fp8_linear_scaled_mm,
-    fp8_linear_triton,
+from snugkv.kernels.fp8_gemm import default_gemm_config, fp8_linear_reference
+from snugkv.kernels.fp8_small_gemm import fp8_linear_weight_only_reference
+from snugkv.layers.fp8_gemm_candidates import (
+    DEFAULT_SM_COUNT,
+    Candidate,
+    Fp8Linear,
+    Fp8Params,
+    GemmShape,
+    batch_bucket,
+    candidates,
+    fused,
+    static_scale,
 )
-from snugkv.kernels.fp8_quant import quantize_fp8_activation_triton
-from snugkv.layers.quantization import ActivationScales, Fp8Scheme
 
 logger = logging.getLogger(__name__)
 CHECK_ROWS = 64
 _TIMED_RUNS, _WARMUP_RUNS = 10, 3
-_FAMILY_ENV = "SNUGKV_FP8_GEMM"
-
-
-class Fp8Params(Protocol):
-    """An FP8 layer's parameters (layers/fp8_linear.install_fp8); `input_scale` with static scales."""
-
-    weight: torch.Tensor
-    weight_scale: torch.Tensor
-
-
-class Fp8Linear(Protocol):
-    """What a GEMM needs of a layer's FP8 state (layers/fp8_linear.Fp8Linear, which imports this)."""
-
-    @property
-    def scheme(self) -> Fp8Scheme: ...
-    @property
-    def act_mode(self) -> str: ...
-    @property
-    def block_n(self) -> int | None: ...
+_CLOCK_WARMUP_FLUSHES = 80  # ~5 ms of HBM reads on an H200 before a key's first timed run
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,128 +75,9 @@ class GemmKey:
     device_index: int
 
 
-@dataclass(frozen=True, slots=True)
-class Candidate:
-    label: str
-    family: str  # "triton" or "scaled_mm"
-    run: Callable[[Fp8Linear, Fp8Params, torch.Tensor, torch.Tensor | None], torch.Tensor]
-
-
-def batch_bucket(rows: int) -> int:
-    return 1 << max(rows - 1, 0).bit_length()
-
-
-def _static(quant: Fp8Linear, layer: Fp8Params) -> torch.Tensor | None:
-    if quant.scheme.activations is not ActivationScales.STATIC_TENSOR:
-        return None
-    scale: torch.Tensor = getattr(layer, "input_scale")  # noqa: B009 (present only with static scales)
-    return scale
-
-
-def _fused(config: GemmConfig) -> Candidate:
-    def run(quant: Fp8Linear, layer: Fp8Params, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return fp8_linear_triton(
-            x,
-            layer.weight,
-            layer.weight_scale,
-            act=quant.act_mode,
-            block_n=quant.block_n,
-            static_scale=_static(quant, layer),
-            bias=bias,
-            config=config,
-        )
-
-    return Candidate(f"triton-fused {config.label}", "triton", run)
-
-
-def _prequantized(config: GemmConfig) -> Candidate:
-    def run(quant: Fp8Linear, layer: Fp8Params, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        pre = quantize_fp8_activation_triton(
-            x.contiguous(),
-            quant.act_mode,
-            group_size=quant.scheme.block_k,
-            static_scale=_static(quant, layer),
-        )
-        return fp8_linear_triton(
-            x,
-            layer.weight,
-            layer.weight_scale,
-            act=quant.act_mode,
-            block_n=quant.block_n,
-            bias=bias,
-            prequantized=pre,
-            config=config,
-        )
-
-    return Candidate(f"triton-prequantized {config.label}", "triton", run)
-
-
-def _gemv(rows_per_program: int) -> Candidate:
-    def run(quant: Fp8Linear, layer: Fp8Params, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return fp8_linear_gemv_triton(
-            x,
-            layer.weight,
-            layer.weight_scale,
-            act=quant.act_mode,
-            block_n=quant.block_n,
-            static_scale=_static(quant, layer),
-            bias=bias,
-            rows_per_program=rows_per_program,
-        )
-
-    return Candidate(f"triton-gemv {rows_per_program} rows", "triton", run)
-
-
-def _rows(rows_per_program: int, block_k: int, num_warps: int) -> Candidate:
-    def run(quant: Fp8Linear, layer: Fp8Params, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return fp8_linear_rows_triton(
-            x,
-            layer.weight,
-            layer.weight_scale,
-            act=quant.act_mode,
-            static_scale=_static(quant, layer),
-            bias=bias,
-            rows_per_program=rows_per_program,
-            block_k=block_k,
-            num_warps=num_warps,
-        )
-
-    return Candidate(f"triton-rows {rows_per_program}x{block_k}w{num_warps}", "triton", run)
-
-
-def _scaled_mm(
-    quant: Fp8Linear, layer: Fp8Params, x: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    return fp8_linear_scaled_mm(
-        x.contiguous(),
-        layer.weight,
-        layer.weight_scale,
-        act=quant.act_mode,
-        block_n=quant.block_n,
-        static_scale=_static(quant, layer),
-        bias=bias,
-    )
-
-
-def candidates(rows: int, row_scales: bool = True) -> list[Candidate]:
-    """What is tried for a batch of `rows`: without tensor cores for 1..4 rows (wide K chunks for
-    row-scaled weights), narrower tiles for small batches (more programs to spread the weight read
-    over the SMs), the prequantized path from 16 rows on."""
-    default = default_gemm_config(rows)
-    found = [_fused(default)]
-    if rows <= ROWS_KERNEL_MAX_ROWS and row_scales:
-        found += [_rows(8, 1024, 4), _rows(4, 2048, 4), _rows(16, 512, 4), _rows(8, 2048, 8)]
-    if rows == 1:
-        found += [_gemv(16), _gemv(32)]
-    if rows <= 64:
-        found.append(_fused(GemmConfig(default.block_m, 32, num_warps=4, num_stages=4)))
-        found.append(_fused(GemmConfig(default.block_m, 128, num_warps=4, num_stages=3)))
-    if rows >= 16:
-        found.append(_prequantized(default))
-        found.append(_prequantized(GemmConfig(64, 128, num_warps=4, num_stages=4)))
-    found.append(Candidate("scaled_mm", "scaled_mm", _scaled_mm))
-    family = os.environ.get(_FAMILY_ENV, "").strip()
-    return [c for c in found if c.family == family] if family else found
+@functools.cache
+def sm_count(device_index: int) -> int:
+    return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
 
 
 class GemmChooser:
@@ -208,6 +86,8 @@ class GemmChooser:
     def __init__(self) -> None:
         self.choices: dict[GemmKey, Candidate] = {}
         self.timings: list[dict[str, Any]] = []
+        self.seconds = 0.0  # spent measuring (compiles, checks, timed runs)
+        self.timed_runs = 0
         self._warned: set[GemmKey] = set()
 
     def key(self, quant: Fp8Linear, layer: Fp8Params, x: torch.Tensor, bias: torch.Tensor | None) -> GemmKey:
@@ -237,8 +117,12 @@ class GemmChooser:
                 logger.warning(
                     "FP8 GEMM %s met first inside a graph capture: fused Triton, default tiles", key
                 )
-            return _fused(default_gemm_config(x.shape[0]))
-        chosen = self._measure(key, quant, layer, x, bias)
+            return fused(default_gemm_config(x.shape[0]))
+        started = time.perf_counter()
+        try:
+            chosen = self._measure(key, quant, layer, x, bias)
+        finally:
+            self.seconds += time.perf_counter() - started
         self.choices[key] = chosen
         return chosen
 
@@ -246,17 +130,27 @@ class GemmChooser:
         self, key: GemmKey, quant: Fp8Linear, layer: Fp8Params, x: torch.Tensor, bias: torch.Tensor | None
     ) -> Candidate:
         check = x[:CHECK_ROWS].contiguous()
-        expected = fp8_linear_reference(
-            check,
-            layer.weight,
-            layer.weight_scale,
-            act=quant.act_mode,
-            block_n=quant.block_n,
-            static_scale=_static(quant, layer),
-            bias=bias,
-        ).float()
-        tolerance = 0.02 * float(expected.abs().max()) + 1e-3
-        best: tuple[float, Candidate] | None = None
+        references: dict[str, tuple[torch.Tensor, float]] = {}
+
+        def reference(activations: str) -> tuple[torch.Tensor, float]:
+            if activations not in references:
+                if activations == "float":
+                    expected = fp8_linear_weight_only_reference(
+                        check, layer.weight, layer.weight_scale, block_n=quant.block_n, bias=bias
+                    ).float()
+                else:
+                    expected = fp8_linear_reference(
+                        check,
+                        layer.weight,
+                        layer.weight_scale,
+                        act=quant.act_mode,
+                        block_n=quant.block_n,
+                        static_scale=static_scale(quant, layer),
+                        bias=bias,
+                    ).float()
+                references[activations] = (expected, 0.02 * float(expected.abs().max()) + 1e-3)
+            return references[activations]
+
         row: dict[str, Any] = {
             "layout": key.layout,
             "act": key.act,
@@ -264,61 +158,106 @@ class GemmChooser:
             "k": key.in_features,
             "rows": int(x.shape[0]),
         }
-        for candidate in candidates(x.shape[0], quant.block_n is None):
+        shape = GemmShape(
+            int(x.shape[0]),
+            key.out_features,
+            key.in_features,
+            quant.block_n is None,
+            sm_count(key.device_index) if x.is_cuda else DEFAULT_SM_COUNT,
+        )
+        passed: list[Candidate] = []
+        for candidate in candidates(shape):
             try:
-                got = candidate.run(quant, layer, check, bias).float()
-                error = float((got - expected).abs().max())
-                if not error <= tolerance:
+                got = candidate.run(quant, layer, check, bias)
+                again = candidate.run(quant, layer, check, bias)
+                expected, tolerance = reference(candidate.activations)
+                error = float((got.float() - expected).abs().max())
+                if not error <= tolerance or not torch.equal(got, again):
                     logger.info(
-                        "FP8 GEMM %s disagrees with the reference on %s (max error %.3g)",
+                        "FP8 GEMM %s disagrees with the reference on %s (max error %.3g%s)",
                         candidate.label,
                         key,
                         error,
+                        "" if torch.equal(got, again) else ", and a rerun gave other bits",
                     )
                     row[candidate.label] = "wrong"
                     continue
-                seconds = _median_seconds(lambda c=candidate: c.run(quant, layer, x, bias))  # type: ignore[misc]
             except Exception as exc:  # a scaling this torch / cuBLAS lacks, a tile this GPU cannot hold
                 logger.info(
                     "FP8 GEMM %s is unavailable for %s: %s", candidate.label, key, str(exc).splitlines()[0]
                 )
                 row[candidate.label] = "unavailable"
                 continue
-            row[candidate.label] = round(seconds * 1e6, 2)  # microseconds
-            if best is None or seconds < best[0]:
-                best = (seconds, candidate)
-        if best is None:
+            passed.append(candidate)
+        if not passed:
             raise RuntimeError(
-                f"no FP8 GEMM runs {key} on this GPU (tried {', '.join(c.label for c in candidates(x.shape[0]))})"
+                f"no FP8 GEMM runs {key} on this GPU (tried {', '.join(c.label for c in candidates(shape))})"
             )
-        row["chosen"] = best[1].label
+        seconds = _timed(passed, lambda c: c.run(quant, layer, x, bias), row)
+        self.timed_runs += len(seconds) * _TIMED_RUNS
+        best = min(seconds, key=lambda label: seconds[label])
+        for candidate in passed:
+            if candidate.label in seconds:
+                row[candidate.label] = round(seconds[candidate.label] * 1e6, 2)  # microseconds
+        row["chosen"] = best
         self.timings.append(row)
         logger.debug("FP8 GEMM for %s: %s", key, row)
-        return best[1]
+        return next(c for c in passed if c.label == best)
+
+
+def _timed(
+    passed: list[Candidate], call: Callable[[Candidate], object], row: dict[str, Any]
+) -> dict[str, float]:
+    """Median seconds per candidate label (interleaved); a candidate that raises while timed is
+    marked unavailable in `row` and left out."""
+    try:
+        return dict(
+            zip((c.label for c in passed), _interleaved_seconds([functools.partial(call, c) for c in passed]))
+        )
+    except Exception as exc:  # one raised when run on the full batch: time them one by one
+        logger.info("FP8 GEMM timing failed (%s); timing each candidate alone", str(exc).splitlines()[0])
+    seconds: dict[str, float] = {}
+    for candidate in passed:
+        try:
+            (seconds[candidate.label],) = _interleaved_seconds([functools.partial(call, candidate)])
+        except Exception as exc:
+            logger.info("FP8 GEMM %s is unavailable: %s", candidate.label, str(exc).splitlines()[0])
+            row[candidate.label] = "unavailable"
+    if not seconds:
+        raise RuntimeError(f"every FP8 GEMM candidate failed when timed: {row}")
+    return seconds
 
 
 _L2_FLUSH_BYTES = 256 << 20  # more than any GPU's L2: each timed run reads its weight from HBM
 
 
-def _median_seconds(fn: Callable[[], object]) -> float:
-    """Median of `_TIMED_RUNS`, each after the L2 cache was filled with other (clean) lines: in a
-    model's step the weight comes from HBM (the other layers' weights evicted it), so a warm-L2 time
-    would flatter the kernels of weights that fit in L2. The flush reads, never writes: dirty lines
-    left by a write would be written back during the timed kernel (at 3a9e09d on the H200 that
-    added ~10-20 us to every time)."""
+def _interleaved_seconds(fns: list[Callable[[], object]]) -> list[float]:
+    """Median seconds of each of `fns`, timed round-robin, each run after the L2 cache was filled
+    with other (clean) lines: in a model's step the weight comes from HBM (the other layers' weights
+    evicted it), so a warm-L2 time would flatter the kernels of weights that fit in L2. The flush
+    reads, never writes (a dirty line left by a write would be written back during the timed
+    kernel). Nothing waits for the GPU until the last run: the host enqueues faster than the ~60 us
+    flush runs, so no timed kernel waits for its own launch, and the GPU stays busy throughout (an
+    idle GPU drops its clocks). Round-robin gives every candidate the same clocks."""
+    if not torch.cuda.is_available():  # the CPU tests stub this function; nothing to time here
+        raise RuntimeError("FP8 GEMM timing needs CUDA")
     flush = torch.ones(_L2_FLUSH_BYTES // 4, dtype=torch.float32, device="cuda")
-    for _ in range(_WARMUP_RUNS):
-        fn()
-    times = []
-    for _ in range(_TIMED_RUNS):
+    for _ in range(_CLOCK_WARMUP_FLUSHES):
         flush.sum()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return sorted(times)[len(times) // 2]
+    for fn in fns:
+        for _ in range(_WARMUP_RUNS):
+            fn()
+    events: list[list[tuple[torch.cuda.Event, torch.cuda.Event]]] = [[] for _ in fns]
+    for _ in range(_TIMED_RUNS):
+        for fn, pairs in zip(fns, events):
+            flush.sum()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            pairs.append((start, end))
+    torch.cuda.synchronize()
+    return [sorted(s.elapsed_time(e) / 1e3 for s, e in pairs)[len(pairs) // 2] for pairs in events]
 
 
 CHOOSER = GemmChooser()
@@ -334,3 +273,12 @@ def run_fp8_gemm(
 def measurements() -> list[dict[str, Any]]:
     """Every measured key: each candidate's microseconds (or why it was dropped) and the choice."""
     return list(CHOOSER.timings)
+
+
+def summary() -> dict[str, Any]:
+    """How much measuring the choices took in this process: keys, timed runs, seconds."""
+    return {
+        "keys": len(CHOOSER.timings),
+        "timed_runs": CHOOSER.timed_runs,
+        "seconds": round(CHOOSER.seconds, 2),
+    }

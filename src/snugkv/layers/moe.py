@@ -19,16 +19,20 @@ and the graphs' pools cover every routing.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from snugkv.distributed.group import TensorParallel
-from snugkv.kernels.moe_experts import fused_moe
+from snugkv.kernels.moe_experts import ExpertScale, ExpertScales, fused_moe
 from snugkv.kernels.moe_routing import Routing, select_experts
 from snugkv.layers.activation import GatedActivation
 from snugkv.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
+
+if TYPE_CHECKING:
+    from snugkv.layers.fp8_experts import Fp8Experts
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,10 +92,20 @@ class ExpertWeights(nn.Module):
             self.part_sizes = (hidden_size,) * num_experts
             shape = (num_experts * hidden_size, self.local_intermediate)
         self.weight = nn.Parameter(torch.empty(shape))
+        self.quant: Fp8Experts | None = None  # FP8 experts (layers/fp8_experts.install_fp8_experts)
+        self.weight_dequantized: torch.Tensor  # FP8 on CPU only
 
     def stacked(self) -> torch.Tensor:
-        """`[E, 2I_r, H]` (w13) or `[E, H, I_r]` (w2): a view of the parameter."""
-        return self.weight.view(self.num_experts, -1, self.weight.shape[1])
+        """`[E, 2I_r, H]` (w13) or `[E, H, I_r]` (w2): a view of the parameter (FP8: of the fp8
+        weight on GPU, of the dequantized one on CPU)."""
+        weight = self.weight_dequantized if self.quant is not None and self.quant.dequantize else self.weight
+        return weight.view(self.num_experts, -1, weight.shape[1])
+
+    def fp8_scale(self) -> ExpertScale | None:
+        """The scales the kernels apply to `stacked()`, when it is fp8 (GPU FP8 experts)."""
+        if self.quant is None or self.quant.dequantize:
+            return None
+        return self.quant.scale(self)
 
     def full_shape(self, name: str, part: int | None = None) -> tuple[int, ...]:
         experts, hidden, inter = self.num_experts, self.hidden_size, self.intermediate_size
@@ -121,6 +135,10 @@ class StackedExperts(nn.Module):
         self.w13 = ExpertWeights("w13", *args)
         self.w2 = ExpertWeights("w2", *args)
 
+    def fp8_scales(self) -> ExpertScales | None:
+        w13, w2 = self.w13.fp8_scale(), self.w2.fp8_scale()
+        return None if w13 is None or w2 is None else ExpertScales(w13, w2)
+
 
 class SharedExperts(nn.Module):
     """The shared experts' dense gated MLP; `partial` is this rank's share before the all-reduce."""
@@ -133,7 +151,7 @@ class SharedExperts(nn.Module):
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         # the down projection without its own all-reduce: the MoE layer reduces once for both parts
-        return F.linear(self.act(self.gate_up_proj(x)), self.down_proj.weight)
+        return self.down_proj.local_linear(self.act(self.gate_up_proj(x)))
 
 
 class SparseMoE(nn.Module):
@@ -157,7 +175,12 @@ class SparseMoE(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         out = fused_moe(
-            hidden, self.gate(hidden), self.experts.w13.stacked(), self.experts.w2.stacked(), self.routing
+            hidden,
+            self.gate(hidden),
+            self.experts.w13.stacked(),
+            self.experts.w2.stacked(),
+            self.routing,
+            scales=self.experts.fp8_scales(),
         )
         if self.shared_experts is not None:
             out = out + self.shared_experts.partial(hidden)

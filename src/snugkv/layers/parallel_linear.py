@@ -193,6 +193,11 @@ class RowParallelLinear(nn.Module):
             return self.quant.linear(self, x, bias)
         return dense_linear(x, self.weight, bias)
 
+    def local_linear(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial product, no bias, no all-reduce (for a caller that reduces it with
+        others once: the MoE layer's shared experts); FP8 when the layer is."""
+        return self._linear(x, None)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.tp.enabled:
             return self._linear(x, self.bias)

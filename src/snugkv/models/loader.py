@@ -41,7 +41,12 @@ from snugkv.models.config import ConfigError, ModelConfig
 from snugkv.models.gguf_cache import read_cached, writing_cache
 from snugkv.models.gguf_loader import GGUFError, config_from_gguf, is_gguf_file, iter_gguf_tensors, open_gguf
 from snugkv.models.hub import HubModelError, hub_snapshot, is_hub_id
-from snugkv.models.quantization import QuantizationConfig, apply_quantization, quantization_config
+from snugkv.models.quantization import (
+    QuantizationConfig,
+    apply_quantization,
+    expert_note,
+    quantization_config,
+)
 from snugkv.models.registry import UnsupportedArchitectureError, get_model_class, supported_architectures
 from snugkv.models.weights import WeightLoadError, init_dummy_weights
 
@@ -97,8 +102,9 @@ class LoadedModel:
 
     @property
     def quantization_name(self) -> str:
-        """What runs, for the startup report and /server_info: `none` or the FP8 scheme and its source."""
-        return "none" if self.quantization is None else self.quantization.name
+        """What runs, for the startup report and /server_info: `none` or the FP8 scheme and its source
+        (and, for a MoE model, how its experts run)."""
+        return "none" if self.quantization is None else self.quantization.name + expert_note(self.model)
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -363,7 +369,7 @@ def load_model(
         config.architecture,
         dtype_,
         device_,
-        "" if quant is None else f", weights {quant.name}",
+        "" if quant is None else f", weights {quant.name}{expert_note(net)}",
         source.path,
         seconds,
         " with random weights" if load_format == "dummy" else "",

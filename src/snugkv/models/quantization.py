@@ -19,9 +19,11 @@ Formats read (`config.json` -> `quantization_config`):
 Anything else (another `quant_method`, `num_bits`, `fmt`, strategy) is refused by name.
 
 `apply_quantization` installs the scheme on every tensor-parallel linear layer of a model built on
-the meta device (layers/fp8_linear.py); embeddings, the LM head and norms stay in the compute dtype.
-A merged layer (q|k|v, gate|up) is quantized only when all its checkpoint parts are; an `ignore`
-list that names some of them and not the others is refused.
+the meta device (layers/fp8_linear.py) and on every stacked MoE expert parameter (layers/fp8_experts.py:
+fp8 weights with their scales, run weight-only); embeddings, the LM head, norms and MoE routers
+stay in the compute dtype. A merged layer (q|k|v, gate|up) or stacked expert parameter is quantized
+only when all its checkpoint parts are; an `ignore` list that names some of them and not the others
+is refused. `expert_note` says how a MoE model's experts run (startup log, /server_info).
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ import torch
 from torch import nn
 
 from snugkv.kernels.device import stores_fp8
+from snugkv.layers.fp8_experts import install_fp8_experts
 from snugkv.layers.fp8_linear import install_fp8
+from snugkv.layers.moe import ExpertWeights
 from snugkv.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from snugkv.layers.quantization import ActivationScales, Fp8Scheme, QuantizationError, WeightScales
 from snugkv.models.weights import StackedParam
@@ -206,12 +210,12 @@ def quantization_config(hf: Mapping[str, Any], requested: str | None) -> Quantiz
 
 
 def checkpoint_names(module_name: str, stacked: Sequence[StackedParam]) -> list[str]:
-    """The checkpoint module names a (possibly merged) model module is filled from."""
-    parts = [spec.source for spec in stacked if module_name.endswith("." + spec.target)]
-    if not parts:
+    """The checkpoint module names a (possibly merged) model module is filled from
+    (`model.layers.3.mlp.experts.w13` from `model.layers.3.mlp.experts.{e}.gate_proj` / `up_proj`)."""
+    found = [spec for spec in stacked if module_name.endswith("." + spec.target)]
+    if not found:
         return [module_name]
-    prefix = module_name.rsplit(".", 1)[0]
-    return [f"{prefix}.{part}" for part in parts]
+    return [f"{module_name[: -len(spec.target) - 1]}.{spec.source}" for spec in found]
 
 
 def apply_quantization(
@@ -229,21 +233,25 @@ def apply_quantization(
     dense = DENSE_LAYERS_BY_ARCHITECTURE.get(getattr(getattr(model, "config", None), "architecture", ""), ())
     count = 0
     for name, module in model.named_modules():
-        if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+        experts = isinstance(module, ExpertWeights)
+        if not experts and not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
             continue
         if name.rsplit(".", 1)[-1] in dense:
             continue
         sources = checkpoint_names(name, stacked)
         ignored = [source for source in sources if config.ignores(source)]
         if ignored and len(ignored) != len(sources):
+            shown = ", ".join(ignored[:4]) + (" ..." if len(ignored) > 4 else "")
+            kept = [s for s in sources if s not in ignored]
             raise QuantizationError(
-                f"the quantization_config ignores {', '.join(ignored)} but not "
-                f"{', '.join(s for s in sources if s not in ignored)}, which snugkv merges into one layer ({name}); "
-                "a merged layer is quantized all or not at all"
+                f"the quantization_config ignores {shown} but not {', '.join(kept[:4])}"
+                f"{' ...' if len(kept) > 4 else ''}, which snugkv {'stacks' if experts else 'merges'} into one "
+                f"{'expert parameter' if experts else 'layer'} ({name}); it is quantized all or not at all"
             )
         if ignored:
             continue
-        install_fp8(
+        install = install_fp8_experts if experts else install_fp8
+        install(
             module, config.scheme, compute_dtype=compute_dtype, dequantize=device.type != "cuda", name=name
         )
         count += 1
@@ -252,3 +260,17 @@ def apply_quantization(
             f"{config.name}: no linear layer of this model is left to quantize (check `ignore`)"
         )
     return count
+
+
+def expert_note(model: nn.Module) -> str:
+    """How a quantized MoE model's routed experts run, for the startup log and /server_info ("" for
+    a dense model): FP8 weight-only, or left in the compute dtype by the `ignore` list."""
+    stacks = [module for module in model.modules() if isinstance(module, ExpertWeights)]
+    if not stacks:
+        return ""
+    fp8 = sum(1 for module in stacks if module.quant is not None)
+    if fp8 == len(stacks):
+        return "; MoE experts: fp8 weights, activations unquantized (weight-only grouped GEMMs)"
+    if fp8 == 0:
+        return "; MoE experts: not quantized (the quantization_config ignores them)"
+    return f"; MoE experts: {fp8} of {len(stacks)} expert weights fp8, the others ignored by the quantization_config"
