@@ -51,9 +51,10 @@ def test_the_chooser_keeps_the_fastest_candidate_that_agrees_and_cublas_when_non
     speeds = {"cublas": 2e-6, fast.label: 1e-6, "wrong": 1e-9}
     timed: list[str] = []
 
-    def seconds(fn):
+    def seconds(fns):
+        (fn,) = fns
         fn()
-        return speeds[timed[-1]]
+        return [speeds[timed[-1]]]
 
     def labelled(candidate):
         def run(x, weight, bias):
@@ -63,7 +64,7 @@ def test_the_chooser_keeps_the_fastest_candidate_that_agrees_and_cublas_when_non
         return choice.Candidate(candidate.label, run)
 
     monkeypatch.setattr(choice, "CANDIDATES", tuple(labelled(c) for c in fake))
-    monkeypatch.setattr(choice, "median_seconds_after_l2_flush", seconds)
+    monkeypatch.setattr(choice, "interleaved_seconds", seconds)
     chooser = choice.GemmChooser()
     gen = generator(70)
     weight = randn(gen, 96, 64, dtype=torch.float16)

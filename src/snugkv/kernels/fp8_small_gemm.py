@@ -281,8 +281,8 @@ def _workspace(
     x: torch.Tensor, split_k: int, tiles: int, tile_elements: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(float32 partials, counters) of a split-K launch; a dummy pair without a split."""
-    if split_k == 1:
-        return x, x  # never read without a split
+    if split_k == 1:  # never read without a split, but typed as if (the kernel compiles its split path)
+        return torch.empty(1, dtype=torch.float32, device=x.device), arrival_counters(x.device)
     if tiles > ARRIVAL_SLOTS:
         raise ValueError(f"split-K over {tiles} output tiles; the counters hold {ARRIVAL_SLOTS}")
     partials = torch.empty(split_k * tiles * tile_elements, dtype=torch.float32, device=x.device)

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from snugkv.kernels.dense_gemv import MAX_ROWS, linear_rows_triton
 from snugkv.kernels.device import runs_triton
-from snugkv.layers.fp8_gemm_choice import _median_seconds as median_seconds_after_l2_flush
+from snugkv.layers.gemm_timing import interleaved_seconds
 
 logger = logging.getLogger(__name__)
 _SWITCH_ENV = "SNUGKV_DENSE_GEMV"
@@ -121,7 +121,7 @@ class GemmChooser:
                     )
                     row[candidate.label] = "wrong"
                     continue
-                seconds = median_seconds_after_l2_flush(lambda c=candidate: c.run(x, weight, bias))  # type: ignore[misc]
+                (seconds,) = interleaved_seconds([lambda c=candidate: c.run(x, weight, bias)])  # type: ignore[misc]
             except Exception as exc:  # a tile this GPU cannot hold, a Triton this kernel does not compile on
                 logger.info(
                     "GEMM %s is unavailable for %s: %s", candidate.label, key, str(exc).splitlines()[0]

@@ -8,7 +8,7 @@ gives the same bits (split-K must be deterministic), times the ones that pass, a
 fastest for every later call of that key, in this process. Batch buckets are powers of two, so a
 captured graph's batch always finds its bucket measured.
 
-Timing (`_interleaved_seconds`): the candidates of a key run round-robin, each run after an L2
+Timing (`gemm_timing.interleaved_seconds`): the candidates of a key run round-robin, each run after an L2
 flush, all enqueued without a host sync between them (median of 10 per candidate), after a few ms
 of flushes that take the clocks out of idle. At b638307 each candidate was timed alone with a sync
 after every run: the GPU idled between runs, and the torch profiler's kernel times of the chosen
@@ -45,6 +45,7 @@ import torch
 
 from snugkv.kernels.fp8_gemm import default_gemm_config, fp8_linear_reference
 from snugkv.kernels.fp8_small_gemm import fp8_linear_weight_only_reference
+from snugkv.layers import gemm_timing
 from snugkv.layers.fp8_gemm_candidates import (
     DEFAULT_SM_COUNT,
     Candidate,
@@ -59,8 +60,6 @@ from snugkv.layers.fp8_gemm_candidates import (
 
 logger = logging.getLogger(__name__)
 CHECK_ROWS = 64
-_TIMED_RUNS, _WARMUP_RUNS = 10, 3
-_CLOCK_WARMUP_FLUSHES = 80  # ~5 ms of HBM reads on an H200 before a key's first timed run
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,7 +193,7 @@ class GemmChooser:
                 f"no FP8 GEMM runs {key} on this GPU (tried {', '.join(c.label for c in candidates(shape))})"
             )
         seconds = _timed(passed, lambda c: c.run(quant, layer, x, bias), row)
-        self.timed_runs += len(seconds) * _TIMED_RUNS
+        self.timed_runs += len(seconds) * gemm_timing.TIMED_RUNS
         best = min(seconds, key=lambda label: seconds[label])
         for candidate in passed:
             if candidate.label in seconds:
@@ -212,52 +211,25 @@ def _timed(
     marked unavailable in `row` and left out."""
     try:
         return dict(
-            zip((c.label for c in passed), _interleaved_seconds([functools.partial(call, c) for c in passed]))
+            zip(
+                (c.label for c in passed),
+                gemm_timing.interleaved_seconds([functools.partial(call, c) for c in passed]),
+            )
         )
     except Exception as exc:  # one raised when run on the full batch: time them one by one
         logger.info("FP8 GEMM timing failed (%s); timing each candidate alone", str(exc).splitlines()[0])
     seconds: dict[str, float] = {}
     for candidate in passed:
         try:
-            (seconds[candidate.label],) = _interleaved_seconds([functools.partial(call, candidate)])
+            (seconds[candidate.label],) = gemm_timing.interleaved_seconds(
+                [functools.partial(call, candidate)]
+            )
         except Exception as exc:
             logger.info("FP8 GEMM %s is unavailable: %s", candidate.label, str(exc).splitlines()[0])
             row[candidate.label] = "unavailable"
     if not seconds:
         raise RuntimeError(f"every FP8 GEMM candidate failed when timed: {row}")
     return seconds
-
-
-_L2_FLUSH_BYTES = 256 << 20  # more than any GPU's L2: each timed run reads its weight from HBM
-
-
-def _interleaved_seconds(fns: list[Callable[[], object]]) -> list[float]:
-    """Median seconds of each of `fns`, timed round-robin, each run after the L2 cache was filled
-    with other (clean) lines: in a model's step the weight comes from HBM (the other layers' weights
-    evicted it), so a warm-L2 time would flatter the kernels of weights that fit in L2. The flush
-    reads, never writes (a dirty line left by a write would be written back during the timed
-    kernel). Nothing waits for the GPU until the last run: the host enqueues faster than the ~60 us
-    flush runs, so no timed kernel waits for its own launch, and the GPU stays busy throughout (an
-    idle GPU drops its clocks). Round-robin gives every candidate the same clocks."""
-    if not torch.cuda.is_available():  # the CPU tests stub this function; nothing to time here
-        raise RuntimeError("FP8 GEMM timing needs CUDA")
-    flush = torch.ones(_L2_FLUSH_BYTES // 4, dtype=torch.float32, device="cuda")
-    for _ in range(_CLOCK_WARMUP_FLUSHES):
-        flush.sum()
-    for fn in fns:
-        for _ in range(_WARMUP_RUNS):
-            fn()
-    events: list[list[tuple[torch.cuda.Event, torch.cuda.Event]]] = [[] for _ in fns]
-    for _ in range(_TIMED_RUNS):
-        for fn, pairs in zip(fns, events):
-            flush.sum()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            pairs.append((start, end))
-    torch.cuda.synchronize()
-    return [sorted(s.elapsed_time(e) / 1e3 for s, e in pairs)[len(pairs) // 2] for pairs in events]
 
 
 CHOOSER = GemmChooser()
