@@ -55,17 +55,11 @@ def measure(
 ) -> dict[str, Any]:
     """One batch of `batch` requests, every `constrained_every`-th constrained (0: none), all at once;
     the finished requests are appended to `finished` when given."""
-    from snugkv.scheduler.scheduler import Scheduler
+    from snugkv.driver.engine_core import EngineCore
 
     rng = random.Random(seed)
     vocab = min(engine.config.vocab_size, len(tokenizer))
-    scheduler = Scheduler(
-        engine.runner,
-        tokenizer=tokenizer,
-        eos_token_ids=engine.config.eos_token_ids,
-        max_running_requests=max(batch, 1),
-        chunked_prefill_size=engine.args.chunked_prefill_size,
-    )
+    scheduler = EngineCore.around(engine, tokenizer=tokenizer, max_running_requests=max(batch, 1)).scheduler
     requests = []
     for index in range(batch):
         constrained = constrained_every > 0 and index % constrained_every == 0

@@ -102,24 +102,21 @@ def port_number(value: str) -> int:
     return port
 
 
-def build_async_engine(args: argparse.Namespace, metrics=None, tp=None, after_engine=None):
-    """Engine + scheduler thread for `args` (rank 0 of `tp`); returns (async engine, served model name).
-    `after_engine(engine)` runs as soon as the engine is sized (before the tokenizer loads)."""
-    from snugkv.engine import Engine
-    from snugkv.scheduler.async_engine import AsyncEngine
+def build_engine_thread(args: argparse.Namespace, metrics=None, tp=None, after_engine=None):
+    """The engine core for `args` (rank 0 of `tp`) on a scheduler thread in this process; returns
+    (engine thread, served model name). `after_engine(engine)` runs as soon as the engine is sized
+    (before the tokenizer loads)."""
+    from snugkv.driver.engine_core import EngineCore
+    from snugkv.driver.engine_thread import EngineThread
 
-    engine = Engine(engine_args_from(args), tp=tp)
-    if after_engine is not None:
-        after_engine(engine)
-    name = args.served_model_name or _model_name(args.model, engine.loaded.source.path)
-    async_engine = AsyncEngine(
-        engine,
-        tokenizer=_tokenizer_of(engine),
-        model_name=name,
-        metrics=metrics,
+    core = EngineCore.build(
+        engine_args_from(args),
+        tp=tp,
         enable_prefix_cache=not args.disable_prefix_cache,
+        after_engine=after_engine,
     )
-    return async_engine, name
+    name = args.served_model_name or _model_name(args.model, core.engine.loaded.source.path)
+    return EngineThread(core, model_name=name, metrics=metrics), name
 
 
 def _model_name(model: str | None, path: Path) -> str:
@@ -131,15 +128,10 @@ def _model_name(model: str | None, path: Path) -> str:
     return path.stem
 
 
-def _tokenizer_of(engine):
-    from snugkv.scheduler.engine_process import engine_tokenizer
-
-    return engine_tokenizer(engine)
-
-
 def build_engine_process(args: argparse.Namespace, on_exit=None):
-    """--engine-process: the engine and its scheduler in a child process; returns (client, name)."""
-    from snugkv.scheduler.engine_process import EngineProcess, EngineSpec
+    """--engine-process: the engine core and its scheduler thread in a child process; returns
+    (client, name)."""
+    from snugkv.driver.engine_process import EngineProcess, EngineSpec
 
     root = logging.getLogger()
     formatter = root.handlers[0].formatter if root.handlers else None
@@ -254,7 +246,7 @@ def _serve_rank(tp, args: argparse.Namespace, sock=None) -> int:
         else:
             with share.holding_others_headroom() if share is not None else contextlib.nullcontext():
                 after = share.started if share is not None else None
-                async_engine, name = build_async_engine(args, metrics, tp, after_engine=after)
+                async_engine, name = build_engine_thread(args, metrics, tp, after_engine=after)
     except BaseException:
         if share is not None:
             share.leave()
@@ -344,16 +336,6 @@ def _is_loopback(host: str) -> bool:
 
 
 def _follow(tp, args: argparse.Namespace) -> int:
-    from snugkv.engine import Engine
-    from snugkv.scheduler import lockstep
-    from snugkv.scheduler.scheduler import Scheduler
+    from snugkv.driver.follower import run_follower
 
-    engine = Engine(engine_args_from(args), tp=tp)
-    try:
-        scheduler = Scheduler.for_engine(
-            engine, tokenizer=_tokenizer_of(engine), enable_prefix_cache=not args.disable_prefix_cache
-        )
-        lockstep.follow(scheduler, tp)
-    finally:
-        engine.close()
-    return 0
+    return run_follower(tp, engine_args_from(args), enable_prefix_cache=not args.disable_prefix_cache)

@@ -19,8 +19,8 @@ from collections.abc import Mapping, Sequence
 from numbers import Integral
 from typing import Any
 
-import snugkv.llm.ranks as ranks
 from snugkv.core.sampling import InvalidRequest, SamplingParams
+from snugkv.driver.commands import ResetPrefixCache
 from snugkv.engine import Engine
 from snugkv.llm.options import engine_args_from_options
 from snugkv.llm.outputs import MemoryReport, RequestOutput
@@ -106,7 +106,7 @@ class LLM:
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (on every rank); their slots become free."""
-        self._open().turn([ranks.ResetPrefixCache()])
+        self._open().turn([ResetPrefixCache()])
 
     @property
     def tokenizer(self) -> Tokenizer | None:

@@ -29,15 +29,6 @@ from snugkv.sizing.resize import KvResize, KvResizeError
 logger = logging.getLogger(__name__)
 
 
-def engine_of(scheduler: Scheduler) -> Engine:
-    engine = scheduler.engine
-    if engine is None:
-        raise KvResizeError(
-            "this scheduler runs without an engine (Scheduler.for_engine builds one)", status=409
-        )
-    return engine
-
-
 def smallest_size(scheduler: Scheduler) -> tuple[int, Request | None]:
     """The fewest tokens the cache can shrink to without failing a live request: the largest one's
     tokens plus a page (room for its next token), at least two pages; and that request."""
@@ -49,10 +40,14 @@ def smallest_size(scheduler: Scheduler) -> tuple[int, Request | None]:
 
 
 def resize_kv(
-    scheduler: Scheduler, *, max_total_num_tokens: int | None = None, free_gib: float | None = None
+    scheduler: Scheduler,
+    engine: Engine,
+    *,
+    max_total_num_tokens: int | None = None,
+    free_gib: float | None = None,
 ) -> KvResize:
-    """Resize to `max_total_num_tokens`, or to what leaves `free_gib` of device memory free."""
-    engine = engine_of(scheduler)
+    """Resize `engine`'s KV cache, which `scheduler` runs on, to `max_total_num_tokens`, or to what
+    leaves `free_gib` of device memory free."""
     engine.check_resizable()  # asleep or sized without virtual memory: refused before any value
     scheduler.finish_in_flight()  # a launched step's slots and tokens are settled before pages move
     if (max_total_num_tokens is None) == (free_gib is None):
@@ -115,9 +110,8 @@ def demand_tokens(scheduler: Scheduler) -> int:
     return scheduler.held_tokens() + waiting + page * (len(scheduler.running) + len(scheduler.waiting))
 
 
-def kv_info(scheduler: Scheduler) -> dict[str, Any]:
+def kv_info(scheduler: Scheduler, engine: Engine) -> dict[str, Any]:
     """GET /kv: the engine's view plus what the requests hold and the smallest size now."""
-    engine = engine_of(scheduler)
     minimum, largest = smallest_size(scheduler)
     return {
         **engine.kv_info(),
@@ -132,10 +126,9 @@ def kv_info(scheduler: Scheduler) -> dict[str, Any]:
     }
 
 
-def sleep(scheduler: Scheduler, *, level: int = 1, tags: tuple[str, ...] = ()) -> KvResize:
+def sleep(scheduler: Scheduler, engine: Engine, *, level: int = 1, tags: tuple[str, ...] = ()) -> KvResize:
     """Pause the scheduler and release memory. Requests in flight are retracted (they wait in the
     queue, nothing is lost) and the prefix cache is emptied when the KV cache goes."""
-    engine = engine_of(scheduler)
     chosen = engine.check_sleep(level, tags)
     scheduler.finish_in_flight()  # the launched step reads the KV cache and weights about to go
     if "kv_cache" in chosen - engine.sleeping_tags:
@@ -152,10 +145,9 @@ def sleep(scheduler: Scheduler, *, level: int = 1, tags: tuple[str, ...] = ()) -
     return result
 
 
-def wake_up(scheduler: Scheduler, *, tags: tuple[str, ...] = ()) -> KvResize:
+def wake_up(scheduler: Scheduler, engine: Engine, *, tags: tuple[str, ...] = ()) -> KvResize:
     """Take memory back; once nothing sleeps, the queue runs again. A queued request the re-sized
     cache can no longer hold ends with an error saying so (the only request a wake can fail)."""
-    engine = engine_of(scheduler)
     scheduler.finish_in_flight()
     result = engine.wake_up(tags)
     if not engine.is_sleeping:

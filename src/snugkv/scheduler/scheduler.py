@@ -97,36 +97,9 @@ class Scheduler:
         self.generated_tokens = 0
         self.times = StepTimes()
         self._arrivals = itertools.count()
-        self.engine: Any = (
-            None  # the Engine of `for_engine`, which elastic memory (scheduler.elastic) resizes
-        )
         self.paused = False  # the engine sleeps: requests wait in the queue and no step runs
         self._in_flight: LaunchedStep | None = None  # launched; its results are not read yet
         self._grammars: GrammarCache | None = None  # structured output's, made on first use
-
-    @classmethod
-    def for_engine(
-        cls,
-        engine: Any,
-        *,
-        tokenizer: Any = None,
-        enable_prefix_cache: bool = True,
-        on_output: OutputCallback | None = None,
-    ) -> Scheduler:
-        """The scheduler an `Engine` runs under: its runner, EOS ids, re-capped request limit,
-        prefill chunk and overlap setting (every tensor-parallel rank builds the same one)."""
-        scheduler = cls(
-            engine.runner,
-            tokenizer=tokenizer,
-            eos_token_ids=engine.config.eos_token_ids,
-            max_running_requests=engine.report.max_running_requests,
-            chunked_prefill_size=engine.args.chunked_prefill_size,
-            enable_prefix_cache=enable_prefix_cache,
-            on_output=on_output,
-            overlap=not engine.args.disable_overlap_schedule,
-        )
-        scheduler.engine = engine
-        return scheduler
 
     # -- intake -----------------------------------------------------------------------
     def add_request(self, rid: str, prompt_ids: list[int], sampling: SamplingParams) -> Request:

@@ -14,9 +14,10 @@ import pytest
 
 from snugkv.core.outputs import GenerateInput, GenerateOutput, TokenLogprob
 from snugkv.core.sampling import SamplingParams
+from snugkv.driver.engine_core import EngineCore
+from snugkv.driver.engine_process import EngineProcess, EngineProcessError, EngineSpec, compact, expand
+from snugkv.driver.engine_thread import EngineThread
 from snugkv.engine import Engine, EngineArgs
-from snugkv.scheduler.async_engine import AsyncEngine
-from snugkv.scheduler.engine_process import EngineProcess, EngineProcessError, EngineSpec, compact, expand
 from snugkv.sizing.resize import KvResizeError
 from tests.models.hf_tiny import save_tiny_hf_model
 
@@ -89,7 +90,7 @@ def test_an_output_crosses_the_pipe_unchanged(output: GenerateOutput) -> None:
 
 
 def test_the_engine_process_gives_the_tokens_the_engine_gives_in_this_process(tiny_args, engine_process):
-    in_process = AsyncEngine(Engine(tiny_args), tokenizer=None, model_name="tiny")
+    in_process = EngineThread(EngineCore.around(Engine(tiny_args)), model_name="tiny")
     try:
         expected = asyncio.run(run_all(in_process))
     finally:
@@ -203,7 +204,7 @@ def test_on_a_gpu_the_engine_process_gives_the_tokens_of_the_engine_in_this_proc
             got[rid] = tokens([output async for output in engine.generate(request(rid, prompt, 24))])
         return got
 
-    in_process = AsyncEngine(Engine(args), tokenizer=None, model_name="tiny")
+    in_process = EngineThread(EngineCore.around(Engine(args)), model_name="tiny")
     try:
         expected = asyncio.run(one_by_one(in_process))
     finally:

@@ -1,6 +1,6 @@
-"""The engine as the server sees it: a scheduler thread behind an asyncio interface.
+"""The thread driver: an engine core on a scheduler thread of its own, behind an asyncio interface.
 
-`AsyncEngine` implements `EngineClient`. Requests and aborts cross into the scheduler thread
+`EngineThread` implements `EngineClient` (what the server calls). Requests and aborts cross into the scheduler thread
 through a queue. Outputs come back in batches: the scheduler thread posts everything a step
 produced to the loop's `Mailbox` at once, which wakes the loop once (not once per request, and not
 at all while a delivery is still waiting to run); the loop hands each output to its request's
@@ -11,7 +11,7 @@ be half-updated) and the engine goes on with the next ones; it never takes the s
 the loop itself dies, every open and later request gets an error at once and /health says so.
 
 With tensor parallelism this runs on rank 0; each turn's commands go to the other ranks first
-(`lockstep`), which run `lockstep.follow` over their own engine and scheduler.
+(`EngineCore.share`), which run `follower.follow` over their own engine core.
 """
 
 from __future__ import annotations
@@ -30,11 +30,9 @@ from typing import Any, Protocol
 from snugkv.core.gc_pauses import GC_PAUSES
 from snugkv.core.outputs import GenerateInput, GenerateOutput
 from snugkv.core.sampling import InvalidRequest
-from snugkv.engine import Engine
-from snugkv.scheduler import elastic, lockstep
-from snugkv.scheduler.lockstep import Abort, AbortAll, Add, Command, ResizeKV, Sleep, Stop, WakeUp
+from snugkv.driver.commands import Abort, AbortAll, Add, Command, ResizeKV, Sleep, Stop, WakeUp
+from snugkv.driver.engine_core import EngineCore
 from snugkv.scheduler.request import Request
-from snugkv.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -204,7 +202,7 @@ class Control:
 class Query:
     """A read of the scheduler's state on rank 0 alone, between steps (never shared)."""
 
-    read: Callable[[Scheduler], Any]
+    read: Callable[[EngineCore], Any]
     loop: asyncio.AbstractEventLoop
     reply: asyncio.Future[Any]
 
@@ -212,24 +210,18 @@ class Query:
 InboxItem = Submit | Abort | AbortAll | Control | Query
 
 
-class AsyncEngine:
-    def __init__(
-        self,
-        engine: Engine,
-        *,
-        tokenizer: Any,
-        model_name: str,
-        metrics: Any = None,
-        enable_prefix_cache: bool = True,
-    ) -> None:
-        self.engine = engine
-        self.tokenizer = tokenizer
+class EngineThread:
+    """An engine core on a thread of its own; starts the thread at once and serves until `stop`."""
+
+    def __init__(self, core: EngineCore, *, model_name: str, metrics: Any = None) -> None:
+        self.core = core
+        self.engine = core.engine
+        self.scheduler = core.scheduler
+        self.tokenizer = core.tokenizer
         self.model_name = model_name
-        self.max_context_tokens = engine.context_length
+        self.max_context_tokens = core.context_length
         self.metrics = metrics
-        self.scheduler = Scheduler.for_engine(
-            engine, tokenizer=tokenizer, enable_prefix_cache=enable_prefix_cache, on_output=self._on_output
-        )
+        core.deliver_outputs_to(self._on_output)
         self._inbox: queue.SimpleQueue[InboxItem] = queue.SimpleQueue()
         self._streams: dict[str, tuple[Outbox, Any]] = {}
         self._mailboxes: dict[asyncio.AbstractEventLoop, Mailbox] = {}  # one per client loop
@@ -288,7 +280,7 @@ class AsyncEngine:
         return {**result.to_dict(), "kv": await self.kv_info()}
 
     async def kv_info(self) -> dict[str, Any]:
-        return await self._query(elastic.kv_info)
+        return await self._query(EngineCore.kv_info)
 
     async def sleep(self, *, level: int = 1, tags: tuple[str, ...] = ()) -> dict[str, Any]:
         """Release memory on every rank (requests in flight wait in the queue); raises
@@ -326,7 +318,7 @@ class AsyncEngine:
             raise RuntimeError(self._broken)
         return await reply
 
-    async def _query(self, read: Callable[[Scheduler], Any]) -> Any:
+    async def _query(self, read: Callable[[EngineCore], Any]) -> Any:
         loop = asyncio.get_running_loop()
         reply: asyncio.Future[Any] = loop.create_future()
         self._inbox.put(Query(read, loop, reply))
@@ -411,7 +403,7 @@ class AsyncEngine:
             commands = self._take_inbox()
             if stopping:
                 commands.append(Stop())
-            lockstep.share(self.engine.tp, commands)  # the other ranks apply the same, in order
+            self.core.share(commands)  # the other ranks apply the same, in order
             for index, command in enumerate(commands):
                 self._apply(command, self._replies.pop(index, None))
             self._flush_outbox()  # refusals, and the ends of aborted requests
@@ -428,7 +420,7 @@ class AsyncEngine:
                 continue
             self._accounting_checked = False
             self._idle_since = None
-            error = lockstep.step_once(self.scheduler, self.engine.tp)
+            error = self.core.step()
             self._flush_outbox()
             if error is not None:
                 self.step_errors += 1
@@ -488,7 +480,7 @@ class AsyncEngine:
     ) -> None:
         if reply is not None:  # a control: its outcome, success or error, goes to whoever asked
             try:
-                result = lockstep.apply(self.scheduler, command)
+                result = self.core.apply(command)
             except Exception as exc:
                 _settle(*reply, error=exc)
             else:
@@ -497,7 +489,7 @@ class AsyncEngine:
                 self.metrics.update_from_snapshot(self.metrics_snapshot())
             return
         try:
-            lockstep.apply(self.scheduler, command)
+            self.core.apply(command)
         except (
             Exception
         ) as exc:  # InvalidRequest: a 400; anything else: this request's 500, not the engine's end
@@ -515,7 +507,7 @@ class AsyncEngine:
         while self._queries:
             query = self._queries.pop(0)
             try:
-                result = query.read(self.scheduler)
+                result = query.read(self.core)
             except Exception as exc:
                 _settle(query.loop, query.reply, error=exc)
             else:
@@ -552,7 +544,7 @@ class AsyncEngine:
         self._wake.set()
         self._thread.join()  # a step in flight finishes first: its pools must outlive it
         if close_engine:
-            self.engine.close()
+            self.core.close()
 
 
 def _settle(

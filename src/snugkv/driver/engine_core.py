@@ -1,0 +1,228 @@
+"""The engine core: one rank's engine, its tokenizer and the scheduler over them, and the three
+things every driver does with them: share a turn of commands, apply each, step.
+
+`EngineCore.build(args)` is the one place that assembles them (the engine's start-up pipeline, the
+model's tokenizer, a scheduler set up from the engine's flags and sizing); `EngineCore.around`
+wraps an engine already built (a benchmark's stub device, a test's engine). Every driver wraps a
+core and adds only how commands reach it and where outputs go: the thread behind the server
+(`engine_thread`), the engine process (`engine_process`), the helper ranks of `--tp N`
+(`follower`), the Python API (`snugkv.llm`) and the interactive commands (`snugkv generate`,
+`chat`).
+
+Tensor parallelism: rank 0 hears clients. At each turn it sends that turn's commands to the other
+ranks (`share`, over the CPU group), and every rank applies the same commands, in the same order,
+to its own scheduler, then steps if there is work. A scheduler is deterministic given its
+commands and the sampled tokens (which rank 0 broadcasts inside `ModelRunner.sample_on_device`),
+so every rank batches the same rows and meets the others in the same collectives. A turn that
+finds no work travels over the group without a timeout (the next one may wait on a person, or on
+an idle server; every rank sees the same `has_work`, so all pick the same group). At tp=1 `share`
+is the identity and nothing crosses a process boundary.
+
+The core never blocks on I/O, never owns a thread, and never decides when to take a turn.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from snugkv.distributed.group import TensorParallel
+from snugkv.driver.commands import (
+    Abort,
+    AbortAll,
+    Add,
+    Command,
+    ResetPrefixCache,
+    ResizeKV,
+    Sleep,
+    Stop,
+    Turn,
+    WakeUp,
+)
+from snugkv.engine import Engine, EngineArgs
+from snugkv.models.loader import ModelSource
+from snugkv.models.tokenizer import Tokenizer, TokenizerUnavailable, load_tokenizer
+from snugkv.scheduler import elastic
+from snugkv.scheduler.outputs import OutputCallback
+from snugkv.scheduler.scheduler import Scheduler
+from snugkv.sizing.resize import KvResize
+
+logger = logging.getLogger(__name__)
+
+
+def load_tokenizer_or_none(
+    source: ModelSource, eos_token_ids: tuple[int, ...] = (), *, warn: bool = False
+) -> tuple[Tokenizer | None, str | None]:
+    """The model's tokenizer, or None and why there is none (a bare config with random weights:
+    prompts are then token ids); `warn` logs the reason."""
+    try:
+        return load_tokenizer(source, eos_token_ids), None
+    except TokenizerUnavailable as exc:
+        if warn:
+            logger.warning("%s", exc)
+        return None, str(exc)
+
+
+class EngineCore:
+    """One rank's engine, tokenizer and scheduler. Build it with `build` (or `around` an engine
+    already started); a driver then takes turns: `share`, `apply` each command, `step`."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        scheduler: Scheduler,
+        tokenizer: Tokenizer | None,
+        *,
+        no_tokenizer: str | None = None,
+    ) -> None:
+        self.engine = engine
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        self.no_tokenizer = no_tokenizer  # why `tokenizer` is None, if it is
+        self.tp: TensorParallel = engine.tp
+
+    # -- assembling -------------------------------------------------------------------------
+    @classmethod
+    def build(
+        cls,
+        args: EngineArgs,
+        *,
+        tp: TensorParallel | None = None,
+        enable_prefix_cache: bool = True,
+        tokenizer_source: ModelSource | None = None,
+        after_engine: Callable[[Engine], None] | None = None,
+    ) -> EngineCore:
+        """Start the engine for `args` (this rank of `tp`), load the tokenizer of its model (or of
+        `tokenizer_source`) and set the scheduler up over it. `after_engine(engine)` runs as soon as
+        the engine is sized, before the tokenizer loads (a memory share publishes its size then; a
+        benchmark installs its stub device)."""
+        engine = Engine(args, tp=tp)
+        try:
+            if after_engine is not None:
+                after_engine(engine)
+            tokenizer, why = load_tokenizer_or_none(
+                tokenizer_source or engine.loaded.source,
+                engine.config.eos_token_ids,
+                warn=engine.tp.is_first_rank,
+            )
+            core = cls.around(engine, tokenizer=tokenizer, enable_prefix_cache=enable_prefix_cache)
+        except BaseException:
+            engine.close()
+            raise
+        core.no_tokenizer = why
+        return core
+
+    @classmethod
+    def around(
+        cls,
+        engine: Engine,
+        *,
+        tokenizer: Tokenizer | None = None,
+        enable_prefix_cache: bool = True,
+        on_output: OutputCallback | None = None,
+        overlap: bool | None = None,
+        max_running_requests: int | None = None,
+    ) -> EngineCore:
+        """A core over an engine already started. The scheduler takes its runner, EOS ids,
+        re-capped request limit, prefill chunk and overlap setting from the engine (every
+        tensor-parallel rank builds the same one); `overlap` and `max_running_requests` override
+        the engine's for a benchmark that compares them."""
+        args, runner = engine.args, engine.runner
+        if runner is None:
+            raise RuntimeError("the engine is closed")
+        chunked_prefill_size = args.chunked_prefill_size
+        if chunked_prefill_size is None:
+            raise ValueError("the engine's args are not resolved (EngineArgs.resolved fills them)")
+        scheduler = Scheduler(
+            runner,
+            tokenizer=tokenizer,
+            eos_token_ids=engine.config.eos_token_ids,
+            max_running_requests=max_running_requests or engine.report.max_running_requests,
+            chunked_prefill_size=chunked_prefill_size,
+            enable_prefix_cache=enable_prefix_cache,
+            on_output=on_output,
+            overlap=not args.disable_overlap_schedule if overlap is None else overlap,
+        )
+        return cls(engine, scheduler, tokenizer)
+
+    def deliver_outputs_to(self, on_output: OutputCallback | None) -> None:
+        """Where the scheduler sends each request's outputs from now on (the driver's callback)."""
+        self.scheduler.outputs.on_output = on_output
+
+    # -- a turn -----------------------------------------------------------------------------
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    @property
+    def context_length(self) -> int:
+        """Tokens a prompt and its output may take together."""
+        return self.engine.context_length
+
+    def share(self, commands: Turn | None) -> Turn:
+        """Rank 0's commands of this turn, on every rank (the others pass None)."""
+        shared: Turn = self.tp.broadcast_object_from_first(commands, wait_for_user=not self.has_work)
+        return shared
+
+    def apply(self, command: Command) -> KvResize | None:
+        """One command on this rank's scheduler; returns what an elastic-memory command did. `Add`
+        raises `InvalidRequest` and the elastic commands `KvResizeError` on every rank alike."""
+        scheduler = self.scheduler
+        if isinstance(command, Add):
+            scheduler.add_request(command.rid, command.input_ids, command.sampling)
+        elif isinstance(command, Abort):
+            scheduler.abort(command.rid)
+        elif isinstance(command, AbortAll):
+            for rid in list(scheduler.requests):
+                scheduler.abort(rid)
+        elif isinstance(command, ResetPrefixCache):
+            scheduler.cache.reset()
+        elif isinstance(command, ResizeKV):
+            return elastic.resize_kv(
+                scheduler,
+                self.engine,
+                max_total_num_tokens=command.max_total_num_tokens,
+                free_gib=command.free_gib,
+            )
+        elif isinstance(command, Sleep):
+            return elastic.sleep(scheduler, self.engine, level=command.level, tags=command.tags)
+        elif isinstance(command, WakeUp):
+            return elastic.wake_up(scheduler, self.engine, tags=command.tags)
+        elif not isinstance(command, Stop):
+            raise TypeError(f"not an engine command: {command!r}")
+        return None
+
+    def step(self) -> Exception | None:
+        """One scheduler step; a failure ends the requests it held and is returned.
+
+        With several ranks they first agree whether any of them failed (over the CPU group), and if
+        one did, every rank ends all its requests and empties its prefix cache, so their states are
+        the same again whichever rank broke. That covers failures after the step's last collective
+        (output handling, detokenizing: the rank-local part of a step). A rank that fails before or
+        inside a collective the others are in leaves them waiting there (NCCL) or aborts them
+        (gloo): that ends the launch, not just the step.
+        """
+        scheduler = self.scheduler
+        error: Exception | None = None
+        try:
+            scheduler.step()
+        except Exception as exc:  # one bad step must not take the engine down
+            error = exc
+        if not self.tp.any_rank(error is not None):
+            return None
+        if error is None:
+            error = RuntimeError("a step failed on another tensor-parallel rank")
+        scheduler.fail_all(f"internal error while generating: {type(error).__name__}: {error}")
+        if self.tp.enabled:
+            scheduler.cache.reset()
+        return error
+
+    # -- what drivers report (rank 0's view, read between steps) ------------------------------
+    def kv_info(self) -> dict[str, Any]:
+        """GET /kv: the KV cache now, what the requests hold and what a resize would need."""
+        return elastic.kv_info(self.scheduler, self.engine)
+
+    def close(self) -> None:
+        """Release the engine's graphs, KV arena and weights; idempotent."""
+        self.engine.close()
