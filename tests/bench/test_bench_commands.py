@@ -135,7 +135,7 @@ def test_bench_structured_runs_constrained_rows_to_the_full_output_on_a_cpu():
 
     path = default_model.default_model_path()
     engine = Engine(EngineArgs(model=str(path), dtype="float32", host_kv_gib=0.05, max_running_requests=8))
-    tokenizer = load_tokenizer(ModelSource(path, "gguf")).hf
+    tokenizer = load_tokenizer(ModelSource(path, "gguf"))
     try:
         options = {"batch": 8, "input_len": 8, "output_len": 12}
         plain = measure(engine, tokenizer, constrained_every=0, **options)

@@ -93,7 +93,7 @@ def _serve(tp: TensorParallel, engine, free_after: list[int]) -> list:
     state = {
         "finished": finished,
         "moved": [r.moved_pages for r in results if r is not None],
-        "events": [(e["reason"], e["to_tokens"]) for e in engine.kv_events],
+        "events": [(e.reason, e.to_tokens) for e in engine.kv_events],
         "capacity": engine.runner.allocator.capacity_tokens,
         "free": engine.runner.allocator.available_tokens,
         "free_after_free_gib": free_after,

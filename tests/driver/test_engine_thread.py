@@ -42,7 +42,7 @@ async def collect(engine: EngineThread, rid: str, prompt: list[int], max_new_tok
 def wait_idle(engine: EngineThread) -> dict:
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        accounting = engine.server_info()["slot_accounting_when_idle"]
+        accounting = engine.server_info().to_dict()["slot_accounting_when_idle"]
         if accounting["checked"] and not engine.scheduler.has_work:
             return accounting
         time.sleep(0.02)
@@ -118,7 +118,10 @@ def test_a_dead_scheduler_loop_fails_open_and_new_requests_instead_of_leaving_th
     def metrics_that_break(snapshot) -> None:  # a bug outside any step
         raise RuntimeError("injected loop failure")
 
-    engine_thread.metrics = type("Metrics", (), {"update_from_snapshot": staticmethod(metrics_that_break)})()
+    broken = staticmethod(metrics_that_break)
+    engine_thread.metrics = type(
+        "Metrics", (), {"update_from_stats": broken, "update_from_snapshot": broken}
+    )()
 
     async def run_both() -> tuple[list, list]:
         open_one = await asyncio.wait_for(collect(engine_thread, "open", [5, 6, 7], 50), timeout=20)
@@ -132,11 +135,11 @@ def test_a_dead_scheduler_loop_fails_open_and_new_requests_instead_of_leaving_th
 
 
 def test_server_info_counts_the_steps_and_the_device_time_they_took(engine_thread):
-    before = engine_thread.server_info()["step_times"]
+    before = engine_thread.server_info().to_dict()["step_times"]
     outputs = asyncio.run(collect(engine_thread, "counted", [5, 6, 7], 8))
     assert outputs[-1].finish_reason == "length"
     wait_idle(engine_thread)
-    info = engine_thread.server_info()
+    info = engine_thread.server_info().to_dict()
     after = info["step_times"]
     assert info["overlap_schedule"] is True
     assert after["steps"] >= before["steps"] + 8 and after["overlapped_steps"] > before["overlapped_steps"]

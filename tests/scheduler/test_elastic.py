@@ -96,7 +96,7 @@ def test_grow_and_shrink_of_an_idle_engine_move_committed_memory_by_the_resized_
         assert engine.report.ledger.kv_committed_bytes == pool.committed_bytes
         assert f"-> {result.to_tokens}, committed" in caplog.text
         engine.runner.allocator.check_integrity()
-    assert [event["to_tokens"] for event in engine.kv_events] == [256, 1000, 512, 1024]
+    assert [event.to_tokens for event in engine.kv_events] == [256, 1000, 512, 1024]
     engine.close()
 
 

@@ -93,12 +93,18 @@ def sleeping_share(previous_kv_bytes: int, **options: Any) -> MemoryShare:
     )
     share = MemoryShare(ShareRecord.for_device("host"), entry, torch.device("cpu"), ShareOptions(**options))
     share.awake_kv_bytes = previous_kv_bytes
-    info = {"sleeping_tags": ["kv_cache", "weights"], "device_free_bytes": 0, "headroom_bytes": 0}
 
-    async def kv_info() -> dict[str, Any]:
-        return {**info, "device_free_bytes": SharedHostDevice.from_env().free_bytes()}  # type: ignore[union-attr]
+    async def kv_info() -> Any:
+        free = SharedHostDevice.from_env().free_bytes()  # type: ignore[union-attr]
+        cache = SimpleNamespace(
+            sleeping_tags=frozenset({"kv_cache", "weights"}), device_free_bytes=free, headroom_bytes=0
+        )
+        return SimpleNamespace(cache=cache)
 
-    share.async_engine = SimpleNamespace(kv_info=kv_info, engine=SimpleNamespace(report=None))
+    # The engine as the share reaches it: its KV view (`KvInfo`) and a report without a ledger.
+    share.client = SimpleNamespace(  # type: ignore[assignment]
+        kv_info=kv_info, server_info=lambda: SimpleNamespace(startup=SimpleNamespace(ledger=None))
+    )
     return share
 
 

@@ -58,7 +58,7 @@ def measure(
     from snugkv.driver.engine_core import EngineCore
 
     rng = random.Random(seed)
-    vocab = min(engine.config.vocab_size, len(tokenizer))
+    vocab = min(engine.config.vocab_size, tokenizer.vocab_size)
     scheduler = EngineCore.around(engine, tokenizer=tokenizer, max_running_requests=max(batch, 1)).scheduler
     requests = []
     for index in range(batch):
@@ -99,10 +99,11 @@ def run(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from snugkv.llm import LLM
+    from snugkv.models.tokenizer import Tokenizer
 
     if cuda_missing("bench structured"):
         return 2
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    tokenizer = Tokenizer(AutoTokenizer.from_pretrained(args.tokenizer))
     llm = LLM(args.model, load_format="dummy", max_running_requests=args.batch, cuda_graph_max_bs=args.batch)
     engine = llm.engine
     every = round(1 / args.constrained_fraction) if args.constrained_fraction > 0 else 0

@@ -25,8 +25,18 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
 
+from snugkv.core.gc_pauses import GC_PAUSES
+from snugkv.core.reports import (
+    EngineInfo,
+    KvInfo,
+    KvResize,
+    MemoryReport,
+    MetricsSnapshot,
+    SchedulerStats,
+    SleepState,
+    SlotAccounting,
+)
 from snugkv.distributed.group import TensorParallel
 from snugkv.driver.commands import (
     Abort,
@@ -46,7 +56,6 @@ from snugkv.models.tokenizer import Tokenizer, TokenizerUnavailable, load_tokeni
 from snugkv.scheduler import elastic
 from snugkv.scheduler.outputs import OutputCallback
 from snugkv.scheduler.scheduler import Scheduler
-from snugkv.sizing.resize import KvResize
 
 logger = logging.getLogger(__name__)
 
@@ -218,10 +227,76 @@ class EngineCore:
             scheduler.cache.reset()
         return error
 
-    # -- what drivers report (rank 0's view, read between steps) ------------------------------
-    def kv_info(self) -> dict[str, Any]:
-        """GET /kv: the KV cache now, what the requests hold and what a resize would need."""
+    # -- what drivers report (this rank's view; no collective) --------------------------------
+    def kv_info(self) -> KvInfo:
+        """GET /kv: the KV cache now, what the requests hold and what a resize would need (read
+        between steps: it walks the queues)."""
         return elastic.kv_info(self.scheduler, self.engine)
+
+    def sleep_state(self) -> SleepState:
+        return self.engine.sleep_state()
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    def metrics_snapshot(self) -> MetricsSnapshot:
+        engine = self.engine
+        return MetricsSnapshot(
+            stats=self.scheduler.stats(),
+            kv_max_total_num_tokens=engine.pool.committed_tokens,
+            kv_committed_bytes=engine.pool.committed_bytes,
+            kv_resizes=engine.kv_event_count,
+            sleep_level=engine.sleep_level if engine.is_sleeping else 0,
+        )
+
+    def memory_report(self) -> MemoryReport:
+        """The start-up sizing report (updated by every resize) and the KV cache's slots now."""
+        allocator = self.scheduler.runner.allocator
+        return MemoryReport(
+            sizing=self.engine.report,
+            capacity_tokens=allocator.capacity_tokens,
+            free_tokens=allocator.available_tokens,
+            prefix_cache_tokens=self.scheduler.cache.cached_tokens,
+        )
+
+    def info(
+        self,
+        *,
+        model_name: str,
+        step_errors: int,
+        aborted_rids: tuple[str, ...],
+        slot_accounting: SlotAccounting,
+    ) -> EngineInfo:
+        """GET /server_info, with the driver's own counters."""
+        engine, scheduler = self.engine, self.scheduler
+        args = engine.args
+        graphs = not args.disable_cuda_graph
+        step_times = scheduler.times.as_dict()
+        del step_times["device_idle_fraction"]  # over the whole life of the engine: meaningless
+        return EngineInfo(
+            model=model_name,
+            startup=engine.report,
+            page_size=scheduler.page_size,
+            kv_layout=args.kv_layout,
+            kv_dtype=str(engine.kv_dtype),
+            attention_backend=str(args.attention_backend),
+            tp_size=self.tp.world_size,
+            context_length=engine.context_length,
+            chunked_prefill_size=scheduler.chunked_prefill_size,
+            cuda_graph_max_bs=(args.cuda_graph_max_bs or 0) if graphs else 0,
+            prefill_graph_max_tokens=(args.prefill_graph_max_tokens or 0) if graphs else 0,
+            overlap_schedule=scheduler.overlap,
+            device=str(engine.device),
+            kv_capacity_tokens=scheduler.runner.allocator.capacity_tokens,
+            stats=scheduler.stats(),
+            step_times=step_times,
+            step_errors=step_errors,
+            gc=GC_PAUSES.as_dict(),
+            is_sleeping=engine.is_sleeping,
+            kv_events=tuple(engine.kv_events),
+            aborted_rids=aborted_rids,
+            slot_accounting_when_idle=slot_accounting,
+        )
 
     def close(self) -> None:
         """Release the engine's graphs, KV arena and weights; idempotent."""

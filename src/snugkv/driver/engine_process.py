@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import inspect
 import itertools
 import logging
@@ -33,13 +34,14 @@ import pickle
 import signal
 import sys
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
 from snugkv.core.gc_pauses import freeze_startup_objects
 from snugkv.core.outputs import GenerateInput, GenerateOutput
+from snugkv.core.reports import EngineInfo, KvInfo, KvResizeReply, MetricsSnapshot, SleepReply, SleepState
 from snugkv.driver.engine_core import EngineCore, load_tokenizer_or_none
 from snugkv.driver.engine_thread import (
     EngineThread,
@@ -52,6 +54,7 @@ from snugkv.driver.engine_thread import (
 )
 from snugkv.engine import Engine, EngineArgs
 from snugkv.models.loader import ModelSource
+from snugkv.scheduler.launched import StepRecord
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +152,7 @@ class EngineProcess:
         return dict(payload)
 
     # -- EngineClient ---------------------------------------------------------------------
-    async def generate(self, request: GenerateInput) -> AsyncIterator[GenerateOutput]:
+    async def generate(self, request: GenerateInput) -> AsyncGenerator[GenerateOutput, None]:
         outputs = OutputStream()
         refusal = self._register(request, outputs)
         if refusal is not None:
@@ -191,42 +194,42 @@ class EngineProcess:
             return False
 
     # -- what the server's routes read or change, run by the engine's own EngineThread -------
-    def server_info(self) -> dict[str, Any]:
-        info: dict[str, Any] = self._call_sync("server_info", {})
-        return {**info, "model": self.model_name, "engine_process": {"pid": self.pid}}
+    def server_info(self) -> EngineInfo:
+        info: EngineInfo = self._call_sync("server_info", {})
+        return dataclasses.replace(info, model=self.model_name, engine_process_pid=self.pid)
 
-    def metrics_snapshot(self) -> dict[str, Any]:
-        snapshot: dict[str, Any] = self._call_sync("metrics_snapshot", {})
+    def metrics_snapshot(self) -> MetricsSnapshot:
+        snapshot: MetricsSnapshot = self._call_sync("metrics_snapshot", {})
         return snapshot
 
-    def recent_steps(self) -> list[tuple[Any, ...]]:
-        steps: list[tuple[Any, ...]] = self._call_sync("recent_steps", {})
+    def recent_steps(self) -> list[StepRecord]:
+        steps: list[StepRecord] = self._call_sync("recent_steps", {})
         return steps
 
     def is_sleeping(self) -> bool:
         return bool(self._call_sync("is_sleeping", {}))
 
-    def sleep_state(self) -> dict[str, Any]:
-        state: dict[str, Any] = self._call_sync("sleep_state", {})
+    def sleep_state(self) -> SleepState:
+        state: SleepState = self._call_sync("sleep_state", {})
         return state
 
     async def resize_kv(
         self, *, max_total_num_tokens: int | None = None, free_gib: float | None = None
-    ) -> dict[str, Any]:
+    ) -> KvResizeReply:
         kwargs = {"max_total_num_tokens": max_total_num_tokens, "free_gib": free_gib}
-        result: dict[str, Any] = await self._call("resize_kv", kwargs)
+        result: KvResizeReply = await self._call("resize_kv", kwargs)
         return result
 
-    async def kv_info(self) -> dict[str, Any]:
-        result: dict[str, Any] = await self._call("kv_info", {})
+    async def kv_info(self) -> KvInfo:
+        result: KvInfo = await self._call("kv_info", {})
         return result
 
-    async def sleep(self, *, level: int = 1, tags: tuple[str, ...] = ()) -> dict[str, Any]:
-        result: dict[str, Any] = await self._call("sleep", {"level": level, "tags": tuple(tags)})
+    async def sleep(self, *, level: int = 1, tags: tuple[str, ...] = ()) -> SleepReply:
+        result: SleepReply = await self._call("sleep", {"level": level, "tags": tuple(tags)})
         return result
 
-    async def wake_up(self, *, tags: tuple[str, ...] = ()) -> dict[str, Any]:
-        result: dict[str, Any] = await self._call("wake_up", {"tags": tuple(tags)})
+    async def wake_up(self, *, tags: tuple[str, ...] = ()) -> SleepReply:
+        result: SleepReply = await self._call("wake_up", {"tags": tuple(tags)})
         return result
 
     # -- calls ------------------------------------------------------------------------------

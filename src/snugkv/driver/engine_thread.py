@@ -23,15 +23,26 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from snugkv.core.gc_pauses import GC_PAUSES
+from snugkv.core.engine_client import MetricsSink
 from snugkv.core.outputs import GenerateInput, GenerateOutput
+from snugkv.core.reports import (
+    EngineInfo,
+    KvInfo,
+    KvResize,
+    KvResizeReply,
+    MetricsSnapshot,
+    SleepReply,
+    SleepState,
+    SlotAccounting,
+)
 from snugkv.core.sampling import InvalidRequest
 from snugkv.driver.commands import Abort, AbortAll, Add, Command, ResizeKV, Sleep, Stop, WakeUp
 from snugkv.driver.engine_core import EngineCore
+from snugkv.scheduler.launched import StepRecord
 from snugkv.scheduler.request import Request
 
 logger = logging.getLogger(__name__)
@@ -213,7 +224,7 @@ InboxItem = Submit | Abort | AbortAll | Control | Query
 class EngineThread:
     """An engine core on a thread of its own; starts the thread at once and serves until `stop`."""
 
-    def __init__(self, core: EngineCore, *, model_name: str, metrics: Any = None) -> None:
+    def __init__(self, core: EngineCore, *, model_name: str, metrics: MetricsSink | None = None) -> None:
         self.core = core
         self.engine = core.engine
         self.scheduler = core.scheduler
@@ -236,14 +247,14 @@ class EngineThread:
         self.wake_gate: WakeGate | None = None
         self._accounting_checked = False
         self._idle_since: float | None = None  # when the scheduler last ran out of work
-        self.slot_accounting: dict[str, Any] = {"checked": False}
+        self.slot_accounting = SlotAccounting()
         self._replies: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future[Any]]] = {}
         self._queries: list[Query] = []
         self._thread = threading.Thread(target=self._loop, name="snugkv-scheduler", daemon=True)
         self._thread.start()
 
     # -- EngineClient -------------------------------------------------------------------
-    async def generate(self, request: GenerateInput) -> AsyncIterator[GenerateOutput]:
+    async def generate(self, request: GenerateInput) -> AsyncGenerator[GenerateOutput, None]:
         outputs = OutputStream()
         self.submit(request, loop_mailbox(self._mailboxes), outputs)
         async for output in stream_until_finished(outputs, lambda: self.abort(request.rid)):
@@ -274,44 +285,36 @@ class EngineThread:
     # -- elastic memory (run on the scheduler thread between steps) ---------------------
     async def resize_kv(
         self, *, max_total_num_tokens: int | None = None, free_gib: float | None = None
-    ) -> dict[str, Any]:
+    ) -> KvResizeReply:
         """Resize the KV cache on every rank; raises `KvResizeError` naming the limit."""
-        result = await self._control(ResizeKV(max_total_num_tokens, free_gib))
-        return {**result.to_dict(), "kv": await self.kv_info()}
+        change = await self._control(ResizeKV(max_total_num_tokens, free_gib))
+        return KvResizeReply(change, await self.kv_info())
 
-    async def kv_info(self) -> dict[str, Any]:
-        return await self._query(EngineCore.kv_info)
+    async def kv_info(self) -> KvInfo:
+        info: KvInfo = await self._query(EngineCore.kv_info)
+        return info
 
-    async def sleep(self, *, level: int = 1, tags: tuple[str, ...] = ()) -> dict[str, Any]:
+    async def sleep(self, *, level: int = 1, tags: tuple[str, ...] = ()) -> SleepReply:
         """Release memory on every rank (requests in flight wait in the queue); raises
         `KvResizeError` when the engine cannot."""
-        result = await self._control(Sleep(level, tuple(tags)))
-        return {**result.to_dict(), **self.sleep_state()}
+        change = await self._control(Sleep(level, tuple(tags)))
+        return SleepReply(change, self.sleep_state())
 
-    async def wake_up(self, *, tags: tuple[str, ...] = ()) -> dict[str, Any]:
+    async def wake_up(self, *, tags: tuple[str, ...] = ()) -> SleepReply:
         gate = self.wake_gate
         async with gate(tuple(tags)) if gate is not None else contextlib.nullcontext():
-            result = await self._control(WakeUp(tuple(tags)))
-        return {**result.to_dict(), **self.sleep_state()}
+            change = await self._control(WakeUp(tuple(tags)))
+        return SleepReply(change, self.sleep_state())
 
     def is_sleeping(self) -> bool:
         return self.engine.is_sleeping
 
-    def sleep_state(self) -> dict[str, Any]:
-        engine = self.engine
-        weights = engine.loaded.weights
-        return {
-            "is_sleeping": engine.is_sleeping,
-            "sleeping_tags": sorted(engine.sleeping_tags),
-            "level": engine.sleep_level if "weights" in engine.sleeping_tags else None,
-            "weights_in_host_memory": weights is not None and weights.holds_host_copy,
-            "kv_committed_bytes": engine.pool.committed_bytes,
-            "weights_committed_bytes": weights.committed_bytes if weights is not None else None,
-        }
+    def sleep_state(self) -> SleepState:
+        return self.core.sleep_state()
 
-    async def _control(self, command: Command) -> Any:
+    async def _control(self, command: Command) -> KvResize:
         loop = asyncio.get_running_loop()
-        reply: asyncio.Future[Any] = loop.create_future()
+        reply: asyncio.Future[KvResize] = loop.create_future()
         self._inbox.put(Control(command, loop, reply))
         self._wake.set()
         if self._broken is not None:
@@ -327,50 +330,18 @@ class EngineThread:
             raise RuntimeError(self._broken)
         return await reply
 
-    def metrics_snapshot(self) -> dict[str, Any]:
-        engine = self.engine
-        return {
-            **self.scheduler.stats(),
-            "kv_max_total_num_tokens": engine.pool.committed_tokens,
-            "kv_committed_bytes": engine.pool.committed_bytes,
-            "kv_resizes": engine.kv_event_count,
-            "sleep_level": engine.sleep_level if engine.is_sleeping else 0,
-        }
+    def metrics_snapshot(self) -> MetricsSnapshot:
+        return self.core.metrics_snapshot()
 
-    def server_info(self) -> dict[str, Any]:
-        args = self.engine.args
-        return {
-            "model": self.model_name,
-            **self.engine.report.to_dict(),
-            "page_size": args.page_size,
-            "kv_layout": args.kv_layout,
-            "kv_dtype": str(self.engine.kv_dtype),
-            "attention_backend": args.attention_backend,
-            "tp_size": self.engine.tp.world_size,
-            "context_length": self.max_context_tokens,
-            "chunked_prefill_size": args.chunked_prefill_size,
-            "cuda_graph_max_bs": 0 if args.disable_cuda_graph else args.cuda_graph_max_bs,
-            "prefill_graph_max_tokens": 0 if args.disable_cuda_graph else args.prefill_graph_max_tokens,
-            "overlap_schedule": self.scheduler.overlap,
-            "device": str(self.engine.device),
-            "kv_capacity_tokens": self.scheduler.runner.allocator.capacity_tokens,
-            "stats": self.scheduler.stats(),
-            # Counters since start: a client takes the GPU-idle fraction of a run as
-            # 1 - (change in device_busy_s) / (its wall time).
-            "step_times": {
-                key: value
-                for key, value in self.scheduler.times.as_dict().items()
-                if key != "device_idle_fraction"
-            },
-            "step_errors": self.step_errors,
-            "gc": GC_PAUSES.as_dict(),  # the collector's full collections in this process
-            "is_sleeping": self.engine.is_sleeping,
-            "kv_events": list(self.engine.kv_events),
-            "aborted_rids": list(self.aborted_rids),
-            "slot_accounting_when_idle": self.slot_accounting,
-        }
+    def server_info(self) -> EngineInfo:
+        return self.core.info(
+            model_name=self.model_name,
+            step_errors=self.step_errors,
+            aborted_rids=tuple(self.aborted_rids),
+            slot_accounting=self.slot_accounting,
+        )
 
-    def recent_steps(self) -> list[tuple[Any, ...]]:
+    def recent_steps(self) -> list[StepRecord]:
         """The last steps one by one (`launched.StepRecord`s: launch time, kind, size, device time
         and the device's idle gap before each); `launched.summarize_steps` reads them."""
         return list(self.scheduler.times.records)  # one C-level copy: safe beside the scheduler thread
@@ -426,7 +397,7 @@ class EngineThread:
                 self.step_errors += 1
                 logger.error("scheduler step failed; ended the requests it held", exc_info=error)
             if self.metrics is not None:
-                self.metrics.update_from_snapshot(self.scheduler.stats())
+                self.metrics.update_from_stats(self.scheduler.stats())
 
     def _check_accounting_when_idle(self) -> None:
         """With nothing in flight, every slot must be free or in the prefix cache."""
@@ -440,14 +411,14 @@ class EngineThread:
         except Exception as exc:
             ok, detail = False, str(exc)
             logger.error("slot accounting failed: %s", exc)
-        self.slot_accounting = {
-            "checked": True,
-            "ok": ok,
-            "detail": detail,
-            "free_tokens": allocator.available_tokens,
-            "cached_tokens": self.scheduler.cache.cached_tokens,
-            "capacity_tokens": allocator.capacity_tokens,
-        }
+        self.slot_accounting = SlotAccounting(
+            checked=True,
+            ok=ok,
+            detail=detail,
+            free_tokens=allocator.available_tokens,
+            cached_tokens=self.scheduler.cache.cached_tokens,
+            capacity_tokens=allocator.capacity_tokens,
+        )
 
     def _take_inbox(self) -> list[Command]:
         """This turn's commands; a new request's stream is registered as it is taken, a control's

@@ -4,7 +4,7 @@ and its flags (snugkv.engine.args)."""
 from snugkv.engine.args import EngineArgs, InvalidEngineArgs
 from snugkv.engine.elastic import DEFAULT_SLEEP_TAGS, SLEEP_TAGS, ElasticMemory
 from snugkv.engine.pipeline import Engine
-from snugkv.engine.report import SizedKV, StartupReport
+from snugkv.engine.report import SizedKV
 
 __all__ = [
     "DEFAULT_SLEEP_TAGS",
@@ -14,5 +14,4 @@ __all__ = [
     "EngineArgs",
     "InvalidEngineArgs",
     "SizedKV",
-    "StartupReport",
 ]

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from snugkv.core.reports import KvCacheView, KvResize, MemoryLedger, SleepState, StartupReport
 from snugkv.distributed.group import TensorParallel, use_tensor_parallel
-from snugkv.engine.report import StartupReport
 from snugkv.memory.kv_pool import KVPool
 from snugkv.memory.moves import KvMoves
 from snugkv.memory.vmm import GIB, CommitError, VirtualMemory
@@ -32,11 +32,10 @@ from snugkv.memory.vmm_plain import PlainMemory
 from snugkv.models.loader import LoadedModel, fill_weights
 from snugkv.runner import kv_resize
 from snugkv.runner.model_runner import ModelRunner
-from snugkv.sizing.ledger import MemoryLedger
 from snugkv.sizing.measure import agree_min, measure_free, settle
 from snugkv.sizing.modes import SizingMode
 from snugkv.sizing.post_capture import SizingError, finalize_with_retry, tokens_for_budget
-from snugkv.sizing.resize import KvResize, KvResizeError, ResizeLimits, cap_tokens, check_free_gib
+from snugkv.sizing.resize import KvResizeError, ResizeLimits, cap_tokens, check_free_gib
 
 if TYPE_CHECKING:
     from snugkv.engine.args import EngineArgs
@@ -67,7 +66,7 @@ class ElasticMemory:
     _graph_driver_bytes: int
 
     def _init_elastic(self) -> None:
-        self.kv_events: deque[dict[str, Any]] = deque(maxlen=EVENT_HISTORY)
+        self.kv_events: deque[KvResize] = deque(maxlen=EVENT_HISTORY)
         self.kv_event_count = 0  # every change so far (the history keeps the last EVENT_HISTORY)
         self.sleeping_tags: frozenset[str] = frozenset()  # what sleep released: "weights", "kv_cache"
         self.sleep_level = 0  # of the last sleep: 1 keeps the weights on the host, 2 drops them
@@ -209,11 +208,11 @@ class ElasticMemory:
             max_running_requests=change.max_running_requests,
             ledger=self._measure_ledger(),
         )
-        self.kv_events.append(change.to_dict())
+        self.kv_events.append(change)
         self.kv_event_count += 1
         self._log("%s", change.log_line())
 
-    def kv_info(self) -> dict[str, Any]:
+    def kv_info(self) -> KvCacheView:
         """The KV cache now and what a resize would need (rank 0's view; no collective)."""
         pool = self.pool
         allocator = self.runner.allocator if self.runner is not None else None
@@ -223,33 +222,41 @@ class ElasticMemory:
         free = self.memory.mem_get_info()[0]
         kv_cap = self._kv_cap_bytes(pool, self.headroom_bytes)
         fits_now = tokens_for_budget(pool, free, self.headroom_bytes, self.args.max_total_tokens, kv_cap)
-        return {
-            "max_total_num_tokens": pool.committed_tokens,
-            "capacity_tokens": capacity,
-            "used_tokens": capacity - available,
-            "available_tokens": available,
-            "usage": (capacity - available) / capacity if capacity else 0.0,
-            "page_size": self._page_size,
-            "committed_bytes": pool.committed_bytes,
-            "reserved_bytes": pool.reserved_bytes,
-            "reserved_tokens": pool.reserved_tokens,
-            "bytes_per_token": pool.bytes_per_token,
-            "chunk_bytes": pool.arena.chunk_bytes,
-            "granularity_bytes": pool.arena.vmm.granularity_bytes,
-            "min_tokens": limits.min_tokens,
-            "max_tokens": limits.max_tokens,
-            "max_tokens_bytes": pool.bytes_for_tokens(limits.max_tokens),
-            "max_total_tokens": self.args.max_total_tokens,
-            "max_device_memory_gib": self.args.max_device_memory_gib,
-            "cap_tokens": limits.cap_tokens,
-            "device_free_bytes": free,
-            "headroom_bytes": self.headroom_bytes,
-            "tokens_fitting_free_memory": fits_now,
-            "max_running_requests": self.report.max_running_requests,
-            "resizable": self.mode is SizingMode.POST_CAPTURE and not isinstance(self.memory, PlainMemory),
-            "sleeping_tags": sorted(self.sleeping_tags),
-            "events": list(self.kv_events),
-        }
+        return KvCacheView(
+            max_total_num_tokens=pool.committed_tokens,
+            capacity_tokens=capacity,
+            available_tokens=available,
+            page_size=self._page_size,
+            committed_bytes=pool.committed_bytes,
+            reserved_bytes=pool.reserved_bytes,
+            reserved_tokens=pool.reserved_tokens,
+            bytes_per_token=pool.bytes_per_token,
+            chunk_bytes=pool.arena.chunk_bytes,
+            granularity_bytes=pool.arena.vmm.granularity_bytes,
+            min_tokens=limits.min_tokens,
+            max_tokens=limits.max_tokens,
+            max_tokens_bytes=pool.bytes_for_tokens(limits.max_tokens),
+            max_total_tokens=self.args.max_total_tokens,
+            max_device_memory_gib=self.args.max_device_memory_gib,
+            cap_tokens=limits.cap_tokens,
+            device_free_bytes=free,
+            headroom_bytes=self.headroom_bytes,
+            tokens_fitting_free_memory=fits_now,
+            max_running_requests=self.report.max_running_requests,
+            resizable=self.mode is SizingMode.POST_CAPTURE and not isinstance(self.memory, PlainMemory),
+            sleeping_tags=self.sleeping_tags,
+            events=tuple(self.kv_events),
+        )
+
+    def sleep_state(self) -> SleepState:
+        weights = self.loaded.weights
+        return SleepState(
+            sleeping_tags=self.sleeping_tags,
+            level=self.sleep_level if "weights" in self.sleeping_tags else None,
+            weights_in_host_memory=weights is not None and weights.holds_host_copy,
+            kv_committed_bytes=self.pool.committed_bytes,
+            weights_committed_bytes=weights.committed_bytes if weights is not None else None,
+        )
 
     # -- sleep and wake ---------------------------------------------------------------------
     def check_sleep(self, level: int, tags: Collection[str] | None) -> frozenset[str]:

@@ -26,11 +26,12 @@ import torch.distributed as dist
 
 from snugkv.core.forward import BatchRow
 from snugkv.core.gc_pauses import freeze_startup_objects, thaw
+from snugkv.core.reports import MemoryLedger, StartupReport
 from snugkv.core.sampling import MAX_LOGPROBS, PROMPT_LOGITS_PER_STEP, SamplingParams
 from snugkv.distributed.group import TensorParallel, use_tensor_parallel
 from snugkv.engine.args import EngineArgs
 from snugkv.engine.elastic import ElasticMemory
-from snugkv.engine.report import SizedKV, StartupReport
+from snugkv.engine.report import SizedKV
 from snugkv.layers.logprobs import score_tokens
 from snugkv.memory.host_device import SharedHostDevice
 from snugkv.memory.kv_pool import KVPool, KVPoolSpec, PoolMode
@@ -43,7 +44,7 @@ from snugkv.runner.cuda_graph import default_cuda_graph_batch_sizes
 from snugkv.runner.kv_cache import make_kv_pool
 from snugkv.runner.model_runner import ModelRunner
 from snugkv.runner.piecewise_graphs import default_token_buckets
-from snugkv.sizing.ledger import MemoryLedger, measure_ledger
+from snugkv.sizing.ledger import measure_ledger
 from snugkv.sizing.measure import (
     agree_min,
     device_memory,

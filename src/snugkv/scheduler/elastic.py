@@ -19,12 +19,12 @@ snugkv.runner.kv_resize and the token counts are the engine's.
 from __future__ import annotations
 
 import logging
-from typing import Any
 
+from snugkv.core.reports import KvInfo, KvResize, LargestRequest
 from snugkv.engine import Engine
 from snugkv.scheduler.request import Request
 from snugkv.scheduler.scheduler import Scheduler
-from snugkv.sizing.resize import KvResize, KvResizeError
+from snugkv.sizing.resize import KvResizeError
 
 logger = logging.getLogger(__name__)
 
@@ -110,20 +110,20 @@ def demand_tokens(scheduler: Scheduler) -> int:
     return scheduler.held_tokens() + waiting + page * (len(scheduler.running) + len(scheduler.waiting))
 
 
-def kv_info(scheduler: Scheduler, engine: Engine) -> dict[str, Any]:
+def kv_info(scheduler: Scheduler, engine: Engine) -> KvInfo:
     """GET /kv: the engine's view plus what the requests hold and the smallest size now."""
     minimum, largest = smallest_size(scheduler)
-    return {
-        **engine.kv_info(),
-        "held_by_requests_tokens": scheduler.held_tokens(),
-        "demand_tokens": demand_tokens(scheduler),
-        "cached_tokens": scheduler.cache.cached_tokens,
-        "evictable_cached_tokens": scheduler.cache.evictable_tokens,
-        "min_tokens_without_failing_a_request": minimum,
-        "largest_request": None if largest is None else {"rid": largest.rid, "tokens": largest.num_tokens},
-        "num_running_requests": len(scheduler.running),
-        "num_queued_requests": len(scheduler.waiting),
-    }
+    return KvInfo(
+        cache=engine.kv_info(),
+        held_by_requests_tokens=scheduler.held_tokens(),
+        demand_tokens=demand_tokens(scheduler),
+        cached_tokens=scheduler.cache.cached_tokens,
+        evictable_cached_tokens=scheduler.cache.evictable_tokens,
+        min_tokens_without_failing_a_request=minimum,
+        largest_request=None if largest is None else LargestRequest(largest.rid, largest.num_tokens),
+        num_running_requests=len(scheduler.running),
+        num_queued_requests=len(scheduler.waiting),
+    )
 
 
 def sleep(scheduler: Scheduler, engine: Engine, *, level: int = 1, tags: tuple[str, ...] = ()) -> KvResize:

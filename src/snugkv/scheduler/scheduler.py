@@ -43,11 +43,12 @@ import logging
 import time
 from collections import deque
 from collections.abc import Iterable
-from typing import Any
 
 from snugkv.core.forward import FUTURE_TOKEN, BatchRow
+from snugkv.core.reports import SchedulerStats
 from snugkv.core.sampling import PROMPT_LOGITS_PER_STEP, InvalidRequest, SamplingParams
 from snugkv.core.structured_output import TokenBitmask
+from snugkv.core.tokenizer import Tokenizer
 from snugkv.core.transfer import to_host
 from snugkv.runner.model_runner import ModelRunner
 from snugkv.scheduler.detokenizer import detokenize, find_stop
@@ -71,7 +72,7 @@ class Scheduler:
         self,
         runner: ModelRunner,
         *,
-        tokenizer: Any = None,
+        tokenizer: Tokenizer | None = None,
         eos_token_ids: Iterable[int] = (),
         max_running_requests: int,
         chunked_prefill_size: int,
@@ -146,7 +147,7 @@ class Scheduler:
                     "structured output needs the model's tokenizer, and this engine has none"
                 )
             self._grammars = grammar_cache_for(
-                getattr(tokenizer, "hf", tokenizer), self.runner.model.config.vocab_size, self.eos_token_ids
+                tokenizer.hf, self.runner.model.config.vocab_size, self.eos_token_ids
             )
         return self._grammars
 
@@ -480,19 +481,18 @@ class Scheduler:
         self.slots.check_accounting([*self.waiting, *self.running])
         self.runner.req_to_token_pool.check_host_copy()
 
-    def stats(self) -> dict[str, Any]:
-        """`kv_cache_usage` counts the slots requests hold; prefix-cache entries the next admission
-        may evict are reported apart (`kv_cache_cached_usage`), so an idle engine reads 0 used."""
+    def stats(self) -> SchedulerStats:
+        """The counters (`SchedulerStats` says what each counts)."""
         allocator = self.runner.allocator
         capacity = max(allocator.capacity_tokens, 1)
         cached = self.cache.cached_tokens
-        return {
-            "kv_cache_usage": (allocator.capacity_tokens - allocator.available_tokens - cached) / capacity,
-            "kv_cache_cached_usage": cached / capacity,
-            "num_running_requests": len(self.running),
-            "num_queued_requests": len(self.waiting),
-            "prefix_cache_hit_rate": self.cache.hit_rate,
-            "prefix_cache_tokens": cached,
-            "num_retractions": self.num_retractions,
-            "generated_tokens": self.generated_tokens,
-        }
+        return SchedulerStats(
+            kv_cache_usage=(allocator.capacity_tokens - allocator.available_tokens - cached) / capacity,
+            kv_cache_cached_usage=cached / capacity,
+            num_running_requests=len(self.running),
+            num_queued_requests=len(self.waiting),
+            prefix_cache_hit_rate=self.cache.hit_rate,
+            prefix_cache_tokens=cached,
+            num_retractions=self.num_retractions,
+            generated_tokens=self.generated_tokens,
+        )

@@ -41,6 +41,8 @@ from typing import Any
 import torch
 from fastapi import FastAPI
 
+from snugkv.core.engine_client import EngineClient
+from snugkv.core.reports import KvResizeReply
 from snugkv.engine import EngineArgs
 from snugkv.memory.host_device import SharedHostDevice
 from snugkv.memory.vmm import GIB
@@ -164,7 +166,7 @@ class MemoryShare:
 
     def __init__(self, record: ShareRecord, entry: EngineEntry, device: torch.device, options: ShareOptions):
         self.record, self.entry, self.device, self.options = record, entry, device, options
-        self.async_engine: Any = None
+        self.client: EngineClient | None = None  # set by `attach`
         self.resizes: list[dict[str, Any]] = []
         self.waited_s = 0.0
         self._last_resize = 0.0
@@ -267,9 +269,16 @@ class MemoryShare:
         self.record.remove(self.entry.pid)
 
     # -- 3. share --------------------------------------------------------------------------------
-    def attach(self, async_engine: Any, url: str) -> None:
+    @property
+    def attached(self) -> EngineClient:
+        """The engine this share resizes (`attach` sets it)."""
+        if self.client is None:
+            raise RuntimeError("the memory share is not attached to an engine yet")
+        return self.client
+
+    def attach(self, client: EngineClient, url: str) -> None:
         """Serve: publish the real figures now, then rebalance on a thread until `stop`."""
-        self.async_engine = async_engine
+        self.client = client
         self.entry = self.entry.beat(url=url)
         asyncio.run(self.turn())
         self._thread = threading.Thread(target=self._run, name="snugkv-memory-share", daemon=True)
@@ -291,38 +300,40 @@ class MemoryShare:
                 logger.warning("Memory share: a turn failed (%s: %s); trying again", type(exc).__name__, exc)
             await asyncio.sleep(self.options.interval_s)
 
-    async def turn(self) -> dict[str, Any] | None:
+    async def turn(self) -> KvResizeReply | None:
         """One turn: publish, read, decide, maybe resize. Returns the resize it made, if any."""
-        info = await self.async_engine.kv_info()
-        if not info["resizable"]:  # sized without virtual memory (no CUDA VMM): nothing to share
+        client = self.attached
+        info = await client.kv_info()
+        cache = info.cache
+        if not cache.resizable:  # sized without virtual memory (no CUDA VMM): nothing to share
             logger.warning("Memory share: this engine's KV cache cannot be resized; it keeps its size")
             self._stop.set()
             return None
-        sleeping = "kv_cache" in info["sleeping_tags"]
-        page, per_token = int(info["page_size"]), max(int(info["bytes_per_token"]), 1)
+        sleeping = "kv_cache" in cache.sleeping_tags
+        page, per_token = cache.page_size, max(int(cache.bytes_per_token), 1)
         floor_tokens = max(
-            self.options.min_tokens, info["min_tokens_without_failing_a_request"], info["min_tokens"]
+            self.options.min_tokens, info.min_tokens_without_failing_a_request, cache.min_tokens
         )
-        floor_tokens = min(-(-floor_tokens // page) * page, info["max_tokens"])
+        floor_tokens = min(-(-floor_tokens // page) * page, cache.max_tokens)
         self.entry = self.entry.beat(
             state=SLEEPING if sleeping else RUNNING,
-            kv_bytes=0 if sleeping else info["committed_bytes"],
-            kv_tokens=0 if sleeping else info["max_total_num_tokens"],
+            kv_bytes=0 if sleeping else cache.committed_bytes,
+            kv_tokens=0 if sleeping else cache.max_total_num_tokens,
             bytes_per_token=per_token,
             min_kv_bytes=floor_tokens * per_token,
-            max_kv_bytes=info["max_tokens_bytes"],
-            demand_bytes=info["demand_tokens"] * per_token,
-            headroom_bytes=info["headroom_bytes"],
+            max_kv_bytes=cache.max_tokens_bytes,
+            demand_bytes=info.demand_tokens * per_token,
+            headroom_bytes=cache.headroom_bytes,
             cached_bytes=cached_unused_bytes(self.device),
             start_room_bytes=START_ROOM_BYTES if self.device.type == "cuda" else 0,
             need_bytes=0,
         )
         entries = self.record.publish(self.entry)
-        free = effective_free_bytes(entries, info["device_free_bytes"])
+        free = effective_free_bytes(entries, cache.device_free_bytes)
         self._last_free = free
         if sleeping:
             return None
-        self.awake_kv_bytes = info["committed_bytes"]
+        self.awake_kv_bytes = cache.committed_bytes
         since = time.monotonic() - self._last_resize
         others_at = max((e.resized_at for e in entries if e.pid != self.entry.pid), default=0.0)
         decision = decide(
@@ -336,44 +347,45 @@ class MemoryShare:
         if decision.target_bytes is None:
             return None
         tokens = decision.target_bytes // per_token // page * page
-        if tokens > info["max_total_num_tokens"]:  # granule-aligned backing must fit what is free
-            tokens = min(tokens, info["tokens_fitting_free_memory"])
-        tokens = int(min(max(tokens, floor_tokens), info["max_tokens"]))
-        if tokens == info["max_total_num_tokens"]:
+        if tokens > cache.max_total_num_tokens:  # granule-aligned backing must fit what is free
+            tokens = min(tokens, cache.tokens_fitting_free_memory)
+        tokens = int(min(max(tokens, floor_tokens), cache.max_tokens))
+        if tokens == cache.max_total_num_tokens:
             return None
         self._last_resize = time.monotonic()
         self.entry = self.entry.beat(resizing=True, resized_at=time.time())
-        if tokens > info["max_total_num_tokens"]:  # a grow is published before it takes the memory
+        if tokens > cache.max_total_num_tokens:  # a grow is published before it takes the memory
             self.entry = self.entry.beat(kv_bytes=tokens * per_token, kv_tokens=tokens)
         self.record.publish(self.entry)
         try:
-            result: dict[str, Any] = await self.async_engine.resize_kv(max_total_num_tokens=tokens)
+            reply = await client.resize_kv(max_total_num_tokens=tokens)
         except KvResizeError as exc:  # memory not back yet, a request grew meanwhile: next turn
             logger.info("Memory share: resize to %d tokens refused (%s); trying again later", tokens, exc)
             self.entry = self.entry.beat(
-                kv_bytes=info["committed_bytes"], kv_tokens=info["max_total_num_tokens"], resizing=False
+                kv_bytes=cache.committed_bytes, kv_tokens=cache.max_total_num_tokens, resizing=False
             )
             self.record.publish(self.entry)
             return None
+        change = reply.change
         logger.info(
             "Memory share: KV %d -> %d tokens (%.2f GiB) to rebalance: %s",
-            info["max_total_num_tokens"],
+            cache.max_total_num_tokens,
             tokens,
-            result["to_committed_bytes"] / GIB,
+            change.to_committed_bytes / GIB,
             decision.reason,
         )
         record = {
             "at": time.time(),
             "to_tokens": tokens,
             "reason": decision.reason,
-            "took_ms": result["took_ms"],
+            "took_ms": change.took_ms,
         }
         self.resizes = [*self.resizes[-31:], record]
         self.entry = self.entry.beat(
-            kv_bytes=result["to_committed_bytes"], kv_tokens=tokens, resized_at=time.time(), resizing=False
+            kv_bytes=change.to_committed_bytes, kv_tokens=tokens, resized_at=time.time(), resizing=False
         )
         self.record.publish(self.entry)
-        return result
+        return reply
 
     # -- 5. wake -------------------------------------------------------------------------------
     def ask_to_wake(self, need_bytes: int) -> None:
