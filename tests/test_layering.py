@@ -28,6 +28,7 @@ FLOORS: dict[str, int] = {
     "engine": 5,
     "scheduler": 6,
     "driver": 7,
+    "memory_share": 7,
     "server": 8,
     "llm": 8,
     "bench": 9,

@@ -14,11 +14,24 @@ import ipaddress
 import logging
 import os
 import signal
+import socket
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from snugkv.commands.engine_args import add_engine_arguments, engine_args_from
 from snugkv.memory.arena import DEFAULT_CHUNK_BYTES
 from snugkv.memory.vmm import MIB
+
+if TYPE_CHECKING:  # the commands import what they run lazily: `snugkv --help` loads no torch
+    from fastapi import FastAPI
+
+    from snugkv.distributed.group import TensorParallel
+    from snugkv.driver.engine_process import EngineProcess
+    from snugkv.driver.engine_thread import EngineThread
+    from snugkv.engine import Engine
+    from snugkv.memory_share.share import MemoryShare
+    from snugkv.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +115,12 @@ def port_number(value: str) -> int:
     return port
 
 
-def build_engine_thread(args: argparse.Namespace, metrics=None, tp=None, after_engine=None):
+def build_engine_thread(
+    args: argparse.Namespace,
+    metrics: ServerMetrics | None = None,
+    tp: TensorParallel | None = None,
+    after_engine: Callable[[Engine], None] | None = None,
+) -> tuple[EngineThread, str]:
     """The engine core for `args` (rank 0 of `tp`) on a scheduler thread in this process; returns
     (engine thread, served model name). `after_engine(engine)` runs as soon as the engine is sized
     (before the tokenizer loads)."""
@@ -128,7 +146,9 @@ def _model_name(model: str | None, path: Path) -> str:
     return path.stem
 
 
-def build_engine_process(args: argparse.Namespace, on_exit=None):
+def build_engine_process(
+    args: argparse.Namespace, on_exit: Callable[[str], None] | None = None
+) -> tuple[EngineProcess, str]:
     """--engine-process: the engine core and its scheduler thread in a child process; returns
     (client, name)."""
     from snugkv.driver.engine_process import EngineProcess, EngineSpec
@@ -220,7 +240,7 @@ def _stop_serving() -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _serve_rank(tp, args: argparse.Namespace, sock=None) -> int:
+def _serve_rank(tp: TensorParallel, args: argparse.Namespace, sock: socket.socket | None = None) -> int:
     """Rank 0 serves HTTP on `sock`; with --tp the other ranks follow its scheduler step by step."""
     if not tp.is_first_rank:
         return _follow(tp, args)
@@ -231,9 +251,11 @@ def _serve_rank(tp, args: argparse.Namespace, sock=None) -> int:
     api_key = api_key_from(args)
     warn_if_open(args.host, api_key)
     metrics = ServerMetrics()
-    share = None
+    share: MemoryShare | None = None
+    client: EngineThread | EngineProcess
+    engine_thread: EngineThread | None = None  # the engine in this process (--kv-elastic needs it)
     if getattr(args, "kv_elastic", False):
-        from snugkv.server.memory_share import MemoryShareError
+        from snugkv.memory_share.share import MemoryShareError
 
         try:
             share = _join_memory_share(args)
@@ -242,43 +264,45 @@ def _serve_rank(tp, args: argparse.Namespace, sock=None) -> int:
             return 2
     try:
         if getattr(args, "engine_process", False):
-            async_engine, name = build_engine_process(args, on_exit=_engine_exited)
+            client, name = build_engine_process(args, on_exit=_engine_exited)
         else:
             with share.holding_others_headroom() if share is not None else contextlib.nullcontext():
                 after = share.started if share is not None else None
-                async_engine, name = build_engine_thread(args, metrics, tp, after_engine=after)
+                engine_thread, name = build_engine_thread(args, metrics, tp, after_engine=after)
+            client = engine_thread
     except BaseException:
         if share is not None:
             share.leave()
         raise
     app = create_app(
-        async_engine,
+        client,
         api_key=api_key,
         max_body_bytes=args.max_body_bytes,
         served_model_name=name,
         metrics=metrics,
     )
-    on_shutdown = async_engine.stop
-    if share is not None:
-        on_shutdown = _share_then_stop(share, async_engine, app, args.host, sock)
+    on_shutdown = client.stop
+    if share is not None and engine_thread is not None:
+        on_shutdown = _share_then_stop(share, engine_thread, app, args.host, sock)
     serve(
         app,
         host=args.host,
         port=args.port,
         sock=sock,
         on_shutdown=on_shutdown,
-        on_stop_requested=async_engine.abort_all,
+        on_stop_requested=client.abort_all,
     )
-    died = getattr(async_engine, "died", None)
+    died = getattr(client, "died", None)  # an engine process's
     if died:  # the server stopped because its engine process died: a supervisor should restart it
         logger.error("Stopped serving: %s", died)
         return 1
     return 0
 
 
-def _join_memory_share(args: argparse.Namespace):
+def _join_memory_share(args: argparse.Namespace) -> MemoryShare:
     """--kv-elastic: register on the GPU's record and wait until the running engines made room."""
-    from snugkv.server.memory_share import ELASTIC_CHUNK_MIB, MemoryShare, ShareOptions, device_total_gib
+    from snugkv.memory_share.estimate import device_total_gib
+    from snugkv.memory_share.share import ELASTIC_CHUNK_MIB, MemoryShare, ShareOptions
 
     if args.kv_chunk_mib == DEFAULT_KV_CHUNK_MIB:  # a shrink on a full device frees whole chunks only
         args.kv_chunk_mib = ELASTIC_CHUNK_MIB
@@ -290,21 +314,24 @@ def _join_memory_share(args: argparse.Namespace):
     return MemoryShare.before_start(engine_args_from(args), name, options)
 
 
-def _share_then_stop(share, async_engine, app, host: str, sock):
+def _share_then_stop(
+    share: MemoryShare, engine_thread: EngineThread, app: FastAPI, host: str, sock: socket.socket | None
+) -> Callable[[], None]:
     """Start rebalancing now; the returned shutdown stops it, then the engine, then leaves the record
     (after the memory is released, so the others grow only into memory that is free)."""
-    from snugkv.server.memory_share import install_share_routes
-    from snugkv.server.memory_share_wake import install_wake_ask
+    from snugkv.memory_share.wake import asking_to_wake
+    from snugkv.server.elastic_routes import install_share_routes
 
     port = sock.getsockname()[1] if sock is not None else 0
-    share.attach(async_engine, f"http://{host}:{port}")
+    share.attach(engine_thread, f"http://{host}:{port}")
     install_share_routes(app, share)
-    install_wake_ask(share, async_engine)  # a wake asks the others for its memory first
+    # Every wake (the routes', or a direct call) asks the others for its memory first.
+    engine_thread.wake_gate = lambda tags: asking_to_wake(share, tags)
 
     def stop() -> None:
         share.stop()
         try:
-            async_engine.stop()
+            engine_thread.stop()
         finally:
             share.leave()
 
@@ -335,7 +362,7 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
-def _follow(tp, args: argparse.Namespace) -> int:
+def _follow(tp: TensorParallel, args: argparse.Namespace) -> int:
     from snugkv.driver.follower import run_follower
 
     return run_follower(tp, engine_args_from(args), enable_prefix_cache=not args.disable_prefix_cache)

@@ -29,9 +29,18 @@ from snugkv.core.tokenizer import Tokenizer
 
 
 class EngineClient(Protocol):
-    model_name: str
-    max_context_tokens: int
-    tokenizer: Tokenizer | None  # None: the model ships none (prompts are then token ids)
+    @property
+    def model_name(self) -> str: ...
+
+    @property
+    def max_context_tokens(self) -> int:
+        """Tokens a prompt and its output may take together (the model's context)."""
+        ...
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        """The model's tokenizer; None when it ships none (prompts are then token ids)."""
+        ...
 
     # -- generating -------------------------------------------------------------------------
     def generate(self, request: GenerateInput) -> AsyncGenerator[GenerateOutput, None]:

@@ -243,7 +243,7 @@ class EngineThread:
         self.aborted_rids: deque[str] = deque(maxlen=4096)
         self.step_errors = 0
         # Entered around every wake, before the command is sent: --kv-elastic asks the other
-        # engines on the device for the memory first (server.memory_share_wake); None: no gate.
+        # engines on the device for the memory first (memory_share.wake); None: no gate.
         self.wake_gate: WakeGate | None = None
         self._accounting_checked = False
         self._idle_since: float | None = None  # when the scheduler last ran out of work

@@ -93,11 +93,7 @@ def _make_room(scheduler: Scheduler, tokens: int) -> tuple[int, int]:
         admitted = [r for r in (*scheduler.running, *scheduler.waiting) if r.is_admitted]
         if not admitted:  # nothing left to give: the slots leaked (a bug, never a user error)
             raise RuntimeError(f"KV shrink to {tokens} tokens: nothing left to evict or retract")
-        victim = max(admitted, key=lambda r: r.seq)
-        if victim in scheduler.running:
-            scheduler._retract(victim)  # to the cache, and back to the queue's head
-        else:  # admitted but its prompt only partly computed: it keeps its place in the queue
-            scheduler.slots.release(victim)
+        scheduler.retract(max(admitted, key=lambda r: r.seq))  # the newest
         retracted += 1
     return evicted, retracted
 
@@ -135,10 +131,7 @@ def sleep(scheduler: Scheduler, engine: Engine, *, level: int = 1, tags: tuple[s
         for request in sorted(
             (r for r in (*scheduler.running, *scheduler.waiting) if r.is_admitted), key=lambda r: -r.seq
         ):
-            if request in scheduler.running:
-                scheduler._retract(request)
-            else:
-                scheduler.slots.release(request)
+            scheduler.retract(request)
         scheduler.cache.reset()
     result = engine.sleep(level, tags)
     scheduler.paused = engine.is_sleeping
@@ -154,11 +147,10 @@ def wake_up(scheduler: Scheduler, engine: Engine, *, tags: tuple[str, ...] = ())
         scheduler.max_running_requests = result.max_running_requests
         capacity = scheduler.runner.allocator.capacity_tokens
         for request in [r for r in scheduler.waiting if r.num_tokens + scheduler.page_size > capacity]:
-            scheduler.waiting.remove(request)
-            request.error = (
+            scheduler.fail(
+                request,
                 f"the KV cache woke up holding {capacity} tokens, fewer than this request needs "
-                f"({request.num_tokens} and a page); send it again shorter"
+                f"({request.num_tokens} and a page); send it again shorter",
             )
-            scheduler._finish(request, "error")
         scheduler.paused = False
     return result

@@ -289,6 +289,24 @@ class Scheduler:
             self._retract(max(self.running, key=lambda r: r.seq))  # the newest; never wall time
         return None
 
+    def retract(self, request: Request) -> None:
+        """Give back an admitted request's slots now, its computed KV to the prefix cache, so that
+        it is computed again later: a running one goes to the head of the queue, one whose prompt
+        is partly computed keeps its place there. Nothing is lost (elastic memory makes room so)."""
+        if request in self.running:
+            self._retract(request)
+        else:
+            self.slots.release(request)
+
+    def fail(self, request: Request, message: str) -> None:
+        """End a queued or running request now with `message` (finish_reason "error")."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.error = message
+        self._finish(request, "error")
+
     def _retract(self, request: Request) -> None:
         """Free a running request's KV (to the prefix cache) and queue it to be recomputed."""
         self.running.remove(request)

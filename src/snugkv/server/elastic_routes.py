@@ -7,6 +7,7 @@
                                          tags=cuda_graph also releases the graphs (wake captures them)
     POST /wake_up[?tags=weights,kv_cache,cuda_graph]  take them back (all by default)
     GET  /is_sleeping
+    GET  /kv/engines  --kv-elastic: every engine sharing this device, its KV cache, share and target
     POST /release_memory_occupation, /resume_memory_occupation   SGLang's names for the same, with
                                          an optional body {"tags": [...]} (and "level" to release)
 
@@ -26,6 +27,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 
 from snugkv.core.engine_client import EngineClient
+from snugkv.memory_share.share import MemoryShare
 from snugkv.server.errors import SERVER_ERROR, APIError
 from snugkv.sizing.resize import KvResizeError
 
@@ -144,3 +146,11 @@ def install_sleep_routes(app: FastAPI, client: EngineClient) -> None:
     async def resume_memory_occupation(request: Request) -> Any:
         tags, _ = await _body_tags(request)
         return await wake_with(tags)
+
+
+def install_share_routes(app: FastAPI, share: MemoryShare) -> None:
+    """GET /kv/engines: every engine registered on this device, its KV, share and target."""
+
+    @app.get("/kv/engines")
+    async def kv_engines() -> Any:
+        return share.snapshot()

@@ -1,30 +1,31 @@
 """Several engines on one device (`snugkv serve --kv-elastic`): start without OOM, share KV memory.
 
-The protocol, through the per-device record (`sizing.share_record`, a locked JSON file; no server):
+The protocol, through the per-device record (`memory_share.record`, a locked JSON file; no server):
 1. Ask. Before it loads anything, a starting engine estimates what it needs (weights from the model
    config, an allowance for the CUDA context, graphs and activations, and `--kv-min-tokens` of KV;
    on the host backend only the KV cache lives in the shared budget) and publishes it as a
    `starting` entry's `need_bytes`. Running engines see the ask on their next turn and shrink by
-   the deficit (`share_policy.decide`, urgent). The starter waits until free memory covers its ask
+   the deficit (`policy.decide`, urgent). The starter waits until free memory covers its ask
    plus the others' headroom, or fails with a message naming who holds what.
 2. Start. While it sizes (post-capture takes all free memory), it holds the other engines'
    activation headroom with an allocation of its own, released as soon as its KV cache is sized.
    Then its entry turns `running` with the real figures (refined from the estimate).
 3. Share. Every `interval_s` each engine reads its own state between scheduler steps (`GET /kv`'s
    query), publishes its entry (KV bytes, demand, minimum, maximum, headroom, heartbeat), reads
-   everyone's, computes its own target with the pure policy and resizes itself through the async
-   engine's resize command, which the scheduler thread runs between steps (`scheduler.elastic`:
+   everyone's, computes its own target with the pure policy and resizes itself through its engine
+   client's resize call, which the scheduler thread runs between steps (`scheduler.elastic`:
    evict cache entries, retract only if needed; no request fails). Hysteresis and a minimum
    interval keep two engines from trading memory back and forth.
 4. Leave. An engine that sleeps publishes `sleeping` with no KV; one that stops removes its entry
    after its memory is released; one that crashed is cleared by the next reader (dead pid). The
    others then grow into the freed memory, never beyond what is free now.
 5. Wake. A sleeping engine asked to wake asks first, as a starting engine does (the same wait,
-   `server.memory_share_wake` says what it asks for); its rebalancing turns pause meanwhile, so
+   `memory_share.wake` says what it asks for); its rebalancing turns pause meanwhile, so
    the ask stays published until the wake is done.
 
 A process outside snugkv that takes memory shows as free memory below the reserve: every elastic
-engine gives back the deficit at once. This module acts only on its own engine.
+engine gives back the deficit at once. This module acts only on its own engine, and only through
+its `EngineClient` once it serves; the HTTP route that shows the record is the server's.
 """
 
 from __future__ import annotations
@@ -39,18 +40,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from fastapi import FastAPI
 
 from snugkv.core.engine_client import EngineClient
 from snugkv.core.reports import KvResizeReply
 from snugkv.engine import EngineArgs
-from snugkv.memory.host_device import SharedHostDevice
 from snugkv.memory.vmm import GIB
-from snugkv.models.config import ModelConfig
-from snugkv.models.loader import read_model_config, resolve_device, resolve_dtype, resolve_model_source
-from snugkv.sizing.measure import cached_unused_bytes, device_memory, shared_device_free_bytes
-from snugkv.sizing.resize import KvResizeError
-from snugkv.sizing.share_policy import (
+from snugkv.memory_share.estimate import start_estimate
+from snugkv.memory_share.policy import (
     SharePolicy,
     decide,
     effective_free_bytes,
@@ -58,7 +54,10 @@ from snugkv.sizing.share_policy import (
     pool_bytes,
     reserve_bytes,
 )
-from snugkv.sizing.share_record import RUNNING, SLEEPING, STARTING, EngineEntry, ShareRecord, device_key
+from snugkv.memory_share.record import RUNNING, SLEEPING, STARTING, EngineEntry, ShareRecord, device_key
+from snugkv.models.loader import resolve_device
+from snugkv.sizing.measure import cached_unused_bytes, shared_device_free_bytes
+from snugkv.sizing.resize import KvResizeError
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +65,6 @@ logger = logging.getLogger(__name__)
 # context (~0.5 GiB on the H200) and read the device before it asks: on the H200 a second engine
 # beside a tiny model (whose headroom is small) ran out of memory creating its context.
 START_ROOM_BYTES = GIB
-CUDA_FIXED_ALLOWANCE_BYTES = int(1.75 * GIB)  # CUDA context, kernels, cuBLAS workspaces, the margin
 # A shrink that cuts through an extension copies its kept part to fresh memory first; on a full
 # device there is none, so only whole extensions above the cut are freed: keep them small.
 ELASTIC_CHUNK_MIB = 16
@@ -84,60 +82,6 @@ class ShareOptions:
     start_timeout_s: float = 120.0
     wake_timeout_s: float = 60.0
     policy: SharePolicy = field(default_factory=SharePolicy)
-
-
-def kv_bytes_per_token(config: ModelConfig, kv_dtype_bytes: int) -> int:
-    """K and V of every layer for one token (a full-attention estimate)."""
-    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * kv_dtype_bytes
-
-
-def weight_bytes_estimate(config: ModelConfig, dtype_bytes: int) -> int:
-    """Parameters of a dense decoder of `config`'s shape (attention, gated MLP, embeddings)."""
-    hidden, head_dim = config.hidden_size, config.head_dim
-    attention = hidden * head_dim * (2 * config.num_heads + 2 * config.num_kv_heads)
-    layer = attention + 3 * hidden * config.intermediate_size + 2 * hidden
-    embeddings = config.vocab_size * hidden * (1 if config.tie_word_embeddings else 2)
-    return (config.num_layers * layer + embeddings) * dtype_bytes
-
-
-def start_estimate(args: EngineArgs, min_tokens: int) -> tuple[int, int]:
-    """(bytes to ask for before loading, KV bytes per token) for an engine started with `args`."""
-    device = resolve_device(args.device)
-    config = read_model_config(resolve_model_source(args.model, args.load_format))
-    dtype = resolve_dtype(args.dtype, device)
-    kv_dtype_bytes = 1 if args.kv_dtype and "fp8" in args.kv_dtype else dtype.itemsize
-    if args.kv_dtype and "fp8" not in args.kv_dtype:
-        kv_dtype_bytes = resolve_dtype(args.kv_dtype, device).itemsize
-    per_token = kv_bytes_per_token(config, kv_dtype_bytes)
-    need = min_tokens * per_token
-    if device.type == "cuda":  # on the host backend only the KV cache is in the shared budget
-        need += weight_bytes_estimate(config, dtype.itemsize) + activation_bytes_estimate(
-            args, config, dtype.itemsize
-        )
-    return need, per_token
-
-
-def activation_bytes_estimate(args: EngineArgs, config: ModelConfig, dtype_bytes: int) -> int:
-    """What an engine holds besides weights and KV, from its flags: float32 logits rows (the decode
-    graphs' output, the sampler's temporaries over the largest batch, a scored prompt chunk, the
-    penalties' token history), one prefill chunk's activations, and a fixed part. An estimate
-    (measured on the H200, 2026-12-01: a Qwen3-0.6B shape with graphs up to 256 held 5.6-8 GiB
-    besides its weights; a fixed 2 GiB made its start run out of memory)."""
-    batch = args.max_running_requests or 256
-    chunk = args.chunked_prefill_size or 8192
-    logits_rows = batch * 8 + 3 * 512  # output + sampler temporaries; a scored chunk's log-softmax
-    logits = logits_rows * config.vocab_size * 4 + (batch + 1) * config.vocab_size * 5
-    prefill = chunk * (6 * config.hidden_size + 3 * config.intermediate_size) * dtype_bytes
-    return logits + prefill + CUDA_FIXED_ALLOWANCE_BYTES
-
-
-def device_total_gib(args: EngineArgs) -> float | None:
-    """The memory of the device `args` runs on (the shared host device's size on CPU), or None."""
-    device = resolve_device(args.device)
-    if device.type == "cuda":
-        return device_memory(device)[1] / GIB
-    shared = SharedHostDevice.from_env()
-    return None if shared is None else shared.capacity_bytes / GIB
 
 
 def share_table(entries: list[EngineEntry], free_bytes: int | None, policy: SharePolicy) -> dict[str, Any]:
@@ -434,11 +378,3 @@ class MemoryShare:
             "resizes": self.resizes,
             **share_table(self.record.entries(), free, self.options.policy),
         }
-
-
-def install_share_routes(app: FastAPI, share: MemoryShare) -> None:
-    """GET /kv/engines: every engine registered on this device, its KV, share and target."""
-
-    @app.get("/kv/engines")
-    async def kv_engines() -> Any:
-        return share.snapshot()

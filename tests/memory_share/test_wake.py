@@ -18,12 +18,12 @@ import torch
 
 from snugkv.memory.host_device import SharedHostDevice, process_start_ticks
 from snugkv.memory.vmm import GIB, MIB
-from snugkv.server.memory_share import MemoryShare, MemoryShareError, ShareOptions
-from snugkv.server.memory_share_wake import asking_to_wake, wake_need_bytes
+from snugkv.memory_share.policy import decide, effective_free_bytes
+from snugkv.memory_share.record import RUNNING, SLEEPING, STARTING, EngineEntry, ShareRecord
+from snugkv.memory_share.share import MemoryShare, MemoryShareError, ShareOptions
+from snugkv.memory_share.wake import asking_to_wake, wake_need_bytes
 from snugkv.sizing.ledger import MemoryLedger
 from snugkv.sizing.resize import KvResizeError
-from snugkv.sizing.share_policy import decide, effective_free_bytes
-from snugkv.sizing.share_record import RUNNING, SLEEPING, STARTING, EngineEntry, ShareRecord
 
 BPT = MIB  # bytes per token, to keep the figures readable
 
@@ -39,7 +39,7 @@ def device(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> SharedHostDevice:
 
 class OtherEngine:
     """A running engine in another process: its entry and its holdings in the shared device, and a
-    thread that resizes it as `share_policy.decide` says (as `MemoryShare.turn` would)."""
+    thread that resizes it as `policy.decide` says (as `MemoryShare.turn` would)."""
 
     def __init__(self, device: SharedHostDevice, kv_bytes: int, min_kv_bytes: int) -> None:
         self.process = subprocess.Popen(["sleep", "120"])

@@ -5,9 +5,9 @@ engine does, and wakes only once they have given it.
 What it asks for (`wake_need_bytes`): what the wake takes back into the shared device, that is its
 weights if they slept and its graphs if they were released (on a GPU; on the host backend only the
 KV cache lives in the shared budget), its activation headroom, and a KV cache of its size before
-it slept bounded by the policy's share (`share_policy.wake_kv_bytes`), never below --kv-min-tokens.
+it slept bounded by the policy's share (`policy.wake_kv_bytes`), never below --kv-min-tokens.
 
-Where it waits (`asking_to_wake`, the async engine's wake gate): the query of its state runs on
+Where it waits (`asking_to_wake`, the engine thread's wake gate): the query of its state runs on
 the scheduler thread between steps, the wait (`MemoryShare.ask_to_wake`, the start's wait) in a
 worker thread, so neither the event loop nor the scheduler is held; the wake command is sent once
 the ask is met, while the other engines' headroom is held as at start. A wait that times out is a
@@ -21,10 +21,9 @@ import contextlib
 from collections.abc import AsyncIterator, Collection
 
 from snugkv.core.reports import KvInfo, MemoryLedger
-from snugkv.driver.engine_thread import EngineThread
-from snugkv.server.memory_share import MemoryShare, MemoryShareError
+from snugkv.memory_share.policy import effective_free_bytes, wake_kv_bytes
+from snugkv.memory_share.share import MemoryShare, MemoryShareError
 from snugkv.sizing.resize import KvResizeError
-from snugkv.sizing.share_policy import effective_free_bytes, wake_kv_bytes
 
 WAKE_TAGS = frozenset({"weights", "kv_cache", "cuda_graph"})
 
@@ -111,8 +110,3 @@ def _woken_if_granted(share: MemoryShare, done: asyncio.Future[bool]) -> None:
     """A wait its caller left ended: a grant nobody will use is released (a failed wait did it)."""
     if not done.cancelled() and done.exception() is None and done.result():
         share.woken()
-
-
-def install_wake_ask(share: MemoryShare, engine_thread: EngineThread) -> None:
-    """Every wake of `engine_thread` (the routes', or a direct call) asks first."""
-    engine_thread.wake_gate = lambda tags: asking_to_wake(share, tags)
