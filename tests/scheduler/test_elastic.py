@@ -160,7 +160,7 @@ def test_free_gib_leaves_that_much_of_the_backend_free(model_dir):
 def test_max_device_memory_caps_start_up_and_every_resize(model_dir):
     engine = start(model_dir, max_total_tokens=None, host_kv_gib=0.05, max_device_memory_gib=0.01)
     assert engine.pool.committed_bytes <= 0.01 * GIB
-    cap_tokens = engine.kv_limits().cap_tokens
+    cap_tokens = engine.kv.limits().cap_tokens
     assert cap_tokens == engine.report.max_total_num_tokens
     with pytest.raises(KvResizeError, match=r"--max-device-memory 0.01 GiB"):
         engine.resize_kv(cap_tokens + 64)

@@ -43,7 +43,7 @@ import torch
 
 from snugkv.core.engine_client import EngineClient
 from snugkv.core.reports import KvResizeReply
-from snugkv.engine import EngineArgs
+from snugkv.engine import Engine, EngineArgs
 from snugkv.memory.vmm import GIB
 from snugkv.memory_share.estimate import start_estimate
 from snugkv.memory_share.policy import (
@@ -193,7 +193,7 @@ class MemoryShare:
             del held
             torch.cuda.empty_cache()
 
-    def started(self, engine: Any) -> None:
+    def started(self, engine: Engine) -> None:
         """The engine is sized: publish its real KV cache and drop the ask at once (the tokenizer and
         the scheduler still load; the others must not give away more meanwhile)."""
         pool = engine.pool
@@ -202,7 +202,7 @@ class MemoryShare:
             kv_bytes=pool.committed_bytes,
             kv_tokens=pool.committed_tokens,
             bytes_per_token=pool.bytes_per_token,
-            max_kv_bytes=pool.bytes_for_tokens(engine.kv_limits().max_tokens),
+            max_kv_bytes=pool.bytes_for_tokens(engine.kv.limits().max_tokens),
             headroom_bytes=engine.headroom_bytes,
             need_bytes=0,
         )

@@ -13,7 +13,8 @@ Sleep retracts every request in flight (they wait in the queue; nothing is lost)
 prefix cache and pauses the scheduler; wake sizes the KV cache again and lets the queue run.
 
 This module holds the policy of who gives way; the memory itself moves in
-snugkv.runner.kv_resize and the token counts are the engine's.
+snugkv.runner.kv_resize and the token counts are the engine's KV sizing object's
+(snugkv.engine.kv_sizing).
 """
 
 from __future__ import annotations
@@ -48,18 +49,18 @@ def resize_kv(
 ) -> KvResize:
     """Resize `engine`'s KV cache, which `scheduler` runs on, to `max_total_num_tokens`, or to what
     leaves `free_gib` of device memory free."""
-    engine.check_resizable()  # asleep or sized without virtual memory: refused before any value
+    kv = engine.check_resizable()  # asleep or sized without virtual memory: refused before any value
     scheduler.finish_in_flight()  # a launched step's slots and tokens are settled before pages move
     if (max_total_num_tokens is None) == (free_gib is None):
         raise KvResizeError("give exactly one of max_total_num_tokens and free_gib")
     if free_gib is not None:
-        tokens = engine.kv_tokens_for_free_gib(free_gib)
+        tokens = kv.tokens_leaving_free(free_gib)
         param = "free_gib"
     else:
-        tokens = engine.kv_limits().check(max_total_num_tokens)
+        tokens = kv.limits().check(max_total_num_tokens)
         param = "max_total_num_tokens"
     evicted = retracted = 0
-    if tokens < engine.pool.committed_tokens:
+    if tokens < kv.pool.committed_tokens:
         minimum, largest = smallest_size(scheduler)
         if tokens < minimum and largest is not None:
             raise KvResizeError(
