@@ -79,7 +79,7 @@ def test_a_chat_left_idle_longer_than_the_collectives_timeout_goes_on(tiny_model
     import os
     import time
 
-    from tests.runner.test_chat_command import read_until
+    from tests.commands.test_chat_command import read_until
 
     path, _, _ = tiny_model
     command = [sys.executable, "-m", "snugkv", "chat", "--model", str(path), "--max-tokens", "4"]
