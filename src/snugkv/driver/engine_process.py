@@ -405,7 +405,7 @@ class _EngineSide:
 
     def __init__(self, conn: Connection, engine_thread: EngineThread) -> None:
         self.conn = conn
-        self.engine = engine_thread
+        self.engine_thread = engine_thread
         self.outbox = _PipeOutbox(self.send)
         self._lock = threading.Lock()
         self._closed = False
@@ -435,11 +435,11 @@ class _EngineSide:
                 message = pickle.loads(self.conn.recv_bytes())
                 kind = message[0]
                 if kind == "generate":
-                    self.engine.submit(message[1], self.outbox, None)
+                    self.engine_thread.submit(message[1], self.outbox, None)
                 elif kind == "abort":
-                    self.engine.abort(message[1])
+                    self.engine_thread.abort(message[1])
                 elif kind == "abort_all":
-                    self.engine.abort_all()
+                    self.engine_thread.abort_all()
                 elif kind == "call":
                     asyncio.run_coroutine_threadsafe(self._answer(*message[1:]), loop)
                 elif kind == "stop":
@@ -452,7 +452,7 @@ class _EngineSide:
         try:
             if method not in CALLS:
                 raise EngineProcessError(f"the engine process has no call {method!r}")
-            value = getattr(self.engine, method)(**kwargs)
+            value = getattr(self.engine_thread, method)(**kwargs)
             if inspect.isawaitable(value):
                 value = await value
             reply: tuple[Any, ...] = ("reply", call_id, True, value)

@@ -69,4 +69,3 @@ def release(runner: ModelRunner) -> int:
     free. Returns the bytes released."""
     runner.allocator.resize(0)
     return runner.kv_pool.release_backing()
-

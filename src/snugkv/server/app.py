@@ -59,7 +59,7 @@ def create_app(
     with the engine's driver."""
     metrics = metrics if metrics is not None else ServerMetrics()
     app = FastAPI(title="snugkv", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.engine = client
+    app.state.client = client
     app.state.metrics = metrics
     install_error_handlers(app)
     # Starlette runs the middleware added last first: the key is checked before the body is read.

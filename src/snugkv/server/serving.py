@@ -41,8 +41,8 @@ _STREAM_END = object()
 class FanOut:
     """The engine streams of one HTTP request's choices, merged in arrival order."""
 
-    def __init__(self, engine: EngineClient, inputs: list[GenerateInput], metrics: ServerMetrics) -> None:
-        self._engine = engine
+    def __init__(self, client: EngineClient, inputs: list[GenerateInput], metrics: ServerMetrics) -> None:
+        self._client = client
         self._metrics = metrics
         self._queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue()
         self._unfinished = {gi.rid: index for index, gi in enumerate(inputs)}
@@ -55,14 +55,14 @@ class FanOut:
         self._single: AsyncIterator[GenerateOutput] | None = None
         self._tasks: list[asyncio.Task[None]] = []
         if len(inputs) == 1:
-            self._single = aiter(engine.generate(inputs[0]))
+            self._single = aiter(client.generate(inputs[0]))
         else:
             self._tasks = [asyncio.create_task(self._pump(index, gi)) for index, gi in enumerate(inputs)]
 
     async def _pump(self, index: int, request: GenerateInput) -> None:
         stream: AsyncGenerator[GenerateOutput, None] | None = None
         try:
-            stream = self._engine.generate(request)
+            stream = self._client.generate(request)
             async for output in stream:
                 self._queue.put_nowait((index, output))
         except asyncio.CancelledError:
@@ -138,7 +138,7 @@ class FanOut:
         self._closed = True
         for rid, index in list(self._unfinished.items()):
             try:
-                self._engine.abort(rid)
+                self._client.abort(rid)
             except Exception:
                 logger.exception("Aborting %s failed", rid)
             self._trackers[index].on_finish("abort", prompt_tokens=len(self._inputs[index].input_ids))
@@ -150,12 +150,12 @@ class FanOut:
 
 async def stream_events(
     prepared: PreparedRequest,
-    engine: EngineClient,
+    client: EngineClient,
     metrics: ServerMetrics,
     request: Request,
     response_format: ResponseFormat,
 ) -> AsyncGenerator[str, None]:
-    fan_out = FanOut(engine, prepared.inputs, metrics)
+    fan_out = FanOut(client, prepared.inputs, metrics)
     choices = [ChoiceState(prompt_tokens=prepared.prompt_tokens[p]) for p in prepared.prompt_of_choice]
     deltas = TextDeltas(prepared, response_format)
     try:
@@ -181,12 +181,12 @@ async def stream_events(
 
 async def collect_response(
     prepared: PreparedRequest,
-    engine: EngineClient,
+    client: EngineClient,
     metrics: ServerMetrics,
     request: Request,
     response_format: ResponseFormat,
 ) -> Response:
-    fan_out = FanOut(engine, prepared.inputs, metrics)
+    fan_out = FanOut(client, prepared.inputs, metrics)
     choices = [ChoiceState(prompt_tokens=prepared.prompt_tokens[p]) for p in prepared.prompt_of_choice]
 
     async def run() -> None:
