@@ -123,6 +123,7 @@ def test_the_elastic_bench_clock_counts_a_resizes_driver_calls_and_leaves_no_wra
         engine.close()
 
 
+@pytest.mark.slow
 def test_bench_structured_runs_constrained_rows_to_the_full_output_on_a_cpu():
     """The measurement `bench structured` times, on a CPU with the embedded SmolLM2: a quarter of
     the batch under the endless JSON schema generates as many tokens as the unconstrained batch."""

@@ -7,7 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.models.hf_tiny import hf_greedy
+
+# End to end (make test-fast leaves it out): the commands as two-rank processes.
+pytestmark = pytest.mark.slow
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

@@ -42,6 +42,7 @@ def run_child(code: str, runtime: Path, *, kill_after_line: bool = False) -> sub
     return child
 
 
+@pytest.mark.slow
 def test_an_entry_of_a_process_killed_with_sigkill_is_cleared(runtime_dir: Path) -> None:
     record = ShareRecord.for_device("host")
     child = run_child(
@@ -73,6 +74,7 @@ def test_a_reused_pid_is_not_taken_for_the_engine_that_had_it() -> None:
     assert record.entries() == []
 
 
+@pytest.mark.slow
 def test_processes_commit_against_one_shared_budget_and_a_dead_ones_memory_comes_back(
     runtime_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -128,6 +130,7 @@ def test_snugkv_memory_gpu_host_shows_every_registered_engine_and_its_share(
     assert "'99' is neither a GPU here" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_a_start_that_cannot_get_its_memory_fails_naming_who_holds_it(
     runtime_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -22,6 +22,9 @@ import pytest
 
 from tests.server import expect
 
+# End to end (make test-fast leaves it out): several real server processes on one simulated device.
+pytestmark = pytest.mark.slow
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEVICE_GIB = 0.5
 MIN_TOKENS = 2048
