@@ -171,6 +171,8 @@ class EngineCore:
 
     def share(self, commands: Turn | None) -> Turn:
         """Rank 0's commands of this turn, on every rank (the others pass None)."""
+        if not self.tp.enabled:  # one rank: nothing to send, and nothing more to do per turn
+            return commands or []
         shared: Turn = self.tp.broadcast_object_from_first(commands, wait_for_user=not self.has_work)
         return shared
 
