@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -36,6 +37,8 @@ if TYPE_CHECKING:  # the commands import what they run lazily: `snugkv --help` l
 logger = logging.getLogger(__name__)
 
 API_KEY_ENV = "SNUGKV_API_KEY"
+# Set while rank 0 serves (its signal handlers stop the server gracefully): `_stop_serving`.
+_LISTENING = threading.Event()
 DEFAULT_KV_CHUNK_MIB = DEFAULT_CHUNK_BYTES // MIB
 
 
@@ -235,7 +238,14 @@ def _engine_exited(reason: str) -> None:
 def _stop_serving() -> None:
     """A helper rank died (--tp): this server cannot generate any more. Stop as SIGTERM stops it
     (in-flight requests end, at the latest at the graceful-shutdown deadline, and the engine is
-    released); the launch then fails, so the process exits non-zero and a supervisor restarts it."""
+    released); the launch then fails, so the process exits non-zero and a supervisor restarts it.
+
+    Before the server listens there is nothing to stop gracefully, and a SIGTERM would kill rank 0
+    in the middle of its start-up: it goes on instead, and meets the helper's refusal itself (a
+    model that does not split: the same one-line error) or the launch's grace period ends it."""
+    if not _LISTENING.is_set():
+        logger.error("A tensor-parallel rank is gone before the server started")
+        return
     logger.error("Stopping the server: a tensor-parallel rank is gone")
     os.kill(os.getpid(), signal.SIGTERM)
 
@@ -284,14 +294,18 @@ def _serve_rank(tp: TensorParallel, args: argparse.Namespace, sock: socket.socke
     on_shutdown = client.stop
     if share is not None and engine_thread is not None:
         on_shutdown = _share_then_stop(share, engine_thread, app, args.host, sock)
-    serve(
-        app,
-        host=args.host,
-        port=args.port,
-        sock=sock,
-        on_shutdown=on_shutdown,
-        on_stop_requested=client.abort_all,
-    )
+    try:
+        serve(
+            app,
+            host=args.host,
+            port=args.port,
+            sock=sock,
+            on_shutdown=on_shutdown,
+            on_listening=lambda url: _LISTENING.set(),
+            on_stop_requested=client.abort_all,
+        )
+    finally:
+        _LISTENING.clear()
     died = getattr(client, "died", None)  # an engine process's
     if died:  # the server stopped because its engine process died: a supervisor should restart it
         logger.error("Stopped serving: %s", died)
