@@ -5,6 +5,7 @@ ranks, and the greedy tokens are transformers'."""
 
 from __future__ import annotations
 
+import pytest
 import torch.distributed as dist
 
 from snugkv.core.sampling import SamplingParams
@@ -104,6 +105,7 @@ def _serve(tp: TensorParallel, engine, free_after: list[int]) -> list:
     return everyone
 
 
+@pytest.mark.slow  # a two-rank launch through every elastic command
 def test_resize_sleep_and_wake_act_alike_on_every_rank(tmp_path):
     model = save_tiny_hf_model("llama", tmp_path)
     leader, follower = launch(serve_elastic, 2, (str(tmp_path),), device_type="cpu")
