@@ -1,4 +1,4 @@
-"""The async engine over a real (tiny) model: a failing step ends only its own requests, the
+"""The engine thread over a real (tiny) model: a failing step ends only its own requests, the
 engine goes on, cancelling a stream aborts it, and every slot comes back."""
 
 from __future__ import annotations

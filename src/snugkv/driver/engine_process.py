@@ -7,7 +7,7 @@ Here the engine core and its `EngineThread` (the scheduler thread) run in a chil
 `spawn`; the server's process keeps the tokenizer and talks to it over a pipe:
 
 - server -> engine: a request (`GenerateInput`), an abort, "abort all", a call of one of the
-  async engine's methods (`CALLS`: the elastic, sleep and info routes), "stop";
+  engine thread's methods (`CALLS`: the elastic, sleep and info routes), "stop";
 - engine -> server: "ready" (or the start-up error itself, re-raised in the server's process, so a
   bad model file is the same one-line error as without this flag), one message per turn with every
   output the turn produced, the replies to calls.
@@ -58,7 +58,7 @@ from snugkv.scheduler.launched import StepRecord
 
 logger = logging.getLogger(__name__)
 
-# The async engine's methods the server may call across the process boundary.
+# The engine thread's methods the server may call across the process boundary.
 CALLS = frozenset(
     {
         "check_health",
