@@ -13,10 +13,12 @@ Tensor parallelism: rank 0 hears clients. At each turn it sends that turn's comm
 ranks (`share`, over the CPU group), and every rank applies the same commands, in the same order,
 to its own scheduler, then steps if there is work. A scheduler is deterministic given its
 commands and the sampled tokens (which rank 0 broadcasts inside `ModelRunner.sample_on_device`),
-so every rank batches the same rows and meets the others in the same collectives. A turn that
-finds no work travels over the group without a timeout (the next one may wait on a person, or on
-an idle server; every rank sees the same `has_work`, so all pick the same group). At tp=1 `share`
-is the identity and nothing crosses a process boundary.
+so every rank batches the same rows and meets the others in the same collectives. A leader that
+may leave the ranks idle for long (the Python API between calls, a person thinking) sends the
+turns that find no work over the group without the collectives' timeout (`turns_wait_on_user`,
+set alike on every rank: every rank sees the same `has_work`, so all pick the same group); a
+server's leader sends a turn at least every 50 ms and keeps to the CPU group. At tp=1 `share` is
+the identity and nothing crosses a process boundary.
 
 The core never blocks on I/O, never owns a thread, and never decides when to take a turn.
 """
@@ -84,11 +86,13 @@ class EngineCore:
         tokenizer: Tokenizer | None,
         *,
         no_tokenizer: str | None = None,
+        turns_wait_on_user: bool = False,
     ) -> None:
         self.engine = engine
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.no_tokenizer = no_tokenizer  # why `tokenizer` is None, if it is
+        self.turns_wait_on_user = turns_wait_on_user
         self.tp: TensorParallel = engine.tp
 
     # -- assembling -------------------------------------------------------------------------
@@ -101,11 +105,12 @@ class EngineCore:
         enable_prefix_cache: bool = True,
         tokenizer_source: ModelSource | None = None,
         after_engine: Callable[[Engine], None] | None = None,
+        turns_wait_on_user: bool = False,
     ) -> EngineCore:
         """Start the engine for `args` (this rank of `tp`), load the tokenizer of its model (or of
         `tokenizer_source`) and set the scheduler up over it. `after_engine(engine)` runs as soon as
         the engine is sized, before the tokenizer loads (a memory share publishes its size then; a
-        benchmark installs its stub device)."""
+        benchmark installs its stub device). `turns_wait_on_user`: see the module's docstring."""
         engine = Engine(args, tp=tp)
         try:
             if after_engine is not None:
@@ -120,6 +125,7 @@ class EngineCore:
             engine.close()
             raise
         core.no_tokenizer = why
+        core.turns_wait_on_user = turns_wait_on_user
         return core
 
     @classmethod
@@ -173,7 +179,8 @@ class EngineCore:
         """Rank 0's commands of this turn, on every rank (the others pass None)."""
         if not self.tp.enabled:  # one rank: nothing to send, and nothing more to do per turn
             return commands or []
-        shared: Turn = self.tp.broadcast_object_from_first(commands, wait_for_user=not self.has_work)
+        wait_for_user = self.turns_wait_on_user and not self.has_work
+        shared: Turn = self.tp.broadcast_object_from_first(commands, wait_for_user=wait_for_user)
         return shared
 
     def apply(self, command: Command) -> KvResize | None:

@@ -72,11 +72,13 @@ class Runtime:
             self.tp, self.helpers = start_helpers(
                 run_follower,
                 args.tp_size,
-                (args, enable_prefix_cache),
+                (args, enable_prefix_cache, True),  # between calls the ranks wait on the user
                 device_type=device_type_for(args.device),
             )
         try:
-            self._core = core = EngineCore.build(args, tp=self.tp, enable_prefix_cache=enable_prefix_cache)
+            self._core = core = EngineCore.build(
+                args, tp=self.tp, enable_prefix_cache=enable_prefix_cache, turns_wait_on_user=True
+            )
             core.deliver_outputs_to(self.collector.on_output)
             self.tokenizer, self._no_tokenizer = core.tokenizer, core.no_tokenizer
         except BaseException:
