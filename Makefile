@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint gpu-check clean
+.PHONY: setup demo test test-fast lint gpu-check clean
 
 setup: $(STAMP)
 
@@ -22,6 +22,11 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# The inner loop: the suite without the end-to-end tests marked `slow` (server processes, tp ranks,
+# the LLM against transformers); CI runs `make test`, the whole suite.
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow"
 
 lint: setup
 	$(VENV)/bin/ruff check src tests

@@ -27,13 +27,15 @@ FLOORS: dict[str, int] = {
     "runner": 4,
     "engine": 5,
     "scheduler": 6,
-    "server": 7,
-    "llm": 7,
-    "bench": 8,
-    "commands": 9,
-    "cli": 10,
-    "__main__": 11,
-    "__init__": 11,  # the top-level package re-exports the public API
+    "driver": 7,
+    "memory_share": 7,
+    "server": 8,
+    "llm": 8,
+    "bench": 9,
+    "commands": 10,
+    "cli": 11,
+    "__main__": 12,
+    "__init__": 12,  # the top-level package re-exports the public API
 }
 
 

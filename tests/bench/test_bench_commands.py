@@ -125,6 +125,7 @@ def test_the_elastic_bench_clock_counts_a_resizes_driver_calls_and_leaves_no_wra
         engine.close()
 
 
+@pytest.mark.slow
 def test_bench_structured_runs_constrained_rows_to_the_full_output_on_a_cpu():
     """The measurement `bench structured` times, on a CPU with the embedded SmolLM2: a quarter of
     the batch under the endless JSON schema generates as many tokens as the unconstrained batch."""
@@ -137,7 +138,7 @@ def test_bench_structured_runs_constrained_rows_to_the_full_output_on_a_cpu():
 
     path = default_model.default_model_path()
     engine = Engine(EngineArgs(model=str(path), dtype="float32", host_kv_gib=0.05, max_running_requests=8))
-    tokenizer = load_tokenizer(ModelSource(path, "gguf")).hf
+    tokenizer = load_tokenizer(ModelSource(path, "gguf"))
     try:
         options = {"batch": 8, "input_len": 8, "output_len": 12}
         plain = measure(engine, tokenizer, constrained_every=0, **options)

@@ -11,6 +11,9 @@ import pytest
 from snugkv.bench.serving import workload
 from snugkv.cli import main
 
+# End to end (make test-fast leaves it out): the HTTP benchmark against a server process.
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.parametrize("tokenizer", [None, "default"], ids=["ids", "text"])
 def test_bench_http_runs_the_load_five_ways_on_a_stub_device_after_a_first_pass(tmp_path, capsys, tokenizer):

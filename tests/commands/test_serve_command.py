@@ -24,7 +24,9 @@ def started(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
         def abort_all(self) -> None: ...
 
     seen: dict[str, Any] = {}
-    monkeypatch.setattr(serve, "build_async_engine", lambda args, metrics, tp, **hooks: (NoEngine(), "model"))
+    monkeypatch.setattr(
+        serve, "build_engine_thread", lambda args, metrics, tp, **hooks: (NoEngine(), "model")
+    )
     monkeypatch.setattr(serve, "build_engine_process", lambda args, **hooks: (NoEngine(), "model"))
     monkeypatch.setattr(snugkv.server.app, "create_app", lambda engine, **kwargs: seen.update(kwargs))
     monkeypatch.setattr(snugkv.server.launch, "serve", lambda app, **kwargs: None)

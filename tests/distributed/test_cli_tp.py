@@ -7,7 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.models.hf_tiny import hf_greedy
+
+# End to end (make test-fast leaves it out): the commands as two-rank processes.
+pytestmark = pytest.mark.slow
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -79,7 +84,7 @@ def test_a_chat_left_idle_longer_than_the_collectives_timeout_goes_on(tiny_model
     import os
     import time
 
-    from tests.runner.test_chat_command import read_until
+    from tests.commands.test_chat_command import read_until
 
     path, _, _ = tiny_model
     command = [sys.executable, "-m", "snugkv", "chat", "--model", str(path), "--max-tokens", "4"]

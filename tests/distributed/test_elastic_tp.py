@@ -5,14 +5,16 @@ ranks, and the greedy tokens are transformers'."""
 
 from __future__ import annotations
 
+import pytest
 import torch.distributed as dist
 
 from snugkv.core.sampling import SamplingParams
 from snugkv.distributed.group import TensorParallel
 from snugkv.distributed.launch import launch
+from snugkv.driver.commands import Add, ResizeKV, Sleep, Stop, WakeUp
+from snugkv.driver.engine_core import EngineCore
+from snugkv.driver.follower import follow
 from snugkv.memory.vmm import MIB
-from snugkv.scheduler import lockstep
-from snugkv.scheduler.lockstep import Add, ResizeKV, Sleep, Stop, WakeUp
 from snugkv.scheduler.scheduler import Scheduler
 from tests.models.hf_tiny import hf_greedy, save_tiny_hf_model
 
@@ -35,19 +37,19 @@ def serve_elastic(tp: TensorParallel, model_dir: str) -> list:
     )
     engine = Engine(args, tp=tp)
     free_after: list[int] = []
-    apply = lockstep.apply
+    apply = EngineCore.apply
 
-    def apply_and_measure(scheduler, command):
-        result = apply(scheduler, command)
+    def apply_and_measure(core, command):
+        result = apply(core, command)
         if isinstance(command, ResizeKV) and command.free_gib is not None:
             free_after.append(engine.memory.mem_get_info()[0])
         return result
 
-    lockstep.apply = apply_and_measure  # follow calls it too; put back below (rank 0 is pytest's process)
+    EngineCore.apply = apply_and_measure  # follow calls it too; put back below (rank 0 is pytest's process)
     try:
         return _serve(tp, engine, free_after)
     finally:
-        lockstep.apply = apply
+        EngineCore.apply = apply
 
 
 def _serve(tp: TensorParallel, engine, free_after: list[int]) -> list:
@@ -57,7 +59,8 @@ def _serve(tp: TensorParallel, engine, free_after: list[int]) -> list:
         if output.finished:
             finished[request.rid] = list(request.output_ids)
 
-    scheduler = Scheduler.for_engine(engine, on_output=on_output if tp.is_first_rank else None)
+    core = EngineCore.around(engine, on_output=on_output if tp.is_first_rank else None)
+    scheduler = core.scheduler
     if tp.is_first_rank:
         sampling = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
         filler = SamplingParams(max_new_tokens=1, ignore_eos=True)
@@ -76,22 +79,22 @@ def _serve(tp: TensorParallel, engine, free_after: list[int]) -> list:
             commands = turns.get(turn, [])
             if commands and isinstance(commands[0], ResizeKV) and commands[0].max_total_num_tokens == -1:
                 commands = [ResizeKV(max_total_num_tokens=snug(scheduler))]
-            lockstep.share(tp, commands)
+            core.share(commands)
             for command in commands:
-                results.append(lockstep.apply(scheduler, command))
+                results.append(core.apply(command))
             if scheduler.has_work:
-                assert lockstep.step_once(scheduler, tp) is None
+                assert core.step() is None
             turn += 1
-        lockstep.share(tp, [Stop()])
+        core.share([Stop()])
     else:
-        lockstep.follow(scheduler, tp)
+        follow(core)
         results = []
     scheduler.check_slot_accounting()
     scheduler.cache.reset()
     state = {
         "finished": finished,
         "moved": [r.moved_pages for r in results if r is not None],
-        "events": [(e["reason"], e["to_tokens"]) for e in engine.kv_events],
+        "events": [(e.reason, e.to_tokens) for e in engine.kv_events],
         "capacity": engine.runner.allocator.capacity_tokens,
         "free": engine.runner.allocator.available_tokens,
         "free_after_free_gib": free_after,
@@ -102,6 +105,7 @@ def _serve(tp: TensorParallel, engine, free_after: list[int]) -> list:
     return everyone
 
 
+@pytest.mark.slow  # a two-rank launch through every elastic command
 def test_resize_sleep_and_wake_act_alike_on_every_rank(tmp_path):
     model = save_tiny_hf_model("llama", tmp_path)
     leader, follower = launch(serve_elastic, 2, (str(tmp_path),), device_type="cpu")

@@ -14,6 +14,9 @@ from snugkv import LLM, SamplingParams
 from snugkv.core.sampling import InvalidRequest
 from tests.models.hf_tiny import hf_greedy
 
+# End to end (make test-fast leaves it out): an LLM with a helper rank.
+pytestmark = pytest.mark.slow
+
 
 def test_the_helper_rank_lives_and_dies_with_the_llm(tiny_model, monkeypatch):
     path, model, tokenizer = tiny_model

@@ -22,6 +22,9 @@ import torch
 from tests.models.hf_tiny import hf_greedy
 from tests.server.expect import openai_error
 
+# End to end (make test-fast leaves it out): a two-rank server process.
+pytestmark = pytest.mark.slow
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SERVING = "snugkv is serving on "
 NEW_TOKENS = 10

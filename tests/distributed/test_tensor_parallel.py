@@ -80,6 +80,7 @@ def generate_on_rank(
     return everyone
 
 
+@pytest.mark.slow  # three launches of whole engines
 def test_two_ranks_generate_the_tokens_of_one_rank_and_of_transformers(checkpoints):
     prompt_ids = prompts()
     model_dirs = {name: str(path) for name, (path, _) in checkpoints.items()}

@@ -8,6 +8,7 @@ import logging
 import pytest
 
 from snugkv.core.sampling import SamplingParams
+from snugkv.driver.engine_core import EngineCore
 from snugkv.engine import Engine, EngineArgs
 from snugkv.memory.vmm import GIB
 from snugkv.scheduler import elastic
@@ -48,7 +49,9 @@ def snug(scheduler: Scheduler) -> int:
     requests' pages (cached, interleaved with the live ones) must go, the live ones above must move."""
     need = -(-(scheduler.held_tokens() + 2 * PAGE * len(scheduler.running)) // PAGE) * PAGE
     tokens = need
-    while min(scheduler.engine.pool.tokens_per_group(tokens).values()) < need:  # a window sub-pool is smaller
+    while (
+        min(scheduler.runner.kv_pool.tokens_per_group(tokens).values()) < need
+    ):  # a window sub-pool is smaller
         tokens += PAGE
     return tokens
 
@@ -58,9 +61,9 @@ def run(engine: Engine, resizes: dict | None = None, count: int = 6, new_tokens:
     resizes before that step, checking the slot accounting and every allocator after each resize.
     Returns (outputs, resize results)."""
     outputs: dict[str, list[int]] = {}
-    scheduler = Scheduler.for_engine(
+    scheduler = EngineCore.around(
         engine, on_output=lambda r, o: outputs.setdefault(o.rid, []).extend(o.token_ids)
-    )
+    ).scheduler
     lengths = [new_tokens // 3, new_tokens, new_tokens // 2, new_tokens] * count
     for index, prompt in enumerate(prompts(count)):
         sampling = SamplingParams(max_new_tokens=lengths[index], temperature=0.0, ignore_eos=True)
@@ -69,7 +72,7 @@ def run(engine: Engine, resizes: dict | None = None, count: int = 6, new_tokens:
     while scheduler.has_work:
         if resizes and step in resizes:
             target = resizes[step](scheduler) if callable(resizes[step]) else resizes[step]
-            results.append(elastic.resize_kv(scheduler, max_total_num_tokens=target))
+            results.append(elastic.resize_kv(scheduler, engine, max_total_num_tokens=target))
             scheduler.check_slot_accounting()
         scheduler.step()
         step += 1
@@ -93,7 +96,7 @@ def test_grow_and_shrink_of_an_idle_engine_move_committed_memory_by_the_resized_
         assert engine.report.ledger.kv_committed_bytes == pool.committed_bytes
         assert f"-> {result.to_tokens}, committed" in caplog.text
         engine.runner.allocator.check_integrity()
-    assert [event["to_tokens"] for event in engine.kv_events] == [256, 1000, 512, 1024]
+    assert [event.to_tokens for event in engine.kv_events] == [256, 1000, 512, 1024]
     engine.close()
 
 
@@ -119,7 +122,7 @@ def test_a_shrink_below_what_is_in_use_retracts_the_newest_and_every_request_sti
 
 def test_bad_resizes_name_the_limit(model_dir):
     engine = start(model_dir)
-    scheduler = Scheduler.for_engine(engine)
+    scheduler = EngineCore.around(engine).scheduler
     cases = {
         0: "below the smallest KV cache, 8 tokens",
         -5: "below the smallest",
@@ -128,27 +131,27 @@ def test_bad_resizes_name_the_limit(model_dir):
     }
     for tokens, message in cases.items():
         with pytest.raises(KvResizeError, match=message):
-            elastic.resize_kv(scheduler, max_total_num_tokens=tokens)
+            elastic.resize_kv(scheduler, engine, max_total_num_tokens=tokens)
     with pytest.raises(KvResizeError, match="must be an integer"):
-        elastic.resize_kv(scheduler, max_total_num_tokens=12.5)  # type: ignore[arg-type]
+        elastic.resize_kv(scheduler, engine, max_total_num_tokens=12.5)  # type: ignore[arg-type]
     with pytest.raises(KvResizeError, match="free_gib=-1 is negative"):
-        elastic.resize_kv(scheduler, free_gib=-1)
+        elastic.resize_kv(scheduler, engine, free_gib=-1)
     # found by the fuzzer (snugkv bench fuzz): free_gib * GIB overflowed to inf, a 500 over HTTP
     with pytest.raises(KvResizeError, match="more memory than any device has"):
-        elastic.resize_kv(scheduler, free_gib=1.7976931348623157e308)
+        elastic.resize_kv(scheduler, engine, free_gib=1.7976931348623157e308)
     scheduler.add_request("long", list(range(5, 105)), SamplingParams(max_new_tokens=4))
     with pytest.raises(
         KvResizeError, match=r"request long holds 100 and needs a page more: .* shrink to 104"
     ):
-        elastic.resize_kv(scheduler, max_total_num_tokens=64)
+        elastic.resize_kv(scheduler, engine, max_total_num_tokens=64)
     assert engine.pool.committed_tokens == 1024  # nothing changed
     engine.close()
 
 
 def test_free_gib_leaves_that_much_of_the_backend_free(model_dir):
     engine = start(model_dir, max_total_tokens=None, host_kv_gib=0.02)
-    scheduler = Scheduler.for_engine(engine)
-    result = elastic.resize_kv(scheduler, free_gib=0.01)
+    scheduler = EngineCore.around(engine).scheduler
+    result = elastic.resize_kv(scheduler, engine, free_gib=0.01)
     free = engine.memory.mem_get_info()[0]
     buffers = len(engine.pool.arena.buffers)
     granule = engine.memory.granularity_bytes
@@ -160,16 +163,16 @@ def test_free_gib_leaves_that_much_of_the_backend_free(model_dir):
 def test_max_device_memory_caps_start_up_and_every_resize(model_dir):
     engine = start(model_dir, max_total_tokens=None, host_kv_gib=0.05, max_device_memory_gib=0.01)
     assert engine.pool.committed_bytes <= 0.01 * GIB
-    cap_tokens = engine.kv_limits().cap_tokens
+    cap_tokens = engine.kv.limits().cap_tokens
     assert cap_tokens == engine.report.max_total_num_tokens
     with pytest.raises(KvResizeError, match=r"--max-device-memory 0.01 GiB"):
         engine.resize_kv(cap_tokens + 64)
     engine.resize_kv(cap_tokens // 2 // PAGE * PAGE)
     engine.resize_kv(cap_tokens)
     assert engine.pool.committed_bytes <= 0.01 * GIB
-    scheduler = Scheduler.for_engine(engine)
-    elastic.sleep(scheduler)
-    woke = elastic.wake_up(scheduler)  # sized from free memory again, and the cap holds again
+    scheduler = EngineCore.around(engine).scheduler
+    elastic.sleep(scheduler, engine)
+    woke = elastic.wake_up(scheduler, engine)  # sized from free memory again, and the cap holds again
     assert woke.to_tokens == cap_tokens and engine.pool.committed_bytes <= 0.01 * GIB
     engine.close()
 

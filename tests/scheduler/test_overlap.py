@@ -277,8 +277,8 @@ def test_the_overlap_flag_reaches_the_scheduler(tiny):
     import argparse
 
     from snugkv.commands.engine_args import add_engine_arguments, engine_args_from
+    from snugkv.driver.engine_core import EngineCore
     from snugkv.engine import Engine
-    from snugkv.scheduler.scheduler import Scheduler
 
     parser = argparse.ArgumentParser()
     add_engine_arguments(parser)
@@ -289,7 +289,7 @@ def test_the_overlap_flag_reaches_the_scheduler(tiny):
         )
         assert args.disable_overlap_schedule is not overlap
         engine = Engine(args)
-        assert Scheduler.for_engine(engine).overlap is overlap
+        assert EngineCore.around(engine).scheduler.overlap is overlap
         engine.close()
 
 
@@ -342,8 +342,8 @@ def test_a_failure_with_two_steps_on_their_way_loses_no_request_and_no_slot(tiny
 
 
 def gpu_scheduler(directory, *, page_size: int, overlap: bool):
+    from snugkv.driver.engine_core import EngineCore
     from snugkv.engine import Engine, EngineArgs
-    from snugkv.scheduler.scheduler import Scheduler
 
     engine = Engine(
         EngineArgs(
@@ -357,9 +357,9 @@ def gpu_scheduler(directory, *, page_size: int, overlap: bool):
         )
     )
     outputs: dict[str, list] = {}
-    scheduler = Scheduler.for_engine(
+    scheduler = EngineCore.around(
         engine, tokenizer=Letters(), on_output=lambda r, o: outputs.setdefault(o.rid, []).append(o)
-    )
+    ).scheduler
     scheduler.overlap = overlap
     return engine, scheduler, outputs
 

@@ -143,7 +143,7 @@ def test_an_idle_engine_reports_no_kv_in_use_and_its_prefix_cache_apart(tiny):
     directory, _ = tiny
     engine, scheduler, _ = make_scheduler(directory, page_size=4)
     run_all(scheduler, prompts(3, seed=5))
-    stats = scheduler.stats()
+    stats = scheduler.stats().to_dict()
     assert scheduler.cache.cached_tokens > 0
     assert stats["kv_cache_usage"] == 0.0
     assert (

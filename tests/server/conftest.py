@@ -105,3 +105,12 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
 def client(server: ServerProcess) -> Iterator[httpx.Client]:
     with server.client() as http:
         yield http
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m "not slow"` deselects by mark
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test that talks to the session's server process is end to end: `slow`, so that
+    `make test-fast` leaves it (and the server's start) out; `make test` runs it."""
+    for item in items:
+        if "server" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)

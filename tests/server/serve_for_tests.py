@@ -35,10 +35,10 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, Callable[[], None]]:
             from snugkv.models.loader import ModelSource
             from snugkv.models.tokenizer import load_tokenizer
 
-            tokenizer = load_tokenizer(ModelSource(Path(args.tokenizer_gguf), "gguf")).hf
+            tokenizer = load_tokenizer(ModelSource(Path(args.tokenizer_gguf), "gguf"))
         engine = FakeEngine(tokenizer=tokenizer, max_context_tokens=args.max_context_tokens)
         return engine, lambda: None
-    from snugkv.commands.serve import build_async_engine
+    from snugkv.commands.serve import build_engine_thread
 
     engine_args = argparse.Namespace(
         model=args.model,
@@ -66,7 +66,7 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, Callable[[], None]]:
         kv_chunk_mib=args.kv_chunk_mib,
         max_device_memory_gib=args.max_device_memory,
     )
-    engine, _ = build_async_engine(engine_args)
+    engine, _ = build_engine_thread(engine_args)
     return engine, engine.stop
 
 
@@ -119,7 +119,7 @@ def main() -> None:
         port=args.port,
         on_listening=lambda url: print(f"{LISTENING} {url}", flush=True),
         on_shutdown=on_shutdown,
-        on_stop_requested=getattr(engine, "abort_all", None),
+        on_stop_requested=engine.abort_all,
         log_level="warning",
         graceful_shutdown_s=5,
     )

@@ -16,6 +16,9 @@ import pytest
 from snugkv.models.default_model import DefaultModelUnavailable, default_model_path
 from tests.server.conftest import API_KEY, ENGINE, ServerProcess, start_server
 
+# End to end (make test-fast leaves it out): a real server with the SmolLM2 tokenizer.
+pytestmark = pytest.mark.slow
+
 SMOLLM2_DEFAULT_SYSTEM_PROMPT_TOKENS = (
     31  # its template adds "You are a helpful AI assistant named SmolLM..."
 )

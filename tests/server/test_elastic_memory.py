@@ -16,7 +16,11 @@ import pytest
 from tests.server.conftest import ENGINE, ServerProcess, start_server
 from tests.server.expect import openai_error, wait_for
 
-pytestmark = pytest.mark.skipif(ENGINE != "real", reason="elastic memory needs the real engine")
+# End to end (make test-fast leaves it out): real servers resized, put to sleep and woken.
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(ENGINE != "real", reason="elastic memory needs the real engine"),
+]
 
 FULL = 4096  # serve_for_tests' --max-total-tokens
 PROMPTS = [

@@ -17,6 +17,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+# End to end (make test-fast leaves it out): real servers with their engine processes.
+pytestmark = pytest.mark.slow
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SERVING = re.compile(r"snugkv is serving on (http://\S+)")
 START_TIMEOUT_S = 180.0

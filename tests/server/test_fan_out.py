@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 import pytest
 
@@ -46,7 +46,7 @@ class RejectingEngine(FakeEngine):
         super().__init__()
         self.rejected = rejected
 
-    async def generate(self, request: GenerateInput) -> AsyncIterator[GenerateOutput]:
+    async def generate(self, request: GenerateInput) -> AsyncGenerator[GenerateOutput, None]:
         yield GenerateOutput(
             rid=request.rid,
             token_ids=[],

@@ -4,6 +4,7 @@ API's alternatives hold the sampled token."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 from snugkv.core.outputs import GenerateInput, GenerateOutput, TokenLogprob
 from snugkv.core.sampling import SamplingParams
@@ -62,10 +63,10 @@ def test_completion_top_logprobs_hold_the_sampled_token() -> None:
 def test_the_kv_capacity_the_engine_reports_bounds_the_sequence_limit() -> None:
     from snugkv.server.prepare import SequenceLimit
 
-    class Engine:
+    class Engine:  # the two figures of `EngineInfo` the limit reads
         max_context_tokens = 8192
 
-        def server_info(self) -> dict[str, int]:
-            return {"max_total_num_tokens": 4096, "kv_capacity_tokens": 1000, "page_size": 16}
+        def server_info(self) -> SimpleNamespace:
+            return SimpleNamespace(max_total_num_tokens=4096, kv_capacity_tokens=1000, page_size=16)
 
-    assert SequenceLimit.of(Engine()) == SequenceLimit(1000 - 16 + 1, "this server's KV cache")
+    assert SequenceLimit.of(Engine()) == SequenceLimit(1000 - 16 + 1, "this server's KV cache")  # type: ignore[arg-type]

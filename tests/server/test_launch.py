@@ -22,6 +22,7 @@ from tests.server.serve_for_tests import SHUTDOWN_COMPLETE
 WATCHDOG_S = 15.0
 
 
+@pytest.mark.slow
 def test_ctrl_c_with_a_stream_in_flight_exits_zero_after_on_shutdown(tmp_path: Path) -> None:
     server = start_server(tmp_path)
     streaming = threading.Event()
@@ -119,6 +120,7 @@ def test_a_1_mb_request_header_gets_431_not_a_reset(server: ServerProcess) -> No
     assert httpx.get(f"{server.base_url}/health", timeout=10).status_code == 200
 
 
+@pytest.mark.slow
 def test_a_client_stalled_mid_body_at_shutdown_gets_503_and_no_traceback(tmp_path: Path) -> None:
     server = start_server(tmp_path, engine="fake")  # no engine work: the request never gets its body
     with socket.create_connection(_address(server), timeout=30) as sock:

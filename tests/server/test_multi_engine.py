@@ -2,7 +2,7 @@
 budget shared through SNUGKV_HOST_DEVICE_GIB): the second starts while the first streams, neither
 loses a request, the first grows back when the second is killed, and its stale entry goes; an
 engine that sleeps while the other grows into its memory asks for it back when it wakes. (A
-graceful stop leaves the record in `tests/sizing/test_share_record.py`.)"""
+graceful stop leaves the record in `tests/memory_share/test_record.py`.)"""
 
 from __future__ import annotations
 
@@ -21,6 +21,9 @@ import httpx
 import pytest
 
 from tests.server import expect
+
+# End to end (make test-fast leaves it out): several real server processes on one simulated device.
+pytestmark = pytest.mark.slow
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEVICE_GIB = 0.5

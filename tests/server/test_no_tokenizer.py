@@ -11,19 +11,20 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from snugkv.driver.engine_core import EngineCore
+from snugkv.driver.engine_thread import EngineThread
 from snugkv.engine import Engine, EngineArgs
-from snugkv.scheduler.async_engine import AsyncEngine
 from snugkv.server.app import create_app
 from tests.models.hf_tiny import save_tiny_hf_model
 from tests.server.expect import openai_error
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TestClient, AsyncEngine]]:
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TestClient, EngineThread]]:
     folder = tmp_path_factory.mktemp("no-tokenizer")
     save_tiny_hf_model("llama", folder)
     engine = Engine(EngineArgs(model=str(folder), dtype="float32", host_kv_gib=0.02, max_running_requests=4))
-    async_engine = AsyncEngine(engine, tokenizer=None, model_name="tiny")
+    async_engine = EngineThread(EngineCore.around(engine, tokenizer=None), model_name="tiny")
     app = create_app(async_engine, api_key=None, max_body_bytes=1 << 20, served_model_name="tiny")
     with TestClient(app) as client:
         yield client, async_engine

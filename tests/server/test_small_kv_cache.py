@@ -13,6 +13,9 @@ import pytest
 from tests.server.conftest import ServerProcess, start_server
 from tests.server.expect import openai_error
 
+# End to end (make test-fast leaves it out): real server processes with small KV caches.
+pytestmark = pytest.mark.slow
+
 KV_TOKENS = 64
 PAGE_TOKENS = 4  # serve_for_tests' page size
 

@@ -131,20 +131,21 @@ def test_a_template_that_renders_tools_gets_them_through_apply_chat_template() -
 
     from snugkv.models import default_model
     from snugkv.models.loader import ModelSource
-    from snugkv.models.tokenizer import load_tokenizer
+    from snugkv.models.tokenizer import Tokenizer, load_tokenizer
     from snugkv.server.prepare import _chat_prompt_ids
     from snugkv.server.protocol import ChatCompletionRequest
     from snugkv.server.tools import plan_tools
 
     hf = copy.deepcopy(load_tokenizer(ModelSource(default_model.default_model_path(), "gguf")).hf)
     hf.chat_template = QWEN_LIKE_TEMPLATE
+    tokenizer = Tokenizer(hf)  # the project's one tokenizer type, over the changed template
     tools = [
         {"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
         for name in TOOLS_NAMES
     ]
-    tool_plan = plan_tools(tools, "auto", hf)
+    tool_plan = plan_tools(tools, "auto", tokenizer)
     assert tool_plan is not None and tool_plan.template_renders_tools and tool_plan.call_format == "hermes"
     body = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=tools)
-    prompt = hf.decode(_chat_prompt_ids(body, hf, tool_plan))
+    prompt = tokenizer.decode(_chat_prompt_ids(body, tokenizer, tool_plan), skip_special_tokens=False)
     assert "<tools>get_weather;get_time;</tools>" in prompt
     assert "You may call one or more functions" not in prompt  # the template's own words, not the fallback's

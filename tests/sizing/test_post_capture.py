@@ -48,6 +48,7 @@ def test_sizing_fills_free_memory_less_headroom_within_one_granule_per_buffer():
     )  # nothing wasted beyond rounding
 
 
+@pytest.mark.slow
 def test_user_cap_and_virtual_upper_bound_both_limit_the_count():
     pool = make_pool(capacity_bytes=256 * MIB)
     free = measure_free(pool.arena.vmm)
@@ -104,6 +105,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_every_rank_commits_the_min_over_ranks():
     capacities = [128 * MIB, 256 * MIB]
     with mp.Manager() as manager:

@@ -65,6 +65,7 @@ def run(engine, tokenizer, requests, *, overlap: bool) -> dict[str, tuple[str, s
     return finished
 
 
+@pytest.mark.slow
 def test_constrained_rows_match_under_overlap_and_leave_their_neighbours_alone(engine_and_tokenizer) -> None:
     engine, tokenizer = engine_and_tokenizer
     free = SamplingParams(max_new_tokens=24, ignore_eos=True)

@@ -1,7 +1,7 @@
 """Attention backends by name: `make_attention_backend("torch")`.
 
-Backends register a factory here; the Triton backend registers itself from its own module,
-which is imported only when asked for (so a CPU machine never imports Triton kernels).
+Each backend is named here by its factory's "module:callable"; the module is imported only when
+asked for (so a CPU machine never imports Triton kernels).
 """
 
 from __future__ import annotations
@@ -16,11 +16,6 @@ _BACKENDS: dict[str, str] = {
     "torch": "snugkv.attention.torch_backend:TorchAttentionBackend",
     "triton": "snugkv.attention.triton_backend:TritonAttentionBackend",
 }
-
-
-def register_attention_backend(name: str, target: str) -> None:
-    """Register `"module:callable"` as the factory for backend `name`."""
-    _BACKENDS[name] = target
 
 
 def attention_backend_names() -> tuple[str, ...]:

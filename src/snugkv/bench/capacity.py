@@ -38,15 +38,12 @@ def _free_bytes(engine: Any) -> int:
 
 def _greedy_tokens(engine: Any, count: int = 4, new_tokens: int = 16) -> list[list[int]]:
     from snugkv.core.sampling import SamplingParams
-    from snugkv.scheduler.scheduler import Scheduler
+    from snugkv.driver.engine_core import EngineCore
 
     outputs: dict[str, list[int]] = {}
-    scheduler = Scheduler(
-        engine.runner,
-        max_running_requests=engine.report.max_running_requests,
-        chunked_prefill_size=engine.args.chunked_prefill_size,
-        on_output=lambda r, o: outputs.setdefault(o.rid, []).extend(o.token_ids),
-    )
+    scheduler = EngineCore.around(
+        engine, on_output=lambda r, o: outputs.setdefault(o.rid, []).extend(o.token_ids)
+    ).scheduler
     generator = torch.Generator().manual_seed(PROMPTS_SEED)
     vocab = engine.config.vocab_size
     for index in range(count):

@@ -171,12 +171,12 @@ def resize_rows(
 
 
 def _greedy_tokens(engine: Any) -> list[list[int]]:
-    from snugkv.scheduler.scheduler import Scheduler
+    from snugkv.driver.engine_core import EngineCore
 
     outputs: dict[str, list[int]] = {}
-    scheduler = Scheduler.for_engine(
+    scheduler = EngineCore.around(
         engine, on_output=lambda r, o: outputs.setdefault(o.rid, []).extend(o.token_ids)
-    )
+    ).scheduler
     for index in range(4):
         scheduler.add_request(str(index), [(index * 31 + j) % 5000 + 100 for j in range(64)], GREEDY)
     while scheduler.has_work:
@@ -236,13 +236,13 @@ def _serve(engine: Any, requests: int, prompt: int, output: int, resize_every: i
     """Generated tokens per second of `requests` greedy requests (half stop at a quarter of
     `output`); with `resize_every`, the KV cache shrinks to just above what the running requests
     hold (evicting the cache, moving live KV) and grows back, each every `resize_every` steps."""
+    from snugkv.driver.engine_core import EngineCore
     from snugkv.scheduler import elastic
-    from snugkv.scheduler.scheduler import Scheduler
 
     outputs: dict[str, list[int]] = {}
-    scheduler = Scheduler.for_engine(
+    scheduler = EngineCore.around(
         engine, on_output=lambda r, o: outputs.setdefault(o.rid, []).extend(o.token_ids)
-    )
+    ).scheduler
     for index in range(requests):  # every other request stops early: holes below the live pages
         new_tokens = output if index % 2 else output // 4
         sampling = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
@@ -258,7 +258,9 @@ def _serve(engine: Any, requests: int, prompt: int, output: int, resize_every: i
             room = 4 * page * len(scheduler.running)
             target = full if shrunk else -(-(scheduler.held_tokens() + room) // page) * page
             began = time.perf_counter()
-            result = elastic.resize_kv(scheduler, max_total_num_tokens=min(full, max(target, 2 * page)))
+            result = elastic.resize_kv(
+                scheduler, engine, max_total_num_tokens=min(full, max(target, 2 * page))
+            )
             _sync()
             pauses.append((time.perf_counter() - began) * 1e3)
             moved += result.moved_pages

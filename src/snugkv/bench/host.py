@@ -51,12 +51,12 @@ def _engine(args: argparse.Namespace, directory: Path) -> Any:
 
 
 def _scheduler(engine: Any, overlap: bool) -> Any:
-    from snugkv.scheduler.scheduler import Scheduler
+    from snugkv.driver.engine_core import EngineCore
 
     finished: dict[str, float] = {}
-    scheduler = Scheduler.for_engine(
+    scheduler = EngineCore.around(
         engine, on_output=lambda r, o: finished.__setitem__(o.rid, time.monotonic()) if o.finished else None
-    )
+    ).scheduler
     scheduler.overlap = overlap
     return scheduler
 

@@ -2,7 +2,7 @@
 
 What the HTTP path costs the engine. The offline workload of `bench serving` (N requests, input and
 output lengths uniform in [100, 1024], `ignore_eos`, all at once) runs: straight to a scheduler
-(in process, no server), through `AsyncEngine.generate` from an asyncio loop in this process (the
+(in process, no server), through `EngineThread.generate` from an asyncio loop in this process (the
 scheduler thread and the output hand-off, no HTTP), then through a fresh server process driven by
 an `httpx` async client, streamed and not streamed (one server, a warm-up and one untimed pass of
 the whole workload first, as in process). Each row has
@@ -66,9 +66,10 @@ async def _through_async_engine(async_engine: Any, requests: list[tuple[list[int
 
 def run_async_engine(engine: Any, tokenizer: Any, requests: list[tuple[list[int], int]]) -> dict[str, Any]:
     """The workload through the server's engine interface in this process (no HTTP)."""
-    from snugkv.scheduler.async_engine import AsyncEngine
+    from snugkv.driver.engine_core import EngineCore
+    from snugkv.driver.engine_thread import EngineThread
 
-    async_engine = AsyncEngine(engine, tokenizer=tokenizer, model_name="bench")
+    async_engine = EngineThread(EngineCore.around(engine, tokenizer=tokenizer), model_name="bench")
     try:
         times = async_engine.scheduler.times
         busy_before = times.device_busy_s

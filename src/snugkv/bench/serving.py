@@ -69,17 +69,15 @@ def run_scheduler(
     overlap: bool = True,
     tokenizer: Any = None,
 ) -> dict[str, Any]:
-    from snugkv.scheduler.scheduler import Scheduler
+    from snugkv.driver.engine_core import EngineCore
 
     finished: dict[str, float] = {}
-    scheduler = Scheduler(
-        engine.runner,
+    scheduler = EngineCore.around(
+        engine,
         tokenizer=tokenizer,
-        max_running_requests=engine.report.max_running_requests,
-        chunked_prefill_size=engine.args.chunked_prefill_size,
         on_output=lambda r, o: finished.__setitem__(o.rid, time.monotonic()) if o.finished else None,
         overlap=overlap,
-    )
+    ).scheduler
     tracked = []
     gc_before = GC_PAUSES.as_dict()
     start = time.monotonic()

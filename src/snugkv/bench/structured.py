@@ -55,17 +55,11 @@ def measure(
 ) -> dict[str, Any]:
     """One batch of `batch` requests, every `constrained_every`-th constrained (0: none), all at once;
     the finished requests are appended to `finished` when given."""
-    from snugkv.scheduler.scheduler import Scheduler
+    from snugkv.driver.engine_core import EngineCore
 
     rng = random.Random(seed)
-    vocab = min(engine.config.vocab_size, len(tokenizer))
-    scheduler = Scheduler(
-        engine.runner,
-        tokenizer=tokenizer,
-        eos_token_ids=engine.config.eos_token_ids,
-        max_running_requests=max(batch, 1),
-        chunked_prefill_size=engine.args.chunked_prefill_size,
-    )
+    vocab = min(engine.config.vocab_size, tokenizer.vocab_size)
+    scheduler = EngineCore.around(engine, tokenizer=tokenizer, max_running_requests=max(batch, 1)).scheduler
     requests = []
     for index in range(batch):
         constrained = constrained_every > 0 and index % constrained_every == 0
@@ -105,10 +99,11 @@ def run(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from snugkv.llm import LLM
+    from snugkv.models.tokenizer import Tokenizer
 
     if cuda_missing("bench structured"):
         return 2
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    tokenizer = Tokenizer(AutoTokenizer.from_pretrained(args.tokenizer))
     llm = LLM(args.model, load_format="dummy", max_running_requests=args.batch, cuda_graph_max_bs=args.batch)
     engine = llm.engine
     every = round(1 / args.constrained_fraction) if args.constrained_fraction > 0 else 0

@@ -126,7 +126,8 @@ def add_stub_arguments(parser: argparse.ArgumentParser, *, with_step: bool = Tru
 
 
 def main() -> None:
-    from snugkv.scheduler.async_engine import AsyncEngine
+    from snugkv.driver.engine_core import EngineCore
+    from snugkv.driver.engine_thread import EngineThread
     from snugkv.server.app import create_app
     from snugkv.server.launch import serve
     from snugkv.server.metrics import ServerMetrics
@@ -148,7 +149,7 @@ def main() -> None:
         if args.engine_process:
             # StubDevice by its module's own name, not __main__'s: the engine process unpickles it
             from snugkv.bench import stub_device
-            from snugkv.scheduler.engine_process import EngineProcess, EngineSpec
+            from snugkv.driver.engine_process import EngineProcess, EngineSpec
 
             device = stub_device.StubDevice(args.step_ms, args.prefill_us_per_token)
             source = stub_tokenizer_source(args.tokenizer) if args.tokenizer else None
@@ -159,7 +160,8 @@ def main() -> None:
         else:
             engine = stub_engine(Path(directory), args)
             tokenizer = stub_tokenizer(args.tokenizer)
-            async_engine = AsyncEngine(engine, tokenizer=tokenizer, model_name="stub", metrics=metrics)
+            core = EngineCore.around(engine, tokenizer=tokenizer)
+            async_engine = EngineThread(core, model_name="stub", metrics=metrics)
         app = create_app(
             async_engine, api_key=None, max_body_bytes=1 << 24, served_model_name="stub", metrics=metrics
         )

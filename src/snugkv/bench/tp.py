@@ -172,8 +172,8 @@ def _bench_rank(tp: Any, spec: dict[str, Any], result_path: str) -> None:
 
     from snugkv.bench.decode import time_cuda
     from snugkv.core.sampling import SamplingParams
+    from snugkv.driver.engine_core import EngineCore
     from snugkv.engine import Engine, EngineArgs
-    from snugkv.scheduler.scheduler import Scheduler
 
     result: dict[str, Any] = {"tp_size": tp.world_size}
 
@@ -214,7 +214,7 @@ def _bench_rank(tp: Any, spec: dict[str, Any], result_path: str) -> None:
     runner = engine.runner
     prompts = fixed_prompts(engine.config.vocab_size)
     greedy = SamplingParams(max_new_tokens=spec["new_tokens"], ignore_eos=True)
-    scheduler = Scheduler.for_engine(engine)  # every rank adds the same requests: they batch alike
+    scheduler = EngineCore.around(engine).scheduler  # every rank adds the same requests: they batch alike
     requests = [scheduler.add_request(str(i), prompt, greedy) for i, prompt in enumerate(prompts)]
     while scheduler.has_work:
         scheduler.step()

@@ -64,7 +64,8 @@ def sampling_from(args: argparse.Namespace):
 
 
 class Session:
-    """An engine, its tokenizer and a scheduler, for the interactive commands (generate, chat)."""
+    """An engine core (engine, tokenizer, scheduler) for the interactive commands (generate, chat):
+    every rank runs the same request and steps with the others."""
 
     def __init__(self, args: argparse.Namespace, tp: Any = None) -> None:
         from snugkv.distributed.group import TensorParallel
@@ -80,17 +81,15 @@ class Session:
 
     def start(self, max_total_tokens: int | None = None) -> None:
         """Start the engine; `max_total_tokens` caps the KV cache unless --max-total-tokens was given."""
-        from snugkv.engine import Engine
-        from snugkv.models.tokenizer import load_tokenizer
-        from snugkv.scheduler.scheduler import Scheduler
+        from snugkv.driver.engine_core import EngineCore
 
         engine_args = engine_args_from(self.args)
         if engine_args.max_total_tokens is None and max_total_tokens is not None:
             engine_args = dataclasses.replace(engine_args, max_total_tokens=max_total_tokens)
-        self.engine = Engine(engine_args, tp=self.tp)
-        self.tokenizer = load_tokenizer(self.source, self.engine.config.eos_token_ids)
+        self.core = EngineCore.build(engine_args, tp=self.tp, tokenizer_source=self.source)
+        self.core.deliver_outputs_to(self._output)
+        self.tokenizer = self.core.tokenizer or self.tokenizer  # with the model's extra EOS ids
         self._on_text: Any = None
-        self.scheduler = Scheduler.for_engine(self.engine, tokenizer=self.tokenizer, on_output=self._output)
 
     def _output(self, request: Any, output: Any) -> None:
         self.last = output
@@ -102,18 +101,24 @@ class Session:
 
         `stop_requested()` (rank 0's, asked before each step) ends the answer early, on every rank.
         """
+        from snugkv.driver.commands import Abort, Add
+
         self._on_text = on_text
-        request = self.scheduler.add_request(f"cli-{time.monotonic_ns()}", prompt_ids, sampling)
-        while self.scheduler.has_work:
+        core, rid = self.core, f"cli-{time.monotonic_ns()}"
+        core.apply(Add(rid, prompt_ids, sampling))
+        request = core.scheduler.requests[rid]
+        while core.has_work:
             if stop_requested is not None:
                 stop = bool(stop_requested()) if self.tp.is_first_rank else False
                 if self.tp.any_rank(stop):
-                    self.scheduler.abort(request.rid)
-            self.scheduler.step()
+                    core.apply(Abort(rid))
+            # The scheduler's own step, not `core.step`: a failure here ends the command on every
+            # rank (the launch), so the ranks need not agree on it with one more collective a step.
+            core.scheduler.step()
         return request
 
     def close(self) -> None:
-        self.engine.close()
+        self.core.close()
 
 
 def _write(text: str) -> None:

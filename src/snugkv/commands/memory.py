@@ -123,10 +123,10 @@ def _show_engines(gpu: str, *, as_json: bool) -> int:
     """`--gpu N`: the record of elastic engines on that device, one line each."""
     import torch
 
-    from snugkv.server.memory_share import share_table
+    from snugkv.memory_share.policy import SharePolicy
+    from snugkv.memory_share.record import ShareRecord, device_key
+    from snugkv.memory_share.share import share_table
     from snugkv.sizing.measure import shared_device_free_bytes
-    from snugkv.sizing.share_policy import SharePolicy
-    from snugkv.sizing.share_record import ShareRecord, device_key
 
     if gpu == "host":
         device = torch.device("cpu")

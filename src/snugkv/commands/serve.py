@@ -16,17 +16,33 @@ import ipaddress
 import logging
 import os
 import signal
+import socket
+import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from snugkv.commands.engine_args import add_engine_arguments, checked_engine_args, engine_args_from
 from snugkv.commands.serve_replicas import add_replica_arguments
 from snugkv.distributed.nodes import add_node_arguments
+
+if TYPE_CHECKING:  # the commands import what they run lazily: `snugkv --help` loads no torch
+    from fastapi import FastAPI
+
+    from snugkv.distributed.group import TensorParallel
+    from snugkv.driver.engine_process import EngineProcess
+    from snugkv.driver.engine_thread import EngineThread
+    from snugkv.engine import Engine
+    from snugkv.memory_share.share import MemoryShare
+    from snugkv.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 
 API_KEY_ENV = "SNUGKV_API_KEY"
 DEFAULT_MEMORY_SHARE = 1.0
 DEFAULT_KV_MIN_TOKENS = 4096
+# Set while rank 0 serves (its signal handlers stop the server gracefully): `_stop_serving`.
+_LISTENING = threading.Event()
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -129,24 +145,26 @@ def port_number(value: str) -> int:
     return port
 
 
-def build_async_engine(args: argparse.Namespace, metrics=None, tp=None, after_engine=None):
-    """Engine + scheduler thread for `args` (rank 0 of `tp`); returns (async engine, served model name).
-    `after_engine(engine)` runs as soon as the engine is sized (before the tokenizer loads)."""
-    from snugkv.engine import Engine
-    from snugkv.scheduler.async_engine import AsyncEngine
+def build_engine_thread(
+    args: argparse.Namespace,
+    metrics: ServerMetrics | None = None,
+    tp: TensorParallel | None = None,
+    after_engine: Callable[[Engine], None] | None = None,
+) -> tuple[EngineThread, str]:
+    """The engine core for `args` (rank 0 of `tp`) on a scheduler thread in this process; returns
+    (engine thread, served model name). `after_engine(engine)` runs as soon as the engine is sized
+    (before the tokenizer loads)."""
+    from snugkv.driver.engine_core import EngineCore
+    from snugkv.driver.engine_thread import EngineThread
 
-    engine = Engine(engine_args_from(args), tp=tp)
-    if after_engine is not None:
-        after_engine(engine)
-    name = args.served_model_name or _model_name(args.model, engine.loaded.source.path)
-    async_engine = AsyncEngine(
-        engine,
-        tokenizer=_tokenizer_of(engine),
-        model_name=name,
-        metrics=metrics,
+    core = EngineCore.build(
+        engine_args_from(args),
+        tp=tp,
         enable_prefix_cache=not args.disable_prefix_cache,
+        after_engine=after_engine,
     )
-    return async_engine, name
+    name = args.served_model_name or _model_name(args.model, core.engine.loaded.source.path)
+    return EngineThread(core, model_name=name, metrics=metrics), name
 
 
 def _model_name(model: str | None, path: Path) -> str:
@@ -158,15 +176,12 @@ def _model_name(model: str | None, path: Path) -> str:
     return path.stem
 
 
-def _tokenizer_of(engine):
-    from snugkv.scheduler.engine_process import engine_tokenizer
-
-    return engine_tokenizer(engine)
-
-
-def build_engine_process(args: argparse.Namespace, on_exit=None):
-    """--engine-process: the engine and its scheduler in a child process; returns (client, name)."""
-    from snugkv.scheduler.engine_process import EngineProcess, EngineSpec
+def build_engine_process(
+    args: argparse.Namespace, on_exit: Callable[[str], None] | None = None
+) -> tuple[EngineProcess, str]:
+    """--engine-process: the engine core and its scheduler thread in a child process; returns
+    (client, name)."""
+    from snugkv.driver.engine_process import EngineProcess, EngineSpec
 
     root = logging.getLogger()
     formatter = root.handlers[0].formatter if root.handlers else None
@@ -295,12 +310,19 @@ def _engine_exited(reason: str) -> None:
 def _stop_serving() -> None:
     """A helper rank died (--tp): this server cannot generate any more. Stop as SIGTERM stops it
     (in-flight requests end, at the latest at the graceful-shutdown deadline, and the engine is
-    released); the launch then fails, so the process exits non-zero and a supervisor restarts it."""
+    released); the launch then fails, so the process exits non-zero and a supervisor restarts it.
+
+    Before the server listens there is nothing to stop gracefully, and a SIGTERM would kill rank 0
+    in the middle of its start-up: it goes on instead, and meets the helper's refusal itself (a
+    model that does not split: the same one-line error) or the launch's grace period ends it."""
+    if not _LISTENING.is_set():
+        logger.error("A tensor-parallel rank is gone before the server started")
+        return
     logger.error("Stopping the server: a tensor-parallel rank is gone")
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _serve_rank(tp, args: argparse.Namespace, sock=None) -> int:
+def _serve_rank(tp: TensorParallel, args: argparse.Namespace, sock: socket.socket | None = None) -> int:
     """Rank 0 serves HTTP on `sock`; with --tp the other ranks follow its scheduler step by step."""
     if not tp.is_first_rank:
         return _follow(tp, args)
@@ -311,9 +333,11 @@ def _serve_rank(tp, args: argparse.Namespace, sock=None) -> int:
     api_key = api_key_from(args)
     warn_if_open(args.host, api_key)
     metrics = ServerMetrics()
-    share = None
+    share: MemoryShare | None = None
+    client: EngineThread | EngineProcess
+    engine_thread: EngineThread | None = None  # the engine in this process (--kv-elastic needs it)
     if getattr(args, "kv_elastic", False):
-        from snugkv.server.memory_share import MemoryShareError
+        from snugkv.memory_share.share import MemoryShareError
 
         try:
             share = _join_memory_share(args)
@@ -322,45 +346,51 @@ def _serve_rank(tp, args: argparse.Namespace, sock=None) -> int:
             return 2
     try:
         if getattr(args, "engine_process", False):
-            async_engine, name = build_engine_process(args, on_exit=_engine_exited)
+            client, name = build_engine_process(args, on_exit=_engine_exited)
         else:
             with share.holding_others_headroom() if share is not None else contextlib.nullcontext():
                 after = share.started if share is not None else None
-                async_engine, name = build_async_engine(args, metrics, tp, after_engine=after)
+                engine_thread, name = build_engine_thread(args, metrics, tp, after_engine=after)
+            client = engine_thread
     except BaseException:
         if share is not None:
             share.leave()
         raise
     app = create_app(
-        async_engine,
+        client,
         api_key=api_key,
         max_body_bytes=args.max_body_bytes,
         served_model_name=name,
         metrics=metrics,
     )
-    on_shutdown = async_engine.stop
-    if share is not None:
-        on_shutdown = _share_then_stop(share, async_engine, app, args.host, sock)
-    serve(
-        app,
-        host=args.host,
-        port=args.port,
-        sock=sock,
-        on_shutdown=on_shutdown,
-        on_stop_requested=async_engine.abort_all,
-    )
-    died = getattr(async_engine, "died", None)
+    on_shutdown = client.stop
+    if share is not None and engine_thread is not None:
+        on_shutdown = _share_then_stop(share, engine_thread, app, args.host, sock)
+    try:
+        serve(
+            app,
+            host=args.host,
+            port=args.port,
+            sock=sock,
+            on_shutdown=on_shutdown,
+            on_listening=lambda url: _LISTENING.set(),
+            on_stop_requested=client.abort_all,
+        )
+    finally:
+        _LISTENING.clear()
+    died = getattr(client, "died", None)  # an engine process's
     if died:  # the server stopped because its engine process died: a supervisor should restart it
         logger.error("Stopped serving: %s", died)
         return 1
     return 0
 
 
-def _join_memory_share(args: argparse.Namespace):
+def _join_memory_share(args: argparse.Namespace) -> MemoryShare:
     """--kv-elastic: register on the GPU's record and wait until the running engines made room."""
     from snugkv.memory.arena import DEFAULT_CHUNK_BYTES
     from snugkv.memory.vmm import MIB
-    from snugkv.server.memory_share import ELASTIC_CHUNK_MIB, MemoryShare, ShareOptions, device_total_gib
+    from snugkv.memory_share.estimate import device_total_gib
+    from snugkv.memory_share.share import ELASTIC_CHUNK_MIB, MemoryShare, ShareOptions
 
     if args.kv_chunk_mib == DEFAULT_CHUNK_BYTES // MIB:  # a shrink on a full device frees whole chunks only
         args.kv_chunk_mib = ELASTIC_CHUNK_MIB
@@ -372,21 +402,24 @@ def _join_memory_share(args: argparse.Namespace):
     return MemoryShare.before_start(engine_args_from(args), name, options)
 
 
-def _share_then_stop(share, async_engine, app, host: str, sock):
+def _share_then_stop(
+    share: MemoryShare, engine_thread: EngineThread, app: FastAPI, host: str, sock: socket.socket | None
+) -> Callable[[], None]:
     """Start rebalancing now; the returned shutdown stops it, then the engine, then leaves the record
     (after the memory is released, so the others grow only into memory that is free)."""
-    from snugkv.server.memory_share import install_share_routes
-    from snugkv.server.memory_share_wake import install_wake_ask
+    from snugkv.memory_share.wake import asking_to_wake
+    from snugkv.server.elastic_routes import install_share_routes
 
     port = sock.getsockname()[1] if sock is not None else 0
-    share.attach(async_engine, f"http://{host}:{port}")
+    share.attach(engine_thread, f"http://{host}:{port}")
     install_share_routes(app, share)
-    install_wake_ask(share, async_engine)  # a wake asks the others for its memory first
+    # Every wake (the routes', or a direct call) asks the others for its memory first.
+    engine_thread.wake_gate = lambda tags: asking_to_wake(share, tags)
 
     def stop() -> None:
         share.stop()
         try:
-            async_engine.stop()
+            engine_thread.stop()
         finally:
             share.leave()
 
@@ -417,17 +450,7 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
-def _follow(tp, args: argparse.Namespace) -> int:
-    from snugkv.engine import Engine
-    from snugkv.scheduler import lockstep
-    from snugkv.scheduler.scheduler import Scheduler
+def _follow(tp: TensorParallel, args: argparse.Namespace) -> int:
+    from snugkv.driver.follower import run_follower
 
-    engine = Engine(engine_args_from(args), tp=tp)
-    try:
-        scheduler = Scheduler.for_engine(
-            engine, tokenizer=_tokenizer_of(engine), enable_prefix_cache=not args.disable_prefix_cache
-        )
-        lockstep.follow(scheduler, tp)
-    finally:
-        engine.close()
-    return 0
+    return run_follower(tp, engine_args_from(args), enable_prefix_cache=not args.disable_prefix_cache)

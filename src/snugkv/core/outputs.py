@@ -1,6 +1,6 @@
 """What goes into the engine for one request and what comes back, step by step.
 
-The scheduler builds these, the async engine carries them across threads, the server and the
+The scheduler builds these, the engine thread carries them across threads, the server and the
 command-line tools turn them into responses. None of them knows about pools or the model.
 """
 

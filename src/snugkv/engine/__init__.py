@@ -1,18 +1,17 @@
-"""The engine: start-up (snugkv.engine.pipeline), run-time resize/sleep/wake (snugkv.engine.elastic),
-and its flags (snugkv.engine.args)."""
+"""The engine: start-up and the run-time changes of its memory (snugkv.engine.pipeline), the KV
+cache's size (snugkv.engine.kv_sizing), sleep and wake (snugkv.engine.sleep), and its flags
+(snugkv.engine.args)."""
 
 from snugkv.engine.args import EngineArgs, InvalidEngineArgs
-from snugkv.engine.elastic import DEFAULT_SLEEP_TAGS, SLEEP_TAGS, ElasticMemory
+from snugkv.engine.kv_sizing import KvSizing
 from snugkv.engine.pipeline import Engine
-from snugkv.engine.report import SizedKV, StartupReport
+from snugkv.engine.sleep import DEFAULT_SLEEP_TAGS, SLEEP_TAGS
 
 __all__ = [
     "DEFAULT_SLEEP_TAGS",
     "SLEEP_TAGS",
-    "ElasticMemory",
     "Engine",
     "EngineArgs",
     "InvalidEngineArgs",
-    "SizedKV",
-    "StartupReport",
+    "KvSizing",
 ]

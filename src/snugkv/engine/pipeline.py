@@ -1,13 +1,16 @@
-"""The engine's start-up: load, reserve, capture, measure, size, commit, report.
+"""The engine: its start-up pipeline (load, reserve, capture, measure, size, commit, report) and
+the run-time changes of its memory (resize, sleep, wake), with the captured graphs kept valid.
 
 `Engine.__init__` is the whole start-up pipeline in order; read it top to bottom. In
 post-capture mode the KV pool is virtual addresses only until after the decode graphs are
-captured; then free memory is measured (MIN over ranks), the activation peak of the largest
-eager step is measured, and exactly what is left is backed. The static modes size the pool
+captured; then the activation peak of the largest eager step is measured, and the KV sizing
+object (snugkv.engine.kv_sizing: `KvSizing.size_after_capture`, the post-capture step) measures
+free memory (MIN over ranks) and backs exactly what is left. The static modes size the pool
 before capture, as classic engines do, for comparison and as the fallback without VMM.
-From then on the runner serves like a statically sized one; the run-time half (resize, sleep,
-wake: snugkv.engine.elastic) changes the KV cache without capturing a graph again, and
-`--max-device-memory` caps the whole engine at start-up and on every change.
+From then on the runner serves like a statically sized one; the same sizing object resizes the
+KV cache at run time and sizes it again on wake (snugkv.engine.sleep), without capturing a graph
+again, and `--max-device-memory` caps the whole engine at start-up and on every change. Each
+change is recorded in the report (with a fresh ledger), the history and the log.
 
 Tensor parallelism (`tp_size > 1`): every rank runs this same pipeline on its own GPU with its
 slice of the model and a KV pool of its own KV heads; `tp` (snugkv.distributed) comes from the
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Collection
 from dataclasses import replace
 from typing import Any
 
@@ -26,14 +30,16 @@ import torch.distributed as dist
 
 from snugkv.core.forward import BatchRow
 from snugkv.core.gc_pauses import freeze_startup_objects, thaw
+from snugkv.core.reports import KvCacheView, KvResize, MemoryLedger, SleepState, StartupReport
 from snugkv.core.sampling import MAX_LOGPROBS, PROMPT_LOGITS_PER_STEP, SamplingParams
 from snugkv.distributed.group import TensorParallel, use_tensor_parallel
 from snugkv.engine.args import EngineArgs
-from snugkv.engine.elastic import ElasticMemory
-from snugkv.engine.report import SizedKV, StartupReport
+from snugkv.engine.kv_sizing import KvCaps, KvSizing, StartupSizing
+from snugkv.engine.sleep import EngineSleep
 from snugkv.layers.logprobs import score_tokens
 from snugkv.memory.host_device import SharedHostDevice
 from snugkv.memory.kv_pool import KVPool, KVPoolSpec, PoolMode
+from snugkv.memory.moves import KvMoves
 from snugkv.memory.vmm import GIB, MIB, CommitError, VirtualMemory
 from snugkv.memory.vmm_factory import create_vmm
 from snugkv.memory.vmm_host import HostVmm, available_ram_bytes
@@ -43,7 +49,7 @@ from snugkv.runner.cuda_graph import default_cuda_graph_batch_sizes
 from snugkv.runner.kv_cache import make_kv_pool
 from snugkv.runner.model_runner import ModelRunner
 from snugkv.runner.piecewise_graphs import default_token_buckets
-from snugkv.sizing.ledger import MemoryLedger, measure_ledger
+from snugkv.sizing.ledger import measure_ledger
 from snugkv.sizing.measure import (
     agree_min,
     device_memory,
@@ -61,18 +67,18 @@ from snugkv.sizing.modes import (
     static_fraction_budget,
     static_kv_tokens,
 )
-from snugkv.sizing.post_capture import (
-    SizingError,
-    recap_running_requests,
-    size_post_capture,
-)
+from snugkv.sizing.post_capture import SizingError
+from snugkv.sizing.resize import KvResizeError
 
 logger = logging.getLogger(__name__)
 
 
-class Engine(ElasticMemory):
-    runner: ModelRunner | None
-    pool: KVPool
+class Engine:
+    """One rank's model, KV cache and graphs: started in `__init__`, changed by `resize_kv`,
+    `sleep` and `wake_up` between steps, released by `close`."""
+
+    runner: ModelRunner | None  # None once closed
+    kv: KvSizing  # the KV cache's size: pool, caps, headroom
 
     def __init__(
         self, args: EngineArgs, group: dist.ProcessGroup | None = None, tp: TensorParallel | None = None
@@ -126,11 +132,20 @@ class Engine(ElasticMemory):
         self.memory = self._memory_backend()
         self.baseline_free_bytes = baseline_free
         self._graph_driver_bytes = 0  # set once the graphs are captured
-        self._init_elastic()
+        self._activation_peak_bytes = 0  # measured before the KV cache is sized
+        # 2.-7. Reserve, capture, measure, size, commit (`KvSizing.size_after_capture`).
         sized = self._start_post_capture() if self.mode is SizingMode.POST_CAPTURE else self._start_static()
-        self.runner, self.pool = sized.runner, sized.pool
-        self.headroom_bytes = sized.headroom_bytes
-        self._activation_peak_bytes = sized.activation_peak_bytes
+        self.runner = self.kv.runner
+        self.sleeper = EngineSleep(
+            mode=self.mode,
+            loaded=self.loaded,
+            kv=self.kv,
+            tp=tp,
+            device=self.device,
+            capture_graphs=lambda: self._capture_graphs(self.kv.runner),
+            release_graphs=self._release_graphs,
+        )
+        # 8. The report: the sizing figures and the ledger.
         ledger = self._measure_ledger()
         self.report = StartupReport(
             self.mode,
@@ -145,6 +160,19 @@ class Engine(ElasticMemory):
         )
         self._log("%s", ledger.table())
         freeze_startup_objects()  # a full collection no longer walks the model and the graphs
+
+    @property
+    def pool(self) -> KVPool:
+        return self.kv.pool
+
+    @property
+    def headroom_bytes(self) -> int:
+        """Device memory kept free for the activations of the largest eager step (0 on CPU)."""
+        return self.kv.headroom_bytes
+
+    @property
+    def page_size(self) -> int:
+        return self._page_size
 
     def _measure_ledger(self) -> MemoryLedger:
         return measure_ledger(
@@ -253,12 +281,13 @@ class Engine(ElasticMemory):
             return []
         return default_token_buckets(min(self.args.prefill_graph_max_tokens, self.context_length))
 
-    def _capture(self, runner: ModelRunner) -> tuple[int, float]:
-        """Capture the decode graphs and the piecewise prefill graphs; returns the driver memory
-        they took outside torch's allocator (the ledger's own item) and the seconds it took."""
+    def _capture_graphs(self, runner: ModelRunner) -> float:
+        """Capture the decode graphs and the piecewise prefill graphs; counts the driver memory
+        they took outside torch's allocator (the ledger's own item) and returns the seconds it took."""
         sizes, buckets = self._graph_batch_sizes(), self._prefill_graph_buckets()
         if not sizes and not buckets:
-            return 0, 0.0
+            self._graph_driver_bytes = 0
+            return 0.0
 
         def capture() -> None:
             if sizes:
@@ -267,8 +296,14 @@ class Engine(ElasticMemory):
                 runner.capture_piecewise_graphs(buckets)
 
         started = time.perf_counter()
-        taken = measure_capture(self.device, capture)
-        return taken.driver_bytes, time.perf_counter() - started
+        self._graph_driver_bytes = measure_capture(self.device, capture).driver_bytes
+        return time.perf_counter() - started
+
+    def _release_graphs(self) -> None:
+        """Drop every graph and its pool (sleep with `cuda_graph`)."""
+        if self.runner is not None:
+            self.runner.release_graphs()
+        self._graph_driver_bytes = 0
 
     def _largest_eager_step(self, runner: ModelRunner) -> None:
         """The biggest eager work the engine will run: the largest prefill chunk (scoring the most
@@ -307,7 +342,7 @@ class Engine(ElasticMemory):
         runner.sample_on_device(logits, [penalised] * batch, None, [0] * batch)  # row 0: the padding row
 
     # -- post-capture -------------------------------------------------------------------
-    def _start_post_capture(self) -> SizedKV:
+    def _start_post_capture(self) -> StartupSizing:
         page = self._page_size
         # 2. Reserve: an upper bound from all free memory, no graph or activation reserve.
         free = measure_free(self.memory, self.group)
@@ -323,54 +358,43 @@ class Engine(ElasticMemory):
         pool = self._pool(PoolMode.POST_CAPTURE, reserved_tokens)
         # 3. Back the dummy page, 4. capture the decode graphs against the fixed addresses.
         runner = self._build_runner(pool)
-        graph_driver_bytes, capture_s = self._capture(runner)
-        self._graph_driver_bytes = graph_driver_bytes
-        # 5. Measure: the activation peak of the largest eager step, then free memory.
+        capture_s = self._capture_graphs(runner)
+        # 5. Measure the activation peak of the largest eager step; it and the margin stay free.
         peak = measure_peak_bytes(self.device, lambda: self._largest_eager_step(runner))
+        self._activation_peak_bytes = peak
         headroom = peak + self.args.headroom_margin_mib * MIB if self.device.type == "cuda" else 0
-        measured = time.perf_counter()
-        free = measure_free(self.memory, self.group)
-        measure_ms = (time.perf_counter() - measured) * 1e3
-        # 6. Size and 7. commit (with retry), then resize the allocators.
-        kv_cap = self._kv_cap_bytes(pool, headroom)
-        if kv_cap is not None and pool.max_tokens_within(kv_cap) < 2 * page:
-            raise SizingError(self._cap_too_small(pool, headroom))
-        result = size_post_capture(
-            pool, free, headroom, self.args.max_total_tokens, self.group, kv_cap_bytes=kv_cap
-        )
-        resized = time.perf_counter()
-        runner.allocator.resize(result.max_total_num_tokens)
-        resize_ms = (time.perf_counter() - resized) * 1e3
-        self._check_usable(runner)
-        max_running = self._recap(runner, result.max_total_num_tokens)
-        sizing_ms = (time.perf_counter() - measured) * 1e3
+        # 6. Measure free memory, size, commit (with retry), 7. resize the allocators, re-cap.
+        self.kv = self._kv_sizing(runner, headroom)
+        sized = self.kv.size_after_capture()
         free_after = self.memory.mem_get_info()[0]
         self._log(
             "Post-capture KV sizing: max_total_num_tokens=%d, committed=%.2f GiB, headroom=%.2f GiB, "
             "free after=%.2f GiB, took=%.1f ms%s",
-            result.max_total_num_tokens,
-            result.committed_bytes / GIB,
+            sized.max_total_num_tokens,
+            pool.committed_bytes / GIB,
             headroom / GIB,
             free_after / GIB,
-            sizing_ms,
-            self._per_rank_text(free.per_rank_bytes),
+            sized.sizing_ms,
+            self._per_rank_text(sized.per_rank_free_bytes),
         )
-        return SizedKV(
+        return replace(sized, timings={"capture_s": capture_s, **sized.timings})
+
+    def _kv_sizing(self, runner: ModelRunner, headroom_bytes: int) -> KvSizing:
+        pool = runner.kv_pool
+        return KvSizing(
             runner,
-            result.max_total_num_tokens,
-            max_running,
-            sizing_ms=sizing_ms,
-            activation_peak_bytes=peak,
-            headroom_bytes=headroom,
-            graph_driver_bytes=graph_driver_bytes,
-            retries=result.retries,
-            per_rank_free_bytes=free.per_rank_bytes,
-            timings={
-                "capture_s": capture_s,
-                "sizing_measure_ms": measure_ms,
-                "sizing_commit_ms": result.took_ms,
-                "sizing_resize_ms": resize_ms,
-            },
+            mode=self.mode,
+            memory=self.memory,
+            group=self.group,
+            caps=KvCaps(
+                page_size=self._page_size,
+                max_total_tokens=self.args.max_total_tokens,
+                max_device_memory_gib=self.args.max_device_memory_gib,
+                max_running_requests=self._max_running_requests,
+            ),
+            headroom_bytes=headroom_bytes,
+            held_besides_kv=lambda: self._engine_device_bytes(pool) - pool.committed_bytes,
+            device_type=self.device.type,
         )
 
     @staticmethod
@@ -378,23 +402,6 @@ class Engine(ElasticMemory):
         if len(per_rank) <= 1:
             return ""
         return ", free per rank=[" + ", ".join(f"{value / GIB:.2f}" for value in per_rank) + "] GiB"
-
-    def _check_usable(self, runner: ModelRunner) -> None:
-        """A pool whose allocator can hand out nothing (e.g. a sliding-window sub-pool rounded down
-        to 0 pages) would refuse every request: say so at start-up instead."""
-        usable = runner.allocator.capacity_tokens
-        if usable < 2 * self._page_size:  # one page for a prompt, one for its first new token
-            raise SizingError(
-                f"the KV cache holds {usable} usable tokens, less than two pages of {self._page_size}; "
-                "raise --max-total-tokens (or --host-kv-gib on CPU), lower --page-size, or for a "
-                "sliding-window model raise --swa-full-tokens-ratio"
-            )
-
-    def _recap(self, runner: ModelRunner, tokens: int) -> int:
-        """`max_running_requests` for a pool of `tokens` (back up to the flag's value when it grew)."""
-        max_running = recap_running_requests(self._max_running_requests, tokens, self._page_size)
-        runner.req_to_token_pool.cap_requests(max_running)
-        return max_running
 
     def _engine_device_bytes(self, pool: KVPool | None) -> int:
         """What `--max-device-memory` counts: the engine's own device memory (weights, graphs,
@@ -406,30 +413,14 @@ class Engine(ElasticMemory):
             outside_torch += self.loaded.weights.committed_bytes
         return engine_device_bytes(self.memory, outside_torch, self.baseline_reserved_bytes)
 
-    def _kv_cap_bytes(self, pool: KVPool, headroom_bytes: int) -> int | None:
-        """What `--max-device-memory` leaves the KV cache: the cap less everything else the engine
-        holds now and the activation headroom (None without a cap)."""
-        if self.args.max_device_memory_gib is None:
-            return None
-        others = self._engine_device_bytes(pool) - pool.committed_bytes
-        return int(self.args.max_device_memory_gib * GIB) - others - headroom_bytes
-
-    def _cap_too_small(self, pool: KVPool, headroom_bytes: int) -> str:
-        others = self._engine_device_bytes(pool) - pool.committed_bytes
-        need = others + headroom_bytes + pool.bytes_for_tokens(2 * self._page_size)
-        return (
-            f"--max-device-memory {self.args.max_device_memory_gib:g} GiB leaves no room for the KV cache: "
-            f"the engine already holds {others / GIB:.2f} GiB (weights, graphs, buffers) and keeps "
-            f"{headroom_bytes / GIB:.2f} GiB of activation headroom; raise it to at least {need / GIB:.2f} GiB"
-        )
-
     # -- static modes -------------------------------------------------------------------
-    def _start_static(self) -> SizedKV:
+    def _start_static(self) -> StartupSizing:
         """Profiled / static-fraction: size KV before capture, as classic engines do."""
         page = self._page_size
         pages = max(2, self._chunked_prefill_size // page + 1)
         probe = self._pool(PoolMode.STATIC, pages * page)
         peak = self._profile_peak(probe)
+        self._activation_peak_bytes = peak
         bytes_per_token = probe.bytes_per_token
         probe.close()
         settle(self.device)
@@ -466,10 +457,10 @@ class Engine(ElasticMemory):
         pool = self._pool(PoolMode.STATIC, tokens)
         runner = self._build_runner(pool)
         sizing_ms = (time.perf_counter() - measured) * 1e3
-        graph_driver_bytes, capture_s = self._capture(runner)
-        self._graph_driver_bytes = graph_driver_bytes
-        self._check_usable(runner)
-        max_running = self._recap(runner, pool.committed_tokens)
+        capture_s = self._capture_graphs(runner)
+        self.kv = self._kv_sizing(runner, headroom_bytes=0)  # the static modes keep no headroom
+        self.kv.check_usable()
+        max_running = self.kv.recap(pool.committed_tokens)
         self._log(
             "KV sizing (%s): max_total_num_tokens=%d, committed=%.2f GiB, budget=%.2f GiB, took=%.1f ms",
             self.mode,
@@ -478,20 +469,124 @@ class Engine(ElasticMemory):
             budget / GIB,
             sizing_ms,
         )
-        return SizedKV(
-            runner,
+        return StartupSizing(
             pool.committed_tokens,
             max_running,
+            retries=0,
+            per_rank_free_bytes=(),
             sizing_ms=sizing_ms,
-            activation_peak_bytes=peak,
-            headroom_bytes=0,
-            graph_driver_bytes=graph_driver_bytes,
             timings={"capture_s": capture_s},
         )
 
     def _profile_peak(self, pool: KVPool) -> int:
         runner = self._build_runner(pool)
         return measure_peak_bytes(self.device, lambda: self._largest_eager_step(runner))
+
+    # -- run time: the KV cache's size, sleep and wake (the scheduler's thread, between steps) ----
+    def check_resizable(self) -> KvSizing:
+        """The KV sizing object, or `KvResizeError` saying why the KV cache cannot change size now."""
+        if self.runner is None:
+            raise KvResizeError("the engine is closed", status=409)
+        if not self.kv.resizable:
+            raise KvResizeError(
+                f"this engine sized its KV cache with --kv-sizing {self.mode}, whose memory cannot be given "
+                "back; start it with --kv-sizing post-capture to resize at run time",
+                status=409,
+            )
+        if self.sleeper.is_sleeping:
+            raise KvResizeError(
+                "the engine is asleep (its KV cache is released); wake it first (POST /wake_up)", status=409
+            )
+        return self.kv
+
+    def resize_kv(
+        self,
+        max_total_num_tokens: int,
+        *,
+        on_move: Callable[[KvMoves], None] | None = None,
+        evicted_tokens: int = 0,
+        retracted_requests: int = 0,
+    ) -> KvResize:
+        """Grow or shrink the KV cache to `max_total_num_tokens` (rounded down to whole pages).
+
+        Shrinking moves the pages in use above the new bound below it (`on_move` lets the prefix
+        cache follow); they must fit (the scheduler's elastic module evicts and retracts first;
+        `evicted_tokens`/`retracted_requests` are what it freed, for the record). Raises
+        `KvResizeError` naming the limit when the count is out of bounds or the engine cannot.
+        """
+        kv = self.check_resizable()
+        change = kv.resize(
+            kv.limits().check(max_total_num_tokens),
+            on_move=on_move,
+            evicted_tokens=evicted_tokens,
+            retracted_requests=retracted_requests,
+        )
+        self._record(change)
+        return change
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.sleeper.is_sleeping
+
+    @property
+    def sleeping_tags(self) -> frozenset[str]:
+        return self.sleeper.sleeping_tags
+
+    @property
+    def sleep_level(self) -> int:
+        return self.sleeper.level
+
+    def check_sleep(self, level: int, tags: Collection[str] | None) -> frozenset[str]:
+        """The tags a sleep at `level` releases, or `KvResizeError` saying why it cannot."""
+        return self.sleeper.check(level, tags)
+
+    def sleep(self, level: int = 1, tags: Collection[str] | None = None) -> KvResize:
+        """Release the KV cache and/or the weights (and the graphs, if `cuda_graph` is named);
+        every KV slot must be free when the KV cache goes (snugkv.engine.sleep)."""
+        if self.runner is None:
+            raise KvResizeError("the engine is closed", status=409)
+        change = self.sleeper.sleep(level, tags, max_running_requests=self.report.max_running_requests)
+        self._record(change)
+        return change
+
+    def wake_up(self, tags: Collection[str] | None = None) -> KvResize:
+        """Take back what sleep released (`tags`, default all); the KV cache is sized again from the
+        free memory measured now (snugkv.engine.sleep)."""
+        if self.runner is None:
+            raise KvResizeError("the engine is closed", status=409)
+        change = self.sleeper.wake_up(tags, max_running_requests=self.report.max_running_requests)
+        self._record(change)
+        return change
+
+    def _record(self, change: KvResize) -> None:
+        """The change in the report (max_total_num_tokens, max_running_requests, a fresh ledger), the
+        history and the log."""
+        self.report = replace(
+            self.report,
+            max_total_num_tokens=change.to_tokens,
+            max_running_requests=change.max_running_requests,
+            ledger=self._measure_ledger(),
+        )
+        self.kv.record(change)
+        self._log("%s", change.log_line())
+
+    @property
+    def kv_events(self) -> tuple[KvResize, ...]:
+        """The last resizes, sleeps and wakes, oldest first."""
+        return tuple(self.kv.events)
+
+    @property
+    def kv_event_count(self) -> int:
+        return self.kv.event_count
+
+    def kv_info(self) -> KvCacheView:
+        """The KV cache now and what a resize would need (this rank's view; no collective)."""
+        return self.kv.view(
+            max_running_requests=self.report.max_running_requests, sleeping_tags=self.sleeper.sleeping_tags
+        )
+
+    def sleep_state(self) -> SleepState:
+        return self.sleeper.state()
 
     # -- shutdown -----------------------------------------------------------------------
     def close(self) -> None:

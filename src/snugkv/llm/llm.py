@@ -20,11 +20,12 @@ from collections.abc import Mapping, Sequence
 from numbers import Integral
 from typing import Any
 
-import snugkv.llm.ranks as ranks
+from snugkv.core.reports import MemoryReport
 from snugkv.core.sampling import InvalidRequest, SamplingParams
+from snugkv.driver.commands import ResetPrefixCache
 from snugkv.engine import Engine, InvalidEngineArgs
 from snugkv.llm.options import engine_args_from_options
-from snugkv.llm.outputs import MemoryReport, RequestOutput
+from snugkv.llm.outputs import RequestOutput
 from snugkv.llm.runtime import CLOSED, Conversation, Prompt, PromptInput, Runtime, prompt_name
 from snugkv.models.tokenizer import Tokenizer, TokenizerUnavailable
 
@@ -101,24 +102,16 @@ class LLM:
     # -- state --------------------------------------------------------------------------
     def memory(self) -> MemoryReport:
         """The start-up sizing report and memory ledger, and the KV cache's slots now."""
-        runtime = self._open()
-        scheduler = runtime.scheduler
-        allocator = scheduler.runner.allocator
-        return MemoryReport(
-            sizing=runtime.engine.report,
-            capacity_tokens=allocator.capacity_tokens,
-            free_tokens=allocator.available_tokens,
-            prefix_cache_tokens=scheduler.cache.cached_tokens,
-        )
+        return self._open().core.memory_report()
 
     def stats(self) -> dict[str, Any]:
         """The scheduler's counters, as the server's /metrics has them (KV cache usage, prefix-cache
         hit rate, retractions, generated tokens)."""
-        return self._open().scheduler.stats()
+        return self._open().core.stats().to_dict()
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (on every rank); their slots become free."""
-        self._open().turn([ranks.ResetPrefixCache()])
+        self._open().turn([ResetPrefixCache()])
 
     @property
     def tokenizer(self) -> Tokenizer | None:

@@ -1,6 +1,7 @@
 """What `LLM` hands back, and how it gathers it from the scheduler's output stream.
 
-`RequestOutput` is one prompt's whole result, its `CompletionOutput`s in `outputs` (vLLM's shape). `Collector` is the scheduler's `on_output` callback:
+`RequestOutput` is one prompt's whole result, its `CompletionOutput`s in `outputs` (vLLM's shape;
+`memory()`'s report is `core.reports.MemoryReport`). `Collector` is the scheduler's `on_output` callback:
 it appends each request's increments (tokens, text, log-probabilities) and keeps the final one.
 `Progress` is the tqdm bar of a long call. None of them touches the scheduler's state.
 """
@@ -12,9 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from snugkv.core.outputs import FinishReason, GenerateOutput, TokenLogprob
-from snugkv.engine import StartupReport
 from snugkv.scheduler.request import Request
-from snugkv.sizing.ledger import MemoryLedger
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,29 +103,6 @@ class RequestOutput:
     @property
     def completion_tokens(self) -> int:
         return sum(len(output.token_ids) for output in self.outputs)
-
-
-@dataclass(frozen=True, slots=True)
-class MemoryReport:
-    """The start-up sizing (mode, `max_total_num_tokens`, the memory ledger, timings) and the KV
-    cache's slots now."""
-
-    sizing: StartupReport
-    capacity_tokens: int  # slots the allocator hands out
-    free_tokens: int
-    prefix_cache_tokens: int  # slots holding cached prefixes (reusable, evicted when needed)
-
-    @property
-    def ledger(self) -> MemoryLedger:
-        return self.sizing.ledger
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            **self.sizing.to_dict(),
-            "capacity_tokens": self.capacity_tokens,
-            "free_tokens": self.free_tokens,
-            "prefix_cache_tokens": self.prefix_cache_tokens,
-        }
 
 
 @dataclass(slots=True)

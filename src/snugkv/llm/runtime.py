@@ -4,7 +4,7 @@ helper ranks of `tp > 1`, and the loop of turns that drives them.
 A call checks every prompt first (`Scheduler.check_request` and the token-id range: a bad prompt
 raises before anything is queued), adds them all in one turn, then takes turns until the scheduler
 has no work; outputs arrive through the scheduler's `on_output` callback (`Collector`). A failed
-step ends the call's requests (`lockstep.step_once`) and raises `GenerationError`; an interrupt
+step ends the call's requests (`EngineCore.step`) and raises `GenerationError`; an interrupt
 ends them too (tp=1) or closes the runtime (tp > 1). `close` tells the helpers to stop, closes the
 engine and waits for them. Nothing here knows about the `LLM` object itself.
 """
@@ -22,15 +22,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-import snugkv.llm.ranks as ranks
 from snugkv.core.sampling import InvalidRequest, SamplingParams
 from snugkv.distributed.group import TensorParallel
 from snugkv.distributed.launch import HelperRanks, device_type_for, start_helpers
+from snugkv.driver.commands import Add, Stop, Turn
+from snugkv.driver.engine_core import EngineCore
+from snugkv.driver.follower import run_follower
 from snugkv.engine import Engine, EngineArgs
 from snugkv.llm.outputs import Collector, CompletionOutput, Progress, RequestOutput
 from snugkv.models.tokenizer import Tokenizer, TokenizerUnavailable
-from snugkv.scheduler import lockstep
-from snugkv.scheduler.lockstep import Add, Stop
 from snugkv.scheduler.scheduler import Scheduler
 
 PromptInput = str | Sequence[int]
@@ -51,16 +51,16 @@ class Prompt:
 
 
 class Runtime:
-    """What an open `LLM` holds: rank 0's engine, tokenizer and scheduler, and the helper ranks.
-    Holds no reference to the `LLM`, so dropping the `LLM` can close it."""
+    """What an open `LLM` holds: rank 0's engine core (engine, tokenizer, scheduler) and the helper
+    ranks. Holds no reference to the `LLM`, so dropping the `LLM` can close it."""
 
     def __init__(self, args: EngineArgs, *, enable_prefix_cache: bool) -> None:
         self.tp = TensorParallel()
         self.helpers: HelperRanks | None = None
         self.collector = Collector()
-        self._engine: Engine | None = None
-        self._scheduler: Scheduler | None = None
+        self._core: EngineCore | None = None
         self.tokenizer: Tokenizer | None = None
+        self._no_tokenizer: str | None = None
         self._rids = itertools.count()
         self._out_of_step = False  # an interrupted call left the ranks at different points
         if args.tp_size > 1:
@@ -70,20 +70,17 @@ class Runtime:
                     "close it before starting a tensor-parallel LLM"
                 )
             self.tp, self.helpers = start_helpers(
-                ranks.follow,
+                run_follower,
                 args.tp_size,
-                (args, enable_prefix_cache),
+                (args, enable_prefix_cache, True),  # between calls the ranks wait on the user
                 device_type=device_type_for(args.device),
             )
         try:
-            self._engine = engine = Engine(args, tp=self.tp)
-            self.tokenizer, self._no_tokenizer = ranks.engine_tokenizer(engine)
-            self._scheduler = Scheduler.for_engine(
-                engine,
-                tokenizer=self.tokenizer,
-                enable_prefix_cache=enable_prefix_cache,
-                on_output=self.collector.on_output,
+            self._core = core = EngineCore.build(
+                args, tp=self.tp, enable_prefix_cache=enable_prefix_cache, turns_wait_on_user=True
             )
+            core.deliver_outputs_to(self.collector.on_output)
+            self.tokenizer, self._no_tokenizer = core.tokenizer, core.no_tokenizer
         except BaseException:
             self._out_of_step = True  # the helpers may be anywhere in their start-up
             self.close()
@@ -91,19 +88,21 @@ class Runtime:
 
     @property
     def is_open(self) -> bool:
-        return self._scheduler is not None
+        return self._core is not None
+
+    @property
+    def core(self) -> EngineCore:
+        if self._core is None:
+            raise RuntimeError(CLOSED)
+        return self._core
 
     @property
     def engine(self) -> Engine:
-        if self._engine is None:
-            raise RuntimeError(CLOSED)
-        return self._engine
+        return self.core.engine
 
     @property
     def scheduler(self) -> Scheduler:
-        if self._scheduler is None:
-            raise RuntimeError(CLOSED)
-        return self._scheduler
+        return self.core.scheduler
 
     # -- prompts ------------------------------------------------------------------------
     def _require_tokenizer(self) -> Tokenizer:
@@ -169,28 +168,30 @@ class Runtime:
             raise
         finally:
             progress.close()
-            if self._scheduler is not None:
-                self._scheduler.outputs.tokenizer = self.tokenizer
+            if self._core is not None:
+                self._core.scheduler.outputs.tokenizer = self.tokenizer
         if error is not None:
             raise GenerationError(f"generation failed: {type(error).__name__}: {error}") from error
         return [self._result(rid, prompt, text_at_end) for rid, prompt in zip(rids, prompts)]
 
-    def turn(self, commands: ranks.Turn) -> None:
-        for command in ranks.share(self.scheduler, self.tp, commands):
-            ranks.apply(self.scheduler, command)
+    def turn(self, commands: Turn) -> None:
+        core = self.core
+        for command in core.share(commands):
+            core.apply(command)
 
-    def _turns(self, commands: ranks.Turn, progress: Progress) -> Exception | None:
+    def _turns(self, commands: Turn, progress: Progress) -> Exception | None:
         """Turns until the scheduler has no work: the same loop as every helper rank's `follow`."""
+        core = self.core
         failure: Exception | None = None
         while True:
             self.turn(commands)
             commands = []
-            if not self.scheduler.has_work:
+            if not core.has_work:
                 return failure
-            error = lockstep.step_once(self.scheduler, self.tp)  # a failure ends every request
+            error = core.step()  # a failure ends every request
             failure = failure or error
             progress.update(self.collector)
-            if not self.scheduler.has_work:
+            if not core.has_work:
                 return failure
 
     def _after_interrupt(self) -> None:
@@ -229,21 +230,21 @@ class Runtime:
     def close(self) -> None:
         """Tell the helper ranks to stop (when they are in step with rank 0), release rank 0's
         engine, wait for the helpers; idempotent."""
-        engine, scheduler, helpers = self._engine, self._scheduler, self.helpers
-        if engine is None and helpers is None:
+        core, helpers = self._core, self.helpers
+        if core is None and helpers is None:
             return
-        self._engine, self._scheduler, self.tokenizer, self.helpers = None, None, None, None
+        self._core, self.tokenizer, self.helpers = None, None, None
         told_helpers = False
         try:
-            if helpers is not None and scheduler is not None and not self._out_of_step:
-                ranks.share(scheduler, self.tp, [Stop()])
+            if helpers is not None and core is not None and not self._out_of_step:
+                core.share([Stop()])
                 told_helpers = True
         finally:
-            if engine is not None:
-                engine.close()
+            if core is not None:
+                core.close()
             if helpers is not None:
                 helpers.stop(finished=told_helpers)
-            del engine, scheduler
+            del core
             gc.collect()  # the weights go now, not at the next collection
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()

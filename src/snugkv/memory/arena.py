@@ -101,16 +101,8 @@ class KvArena:
         return list(self._buffers.values())
 
     @property
-    def placed_bytes(self) -> int:
-        return self._cursor_bytes
-
-    @property
     def committed_bytes(self) -> int:
         return sum(buffer.committed_bytes for buffer in self._buffers.values())
-
-    @property
-    def live_views(self) -> int:
-        return self._live_views
 
     def _check_open(self) -> None:
         if self._closed:

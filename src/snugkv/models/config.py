@@ -116,10 +116,6 @@ class ModelConfig:
     torch_dtype: str | None
     hf: Mapping[str, Any]
 
-    @property
-    def has_sliding_window(self) -> bool:
-        return any(w is not None for w in self.sliding_windows)
-
     def with_eos_token_ids(self, extra: tuple[int, ...]) -> ModelConfig:
         merged = tuple(dict.fromkeys((*self.eos_token_ids, *extra)))
         return replace(self, eos_token_ids=merged)

@@ -1,12 +1,12 @@
-"""Changing a serving runner's KV cache: grow, shrink under live requests, release, back again.
+"""Changing a serving runner's KV cache: grow, shrink under live requests, release.
 
 Every step keeps the captured graphs valid: buffers keep their addresses, and graphs read slots
 through the request-to-token table, which a shrink rewrites. The order makes failures harmless:
 a grow commits before the allocator hands anything out (all or nothing); a shrink copies the moved
 pages first (sources untouched, destinations still free), then updates the bookkeeping, then
 decommits. Which requests to evict or retract so that a shrink fits is the scheduler's policy
-(snugkv.scheduler.elastic); the token count is the engine's (snugkv.engine). This module only
-moves memory.
+(snugkv.scheduler.elastic); the token count is the engine's KV sizing object's
+(snugkv.engine.kv_sizing, which also backs the cache again on wake). This module only moves memory.
 """
 
 from __future__ import annotations
@@ -69,11 +69,3 @@ def release(runner: ModelRunner) -> int:
     free. Returns the bytes released."""
     runner.allocator.resize(0)
     return runner.kv_pool.release_backing()
-
-
-def back_again(runner: ModelRunner, num_tokens: int) -> int:
-    """After `release`: back the dummy page, then `num_tokens`; returns the page-aligned count."""
-    runner.kv_pool.ensure_prefix()
-    backed = runner.kv_pool.finalize_backing(num_tokens)
-    runner.allocator.resize(backed)
-    return backed

@@ -7,16 +7,15 @@ window `[prefix_offset:]` of the output, not all of it.
 
 from __future__ import annotations
 
-from typing import Any
-
+from snugkv.core.tokenizer import Tokenizer
 from snugkv.scheduler.request import Request
 
 
-def _decode(tokenizer: Any, ids: list[int]) -> str:
+def _decode(tokenizer: Tokenizer, ids: list[int]) -> str:
     return tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
 
 
-def detokenize(tokenizer: Any, request: Request, final: bool = False) -> None:
+def detokenize(tokenizer: Tokenizer | None, request: Request, final: bool = False) -> None:
     """Append the newly stable text of `request.output_ids` to `request.text`."""
     ids = request.output_ids
     if tokenizer is None or request.read_offset >= len(ids):

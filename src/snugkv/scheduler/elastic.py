@@ -13,29 +13,21 @@ Sleep retracts every request in flight (they wait in the queue; nothing is lost)
 prefix cache and pauses the scheduler; wake sizes the KV cache again and lets the queue run.
 
 This module holds the policy of who gives way; the memory itself moves in
-snugkv.runner.kv_resize and the token counts are the engine's.
+snugkv.runner.kv_resize and the token counts are the engine's KV sizing object's
+(snugkv.engine.kv_sizing).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
 
+from snugkv.core.reports import KvInfo, KvResize, LargestRequest
 from snugkv.engine import Engine
 from snugkv.scheduler.request import Request
 from snugkv.scheduler.scheduler import Scheduler
-from snugkv.sizing.resize import KvResize, KvResizeError
+from snugkv.sizing.resize import KvResizeError
 
 logger = logging.getLogger(__name__)
-
-
-def engine_of(scheduler: Scheduler) -> Engine:
-    engine = scheduler.engine
-    if engine is None:
-        raise KvResizeError(
-            "this scheduler runs without an engine (Scheduler.for_engine builds one)", status=409
-        )
-    return engine
 
 
 def smallest_size(scheduler: Scheduler) -> tuple[int, Request | None]:
@@ -49,22 +41,26 @@ def smallest_size(scheduler: Scheduler) -> tuple[int, Request | None]:
 
 
 def resize_kv(
-    scheduler: Scheduler, *, max_total_num_tokens: int | None = None, free_gib: float | None = None
+    scheduler: Scheduler,
+    engine: Engine,
+    *,
+    max_total_num_tokens: int | None = None,
+    free_gib: float | None = None,
 ) -> KvResize:
-    """Resize to `max_total_num_tokens`, or to what leaves `free_gib` of device memory free."""
-    engine = engine_of(scheduler)
-    engine.check_resizable()  # asleep or sized without virtual memory: refused before any value
+    """Resize `engine`'s KV cache, which `scheduler` runs on, to `max_total_num_tokens`, or to what
+    leaves `free_gib` of device memory free."""
+    kv = engine.check_resizable()  # asleep or sized without virtual memory: refused before any value
     scheduler.finish_in_flight()  # a launched step's slots and tokens are settled before pages move
     if (max_total_num_tokens is None) == (free_gib is None):
         raise KvResizeError("give exactly one of max_total_num_tokens and free_gib")
     if free_gib is not None:
-        tokens = engine.kv_tokens_for_free_gib(free_gib)
+        tokens = kv.tokens_leaving_free(free_gib)
         param = "free_gib"
     else:
-        tokens = engine.kv_limits().check(max_total_num_tokens)
+        tokens = kv.limits().check(max_total_num_tokens)
         param = "max_total_num_tokens"
     evicted = retracted = 0
-    if tokens < engine.pool.committed_tokens:
+    if tokens < kv.pool.committed_tokens:
         minimum, largest = smallest_size(scheduler)
         if tokens < minimum and largest is not None:
             raise KvResizeError(
@@ -98,11 +94,7 @@ def _make_room(scheduler: Scheduler, tokens: int) -> tuple[int, int]:
         admitted = [r for r in (*scheduler.running, *scheduler.waiting) if r.is_admitted]
         if not admitted:  # nothing left to give: the slots leaked (a bug, never a user error)
             raise RuntimeError(f"KV shrink to {tokens} tokens: nothing left to evict or retract")
-        victim = max(admitted, key=lambda r: r.seq)
-        if victim in scheduler.running:
-            scheduler._retract(victim)  # to the cache, and back to the queue's head
-        else:  # admitted but its prompt only partly computed: it keeps its place in the queue
-            scheduler.slots.release(victim)
+        scheduler.retract(max(admitted, key=lambda r: r.seq))  # the newest
         retracted += 1
     return evicted, retracted
 
@@ -115,58 +107,51 @@ def demand_tokens(scheduler: Scheduler) -> int:
     return scheduler.held_tokens() + waiting + page * (len(scheduler.running) + len(scheduler.waiting))
 
 
-def kv_info(scheduler: Scheduler) -> dict[str, Any]:
+def kv_info(scheduler: Scheduler, engine: Engine) -> KvInfo:
     """GET /kv: the engine's view plus what the requests hold and the smallest size now."""
-    engine = engine_of(scheduler)
     minimum, largest = smallest_size(scheduler)
-    return {
-        **engine.kv_info(),
-        "held_by_requests_tokens": scheduler.held_tokens(),
-        "demand_tokens": demand_tokens(scheduler),
-        "cached_tokens": scheduler.cache.cached_tokens,
-        "evictable_cached_tokens": scheduler.cache.evictable_tokens,
-        "min_tokens_without_failing_a_request": minimum,
-        "largest_request": None if largest is None else {"rid": largest.rid, "tokens": largest.num_tokens},
-        "num_running_requests": len(scheduler.running),
-        "num_queued_requests": len(scheduler.waiting),
-    }
+    return KvInfo(
+        cache=engine.kv_info(),
+        held_by_requests_tokens=scheduler.held_tokens(),
+        demand_tokens=demand_tokens(scheduler),
+        cached_tokens=scheduler.cache.cached_tokens,
+        evictable_cached_tokens=scheduler.cache.evictable_tokens,
+        min_tokens_without_failing_a_request=minimum,
+        largest_request=None if largest is None else LargestRequest(largest.rid, largest.num_tokens),
+        num_running_requests=len(scheduler.running),
+        num_queued_requests=len(scheduler.waiting),
+    )
 
 
-def sleep(scheduler: Scheduler, *, level: int = 1, tags: tuple[str, ...] = ()) -> KvResize:
+def sleep(scheduler: Scheduler, engine: Engine, *, level: int = 1, tags: tuple[str, ...] = ()) -> KvResize:
     """Pause the scheduler and release memory. Requests in flight are retracted (they wait in the
     queue, nothing is lost) and the prefix cache is emptied when the KV cache goes."""
-    engine = engine_of(scheduler)
     chosen = engine.check_sleep(level, tags)
     scheduler.finish_in_flight()  # the launched step reads the KV cache and weights about to go
     if "kv_cache" in chosen - engine.sleeping_tags:
         for request in sorted(
             (r for r in (*scheduler.running, *scheduler.waiting) if r.is_admitted), key=lambda r: -r.seq
         ):
-            if request in scheduler.running:
-                scheduler._retract(request)
-            else:
-                scheduler.slots.release(request)
+            scheduler.retract(request)
         scheduler.cache.reset()
     result = engine.sleep(level, tags)
     scheduler.paused = engine.is_sleeping
     return result
 
 
-def wake_up(scheduler: Scheduler, *, tags: tuple[str, ...] = ()) -> KvResize:
+def wake_up(scheduler: Scheduler, engine: Engine, *, tags: tuple[str, ...] = ()) -> KvResize:
     """Take memory back; once nothing sleeps, the queue runs again. A queued request the re-sized
     cache can no longer hold ends with an error saying so (the only request a wake can fail)."""
-    engine = engine_of(scheduler)
     scheduler.finish_in_flight()
     result = engine.wake_up(tags)
     if not engine.is_sleeping:
         scheduler.max_running_requests = result.max_running_requests
         capacity = scheduler.runner.allocator.capacity_tokens
         for request in [r for r in scheduler.waiting if r.num_tokens + scheduler.page_size > capacity]:
-            scheduler.waiting.remove(request)
-            request.error = (
+            scheduler.fail(
+                request,
                 f"the KV cache woke up holding {capacity} tokens, fewer than this request needs "
-                f"({request.num_tokens} and a page); send it again shorter"
+                f"({request.num_tokens} and a page); send it again shorter",
             )
-            scheduler._finish(request, "error")
         scheduler.paused = False
     return result

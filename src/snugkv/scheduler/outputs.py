@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from snugkv.core.outputs import GenerateOutput, TokenLogprob
+from snugkv.core.tokenizer import Tokenizer
 from snugkv.core.transfer import to_device
 from snugkv.scheduler.detokenizer import detokenize
 from snugkv.scheduler.request import Request
@@ -21,7 +22,7 @@ OutputCallback = Callable[[Request, GenerateOutput], None]
 
 
 class OutputBuilder:
-    def __init__(self, tokenizer: Any = None, on_output: OutputCallback | None = None) -> None:
+    def __init__(self, tokenizer: Tokenizer | None = None, on_output: OutputCallback | None = None) -> None:
         self.tokenizer = tokenizer
         self.on_output = on_output
 

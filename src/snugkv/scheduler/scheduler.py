@@ -43,11 +43,12 @@ import logging
 import time
 from collections import deque
 from collections.abc import Iterable
-from typing import Any
 
 from snugkv.core.forward import FUTURE_TOKEN, BatchRow
+from snugkv.core.reports import SchedulerStats
 from snugkv.core.sampling import PROMPT_LOGITS_PER_STEP, InvalidRequest, SamplingParams
 from snugkv.core.structured_output import TokenBitmask
+from snugkv.core.tokenizer import Tokenizer
 from snugkv.core.transfer import to_host
 from snugkv.runner.model_runner import ModelRunner
 from snugkv.scheduler.detokenizer import detokenize, find_stop
@@ -71,7 +72,7 @@ class Scheduler:
         self,
         runner: ModelRunner,
         *,
-        tokenizer: Any = None,
+        tokenizer: Tokenizer | None = None,
         eos_token_ids: Iterable[int] = (),
         max_running_requests: int,
         chunked_prefill_size: int,
@@ -97,36 +98,9 @@ class Scheduler:
         self.generated_tokens = 0
         self.times = StepTimes()
         self._arrivals = itertools.count()
-        self.engine: Any = (
-            None  # the Engine of `for_engine`, which elastic memory (scheduler.elastic) resizes
-        )
         self.paused = False  # the engine sleeps: requests wait in the queue and no step runs
         self._in_flight: LaunchedStep | None = None  # launched; its results are not read yet
         self._grammars: GrammarCache | None = None  # structured output's, made on first use
-
-    @classmethod
-    def for_engine(
-        cls,
-        engine: Any,
-        *,
-        tokenizer: Any = None,
-        enable_prefix_cache: bool = True,
-        on_output: OutputCallback | None = None,
-    ) -> Scheduler:
-        """The scheduler an `Engine` runs under: its runner, EOS ids, re-capped request limit,
-        prefill chunk and overlap setting (every tensor-parallel rank builds the same one)."""
-        scheduler = cls(
-            engine.runner,
-            tokenizer=tokenizer,
-            eos_token_ids=engine.config.eos_token_ids,
-            max_running_requests=engine.report.max_running_requests,
-            chunked_prefill_size=engine.args.chunked_prefill_size,
-            enable_prefix_cache=enable_prefix_cache,
-            on_output=on_output,
-            overlap=not engine.args.disable_overlap_schedule,
-        )
-        scheduler.engine = engine
-        return scheduler
 
     # -- intake -----------------------------------------------------------------------
     def add_request(self, rid: str, prompt_ids: list[int], sampling: SamplingParams) -> Request:
@@ -173,7 +147,7 @@ class Scheduler:
                     "structured output needs the model's tokenizer, and this engine has none"
                 )
             self._grammars = grammar_cache_for(
-                getattr(tokenizer, "hf", tokenizer), self.runner.model.config.vocab_size, self.eos_token_ids
+                tokenizer.hf, self.runner.model.config.vocab_size, self.eos_token_ids
             )
         return self._grammars
 
@@ -314,6 +288,24 @@ class Scheduler:
                 return None
             self._retract(max(self.running, key=lambda r: r.seq))  # the newest; never wall time
         return None
+
+    def retract(self, request: Request) -> None:
+        """Give back an admitted request's slots now, its computed KV to the prefix cache, so that
+        it is computed again later: a running one goes to the head of the queue, one whose prompt
+        is partly computed keeps its place there. Nothing is lost (elastic memory makes room so)."""
+        if request in self.running:
+            self._retract(request)
+        else:
+            self.slots.release(request)
+
+    def fail(self, request: Request, message: str) -> None:
+        """End a queued or running request now with `message` (finish_reason "error")."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.error = message
+        self._finish(request, "error")
 
     def _retract(self, request: Request) -> None:
         """Free a running request's KV (to the prefix cache) and queue it to be recomputed."""
@@ -507,19 +499,18 @@ class Scheduler:
         self.slots.check_accounting([*self.waiting, *self.running])
         self.runner.req_to_token_pool.check_host_copy()
 
-    def stats(self) -> dict[str, Any]:
-        """`kv_cache_usage` counts the slots requests hold; prefix-cache entries the next admission
-        may evict are reported apart (`kv_cache_cached_usage`), so an idle engine reads 0 used."""
+    def stats(self) -> SchedulerStats:
+        """The counters (`SchedulerStats` says what each counts)."""
         allocator = self.runner.allocator
         capacity = max(allocator.capacity_tokens, 1)
         cached = self.cache.cached_tokens
-        return {
-            "kv_cache_usage": (allocator.capacity_tokens - allocator.available_tokens - cached) / capacity,
-            "kv_cache_cached_usage": cached / capacity,
-            "num_running_requests": len(self.running),
-            "num_queued_requests": len(self.waiting),
-            "prefix_cache_hit_rate": self.cache.hit_rate,
-            "prefix_cache_tokens": cached,
-            "num_retractions": self.num_retractions,
-            "generated_tokens": self.generated_tokens,
-        }
+        return SchedulerStats(
+            kv_cache_usage=(allocator.capacity_tokens - allocator.available_tokens - cached) / capacity,
+            kv_cache_cached_usage=cached / capacity,
+            num_running_requests=len(self.running),
+            num_queued_requests=len(self.waiting),
+            prefix_cache_hit_rate=self.cache.hit_rate,
+            prefix_cache_tokens=cached,
+            num_retractions=self.num_retractions,
+            generated_tokens=self.generated_tokens,
+        )

@@ -1,4 +1,4 @@
-"""The FastAPI app: routes, wired to an `EngineClient` and nothing else.
+"""The FastAPI app: routes, wired to an `EngineClient` (snugkv.core.engine_client) and nothing else.
 
 Routes:
     POST /v1/completions, POST /v1/chat/completions   generation, JSON or server-sent events
@@ -28,8 +28,8 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import Response
 
+from snugkv.core.engine_client import EngineClient
 from snugkv.server.elastic_routes import install_elastic_routes, install_sleep_routes
-from snugkv.server.engine_protocol import EngineClient
 from snugkv.server.errors import NOT_FOUND, SERVER_ERROR, APIError, install_error_handlers
 from snugkv.server.formats import ChatFormat, CompletionFormat, ResponseFormat
 from snugkv.server.loads import install_load_routes
@@ -59,18 +59,19 @@ logger = logging.getLogger(__name__)
 
 
 def create_app(
-    engine: EngineClient,
+    client: EngineClient,
     *,
     api_key: str | None,
     max_body_bytes: int,
     served_model_name: str,
     metrics: ServerMetrics | None = None,
 ) -> FastAPI:
-    """An app serving `engine` as `served_model_name`; pass `metrics` to share it with the engine."""
+    """An app serving the engine behind `client` as `served_model_name`; pass `metrics` to share it
+    with the engine's driver."""
     metrics = metrics if metrics is not None else ServerMetrics()
     # GET /openapi.json describes every route, with the generation routes' bodies (`openapi`).
     app = FastAPI(title="snugkv", version=__version__, docs_url=None, redoc_url=None)
-    app.state.engine = engine
+    app.state.client = client
     app.state.metrics = metrics
     install_error_handlers(app)
     # Starlette runs the middleware added last first: the key is checked before the body is read.
@@ -79,14 +80,13 @@ def create_app(
         app.add_middleware(BearerAuthMiddleware, api_key=api_key)
     app.add_middleware(ShutdownCutoffMiddleware)
     created = int(time.time())
-    limit = SequenceLimit.of(engine)  # the engine is sized by now; the limit does not change
+    limit = SequenceLimit.of(client)  # the engine is sized by now; the limit does not change
 
     def model_card() -> ModelCard:
         return ModelCard(id=served_model_name, created=created, max_model_len=limit.tokens)
 
     async def run(prepared: PreparedRequest, request: Request, response_format: ResponseFormat) -> Response:
-        is_sleeping = getattr(engine, "is_sleeping", None)
-        if is_sleeping is not None and is_sleeping():
+        if client.is_sleeping():
             raise APIError(
                 503,
                 "The engine is asleep: its memory is released. Wake it (POST /wake_up or "
@@ -95,8 +95,8 @@ def create_app(
                 code="engine_asleep",
             )
         if prepared.stream:
-            return EventStreamResponse(stream_events(prepared, engine, metrics, request, response_format))
-        return await collect_response(prepared, engine, metrics, request, response_format)
+            return EventStreamResponse(stream_events(prepared, client, metrics, request, response_format))
+        return await collect_response(prepared, client, metrics, request, response_format)
 
     @app.post(
         "/v1/completions",
@@ -106,7 +106,7 @@ def create_app(
     async def completions(request: Request) -> Response:
         body = parse_body(await request.body(), CompletionRequest)
         return await run(
-            prepare_completion(body, engine, served_model_name, limit), request, CompletionFormat()
+            prepare_completion(body, client, served_model_name, limit), request, CompletionFormat()
         )
 
     @app.post(
@@ -116,7 +116,7 @@ def create_app(
     )
     async def chat_completions(request: Request) -> Response:
         body = parse_body(await request.body(), ChatCompletionRequest)
-        prepared = prepare_chat(body, engine, served_model_name, limit)
+        prepared = prepare_chat(body, client, served_model_name, limit)
         chat_format = ChatFormat() if prepared.tools is None else ToolCallFormat(prepared.tools)
         return await run(prepared, request, chat_format)
 
@@ -139,7 +139,7 @@ def create_app(
     @app.get("/health")
     async def health() -> Response:
         try:
-            healthy = bool(engine.check_health())
+            healthy = client.check_health()
         except Exception:
             logger.exception("The engine's health check raised")
             healthy = False
@@ -148,24 +148,22 @@ def create_app(
         raise APIError(503, "The engine is not healthy; see the server log.", type=SERVER_ERROR)
 
     async def server_info(steps: bool = False) -> Any:
-        info = jsonable_encoder(engine.server_info())
-        recent_steps = getattr(engine, "recent_steps", None)
-        if steps and recent_steps is not None:  # ?steps=true: the last steps one by one (a benchmark's)
-            info["recent_steps"] = [list(record) for record in recent_steps()]
-        return {"served_model_name": served_model_name, "version": __version__, **info}
+        info = client.server_info().to_dict()
+        if steps:  # ?steps=true: the last steps one by one (a benchmark's)
+            info["recent_steps"] = [list(record) for record in client.recent_steps()]
+        return {"served_model_name": served_model_name, "version": __version__, **jsonable_encoder(info)}
 
     app.add_api_route("/server_info", server_info, methods=["GET"])
     app.add_api_route("/get_server_info", server_info, methods=["GET"])
-    install_elastic_routes(app, engine)
-    install_sleep_routes(app, engine)
+    install_elastic_routes(app, client)
+    install_sleep_routes(app, client)
     install_openapi(app)
-    install_load_routes(app, engine, metrics)
+    install_load_routes(app, client, metrics)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
-        report = getattr(engine, "metrics_snapshot", None) or engine.server_info
         try:
-            metrics.update_from_snapshot(report())
+            metrics.update_from_snapshot(client.metrics_snapshot())
         except Exception:
             logger.exception("Reading the engine's metrics failed; serving the server-side ones")
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)

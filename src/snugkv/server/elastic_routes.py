@@ -7,15 +7,16 @@
                                          tags=cuda_graph also releases the graphs (wake captures them)
     POST /wake_up[?tags=weights,kv_cache,cuda_graph]  take them back (all by default)
     GET  /is_sleeping
+    GET  /kv/engines  --kv-elastic: every engine sharing this device, its KV cache, share and target
     POST /release_memory_occupation, /resume_memory_occupation   SGLang's names for the same, with
                                          an optional body {"tags": [...]} (and "level" to release)
 
 While asleep, generation requests get a 503 (app.py) and requests already queued wait.
 
-Every route reaches the engine through the async engine's elastic methods, which run on the
-scheduler thread between steps (and on every tensor-parallel rank). A refused resize is a 400 (a
-value outside the limits, named in the message) or a 409 (the engine's state refuses it: asleep,
-sized without virtual memory, memory taken meanwhile). An engine without elastic memory answers 501.
+Every route reaches the engine through the client's elastic calls, which run on the scheduler
+thread between steps (and on every tensor-parallel rank). A refused resize is a 400 (a value
+outside the limits, named in the message) or a 409 (the engine's state refuses it: asleep, sized
+without virtual memory, memory taken meanwhile), as the engine's `KvResizeError` says.
 """
 
 from __future__ import annotations
@@ -25,18 +26,13 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 
+from snugkv.core.engine_client import EngineClient
 from snugkv.memory.vmm import MIB
+from snugkv.memory_share.share import MemoryShare
 from snugkv.server.errors import SERVER_ERROR, APIError
 from snugkv.sizing.resize import KvResizeError
 
 RESIZE_EXAMPLE = '{"max_total_num_tokens": 65536} or {"free_gib": 4}'
-
-
-def _elastic(engine: Any, method: str) -> Any:
-    function = getattr(engine, method, None)
-    if function is None:
-        raise APIError(501, f"This engine cannot change its memory at run time (it has no {method}).")
-    return function
 
 
 def api_error(exc: KvResizeError) -> APIError:
@@ -92,7 +88,7 @@ _TAGS = {"type": "array", "items": {"type": "string"}}
 _TAGS_QUERY = ("tags", {"type": "string", "description": "comma-separated: weights, kv_cache, cuda_graph"})
 
 
-def install_elastic_routes(app: FastAPI, engine: Any) -> None:
+def install_elastic_routes(app: FastAPI, client: EngineClient) -> None:
     @app.post(
         "/kv/resize",
         openapi_extra=_json_body(
@@ -100,7 +96,6 @@ def install_elastic_routes(app: FastAPI, engine: Any) -> None:
         ),
     )
     async def resize_kv(request: Request) -> Any:
-        resize = _elastic(engine, "resize_kv")
         body = await _json_object(request, RESIZE_EXAMPLE)
         known = {"max_total_num_tokens", "free_gib"}
         unknown = sorted(set(body) - known)
@@ -113,14 +108,17 @@ def install_elastic_routes(app: FastAPI, engine: Any) -> None:
                 400, f"Give exactly one of max_total_num_tokens and free_gib, e.g. {RESIZE_EXAMPLE}."
             )
         try:
-            return with_what_it_freed(await resize(**body))
+            reply = await client.resize_kv(
+                max_total_num_tokens=body.get("max_total_num_tokens"), free_gib=body.get("free_gib")
+            )
         except KvResizeError as exc:
             raise api_error(exc) from exc
+        return with_what_it_freed(reply.to_dict())
 
     @app.get("/kv")
     async def kv_info() -> Any:
         try:
-            return await _elastic(engine, "kv_info")()
+            return (await client.kv_info()).to_dict()
         except KvResizeError as exc:
             raise api_error(exc) from exc
         except RuntimeError as exc:  # the scheduler loop is gone
@@ -156,18 +154,16 @@ async def _body_tags(request: Request) -> tuple[tuple[str, ...], object]:
     return tuple(tags), body.get("level")
 
 
-def install_sleep_routes(app: FastAPI, engine: Any) -> None:
+def install_sleep_routes(app: FastAPI, client: EngineClient) -> None:
     async def sleep_with(level: int, tags: tuple[str, ...]) -> Any:
-        sleep = _elastic(engine, "sleep")
         try:
-            return await sleep(level=level, tags=tags)
+            return (await client.sleep(level=level, tags=tags)).to_dict()
         except KvResizeError as exc:
             raise api_error(exc) from exc
 
     async def wake_with(tags: tuple[str, ...]) -> Any:
-        wake_up = _elastic(engine, "wake_up")
         try:
-            return await wake_up(tags=tags)
+            return (await client.wake_up(tags=tags)).to_dict()
         except KvResizeError as exc:
             raise api_error(exc) from exc
 
@@ -181,7 +177,7 @@ def install_sleep_routes(app: FastAPI, engine: Any) -> None:
 
     @app.get("/is_sleeping")
     async def is_sleeping() -> Any:
-        return _elastic(engine, "sleep_state")()
+        return client.sleep_state().to_dict()
 
     @app.post(
         "/release_memory_occupation",
@@ -195,3 +191,11 @@ def install_sleep_routes(app: FastAPI, engine: Any) -> None:
     async def resume_memory_occupation(request: Request) -> Any:
         tags, _ = await _body_tags(request)
         return await wake_with(tags)
+
+
+def install_share_routes(app: FastAPI, share: MemoryShare) -> None:
+    """GET /kv/engines: every engine registered on this device, its KV, share and target."""
+
+    @app.get("/kv/engines")
+    async def kv_engines() -> Any:
+        return share.snapshot()

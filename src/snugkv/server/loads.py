@@ -22,20 +22,20 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
+from snugkv.core.engine_client import EngineClient
 from snugkv.server.errors import SERVER_ERROR, APIError
 from snugkv.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 
 
-def load_report(engine: Any, metrics: ServerMetrics) -> dict[str, Any]:
+def load_report(client: EngineClient, metrics: ServerMetrics) -> dict[str, Any]:
     """One load entry for this server (SGLang's field names, which smg reads)."""
-    info = engine.server_info()  # the sizing report (updated on every resize) and the scheduler's stats
-    stats = info.get("stats") or {}
-    running = int(stats.get("num_running_requests", 0))
-    waiting = int(stats.get("num_queued_requests", 0))
-    total_tokens = int(info.get("max_total_num_tokens") or 0)
-    usage = float(stats.get("kv_cache_usage", 0.0))
+    info = client.server_info()  # the sizing report (replaced on every resize) and the scheduler's stats
+    stats = info.stats
+    running, waiting = stats.num_running_requests, stats.num_queued_requests
+    total_tokens = info.startup.max_total_num_tokens
+    usage = stats.kv_cache_usage
     return {
         "dp_rank": 0,
         "num_running_reqs": running,
@@ -45,17 +45,17 @@ def load_report(engine: Any, metrics: ServerMetrics) -> dict[str, Any]:
         "max_total_num_tokens": total_tokens,
         "token_usage": usage,
         "gen_throughput": metrics.recent_tokens_per_s(),
-        "cache_hit_rate": float(stats.get("prefix_cache_hit_rate", 0.0)),
+        "cache_hit_rate": stats.prefix_cache_hit_rate,
         "utilization": usage,
-        "max_running_requests": int(info.get("max_running_requests") or 0),
+        "max_running_requests": info.startup.max_running_requests,
     }
 
 
-def install_load_routes(app: FastAPI, engine: Any, metrics: ServerMetrics) -> None:
+def install_load_routes(app: FastAPI, client: EngineClient, metrics: ServerMetrics) -> None:
     @app.get("/v1/loads")
     async def loads() -> Any:
         try:
-            entry = load_report(engine, metrics)
+            entry = load_report(client, metrics)
         except Exception as exc:
             logger.exception("Reading the engine's load failed")
             raise APIError(
@@ -67,14 +67,13 @@ def install_load_routes(app: FastAPI, engine: Any, metrics: ServerMetrics) -> No
     @app.get("/ready")
     async def ready() -> Any:
         try:
-            healthy = bool(engine.check_health())
+            healthy = client.check_health()
         except Exception:
             logger.exception("The engine's health check raised")
             healthy = False
         if not healthy:
             raise APIError(503, "The engine is not healthy; see the server log.", type=SERVER_ERROR)
-        is_sleeping = getattr(engine, "is_sleeping", None)
-        if is_sleeping is not None and is_sleeping():
+        if client.is_sleeping():
             raise APIError(
                 503,
                 "The engine is asleep; wake it (POST /wake_up) to take traffic again.",

@@ -3,8 +3,9 @@
 The server measures what it sees on every request stream: time to first token, time per output
 token, generated tokens (and a tokens/s gauge over a sliding window), prompt and cached tokens and
 finished requests by finish reason. The engine reports what only it knows (KV usage, running and
-queued requests, prefix-cache hit rate) either by calling the `set_*` methods or through a
-`metrics_snapshot()` dict the server reads at scrape time (see `SNAPSHOT_KEYS`).
+queued requests, prefix-cache hit rate, the KV cache's size) as typed reports: the scheduler's
+counters after each step (`update_from_stats`, a `MetricsSink`) and the client's
+`metrics_snapshot()`, read at scrape time (`update_from_snapshot`).
 
 Each `ServerMetrics` owns its own registry, so several apps in one process never collide. Nothing
 here blocks or reaches the engine by itself.
@@ -15,10 +16,11 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from snugkv.core.reports import MetricsSnapshot, SchedulerStats
 
 PREFIX = "snugkv"
 THROUGHPUT_WINDOW_S = 10.0
@@ -26,20 +28,6 @@ THROUGHPUT_WINDOW_S = 10.0
 TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0)
 E2E_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
-
-# Keys the server reads from the engine's `metrics_snapshot()` (or `server_info()`), with the
-# setter each one feeds. Missing keys leave the gauge as it was.
-SNAPSHOT_KEYS = {
-    "kv_cache_usage": "set_kv_cache_usage",  # fraction of KV token slots requests hold, 0..1
-    "kv_cache_cached_usage": "set_kv_cache_cached_usage",  # fraction held by evictable prefix-cache entries
-    "num_running_requests": "set_num_running_requests",
-    "num_queued_requests": "set_num_queued_requests",
-    "prefix_cache_hit_rate": "set_prefix_cache_hit_rate",  # cached / prompt tokens, 0..1
-    "kv_max_total_num_tokens": "set_kv_max_total_num_tokens",  # the KV cache's size now (it may resize)
-    "kv_committed_bytes": "set_kv_committed_bytes",
-    "kv_resizes": "set_kv_resizes",  # resizes, sleeps and wakes so far
-    "sleep_level": "set_sleep_level",  # 0 awake, 1 or 2 asleep
-}
 
 
 class ServerMetrics:
@@ -105,46 +93,23 @@ class ServerMetrics:
         self.e2e = Histogram(
             f"{PREFIX}_e2e_request_latency_seconds", "Request latency", buckets=E2E_BUCKETS_S, registry=r
         )
-        self._engine_reports_hit_rate = False
         self._lock = threading.Lock()
         self._recent_tokens: collections.deque[tuple[float, int]] = collections.deque()
-        self._prompt_tokens_sum = 0
-        self._cached_tokens_sum = 0
 
     # What the engine reports.
-    def set_kv_cache_usage(self, fraction: float) -> None:
-        self.kv_cache_usage.set(fraction)
+    def update_from_stats(self, stats: SchedulerStats) -> None:
+        self.kv_cache_usage.set(stats.kv_cache_usage)  # fraction of KV token slots requests hold, 0..1
+        self.kv_cache_cached_usage.set(stats.kv_cache_cached_usage)  # held by evictable cache entries
+        self.running.set(stats.num_running_requests)
+        self.queued.set(stats.num_queued_requests)
+        self.prefix_hit_rate.set(stats.prefix_cache_hit_rate)  # cached / prompt tokens, 0..1
 
-    def set_kv_cache_cached_usage(self, fraction: float) -> None:
-        self.kv_cache_cached_usage.set(fraction)
-
-    def set_num_running_requests(self, count: int) -> None:
-        self.running.set(count)
-
-    def set_num_queued_requests(self, count: int) -> None:
-        self.queued.set(count)
-
-    def set_prefix_cache_hit_rate(self, fraction: float) -> None:
-        self._engine_reports_hit_rate = True
-        self.prefix_hit_rate.set(fraction)
-
-    def set_kv_max_total_num_tokens(self, tokens: int) -> None:
-        self.kv_tokens.set(tokens)
-
-    def set_kv_committed_bytes(self, size_bytes: int) -> None:
-        self.kv_committed.set(size_bytes)
-
-    def set_kv_resizes(self, count: int) -> None:
-        self.kv_resizes.set(count)
-
-    def set_sleep_level(self, level: int) -> None:
-        self.sleep_level.set(level)
-
-    def update_from_snapshot(self, snapshot: Mapping[str, object]) -> None:
-        for key, setter in SNAPSHOT_KEYS.items():
-            value = snapshot.get(key)
-            if isinstance(value, int | float) and not isinstance(value, bool):
-                getattr(self, setter)(value)
+    def update_from_snapshot(self, snapshot: MetricsSnapshot) -> None:
+        self.update_from_stats(snapshot.stats)
+        self.kv_tokens.set(snapshot.kv_max_total_num_tokens)  # the KV cache's size now (it may resize)
+        self.kv_committed.set(snapshot.kv_committed_bytes)
+        self.kv_resizes.set(snapshot.kv_resizes)  # resizes, sleeps and wakes so far
+        self.sleep_level.set(snapshot.sleep_level)  # 0 awake, 1 or 2 asleep
 
     # What the server measures on each request stream.
     def track(self) -> RequestTracker:
@@ -161,9 +126,6 @@ class ServerMetrics:
         self.finished.labels(finish_reason=reason).inc()
         self.prompt_tokens.inc(prompt_tokens)
         self.cached_prompt_tokens.inc(cached_tokens)
-        with self._lock:
-            self._prompt_tokens_sum += prompt_tokens
-            self._cached_tokens_sum += cached_tokens
 
     def recent_tokens_per_s(self) -> float:
         """Generated tokens per second over the last `THROUGHPUT_WINDOW_S`."""
@@ -177,10 +139,6 @@ class ServerMetrics:
     def render(self) -> bytes:
         """The Prometheus text exposition, with the derived gauges brought up to date."""
         self.tokens_per_s.set(self.recent_tokens_per_s())
-        with self._lock:
-            prompt, cached = self._prompt_tokens_sum, self._cached_tokens_sum
-        if not self._engine_reports_hit_rate:
-            self.prefix_hit_rate.set(cached / prompt if prompt else 0.0)
         return generate_latest(self.registry)
 
 

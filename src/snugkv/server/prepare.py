@@ -15,15 +15,15 @@ import json
 import re
 import time
 import uuid
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
+from snugkv.core.engine_client import EngineClient
 from snugkv.core.outputs import GenerateInput
 from snugkv.core.sampling import MAX_LOGPROBS, InvalidRequest, SamplingParams
-from snugkv.server.engine_protocol import EngineClient
+from snugkv.core.tokenizer import Tokenizer
 from snugkv.server.errors import APIError, bad_request, from_validation_error
 from snugkv.server.guided import requested_structured_output
 from snugkv.server.protocol import (
@@ -62,24 +62,22 @@ class SequenceLimit:
     what: str  # "the model's context" or "this server's KV cache"
 
     @classmethod
-    def of(cls, engine: EngineClient) -> SequenceLimit:
+    def of(cls, client: EngineClient) -> SequenceLimit:
         """The model's context, or less when the KV cache is smaller (e.g. --max-total-tokens 64).
 
         The engine refuses a prompt that, with one page to grow into, is larger than its whole KV
         cache; checked here, such a request is a 400 whether streamed or not, and /v1/models says the
-        limit. (Without `kv_capacity_tokens` a sliding-window model's cache can be smaller still; the
-        engine's own refusal then stays the backstop.)
+        limit. (An engine that cannot answer leaves the context as the limit; its own refusal is then
+        the backstop.)
         """
-        context = SequenceLimit(engine.max_context_tokens, "the model's context")
+        context = SequenceLimit(client.max_context_tokens, "the model's context")
         try:
-            info = engine.server_info()
+            info = client.server_info()
         except Exception:
             return context
-        # `kv_capacity_tokens`, where the engine reports it, is what its allocator hands out (a
-        # sliding-window model's can be below max_total_num_tokens).
-        kv_tokens = info.get("kv_capacity_tokens", info.get("max_total_num_tokens"))
-        page_tokens = info.get("page_size") or 1
-        if isinstance(kv_tokens, int) and 0 < kv_tokens - page_tokens + 1 < context.tokens:
+        # What the allocator hands out (a sliding-window model's can be below max_total_num_tokens).
+        kv_tokens, page_tokens = info.kv_capacity_tokens, info.page_size
+        if 0 < kv_tokens - page_tokens + 1 < context.tokens:
             return SequenceLimit(kv_tokens - page_tokens + 1, "this server's KV cache")
         return context
 
@@ -140,10 +138,10 @@ def parse_body(raw: bytes, model: type[RequestModel]) -> RequestModel:
 
 
 def prepare_completion(
-    body: CompletionRequest, engine: EngineClient, served_model_name: str, limit: SequenceLimit
+    body: CompletionRequest, client: EngineClient, served_model_name: str, limit: SequenceLimit
 ) -> PreparedRequest:
     _check_common(body, served_model_name, "completions")
-    _check_stop_token_ids(body, engine.tokenizer)
+    _check_stop_token_ids(body, client.tokenizer)
     if body.best_of is not None and body.best_of != body.n:
         raise bad_request("best_of is not supported; remove it or set it equal to n.", param="best_of")
     max_tokens = body.max_tokens if body.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
@@ -159,23 +157,23 @@ def prepare_completion(
         body.logprobs,
         limit,
         prompt_logprobs=max(asked, default=None),
-        tokenizer=engine.tokenizer,
+        tokenizer=client.tokenizer,
     )
     sampling = dataclasses.replace(sampling, structured=requested_structured_output(body))
     raw_prompts = _split_prompts(body.prompt)
-    if engine.tokenizer is None:
+    if client.tokenizer is None:
         _check_needs_no_tokenizer(body, raw_prompts)
-    prompts = [_completion_prompt_ids(prompt, engine.tokenizer) for prompt in raw_prompts]
+    prompts = [_completion_prompt_ids(prompt, client.tokenizer) for prompt in raw_prompts]
     for index, ids in enumerate(prompts):
         name = "prompt" if len(prompts) == 1 else f"prompt[{index}]"
-        _check_token_ids(ids, engine.tokenizer, name)
+        _check_token_ids(ids, client.tokenizer, name)
         _check_fits(len(ids), sampling.max_new_tokens, limit, what=f"The {name}", param="prompt")
     prepared = _fan_out(
         "cmpl", body, served_model_name, prompts, sampling, logprobs=body.logprobs is not None
     )
     echo = None
     if body.echo:
-        echo = [_echoed(raw, ids, engine.tokenizer) for raw, ids in zip(raw_prompts, prompts)]
+        echo = [_echoed(raw, ids, client.tokenizer) for raw, ids in zip(raw_prompts, prompts)]
     return dataclasses.replace(
         prepared, echo=echo, echo_logprobs=echo_logprobs, prompt_logprobs=body.prompt_logprobs
     )
@@ -202,26 +200,27 @@ def _check_needs_no_tokenizer(body: CompletionRequest, raw_prompts: list[str | l
         )
 
 
-def _echoed(raw: str | list[int], ids: list[int], tokenizer: Any) -> EchoedPrompt:
+def _echoed(raw: str | list[int], ids: list[int], tokenizer: Tokenizer | None) -> EchoedPrompt:
+    tokenizer = _needed(tokenizer, "echo")
     text = raw if isinstance(raw, str) else tokenizer.decode(ids)
     return EchoedPrompt(text=text, first_token=tokenizer.decode(ids[:1]))
 
 
 def prepare_chat(
-    body: ChatCompletionRequest, engine: EngineClient, served_model_name: str, limit: SequenceLimit
+    body: ChatCompletionRequest, client: EngineClient, served_model_name: str, limit: SequenceLimit
 ) -> PreparedRequest:
     _check_common(body, served_model_name, "chat")
-    if engine.tokenizer is None:
+    if client.tokenizer is None:
         raise bad_request(
             "Chat needs the model's tokenizer and chat template, and this server's model has none (its "
             "directory holds no tokenizer files); send token ids to /v1/completions instead.",
             param="messages",
             code="no_tokenizer",
         )
-    _check_stop_token_ids(body, engine.tokenizer)
+    _check_stop_token_ids(body, client.tokenizer)
     parallel_tool_calls = body.parallel_tool_calls is not False
     tools = plan_tools(
-        body.tools, body.tool_choice, engine.tokenizer, parallel_tool_calls=parallel_tool_calls
+        body.tools, body.tool_choice, client.tokenizer, parallel_tool_calls=parallel_tool_calls
     )
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs set to true.", param="top_logprobs")
@@ -243,7 +242,7 @@ def prepare_chat(
         top_logprobs,
         limit,
         prompt_logprobs=body.prompt_logprobs,
-        tokenizer=engine.tokenizer,
+        tokenizer=client.tokenizer,
     )
     structured = requested_structured_output(body)
     if tools is not None and tools.structured is not None:
@@ -255,7 +254,7 @@ def prepare_chat(
             )
         structured = tools.structured
     sampling = dataclasses.replace(sampling, structured=structured)
-    ids = _chat_prompt_ids(body, engine.tokenizer, tools)
+    ids = _chat_prompt_ids(body, client.tokenizer, tools)
     if max_tokens is None:
         if len(ids) >= limit.tokens:
             raise bad_request(
@@ -308,7 +307,7 @@ def _check_common(body: GenerationRequest, served_model_name: str, endpoint: str
         )
 
 
-def _logit_bias(body: GenerationRequest, tokenizer: Any) -> tuple[tuple[int, float], ...]:
+def _logit_bias(body: GenerationRequest, tokenizer: Tokenizer | None) -> tuple[tuple[int, float], ...]:
     """OpenAI's `{"token id": bias}` as `(id, bias)` pairs, ids checked against the vocabulary."""
     pairs = []
     vocab_size = _vocab_size(tokenizer)
@@ -341,7 +340,7 @@ def _sampling(
     limit: SequenceLimit,
     *,
     prompt_logprobs: int | None = None,
-    tokenizer: Any = None,
+    tokenizer: Tokenizer | None = None,
 ) -> SamplingParams:
     """Sampling values checked against the engine's rules; `max_tokens=None` is settled later."""
     if max_tokens is not None and max_tokens > limit.tokens:
@@ -385,11 +384,11 @@ def _split_prompts(prompt: str | list[Any]) -> list[str | list[int]]:
     return list(prompt)
 
 
-def _completion_prompt_ids(prompt: str | list[int], tokenizer: Any) -> list[int]:
+def _completion_prompt_ids(prompt: str | list[int], tokenizer: Tokenizer | None) -> list[int]:
     if isinstance(prompt, list):
         return list(prompt)
     _check_text(prompt, "prompt")
-    return list(tokenizer.encode(prompt))
+    return _needed(tokenizer, "A text prompt").encode(prompt)
 
 
 def _check_text(text: str, param: str) -> None:
@@ -404,7 +403,7 @@ def _check_text(text: str, param: str) -> None:
         ) from None
 
 
-def _check_token_ids(ids: list[int], tokenizer: Any, param: str) -> None:
+def _check_token_ids(ids: list[int], tokenizer: Tokenizer | None, param: str) -> None:
     if not ids:
         raise bad_request(f"The {param} is empty; send at least one token.", param="prompt")
     vocab_size = _vocab_size(tokenizer)
@@ -416,7 +415,7 @@ def _check_token_ids(ids: list[int], tokenizer: Any, param: str) -> None:
         )
 
 
-def _check_stop_token_ids(body: GenerationRequest, tokenizer: Any) -> None:
+def _check_stop_token_ids(body: GenerationRequest, tokenizer: Tokenizer | None) -> None:
     vocab_size = _vocab_size(tokenizer)
     for token in body.stop_token_ids or ():
         if token < 0 or (vocab_size is not None and token >= vocab_size):
@@ -427,12 +426,17 @@ def _check_stop_token_ids(body: GenerationRequest, tokenizer: Any) -> None:
             )
 
 
-def _vocab_size(tokenizer: Any) -> int | None:
-    try:
-        return len(tokenizer)
-    except TypeError:
-        size = getattr(tokenizer, "vocab_size", None)
-        return size if isinstance(size, int) else None
+def _vocab_size(tokenizer: Tokenizer | None) -> int | None:
+    return None if tokenizer is None else tokenizer.vocab_size
+
+
+def _needed(tokenizer: Tokenizer | None, what: str) -> Tokenizer:
+    """The tokenizer, or a 400 saying that this model has none (send token ids)."""
+    if tokenizer is None:
+        raise bad_request(
+            f"{what} needs the model's tokenizer, and this model ships none; send the prompt as token ids."
+        )
+    return tokenizer
 
 
 def _check_fits(
@@ -457,26 +461,27 @@ def _check_fits(
     raise bad_request(message, param=param, code="context_length_exceeded")
 
 
-def _chat_prompt_ids(body: ChatCompletionRequest, tokenizer: Any, tools: ToolPlan | None = None) -> list[int]:
+def _chat_prompt_ids(
+    body: ChatCompletionRequest, tokenizer: Tokenizer | None, tools: ToolPlan | None = None
+) -> list[int]:
     if not body.messages:
         raise bad_request("messages is empty; send at least one message.", param="messages")
+    tokenizer = _needed(tokenizer, "a chat")
     messages = [_template_message(index, message) for index, message in enumerate(body.messages)]
     try:
-        if tools is not None:
+        if tools is not None:  # the template takes the tools too: the transformers tokenizer's own call
             messages, extra = render_messages(tools, messages)
-            hf = getattr(tokenizer, "hf", tokenizer)
-            text = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
-            encoded = tokenizer.encode(text, add_special_tokens=False)
-        elif hasattr(tokenizer, "apply_chat_template"):
-            encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        else:  # snugkv.models.tokenizer.Tokenizer wraps the transformers one
-            encoded = tokenizer.encode_chat(messages, add_generation_prompt=True)
+            text = tokenizer.hf.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False, **extra
+            )
+            ids = tokenizer.encode(text, add_special_tokens=False)  # the template wrote the special ones
+        else:
+            ids = tokenizer.encode_chat(messages, add_generation_prompt=True)
     except Exception as exc:  # template errors come as jinja2, ValueError or TypeError
         raise bad_request(
             f"The model's chat template rejected these messages ({exc}); check the roles and their order.",
             param="messages",
         ) from None
-    ids = _token_ids(encoded)
     if not ids:
         raise bad_request("The messages render to an empty prompt; send some content.", param="messages")
     return ids
@@ -508,16 +513,6 @@ def _template_message(index: int, message: Any) -> dict[str, Any]:
     if message.tool_call_id is not None:
         rendered["tool_call_id"] = message.tool_call_id
     return rendered
-
-
-def _token_ids(encoded: Any) -> list[int]:
-    """`apply_chat_template(tokenize=True)` gives a list in transformers 4 and a mapping in 5."""
-    if isinstance(encoded, Mapping) or hasattr(encoded, "input_ids"):
-        encoded = encoded["input_ids"]
-    ids = list(encoded)
-    if ids and isinstance(ids[0], Sequence):
-        ids = list(ids[0])
-    return [int(t) for t in ids]
 
 
 def _fan_out(

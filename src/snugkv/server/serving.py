@@ -16,16 +16,16 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import cast
 
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from snugkv.core.engine_client import EngineClient
 from snugkv.core.outputs import GenerateInput, GenerateOutput
 from snugkv.core.sampling import InvalidRequest
-from snugkv.server.engine_protocol import EngineClient
 from snugkv.server.errors import SERVER_ERROR, APIError
 from snugkv.server.formats import ChoiceState, ResponseFormat, usage_of
 from snugkv.server.metrics import RequestTracker, ServerMetrics
@@ -41,8 +41,8 @@ _STREAM_END = object()
 class FanOut:
     """The engine streams of one HTTP request's choices, merged in arrival order."""
 
-    def __init__(self, engine: EngineClient, inputs: list[GenerateInput], metrics: ServerMetrics) -> None:
-        self._engine = engine
+    def __init__(self, client: EngineClient, inputs: list[GenerateInput], metrics: ServerMetrics) -> None:
+        self._client = client
         self._metrics = metrics
         self._queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue()
         self._unfinished = {gi.rid: index for index, gi in enumerate(inputs)}
@@ -55,14 +55,14 @@ class FanOut:
         self._single: AsyncIterator[GenerateOutput] | None = None
         self._tasks: list[asyncio.Task[None]] = []
         if len(inputs) == 1:
-            self._single = aiter(engine.generate(inputs[0]))
+            self._single = aiter(client.generate(inputs[0]))
         else:
             self._tasks = [asyncio.create_task(self._pump(index, gi)) for index, gi in enumerate(inputs)]
 
     async def _pump(self, index: int, request: GenerateInput) -> None:
-        stream = None
+        stream: AsyncGenerator[GenerateOutput, None] | None = None
         try:
-            stream = self._engine.generate(request)
+            stream = self._client.generate(request)
             async for output in stream:
                 self._queue.put_nowait((index, output))
         except asyncio.CancelledError:
@@ -70,10 +70,9 @@ class FanOut:
         except Exception as exc:
             self._queue.put_nowait((index, exc))
         finally:
-            aclose = getattr(stream, "aclose", None) if stream is not None else None
-            if aclose is not None:
+            if stream is not None:
                 try:
-                    await aclose()
+                    await stream.aclose()
                 except Exception:
                     logger.exception("Closing the engine stream of %s failed", request.rid)
             self._queue.put_nowait((index, _STREAM_END))
@@ -139,7 +138,7 @@ class FanOut:
         self._closed = True
         for rid, index in list(self._unfinished.items()):
             try:
-                self._engine.abort(rid)
+                self._client.abort(rid)
             except Exception:
                 logger.exception("Aborting %s failed", rid)
             self._trackers[index].on_finish("abort", prompt_tokens=len(self._inputs[index].input_ids))
@@ -151,12 +150,12 @@ class FanOut:
 
 async def stream_events(
     prepared: PreparedRequest,
-    engine: EngineClient,
+    client: EngineClient,
     metrics: ServerMetrics,
     request: Request,
     response_format: ResponseFormat,
-) -> AsyncIterator[str]:
-    fan_out = FanOut(engine, prepared.inputs, metrics)
+) -> AsyncGenerator[str, None]:
+    fan_out = FanOut(client, prepared.inputs, metrics)
     choices = [ChoiceState(prompt_tokens=prepared.prompt_tokens[p]) for p in prepared.prompt_of_choice]
     deltas = TextDeltas(prepared, response_format)
     try:
@@ -182,12 +181,12 @@ async def stream_events(
 
 async def collect_response(
     prepared: PreparedRequest,
-    engine: EngineClient,
+    client: EngineClient,
     metrics: ServerMetrics,
     request: Request,
     response_format: ResponseFormat,
 ) -> Response:
-    fan_out = FanOut(engine, prepared.inputs, metrics)
+    fan_out = FanOut(client, prepared.inputs, metrics)
     choices = [ChoiceState(prompt_tokens=prepared.prompt_tokens[p]) for p in prepared.prompt_of_choice]
 
     async def run() -> None:
@@ -220,7 +219,7 @@ class EventStreamResponse(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncIterator[str]) -> None:
+    def __init__(self, events: AsyncGenerator[str, None]) -> None:
         super().__init__(events, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._events = events
 
@@ -228,6 +227,4 @@ class EventStreamResponse(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            aclose = getattr(self._events, "aclose", None)
-            if aclose is not None:
-                await aclose()
+            await self._events.aclose()

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from snugkv.core.structured_output import StructuredOutput
+from snugkv.core.tokenizer import Tokenizer
 from snugkv.server.errors import bad_request
 from snugkv.server.guided import check
 
@@ -66,9 +67,9 @@ def _functions(tools: list[dict[str, Any]]) -> tuple[dict[str, Any], ...]:
     return tuple(functions)
 
 
-def template_source(tokenizer: Any) -> str:
-    hf = getattr(tokenizer, "hf", tokenizer)
-    template = getattr(hf, "chat_template", None)
+def template_source(tokenizer: Tokenizer | None) -> str:
+    """The chat template's Jinja source ("" when the model has none)."""
+    template = tokenizer.hf.chat_template if tokenizer is not None and tokenizer.has_chat_template else None
     return template if isinstance(template, str) else ""
 
 
@@ -80,7 +81,11 @@ def call_format_of(template: str) -> CallFormat:
 
 
 def plan_tools(
-    tools: list[dict[str, Any]] | None, tool_choice: Any, tokenizer: Any, *, parallel_tool_calls: bool = True
+    tools: list[dict[str, Any]] | None,
+    tool_choice: Any,
+    tokenizer: Tokenizer | None,
+    *,
+    parallel_tool_calls: bool = True,
 ) -> ToolPlan | None:
     """The tools of a chat request and how they run (None: no tools, or `tool_choice: "none"`);
     `parallel_tool_calls=False` holds a forced call to one."""

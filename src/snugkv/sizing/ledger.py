@@ -1,4 +1,5 @@
-"""The memory ledger: where the device's memory went, from independent counts.
+"""Measuring the memory ledger (`core.reports.MemoryLedger`): where the device's memory went, from
+independent counts.
 
 Items are counted at their source, not derived from one another: weights from the
 parameters, KV from the arena's committed extensions, graphs and buffers from torch's
@@ -9,80 +10,13 @@ is the difference and should stay within a few hundred MiB.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-
 import torch
 
-from snugkv.memory.vmm import GIB, VirtualMemory
+from snugkv.core.reports import MemoryLedger
+from snugkv.memory.vmm import VirtualMemory
 from snugkv.sizing.measure import device_memory
 
-
-@dataclass(frozen=True, slots=True)
-class MemoryLedger:
-    device: str
-    total_bytes: int
-    free_bytes: int
-    baseline_bytes: int  # used before the engine started: CUDA context, other processes
-    weights_bytes: int
-    graphs_and_buffers_bytes: int  # torch allocator minus weights: graph pool, persistent buffers
-    kv_committed_bytes: int
-    kv_reserved_va_bytes: int  # address space only, not memory
-    activation_peak_bytes: int  # measured peak of the largest eager step
-    headroom_bytes: int  # memory left free on purpose: activation peak plus the stated margin
-    weights_in_device_memory: bool = True  # False on CPU (general RAM) and while the weights sleep
-    graph_executables_bytes: int = 0  # driver memory taken while capturing, outside torch's allocator
-
-    @property
-    def used_bytes(self) -> int:
-        return self.total_bytes - self.free_bytes
-
-    @property
-    def accounted_bytes(self) -> int:
-        weights = self.weights_bytes if self.weights_in_device_memory else 0
-        return (
-            self.baseline_bytes
-            + weights
-            + self.graphs_and_buffers_bytes
-            + self.graph_executables_bytes
-            + self.kv_committed_bytes
-        )
-
-    @property
-    def unaccounted_bytes(self) -> int:
-        return self.used_bytes - self.accounted_bytes
-
-    def rows(self) -> list[tuple[str, int]]:
-        return [
-            ("baseline (context, other processes)", self.baseline_bytes),
-            (
-                "weights" + ("" if self.weights_in_device_memory else " (host RAM, not in the KV budget)"),
-                self.weights_bytes,
-            ),
-            ("graphs and buffers (torch allocator)", self.graphs_and_buffers_bytes),
-            ("graph executables and modules (driver)", self.graph_executables_bytes),
-            ("KV committed", self.kv_committed_bytes),
-            ("unaccounted", self.unaccounted_bytes),
-            ("free (headroom kept for activations)", self.free_bytes),
-            ("= total", self.total_bytes),
-            ("activation peak, measured", self.activation_peak_bytes),
-            ("headroom target (peak + margin)", self.headroom_bytes),
-            ("KV virtual address space reserved", self.kv_reserved_va_bytes),
-        ]
-
-    def table(self) -> str:
-        width = max(len(name) for name, _ in self.rows())
-        lines = [f"Memory ledger ({self.device}):"]
-        lines += [f"  {name:<{width}}  {value / GIB:9.3f} GiB" for name, value in self.rows()]
-        return "\n".join(lines)
-
-    def to_dict(self) -> dict[str, int | str | bool]:
-        data: dict[str, int | str | bool] = asdict(self)
-        data.update(
-            used_bytes=self.used_bytes,
-            accounted_bytes=self.accounted_bytes,
-            unaccounted_bytes=self.unaccounted_bytes,
-        )
-        return data
+__all__ = ["MemoryLedger", "measure_ledger"]  # the ledger's type is core's; this module measures it
 
 
 def measure_ledger(

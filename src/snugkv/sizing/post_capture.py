@@ -90,18 +90,25 @@ def size_post_capture(
     group: dist.ProcessGroup | None = None,
     kv_cap_bytes: int | None = None,
 ) -> SizingResult:
+    """Size a bare pool from a measurement and commit it: the steps the engine's `KvSizing` takes,
+    over a pool without an engine around it."""
     start = time.perf_counter()
     tokens = tokens_for_budget(pool, free.min_bytes, headroom_bytes, max_total_tokens, kv_cap_bytes)
     tokens = agree_min(tokens, group)
     if tokens <= 0:
-        raise SizingError(
-            f"no memory left for the KV cache: {free.min_bytes / GIB:.2f} GiB free after graph capture, "
-            f"{headroom_bytes / GIB:.2f} GiB kept as activation headroom. Use a smaller model, fewer or "
-            "smaller CUDA graphs (--cuda-graph-max-bs), or a smaller --chunked-prefill-size"
-        )
+        raise SizingError(no_kv_memory_message(free, headroom_bytes))
     tokens, retries = finalize_with_retry(pool, tokens, group)
     took_ms = (time.perf_counter() - start) * 1e3
     return SizingResult(tokens, pool.committed_bytes, headroom_bytes, free, took_ms, retries)
+
+
+def no_kv_memory_message(free: FreeMemory, headroom_bytes: int) -> str:
+    """Why start-up found no room for any KV cache, and what to change."""
+    return (
+        f"no memory left for the KV cache: {free.min_bytes / GIB:.2f} GiB free after graph capture, "
+        f"{headroom_bytes / GIB:.2f} GiB kept as activation headroom. Use a smaller model, fewer or "
+        "smaller CUDA graphs (--cuda-graph-max-bs), or a smaller --chunked-prefill-size"
+    )
 
 
 def recap_running_requests(max_running_requests: int, max_total_num_tokens: int, page_size: int) -> int:

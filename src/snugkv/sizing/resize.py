@@ -3,18 +3,16 @@
 A running engine's KV cache can grow up to the address space reserved at start-up, the user's
 `--max-total-tokens` and what `--max-device-memory` leaves it, and shrink down to two pages.
 `ResizeLimits` holds those bounds and refuses a count outside them with a message naming the
-limit and the flag; `KvResize` is the record of one resize (the log line, the API's answer, the
-server's history). Measuring memory stays in `measure`; moving memory is the runner's.
+limit and the flag (`core.reports.KvResize` records what a resize did). Measuring memory stays in
+`measure`; moving memory is the runner's.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
 
 from snugkv.memory.kv_pool import KVPool
-from snugkv.memory.vmm import GIB
 
 
 class KvResizeError(ValueError):
@@ -104,40 +102,3 @@ def check_free_gib(free_gib: object) -> float:
 def cap_tokens(pool: KVPool, kv_cap_bytes: int | None) -> int | None:
     """The most tokens whose backing fits what `--max-device-memory` leaves the KV cache."""
     return None if kv_cap_bytes is None else pool.max_tokens_within(kv_cap_bytes)
-
-
-@dataclass(frozen=True, slots=True)
-class KvResize:
-    """One change of the KV cache's size, as logged and answered."""
-
-    reason: str  # "resize", "sleep", "wake"
-    from_tokens: int
-    to_tokens: int
-    from_committed_bytes: int
-    to_committed_bytes: int
-    max_running_requests: int
-    took_ms: float
-    moved_pages: int = 0
-    moved_window_pages: int = 0
-    copied_bytes: int = 0
-    evicted_tokens: int = 0
-    retracted_requests: int = 0
-
-    def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["took_ms"] = round(self.took_ms, 3)
-        return data
-
-    def log_line(self) -> str:
-        moved = f", moved {self.moved_pages} pages" if self.moved_pages else ""
-        if self.moved_window_pages:
-            moved += f" (+{self.moved_window_pages} window pages)"
-        if self.copied_bytes:
-            moved += f" ({self.copied_bytes / 2**20:.1f} MiB copied)"
-        evicted = f", evicted {self.evicted_tokens} cached tokens" if self.evicted_tokens else ""
-        retracted = f", retracted {self.retracted_requests} requests" if self.retracted_requests else ""
-        return (
-            f"KV {self.reason}: max_total_num_tokens {self.from_tokens} -> {self.to_tokens}, committed "
-            f"{self.from_committed_bytes / GIB:.2f} -> {self.to_committed_bytes / GIB:.2f} GiB{moved}{evicted}"
-            f"{retracted}, max_running_requests={self.max_running_requests}, took {self.took_ms:.1f} ms"
-        )

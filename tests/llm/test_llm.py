@@ -26,7 +26,7 @@ from snugkv.llm import GenerationError
 from snugkv.llm.options import ALIASES, OPTIONS
 from snugkv.models.default_model import default_model_path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 NEW_TOKENS = 12
 RAW = ["The three primary colors are", "def fibonacci(n):", "Once upon a time"]
 QUESTION = "What is the capital of France?"

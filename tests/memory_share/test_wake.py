@@ -18,12 +18,12 @@ import torch
 
 from snugkv.memory.host_device import SharedHostDevice, process_start_ticks
 from snugkv.memory.vmm import GIB, MIB
-from snugkv.server.memory_share import MemoryShare, MemoryShareError, ShareOptions
-from snugkv.server.memory_share_wake import asking_to_wake, wake_need_bytes
+from snugkv.memory_share.policy import decide, effective_free_bytes
+from snugkv.memory_share.record import RUNNING, SLEEPING, STARTING, EngineEntry, ShareRecord
+from snugkv.memory_share.share import MemoryShare, MemoryShareError, ShareOptions
+from snugkv.memory_share.wake import asking_to_wake, wake_need_bytes
 from snugkv.sizing.ledger import MemoryLedger
 from snugkv.sizing.resize import KvResizeError
-from snugkv.sizing.share_policy import decide, effective_free_bytes
-from snugkv.sizing.share_record import RUNNING, SLEEPING, STARTING, EngineEntry, ShareRecord
 
 BPT = MIB  # bytes per token, to keep the figures readable
 
@@ -39,7 +39,7 @@ def device(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> SharedHostDevice:
 
 class OtherEngine:
     """A running engine in another process: its entry and its holdings in the shared device, and a
-    thread that resizes it as `share_policy.decide` says (as `MemoryShare.turn` would)."""
+    thread that resizes it as `policy.decide` says (as `MemoryShare.turn` would)."""
 
     def __init__(self, device: SharedHostDevice, kv_bytes: int, min_kv_bytes: int) -> None:
         self.process = subprocess.Popen(["sleep", "120"])
@@ -93,12 +93,18 @@ def sleeping_share(previous_kv_bytes: int, **options: Any) -> MemoryShare:
     )
     share = MemoryShare(ShareRecord.for_device("host"), entry, torch.device("cpu"), ShareOptions(**options))
     share.awake_kv_bytes = previous_kv_bytes
-    info = {"sleeping_tags": ["kv_cache", "weights"], "device_free_bytes": 0, "headroom_bytes": 0}
 
-    async def kv_info() -> dict[str, Any]:
-        return {**info, "device_free_bytes": SharedHostDevice.from_env().free_bytes()}  # type: ignore[union-attr]
+    async def kv_info() -> Any:
+        free = SharedHostDevice.from_env().free_bytes()  # type: ignore[union-attr]
+        cache = SimpleNamespace(
+            sleeping_tags=frozenset({"kv_cache", "weights"}), device_free_bytes=free, headroom_bytes=0
+        )
+        return SimpleNamespace(cache=cache)
 
-    share.async_engine = SimpleNamespace(kv_info=kv_info, engine=SimpleNamespace(report=None))
+    # The engine as the share reaches it: its KV view (`KvInfo`) and a report without a ledger.
+    share.client = SimpleNamespace(  # type: ignore[assignment]
+        kv_info=kv_info, server_info=lambda: SimpleNamespace(startup=SimpleNamespace(ledger=None))
+    )
     return share
 
 

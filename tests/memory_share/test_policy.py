@@ -8,8 +8,8 @@ from dataclasses import replace
 import pytest
 
 from snugkv.memory.vmm import GIB, MIB
-from snugkv.sizing.share_policy import SharePolicy, decide, plan_targets, pool_bytes, wake_kv_bytes
-from snugkv.sizing.share_record import RUNNING, SLEEPING, STARTING, EngineEntry
+from snugkv.memory_share.policy import SharePolicy, decide, plan_targets, pool_bytes, wake_kv_bytes
+from snugkv.memory_share.record import RUNNING, SLEEPING, STARTING, EngineEntry
 
 POLICY = SharePolicy()
 BPT = 128 * 1024  # bytes per token (Llama-3-8B in bf16)
@@ -181,7 +181,7 @@ def test_a_starter_and_a_running_engine_with_cached_activations_agree_on_the_sho
     same way on both sides (`effective_free_bytes`), one shrink by the deficit is enough for the
     starter's wait (on the H200 the starter stayed 0.41 GiB short when only the running side
     added them back)."""
-    from snugkv.sizing.share_policy import effective_free_bytes, reserve_bytes
+    from snugkv.memory_share.policy import effective_free_bytes, reserve_bytes
 
     running = engine(1, 100, headroom_bytes=3 * GIB, cached_bytes=GIB // 2)
     starter = EngineEntry(2, None, "e2", "", STARTING, 1.0, need_bytes=20 * GIB)
@@ -198,7 +198,7 @@ def test_a_starter_and_a_running_engine_with_cached_activations_agree_on_the_sho
 def test_running_engines_keep_room_for_a_new_engines_cuda_context() -> None:
     """Free memory below headroom plus the start room is a deficit: the engine gives it back, so a
     new engine can create its context and ask before it knows anything."""
-    from snugkv.sizing.share_policy import reserve_bytes
+    from snugkv.memory_share.policy import reserve_bytes
 
     me = engine(1, 100, headroom_bytes=GIB // 4, start_room_bytes=GIB)
     assert reserve_bytes([me]) == GIB // 4 + GIB

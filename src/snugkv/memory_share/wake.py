@@ -5,9 +5,9 @@ engine does, and wakes only once they have given it.
 What it asks for (`wake_need_bytes`): what the wake takes back into the shared device, that is its
 weights if they slept and its graphs if they were released (on a GPU; on the host backend only the
 KV cache lives in the shared budget), its activation headroom, and a KV cache of its size before
-it slept bounded by the policy's share (`share_policy.wake_kv_bytes`), never below --kv-min-tokens.
+it slept bounded by the policy's share (`policy.wake_kv_bytes`), never below --kv-min-tokens.
 
-Where it waits (`asking_to_wake`, the async engine's wake gate): the query of its state runs on
+Where it waits (`asking_to_wake`, the engine thread's wake gate): the query of its state runs on
 the scheduler thread between steps, the wait (`MemoryShare.ask_to_wake`, the start's wait) in a
 worker thread, so neither the event loop nor the scheduler is held; the wake command is sent once
 the ask is met, while the other engines' headroom is held as at start. A wait that times out is a
@@ -19,12 +19,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Collection
-from typing import Any
 
-from snugkv.server.memory_share import MemoryShare, MemoryShareError
-from snugkv.sizing.ledger import MemoryLedger
+from snugkv.core.reports import KvInfo, MemoryLedger
+from snugkv.memory_share.policy import effective_free_bytes, wake_kv_bytes
+from snugkv.memory_share.share import MemoryShare, MemoryShareError
 from snugkv.sizing.resize import KvResizeError
-from snugkv.sizing.share_policy import effective_free_bytes, wake_kv_bytes
 
 WAKE_TAGS = frozenset({"weights", "kv_cache", "cuda_graph"})
 
@@ -54,21 +53,24 @@ def wake_need_bytes(
     return need
 
 
-def wake_ask_bytes(share: MemoryShare, info: dict[str, Any], tags: tuple[str, ...]) -> int:
-    """What this engine asks for to wake `tags` now (`info`: its `kv_info`; reads the record)."""
+def wake_ask_bytes(
+    share: MemoryShare, info: KvInfo, ledger: MemoryLedger | None, tags: tuple[str, ...]
+) -> int:
+    """What this engine asks for to wake `tags` now (`info`: its `kv_info`; `ledger`: its report's,
+    for what the weights and graphs take; reads the record)."""
+    cache = info.cache
     kv = 0
-    if "kv_cache" in info["sleeping_tags"]:
+    if "kv_cache" in cache.sleeping_tags:
         entries = share.record.entries()
-        free = effective_free_bytes(entries, info["device_free_bytes"])
+        free = effective_free_bytes(entries, cache.device_free_bytes)
         previous = share.awake_kv_bytes or share.entry.min_kv_bytes
         kv = wake_kv_bytes(share.entry, entries, free, previous, share.options.policy)
-    report = getattr(share.async_engine.engine, "report", None)
     return wake_need_bytes(
         tags,
-        info["sleeping_tags"],
+        cache.sleeping_tags,
         kv_bytes=kv,
-        headroom_bytes=int(info["headroom_bytes"]),
-        ledger=getattr(report, "ledger", None),
+        headroom_bytes=cache.headroom_bytes,
+        ledger=ledger,
         on_gpu=share.device.type == "cuda",
     )
 
@@ -76,7 +78,7 @@ def wake_ask_bytes(share: MemoryShare, info: dict[str, Any], tags: tuple[str, ..
 @contextlib.asynccontextmanager
 async def asking_to_wake(share: MemoryShare, tags: tuple[str, ...]) -> AsyncIterator[None]:
     """Ask, wait off the loop until the others gave it, then let the wake run (the body)."""
-    info: dict[str, Any] = await share.async_engine.kv_info()  # on the scheduler thread, between steps
+    info = await share.attached.kv_info()  # on the scheduler thread, between steps
     waiting = asyncio.ensure_future(asyncio.to_thread(_ask, share, info, tags))
     try:
         asked = await asyncio.shield(waiting)
@@ -95,9 +97,9 @@ async def asking_to_wake(share: MemoryShare, tags: tuple[str, ...]) -> AsyncIter
         share.woken()
 
 
-def _ask(share: MemoryShare, info: dict[str, Any], tags: tuple[str, ...]) -> bool:
+def _ask(share: MemoryShare, info: KvInfo, tags: tuple[str, ...]) -> bool:
     """In a worker thread: ask and wait if the wake takes anything back (returns whether it asked)."""
-    need = wake_ask_bytes(share, info, tags)
+    need = wake_ask_bytes(share, info, share.attached.server_info().startup.ledger, tags)
     if need <= 0:
         return False
     share.ask_to_wake(need)
@@ -108,8 +110,3 @@ def _woken_if_granted(share: MemoryShare, done: asyncio.Future[bool]) -> None:
     """A wait its caller left ended: a grant nobody will use is released (a failed wait did it)."""
     if not done.cancelled() and done.exception() is None and done.result():
         share.woken()
-
-
-def install_wake_ask(share: MemoryShare, async_engine: Any) -> None:
-    """Every wake of `async_engine` (the routes', or a direct call) asks first."""
-    async_engine.wake_gate = lambda tags: asking_to_wake(share, tags)

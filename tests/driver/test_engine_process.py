@@ -14,9 +14,10 @@ import pytest
 
 from snugkv.core.outputs import GenerateInput, GenerateOutput, TokenLogprob
 from snugkv.core.sampling import SamplingParams
+from snugkv.driver.engine_core import EngineCore
+from snugkv.driver.engine_process import EngineProcess, EngineProcessError, EngineSpec, compact, expand
+from snugkv.driver.engine_thread import EngineThread
 from snugkv.engine import Engine, EngineArgs
-from snugkv.scheduler.async_engine import AsyncEngine
-from snugkv.scheduler.engine_process import EngineProcess, EngineProcessError, EngineSpec, compact, expand
 from snugkv.sizing.resize import KvResizeError
 from tests.models.hf_tiny import save_tiny_hf_model
 
@@ -67,7 +68,7 @@ def tokens(outputs: list) -> list[int]:
 def wait_idle_and_checked(engine) -> dict:
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
-        info = engine.server_info()
+        info = engine.server_info().to_dict()
         if info["stats"]["num_running_requests"] == 0 and info["slot_accounting_when_idle"]["checked"]:
             return info
         time.sleep(0.05)
@@ -89,7 +90,7 @@ def test_an_output_crosses_the_pipe_unchanged(output: GenerateOutput) -> None:
 
 
 def test_the_engine_process_gives_the_tokens_the_engine_gives_in_this_process(tiny_args, engine_process):
-    in_process = AsyncEngine(Engine(tiny_args), tokenizer=None, model_name="tiny")
+    in_process = EngineThread(EngineCore.around(Engine(tiny_args)), model_name="tiny")
     try:
         expected = asyncio.run(run_all(in_process))
     finally:
@@ -103,17 +104,19 @@ def test_the_engine_process_gives_the_tokens_the_engine_gives_in_this_process(ti
 
 
 def test_info_metrics_and_elastic_calls_cross_the_pipe(engine_process):
-    info = engine_process.server_info()
+    info = engine_process.server_info().to_dict()
     assert info["engine_process"]["pid"] not in (None, os.getpid())
     assert info["max_total_num_tokens"] > 0 and info["device"] == "cpu"
-    assert engine_process.metrics_snapshot()["kv_max_total_num_tokens"] == info["kv_capacity_tokens"]
+    assert (
+        engine_process.metrics_snapshot().to_dict()["kv_max_total_num_tokens"] == info["kv_capacity_tokens"]
+    )
     assert engine_process.check_health() and not engine_process.is_sleeping()
     page = info["page_size"]
     target = (info["max_total_num_tokens"] // 2) // page * page
 
     async def resize() -> tuple[dict, dict]:
         result = await engine_process.resize_kv(max_total_num_tokens=target)
-        return result, await engine_process.kv_info()
+        return result.to_dict(), (await engine_process.kv_info()).to_dict()
 
     result, kv = asyncio.run(resize())
     assert result["kv"]["max_total_num_tokens"] == target == kv["max_total_num_tokens"]
@@ -121,11 +124,13 @@ def test_info_metrics_and_elastic_calls_cross_the_pipe(engine_process):
         asyncio.run(engine_process.resize_kv(max_total_num_tokens=1))
     assert refused.value.status == 400 and "max_total_num_tokens" in str(refused.value)
     asyncio.run(engine_process.resize_kv(max_total_num_tokens=info["max_total_num_tokens"]))
-    asleep = asyncio.run(engine_process.sleep(level=1))
+    asleep = asyncio.run(engine_process.sleep(level=1)).to_dict()
     assert (
-        asleep["is_sleeping"] and engine_process.is_sleeping() and engine_process.sleep_state()["is_sleeping"]
+        asleep["is_sleeping"]
+        and engine_process.is_sleeping()
+        and engine_process.sleep_state().to_dict()["is_sleeping"]
     )
-    awake = asyncio.run(engine_process.wake_up())
+    awake = asyncio.run(engine_process.wake_up()).to_dict()
     assert not awake["is_sleeping"] and not engine_process.is_sleeping()
 
 
@@ -203,14 +208,14 @@ def test_on_a_gpu_the_engine_process_gives_the_tokens_of_the_engine_in_this_proc
             got[rid] = tokens([output async for output in engine.generate(request(rid, prompt, 24))])
         return got
 
-    in_process = AsyncEngine(Engine(args), tokenizer=None, model_name="tiny")
+    in_process = EngineThread(EngineCore.around(Engine(args)), model_name="tiny")
     try:
         expected = asyncio.run(one_by_one(in_process))
     finally:
         in_process.stop()
     process = EngineProcess(EngineSpec(args))
     try:
-        assert process.server_info()["device"].startswith("cuda")
+        assert process.server_info().to_dict()["device"].startswith("cuda")
         assert asyncio.run(one_by_one(process)) == expected
     finally:
         process.stop()

@@ -1,13 +1,13 @@
-"""The engine in a process of its own (`snugkv serve --engine-process`).
+"""The process driver: the engine core in a process of its own (`snugkv serve`'s default).
 
 In one process the server's event loop and the scheduler thread share one GIL: while the loop
 parses requests and writes chunks, the scheduler cannot queue the next step and the GPU waits
 (bench http, Qwen3-0.6B shape on the H200: 0.81-0.87x the in-process tok/s, docs/bench/http.md).
-Here the engine, its scheduler thread and its `AsyncEngine` run in a child process started with
+Here the engine core and its `EngineThread` (the scheduler thread) run in a child process started with
 `spawn`; the server's process keeps the tokenizer and talks to it over a pipe:
 
 - server -> engine: a request (`GenerateInput`), an abort, "abort all", a call of one of the
-  async engine's methods (`CALLS`: the elastic, sleep and info routes), "stop";
+  engine thread's methods (`CALLS`: the elastic, sleep and info routes), "stop";
 - engine -> server: "ready" (or the start-up error itself, re-raised in the server's process, so a
   bad model file is the same one-line error as without this flag), one message per turn with every
   output the turn produced, the replies to calls.
@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import inspect
 import itertools
 import logging
@@ -33,16 +34,17 @@ import pickle
 import signal
 import sys
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
 from snugkv.core.gc_pauses import freeze_startup_objects
 from snugkv.core.outputs import GenerateInput, GenerateOutput
-from snugkv.engine import Engine, EngineArgs
-from snugkv.scheduler.async_engine import (
-    AsyncEngine,
+from snugkv.core.reports import EngineInfo, KvInfo, KvResizeReply, MetricsSnapshot, SleepReply, SleepState
+from snugkv.driver.engine_core import EngineCore, load_tokenizer_or_none
+from snugkv.driver.engine_thread import (
+    EngineThread,
     Mailbox,
     OutputStream,
     error_output,
@@ -50,10 +52,13 @@ from snugkv.scheduler.async_engine import (
     loop_mailbox,
     stream_until_finished,
 )
+from snugkv.engine import Engine, EngineArgs
+from snugkv.models.loader import ModelSource
+from snugkv.scheduler.launched import StepRecord
 
 logger = logging.getLogger(__name__)
 
-# The async engine's methods the server may call across the process boundary.
+# The engine thread's methods the server may call across the process boundary.
 CALLS = frozenset(
     {
         "check_health",
@@ -78,7 +83,7 @@ class EngineProcessError(RuntimeError):
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """What the engine process builds: the engine, then the scheduler behind an `AsyncEngine`."""
+    """What the engine process builds: the engine core, then the thread that drives it."""
 
     engine_args: EngineArgs
     enable_prefix_cache: bool = True
@@ -86,30 +91,14 @@ class EngineSpec:
     # picklable: a module-level function or a bound method of a picklable object.
     after_start: Callable[[Engine], None] | None = None
     # Detokenize with this model's tokenizer (a `ModelSource`) instead of the engine's model's own.
-    tokenizer_source: Any = None
+    tokenizer_source: ModelSource | None = None
     log_level: int = logging.INFO
     log_format: str | None = None
     log_datefmt: str | None = None
 
 
-def engine_tokenizer(engine: Engine) -> Any:
-    """The engine's model's tokenizer, or None (with a warning on rank 0) when the model ships none."""
-    return _tokenizer(engine.loaded.source, engine.config.eos_token_ids, warn=engine.tp.is_first_rank)
-
-
-def _tokenizer(source: Any, eos_token_ids: Any, *, warn: bool = False) -> Any:
-    from snugkv.models.tokenizer import TokenizerUnavailable, load_tokenizer
-
-    try:
-        return load_tokenizer(source, eos_token_ids)
-    except TokenizerUnavailable as exc:
-        if warn:
-            logger.warning("%s", exc)
-        return None
-
-
 class EngineProcess:
-    """The server's side: an `EngineClient` (and the elastic and info methods of `AsyncEngine`)
+    """The server's side: an `EngineClient` (the generation, elastic and info calls of `EngineThread`)
     whose engine runs in a child process. Blocks in `__init__` until the engine is ready; a start-up
     error is raised here as the engine raised it."""
 
@@ -140,7 +129,7 @@ class EngineProcess:
         self.max_context_tokens: int = ready["context_length"]
         self.model_name: str = self.source.path.stem
         self.pid: int | None = self._process.pid
-        self.tokenizer: Any = _tokenizer(
+        self.tokenizer, _ = load_tokenizer_or_none(
             ready["tokenizer_source"], ready["eos_token_ids"]
         )  # the server's copy
         freeze_startup_objects()  # this process's start-up objects out of later collections (gc_pauses)
@@ -163,7 +152,7 @@ class EngineProcess:
         return dict(payload)
 
     # -- EngineClient ---------------------------------------------------------------------
-    async def generate(self, request: GenerateInput) -> AsyncIterator[GenerateOutput]:
+    async def generate(self, request: GenerateInput) -> AsyncGenerator[GenerateOutput, None]:
         outputs = OutputStream()
         refusal = self._register(request, outputs)
         if refusal is not None:
@@ -204,43 +193,43 @@ class EngineProcess:
         except EngineProcessError:
             return False
 
-    # -- what the server's routes read or change, run by the engine's own AsyncEngine -------
-    def server_info(self) -> dict[str, Any]:
-        info: dict[str, Any] = self._call_sync("server_info", {})
-        return {**info, "model": self.model_name, "engine_process": {"pid": self.pid}}
+    # -- what the server's routes read or change, run by the engine's own EngineThread -------
+    def server_info(self) -> EngineInfo:
+        info: EngineInfo = self._call_sync("server_info", {})
+        return dataclasses.replace(info, model=self.model_name, engine_process_pid=self.pid)
 
-    def metrics_snapshot(self) -> dict[str, Any]:
-        snapshot: dict[str, Any] = self._call_sync("metrics_snapshot", {})
+    def metrics_snapshot(self) -> MetricsSnapshot:
+        snapshot: MetricsSnapshot = self._call_sync("metrics_snapshot", {})
         return snapshot
 
-    def recent_steps(self) -> list[tuple[Any, ...]]:
-        steps: list[tuple[Any, ...]] = self._call_sync("recent_steps", {})
+    def recent_steps(self) -> list[StepRecord]:
+        steps: list[StepRecord] = self._call_sync("recent_steps", {})
         return steps
 
     def is_sleeping(self) -> bool:
         return bool(self._call_sync("is_sleeping", {}))
 
-    def sleep_state(self) -> dict[str, Any]:
-        state: dict[str, Any] = self._call_sync("sleep_state", {})
+    def sleep_state(self) -> SleepState:
+        state: SleepState = self._call_sync("sleep_state", {})
         return state
 
     async def resize_kv(
         self, *, max_total_num_tokens: int | None = None, free_gib: float | None = None
-    ) -> dict[str, Any]:
+    ) -> KvResizeReply:
         kwargs = {"max_total_num_tokens": max_total_num_tokens, "free_gib": free_gib}
-        result: dict[str, Any] = await self._call("resize_kv", kwargs)
+        result: KvResizeReply = await self._call("resize_kv", kwargs)
         return result
 
-    async def kv_info(self) -> dict[str, Any]:
-        result: dict[str, Any] = await self._call("kv_info", {})
+    async def kv_info(self) -> KvInfo:
+        result: KvInfo = await self._call("kv_info", {})
         return result
 
-    async def sleep(self, *, level: int = 1, tags: tuple[str, ...] = ()) -> dict[str, Any]:
-        result: dict[str, Any] = await self._call("sleep", {"level": level, "tags": tuple(tags)})
+    async def sleep(self, *, level: int = 1, tags: tuple[str, ...] = ()) -> SleepReply:
+        result: SleepReply = await self._call("sleep", {"level": level, "tags": tuple(tags)})
         return result
 
-    async def wake_up(self, *, tags: tuple[str, ...] = ()) -> dict[str, Any]:
-        result: dict[str, Any] = await self._call("wake_up", {"tags": tuple(tags)})
+    async def wake_up(self, *, tags: tuple[str, ...] = ()) -> SleepReply:
+        result: SleepReply = await self._call("wake_up", {"tags": tuple(tags)})
         return result
 
     # -- calls ------------------------------------------------------------------------------
@@ -414,9 +403,9 @@ class _EngineSide:
     """The engine process's end of the pipe: a reader thread applying the server's messages, and an
     event loop (the main thread) running the calls."""
 
-    def __init__(self, conn: Connection, async_engine: AsyncEngine) -> None:
+    def __init__(self, conn: Connection, engine_thread: EngineThread) -> None:
         self.conn = conn
-        self.engine = async_engine
+        self.engine_thread = engine_thread
         self.outbox = _PipeOutbox(self.send)
         self._lock = threading.Lock()
         self._closed = False
@@ -446,11 +435,11 @@ class _EngineSide:
                 message = pickle.loads(self.conn.recv_bytes())
                 kind = message[0]
                 if kind == "generate":
-                    self.engine.submit(message[1], self.outbox, None)
+                    self.engine_thread.submit(message[1], self.outbox, None)
                 elif kind == "abort":
-                    self.engine.abort(message[1])
+                    self.engine_thread.abort(message[1])
                 elif kind == "abort_all":
-                    self.engine.abort_all()
+                    self.engine_thread.abort_all()
                 elif kind == "call":
                     asyncio.run_coroutine_threadsafe(self._answer(*message[1:]), loop)
                 elif kind == "stop":
@@ -463,7 +452,7 @@ class _EngineSide:
         try:
             if method not in CALLS:
                 raise EngineProcessError(f"the engine process has no call {method!r}")
-            value = getattr(self.engine, method)(**kwargs)
+            value = getattr(self.engine_thread, method)(**kwargs)
             if inspect.isawaitable(value):
                 value = await value
             reply: tuple[Any, ...] = ("reply", call_id, True, value)
@@ -493,31 +482,20 @@ def _engine_main(conn: Connection, spec: EngineSpec) -> None:
         stream=sys.stderr,
     )
     try:
-        engine = Engine(spec.engine_args)
-        if spec.after_start is not None:
-            spec.after_start(engine)
+        core = EngineCore.build(
+            spec.engine_args,
+            enable_prefix_cache=spec.enable_prefix_cache,
+            tokenizer_source=spec.tokenizer_source,
+            after_engine=spec.after_start,
+        )
     except Exception as exc:  # raised again in the server's process, which says it to the user
         logger.debug("the engine did not start", exc_info=True)
         conn.send(("failed", _picklable(exc)))
         conn.close()
         return
-    try:
-        if spec.tokenizer_source is None:
-            tokenizer = engine_tokenizer(engine)
-        else:
-            tokenizer = _tokenizer(spec.tokenizer_source, engine.config.eos_token_ids, warn=True)
-        async_engine = AsyncEngine(
-            engine,
-            tokenizer=tokenizer,
-            model_name=engine.loaded.source.path.stem,
-            enable_prefix_cache=spec.enable_prefix_cache,
-        )
-    except BaseException as exc:
-        engine.close()
-        conn.send(("failed", _picklable(exc)))
-        conn.close()
-        return
-    side = _EngineSide(conn, async_engine)
+    engine = core.engine
+    engine_thread = EngineThread(core, model_name=engine.loaded.source.path.stem)
+    side = _EngineSide(conn, engine_thread)
     try:
         side.send(
             (
@@ -532,5 +510,5 @@ def _engine_main(conn: Connection, spec: EngineSpec) -> None:
         )
         asyncio.run(side.serve())
     finally:
-        async_engine.stop()  # the scheduler thread ends after its step; the engine releases its memory
+        engine_thread.stop()  # the scheduler thread ends after its step; the engine releases its memory
         conn.close()

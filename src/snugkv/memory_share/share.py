@@ -1,30 +1,31 @@
 """Several engines on one device (`snugkv serve --kv-elastic`): start without OOM, share KV memory.
 
-The protocol, through the per-device record (`sizing.share_record`, a locked JSON file; no server):
+The protocol, through the per-device record (`memory_share.record`, a locked JSON file; no server):
 1. Ask. Before it loads anything, a starting engine estimates what it needs (weights from the model
    config, an allowance for the CUDA context, graphs and activations, and `--kv-min-tokens` of KV;
    on the host backend only the KV cache lives in the shared budget) and publishes it as a
    `starting` entry's `need_bytes`. Running engines see the ask on their next turn and shrink by
-   the deficit (`share_policy.decide`, urgent). The starter waits until free memory covers its ask
+   the deficit (`policy.decide`, urgent). The starter waits until free memory covers its ask
    plus the others' headroom, or fails with a message naming who holds what.
 2. Start. While it sizes (post-capture takes all free memory), it holds the other engines'
    activation headroom with an allocation of its own, released as soon as its KV cache is sized.
    Then its entry turns `running` with the real figures (refined from the estimate).
 3. Share. Every `interval_s` each engine reads its own state between scheduler steps (`GET /kv`'s
    query), publishes its entry (KV bytes, demand, minimum, maximum, headroom, heartbeat), reads
-   everyone's, computes its own target with the pure policy and resizes itself through the async
-   engine's resize command, which the scheduler thread runs between steps (`scheduler.elastic`:
+   everyone's, computes its own target with the pure policy and resizes itself through its engine
+   client's resize call, which the scheduler thread runs between steps (`scheduler.elastic`:
    evict cache entries, retract only if needed; no request fails). Hysteresis and a minimum
    interval keep two engines from trading memory back and forth.
 4. Leave. An engine that sleeps publishes `sleeping` with no KV; one that stops removes its entry
    after its memory is released; one that crashed is cleared by the next reader (dead pid). The
    others then grow into the freed memory, never beyond what is free now.
 5. Wake. A sleeping engine asked to wake asks first, as a starting engine does (the same wait,
-   `server.memory_share_wake` says what it asks for); its rebalancing turns pause meanwhile, so
+   `memory_share.wake` says what it asks for); its rebalancing turns pause meanwhile, so
    the ask stays published until the wake is done.
 
 A process outside snugkv that takes memory shows as free memory below the reserve: every elastic
-engine gives back the deficit at once. This module acts only on its own engine.
+engine gives back the deficit at once. This module acts only on its own engine, and only through
+its `EngineClient` once it serves; the HTTP route that shows the record is the server's.
 """
 
 from __future__ import annotations
@@ -39,16 +40,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from fastapi import FastAPI
 
-from snugkv.engine import EngineArgs
-from snugkv.memory.host_device import SharedHostDevice
+from snugkv.core.engine_client import EngineClient
+from snugkv.core.reports import KvResizeReply
+from snugkv.engine import Engine, EngineArgs
 from snugkv.memory.vmm import GIB
-from snugkv.models.config import ModelConfig
-from snugkv.models.loader import read_model_config, resolve_device, resolve_dtype, resolve_model_source
-from snugkv.sizing.measure import cached_unused_bytes, device_memory, shared_device_free_bytes
-from snugkv.sizing.resize import KvResizeError
-from snugkv.sizing.share_policy import (
+from snugkv.memory_share.estimate import start_estimate
+from snugkv.memory_share.policy import (
     SharePolicy,
     decide,
     effective_free_bytes,
@@ -56,7 +54,10 @@ from snugkv.sizing.share_policy import (
     pool_bytes,
     reserve_bytes,
 )
-from snugkv.sizing.share_record import RUNNING, SLEEPING, STARTING, EngineEntry, ShareRecord, device_key
+from snugkv.memory_share.record import RUNNING, SLEEPING, STARTING, EngineEntry, ShareRecord, device_key
+from snugkv.models.loader import resolve_device
+from snugkv.sizing.measure import cached_unused_bytes, shared_device_free_bytes
+from snugkv.sizing.resize import KvResizeError
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +65,6 @@ logger = logging.getLogger(__name__)
 # context (~0.5 GiB on the H200) and read the device before it asks: on the H200 a second engine
 # beside a tiny model (whose headroom is small) ran out of memory creating its context.
 START_ROOM_BYTES = GIB
-CUDA_FIXED_ALLOWANCE_BYTES = int(1.75 * GIB)  # CUDA context, kernels, cuBLAS workspaces, the margin
 # A shrink that cuts through an extension copies its kept part to fresh memory first; on a full
 # device there is none, so only whole extensions above the cut are freed: keep them small.
 ELASTIC_CHUNK_MIB = 16
@@ -82,60 +82,6 @@ class ShareOptions:
     start_timeout_s: float = 120.0
     wake_timeout_s: float = 60.0
     policy: SharePolicy = field(default_factory=SharePolicy)
-
-
-def kv_bytes_per_token(config: ModelConfig, kv_dtype_bytes: int) -> int:
-    """K and V of every layer for one token (a full-attention estimate)."""
-    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * kv_dtype_bytes
-
-
-def weight_bytes_estimate(config: ModelConfig, dtype_bytes: int) -> int:
-    """Parameters of a dense decoder of `config`'s shape (attention, gated MLP, embeddings)."""
-    hidden, head_dim = config.hidden_size, config.head_dim
-    attention = hidden * head_dim * (2 * config.num_heads + 2 * config.num_kv_heads)
-    layer = attention + 3 * hidden * config.intermediate_size + 2 * hidden
-    embeddings = config.vocab_size * hidden * (1 if config.tie_word_embeddings else 2)
-    return (config.num_layers * layer + embeddings) * dtype_bytes
-
-
-def start_estimate(args: EngineArgs, min_tokens: int) -> tuple[int, int]:
-    """(bytes to ask for before loading, KV bytes per token) for an engine started with `args`."""
-    device = resolve_device(args.device)
-    config = read_model_config(resolve_model_source(args.model, args.load_format))
-    dtype = resolve_dtype(args.dtype, device)
-    kv_dtype_bytes = 1 if args.kv_dtype and "fp8" in args.kv_dtype else dtype.itemsize
-    if args.kv_dtype and "fp8" not in args.kv_dtype:
-        kv_dtype_bytes = resolve_dtype(args.kv_dtype, device).itemsize
-    per_token = kv_bytes_per_token(config, kv_dtype_bytes)
-    need = min_tokens * per_token
-    if device.type == "cuda":  # on the host backend only the KV cache is in the shared budget
-        need += weight_bytes_estimate(config, dtype.itemsize) + activation_bytes_estimate(
-            args, config, dtype.itemsize
-        )
-    return need, per_token
-
-
-def activation_bytes_estimate(args: EngineArgs, config: ModelConfig, dtype_bytes: int) -> int:
-    """What an engine holds besides weights and KV, from its flags: float32 logits rows (the decode
-    graphs' output, the sampler's temporaries over the largest batch, a scored prompt chunk, the
-    penalties' token history), one prefill chunk's activations, and a fixed part. An estimate
-    (measured on the H200, 2026-12-01: a Qwen3-0.6B shape with graphs up to 256 held 5.6-8 GiB
-    besides its weights; a fixed 2 GiB made its start run out of memory)."""
-    batch = args.max_running_requests or 256
-    chunk = args.chunked_prefill_size or 8192
-    logits_rows = batch * 8 + 3 * 512  # output + sampler temporaries; a scored chunk's log-softmax
-    logits = logits_rows * config.vocab_size * 4 + (batch + 1) * config.vocab_size * 5
-    prefill = chunk * (6 * config.hidden_size + 3 * config.intermediate_size) * dtype_bytes
-    return logits + prefill + CUDA_FIXED_ALLOWANCE_BYTES
-
-
-def device_total_gib(args: EngineArgs) -> float | None:
-    """The memory of the device `args` runs on (the shared host device's size on CPU), or None."""
-    device = resolve_device(args.device)
-    if device.type == "cuda":
-        return device_memory(device)[1] / GIB
-    shared = SharedHostDevice.from_env()
-    return None if shared is None else shared.capacity_bytes / GIB
 
 
 def share_table(entries: list[EngineEntry], free_bytes: int | None, policy: SharePolicy) -> dict[str, Any]:
@@ -164,7 +110,7 @@ class MemoryShare:
 
     def __init__(self, record: ShareRecord, entry: EngineEntry, device: torch.device, options: ShareOptions):
         self.record, self.entry, self.device, self.options = record, entry, device, options
-        self.async_engine: Any = None
+        self.client: EngineClient | None = None  # set by `attach`
         self.resizes: list[dict[str, Any]] = []
         self.waited_s = 0.0
         self._last_resize = 0.0
@@ -247,7 +193,7 @@ class MemoryShare:
             del held
             torch.cuda.empty_cache()
 
-    def started(self, engine: Any) -> None:
+    def started(self, engine: Engine) -> None:
         """The engine is sized: publish its real KV cache and drop the ask at once (the tokenizer and
         the scheduler still load; the others must not give away more meanwhile)."""
         pool = engine.pool
@@ -256,7 +202,7 @@ class MemoryShare:
             kv_bytes=pool.committed_bytes,
             kv_tokens=pool.committed_tokens,
             bytes_per_token=pool.bytes_per_token,
-            max_kv_bytes=pool.bytes_for_tokens(engine.kv_limits().max_tokens),
+            max_kv_bytes=pool.bytes_for_tokens(engine.kv.limits().max_tokens),
             headroom_bytes=engine.headroom_bytes,
             need_bytes=0,
         )
@@ -267,9 +213,16 @@ class MemoryShare:
         self.record.remove(self.entry.pid)
 
     # -- 3. share --------------------------------------------------------------------------------
-    def attach(self, async_engine: Any, url: str) -> None:
+    @property
+    def attached(self) -> EngineClient:
+        """The engine this share resizes (`attach` sets it)."""
+        if self.client is None:
+            raise RuntimeError("the memory share is not attached to an engine yet")
+        return self.client
+
+    def attach(self, client: EngineClient, url: str) -> None:
         """Serve: publish the real figures now, then rebalance on a thread until `stop`."""
-        self.async_engine = async_engine
+        self.client = client
         self.entry = self.entry.beat(url=url)
         asyncio.run(self.turn())
         self._thread = threading.Thread(target=self._run, name="snugkv-memory-share", daemon=True)
@@ -291,38 +244,40 @@ class MemoryShare:
                 logger.warning("Memory share: a turn failed (%s: %s); trying again", type(exc).__name__, exc)
             await asyncio.sleep(self.options.interval_s)
 
-    async def turn(self) -> dict[str, Any] | None:
+    async def turn(self) -> KvResizeReply | None:
         """One turn: publish, read, decide, maybe resize. Returns the resize it made, if any."""
-        info = await self.async_engine.kv_info()
-        if not info["resizable"]:  # sized without virtual memory (no CUDA VMM): nothing to share
+        client = self.attached
+        info = await client.kv_info()
+        cache = info.cache
+        if not cache.resizable:  # sized without virtual memory (no CUDA VMM): nothing to share
             logger.warning("Memory share: this engine's KV cache cannot be resized; it keeps its size")
             self._stop.set()
             return None
-        sleeping = "kv_cache" in info["sleeping_tags"]
-        page, per_token = int(info["page_size"]), max(int(info["bytes_per_token"]), 1)
+        sleeping = "kv_cache" in cache.sleeping_tags
+        page, per_token = cache.page_size, max(int(cache.bytes_per_token), 1)
         floor_tokens = max(
-            self.options.min_tokens, info["min_tokens_without_failing_a_request"], info["min_tokens"]
+            self.options.min_tokens, info.min_tokens_without_failing_a_request, cache.min_tokens
         )
-        floor_tokens = min(-(-floor_tokens // page) * page, info["max_tokens"])
+        floor_tokens = min(-(-floor_tokens // page) * page, cache.max_tokens)
         self.entry = self.entry.beat(
             state=SLEEPING if sleeping else RUNNING,
-            kv_bytes=0 if sleeping else info["committed_bytes"],
-            kv_tokens=0 if sleeping else info["max_total_num_tokens"],
+            kv_bytes=0 if sleeping else cache.committed_bytes,
+            kv_tokens=0 if sleeping else cache.max_total_num_tokens,
             bytes_per_token=per_token,
             min_kv_bytes=floor_tokens * per_token,
-            max_kv_bytes=info["max_tokens_bytes"],
-            demand_bytes=info["demand_tokens"] * per_token,
-            headroom_bytes=info["headroom_bytes"],
+            max_kv_bytes=cache.max_tokens_bytes,
+            demand_bytes=info.demand_tokens * per_token,
+            headroom_bytes=cache.headroom_bytes,
             cached_bytes=cached_unused_bytes(self.device),
             start_room_bytes=START_ROOM_BYTES if self.device.type == "cuda" else 0,
             need_bytes=0,
         )
         entries = self.record.publish(self.entry)
-        free = effective_free_bytes(entries, info["device_free_bytes"])
+        free = effective_free_bytes(entries, cache.device_free_bytes)
         self._last_free = free
         if sleeping:
             return None
-        self.awake_kv_bytes = info["committed_bytes"]
+        self.awake_kv_bytes = cache.committed_bytes
         since = time.monotonic() - self._last_resize
         others_at = max((e.resized_at for e in entries if e.pid != self.entry.pid), default=0.0)
         decision = decide(
@@ -336,44 +291,45 @@ class MemoryShare:
         if decision.target_bytes is None:
             return None
         tokens = decision.target_bytes // per_token // page * page
-        if tokens > info["max_total_num_tokens"]:  # granule-aligned backing must fit what is free
-            tokens = min(tokens, info["tokens_fitting_free_memory"])
-        tokens = int(min(max(tokens, floor_tokens), info["max_tokens"]))
-        if tokens == info["max_total_num_tokens"]:
+        if tokens > cache.max_total_num_tokens:  # granule-aligned backing must fit what is free
+            tokens = min(tokens, cache.tokens_fitting_free_memory)
+        tokens = int(min(max(tokens, floor_tokens), cache.max_tokens))
+        if tokens == cache.max_total_num_tokens:
             return None
         self._last_resize = time.monotonic()
         self.entry = self.entry.beat(resizing=True, resized_at=time.time())
-        if tokens > info["max_total_num_tokens"]:  # a grow is published before it takes the memory
+        if tokens > cache.max_total_num_tokens:  # a grow is published before it takes the memory
             self.entry = self.entry.beat(kv_bytes=tokens * per_token, kv_tokens=tokens)
         self.record.publish(self.entry)
         try:
-            result: dict[str, Any] = await self.async_engine.resize_kv(max_total_num_tokens=tokens)
+            reply = await client.resize_kv(max_total_num_tokens=tokens)
         except KvResizeError as exc:  # memory not back yet, a request grew meanwhile: next turn
             logger.info("Memory share: resize to %d tokens refused (%s); trying again later", tokens, exc)
             self.entry = self.entry.beat(
-                kv_bytes=info["committed_bytes"], kv_tokens=info["max_total_num_tokens"], resizing=False
+                kv_bytes=cache.committed_bytes, kv_tokens=cache.max_total_num_tokens, resizing=False
             )
             self.record.publish(self.entry)
             return None
+        change = reply.change
         logger.info(
             "Memory share: KV %d -> %d tokens (%.2f GiB) to rebalance: %s",
-            info["max_total_num_tokens"],
+            cache.max_total_num_tokens,
             tokens,
-            result["to_committed_bytes"] / GIB,
+            change.to_committed_bytes / GIB,
             decision.reason,
         )
         record = {
             "at": time.time(),
             "to_tokens": tokens,
             "reason": decision.reason,
-            "took_ms": result["took_ms"],
+            "took_ms": change.took_ms,
         }
         self.resizes = [*self.resizes[-31:], record]
         self.entry = self.entry.beat(
-            kv_bytes=result["to_committed_bytes"], kv_tokens=tokens, resized_at=time.time(), resizing=False
+            kv_bytes=change.to_committed_bytes, kv_tokens=tokens, resized_at=time.time(), resizing=False
         )
         self.record.publish(self.entry)
-        return result
+        return reply
 
     # -- 5. wake -------------------------------------------------------------------------------
     def ask_to_wake(self, need_bytes: int) -> None:
@@ -422,11 +378,3 @@ class MemoryShare:
             "resizes": self.resizes,
             **share_table(self.record.entries(), free, self.options.policy),
         }
-
-
-def install_share_routes(app: FastAPI, share: MemoryShare) -> None:
-    """GET /kv/engines: every engine registered on this device, its KV, share and target."""
-
-    @app.get("/kv/engines")
-    async def kv_engines() -> Any:
-        return share.snapshot()

@@ -1,6 +1,6 @@
-"""The engine as the server sees it: a scheduler thread behind an asyncio interface.
+"""The thread driver: an engine core on a scheduler thread of its own, behind an asyncio interface.
 
-`AsyncEngine` implements `EngineClient`. Requests and aborts cross into the scheduler thread
+`EngineThread` implements `EngineClient` (what the server calls). Requests and aborts cross into the scheduler thread
 through a queue. Outputs come back in batches: the scheduler thread posts everything a step
 produced to the loop's `Mailbox` at once, which wakes the loop once (not once per request, and not
 at all while a delivery is still waiting to run); the loop hands each output to its request's
@@ -11,7 +11,7 @@ be half-updated) and the engine goes on with the next ones; it never takes the s
 the loop itself dies, every open and later request gets an error at once and /health says so.
 
 With tensor parallelism this runs on rank 0; each turn's commands go to the other ranks first
-(`lockstep`), which run `lockstep.follow` over their own engine and scheduler.
+(`EngineCore.share`), which run `follower.follow` over their own engine core.
 """
 
 from __future__ import annotations
@@ -23,18 +23,27 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from snugkv.core.gc_pauses import GC_PAUSES
+from snugkv.core.engine_client import MetricsSink
 from snugkv.core.outputs import GenerateInput, GenerateOutput
+from snugkv.core.reports import (
+    EngineInfo,
+    KvInfo,
+    KvResize,
+    KvResizeReply,
+    MetricsSnapshot,
+    SleepReply,
+    SleepState,
+    SlotAccounting,
+)
 from snugkv.core.sampling import InvalidRequest
-from snugkv.engine import Engine
-from snugkv.scheduler import elastic, lockstep
-from snugkv.scheduler.lockstep import Abort, AbortAll, Add, Command, ResizeKV, Sleep, Stop, WakeUp
+from snugkv.driver.commands import Abort, AbortAll, Add, Command, ResizeKV, Sleep, Stop, WakeUp
+from snugkv.driver.engine_core import EngineCore
+from snugkv.scheduler.launched import StepRecord
 from snugkv.scheduler.request import Request
-from snugkv.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -204,7 +213,7 @@ class Control:
 class Query:
     """A read of the scheduler's state on rank 0 alone, between steps (never shared)."""
 
-    read: Callable[[Scheduler], Any]
+    read: Callable[[EngineCore], Any]
     loop: asyncio.AbstractEventLoop
     reply: asyncio.Future[Any]
 
@@ -212,24 +221,18 @@ class Query:
 InboxItem = Submit | Abort | AbortAll | Control | Query
 
 
-class AsyncEngine:
-    def __init__(
-        self,
-        engine: Engine,
-        *,
-        tokenizer: Any,
-        model_name: str,
-        metrics: Any = None,
-        enable_prefix_cache: bool = True,
-    ) -> None:
-        self.engine = engine
-        self.tokenizer = tokenizer
+class EngineThread:
+    """An engine core on a thread of its own; starts the thread at once and serves until `stop`."""
+
+    def __init__(self, core: EngineCore, *, model_name: str, metrics: MetricsSink | None = None) -> None:
+        self.core = core
+        self.engine = core.engine
+        self.scheduler = core.scheduler
+        self.tokenizer = core.tokenizer
         self.model_name = model_name
-        self.max_context_tokens = engine.context_length
+        self.max_context_tokens = core.context_length
         self.metrics = metrics
-        self.scheduler = Scheduler.for_engine(
-            engine, tokenizer=tokenizer, enable_prefix_cache=enable_prefix_cache, on_output=self._on_output
-        )
+        core.deliver_outputs_to(self._on_output)
         self._inbox: queue.SimpleQueue[InboxItem] = queue.SimpleQueue()
         self._streams: dict[str, tuple[Outbox, Any]] = {}
         self._mailboxes: dict[asyncio.AbstractEventLoop, Mailbox] = {}  # one per client loop
@@ -240,18 +243,18 @@ class AsyncEngine:
         self.aborted_rids: deque[str] = deque(maxlen=4096)
         self.step_errors = 0
         # Entered around every wake, before the command is sent: --kv-elastic asks the other
-        # engines on the device for the memory first (server.memory_share_wake); None: no gate.
+        # engines on the device for the memory first (memory_share.wake); None: no gate.
         self.wake_gate: WakeGate | None = None
         self._accounting_checked = False
         self._idle_since: float | None = None  # when the scheduler last ran out of work
-        self.slot_accounting: dict[str, Any] = {"checked": False}
+        self.slot_accounting = SlotAccounting()
         self._replies: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future[Any]]] = {}
         self._queries: list[Query] = []
         self._thread = threading.Thread(target=self._loop, name="snugkv-scheduler", daemon=True)
         self._thread.start()
 
     # -- EngineClient -------------------------------------------------------------------
-    async def generate(self, request: GenerateInput) -> AsyncIterator[GenerateOutput]:
+    async def generate(self, request: GenerateInput) -> AsyncGenerator[GenerateOutput, None]:
         outputs = OutputStream()
         self.submit(request, loop_mailbox(self._mailboxes), outputs)
         async for output in stream_until_finished(outputs, lambda: self.abort(request.rid)):
@@ -282,51 +285,43 @@ class AsyncEngine:
     # -- elastic memory (run on the scheduler thread between steps) ---------------------
     async def resize_kv(
         self, *, max_total_num_tokens: int | None = None, free_gib: float | None = None
-    ) -> dict[str, Any]:
+    ) -> KvResizeReply:
         """Resize the KV cache on every rank; raises `KvResizeError` naming the limit."""
-        result = await self._control(ResizeKV(max_total_num_tokens, free_gib))
-        return {**result.to_dict(), "kv": await self.kv_info()}
+        change = await self._control(ResizeKV(max_total_num_tokens, free_gib))
+        return KvResizeReply(change, await self.kv_info())
 
-    async def kv_info(self) -> dict[str, Any]:
-        return await self._query(elastic.kv_info)
+    async def kv_info(self) -> KvInfo:
+        info: KvInfo = await self._query(EngineCore.kv_info)
+        return info
 
-    async def sleep(self, *, level: int = 1, tags: tuple[str, ...] = ()) -> dict[str, Any]:
+    async def sleep(self, *, level: int = 1, tags: tuple[str, ...] = ()) -> SleepReply:
         """Release memory on every rank (requests in flight wait in the queue); raises
         `KvResizeError` when the engine cannot."""
-        result = await self._control(Sleep(level, tuple(tags)))
-        return {**result.to_dict(), **self.sleep_state()}
+        change = await self._control(Sleep(level, tuple(tags)))
+        return SleepReply(change, self.sleep_state())
 
-    async def wake_up(self, *, tags: tuple[str, ...] = ()) -> dict[str, Any]:
+    async def wake_up(self, *, tags: tuple[str, ...] = ()) -> SleepReply:
         gate = self.wake_gate
         async with gate(tuple(tags)) if gate is not None else contextlib.nullcontext():
-            result = await self._control(WakeUp(tuple(tags)))
-        return {**result.to_dict(), **self.sleep_state()}
+            change = await self._control(WakeUp(tuple(tags)))
+        return SleepReply(change, self.sleep_state())
 
     def is_sleeping(self) -> bool:
         return self.engine.is_sleeping
 
-    def sleep_state(self) -> dict[str, Any]:
-        engine = self.engine
-        weights = engine.loaded.weights
-        return {
-            "is_sleeping": engine.is_sleeping,
-            "sleeping_tags": sorted(engine.sleeping_tags),
-            "level": engine.sleep_level if "weights" in engine.sleeping_tags else None,
-            "weights_in_host_memory": weights is not None and weights.holds_host_copy,
-            "kv_committed_bytes": engine.pool.committed_bytes,
-            "weights_committed_bytes": weights.committed_bytes if weights is not None else None,
-        }
+    def sleep_state(self) -> SleepState:
+        return self.core.sleep_state()
 
-    async def _control(self, command: Command) -> Any:
+    async def _control(self, command: Command) -> KvResize:
         loop = asyncio.get_running_loop()
-        reply: asyncio.Future[Any] = loop.create_future()
+        reply: asyncio.Future[KvResize] = loop.create_future()
         self._inbox.put(Control(command, loop, reply))
         self._wake.set()
         if self._broken is not None:
             raise RuntimeError(self._broken)
         return await reply
 
-    async def _query(self, read: Callable[[Scheduler], Any]) -> Any:
+    async def _query(self, read: Callable[[EngineCore], Any]) -> Any:
         loop = asyncio.get_running_loop()
         reply: asyncio.Future[Any] = loop.create_future()
         self._inbox.put(Query(read, loop, reply))
@@ -335,50 +330,18 @@ class AsyncEngine:
             raise RuntimeError(self._broken)
         return await reply
 
-    def metrics_snapshot(self) -> dict[str, Any]:
-        engine = self.engine
-        return {
-            **self.scheduler.stats(),
-            "kv_max_total_num_tokens": engine.pool.committed_tokens,
-            "kv_committed_bytes": engine.pool.committed_bytes,
-            "kv_resizes": engine.kv_event_count,
-            "sleep_level": engine.sleep_level if engine.is_sleeping else 0,
-        }
+    def metrics_snapshot(self) -> MetricsSnapshot:
+        return self.core.metrics_snapshot()
 
-    def server_info(self) -> dict[str, Any]:
-        args = self.engine.args
-        return {
-            "model": self.model_name,
-            **self.engine.report.to_dict(),
-            "page_size": args.page_size,
-            "kv_layout": args.kv_layout,
-            "kv_dtype": str(self.engine.kv_dtype),
-            "attention_backend": args.attention_backend,
-            "tp_size": self.engine.tp.world_size,
-            "context_length": self.max_context_tokens,
-            "chunked_prefill_size": args.chunked_prefill_size,
-            "cuda_graph_max_bs": 0 if args.disable_cuda_graph else args.cuda_graph_max_bs,
-            "prefill_graph_max_tokens": 0 if args.disable_cuda_graph else args.prefill_graph_max_tokens,
-            "overlap_schedule": self.scheduler.overlap,
-            "device": str(self.engine.device),
-            "kv_capacity_tokens": self.scheduler.runner.allocator.capacity_tokens,
-            "stats": self.scheduler.stats(),
-            # Counters since start: a client takes the GPU-idle fraction of a run as
-            # 1 - (change in device_busy_s) / (its wall time).
-            "step_times": {
-                key: value
-                for key, value in self.scheduler.times.as_dict().items()
-                if key != "device_idle_fraction"
-            },
-            "step_errors": self.step_errors,
-            "gc": GC_PAUSES.as_dict(),  # the collector's full collections in this process
-            "is_sleeping": self.engine.is_sleeping,
-            "kv_events": list(self.engine.kv_events),
-            "aborted_rids": list(self.aborted_rids),
-            "slot_accounting_when_idle": self.slot_accounting,
-        }
+    def server_info(self) -> EngineInfo:
+        return self.core.info(
+            model_name=self.model_name,
+            step_errors=self.step_errors,
+            aborted_rids=tuple(self.aborted_rids),
+            slot_accounting=self.slot_accounting,
+        )
 
-    def recent_steps(self) -> list[tuple[Any, ...]]:
+    def recent_steps(self) -> list[StepRecord]:
         """The last steps one by one (`launched.StepRecord`s: launch time, kind, size, device time
         and the device's idle gap before each); `launched.summarize_steps` reads them."""
         return list(self.scheduler.times.records)  # one C-level copy: safe beside the scheduler thread
@@ -411,7 +374,7 @@ class AsyncEngine:
             commands = self._take_inbox()
             if stopping:
                 commands.append(Stop())
-            lockstep.share(self.engine.tp, commands)  # the other ranks apply the same, in order
+            self.core.share(commands)  # the other ranks apply the same, in order
             for index, command in enumerate(commands):
                 self._apply(command, self._replies.pop(index, None))
             self._flush_outbox()  # refusals, and the ends of aborted requests
@@ -428,13 +391,13 @@ class AsyncEngine:
                 continue
             self._accounting_checked = False
             self._idle_since = None
-            error = lockstep.step_once(self.scheduler, self.engine.tp)
+            error = self.core.step()
             self._flush_outbox()
             if error is not None:
                 self.step_errors += 1
                 logger.error("scheduler step failed; ended the requests it held", exc_info=error)
             if self.metrics is not None:
-                self.metrics.update_from_snapshot(self.scheduler.stats())
+                self.metrics.update_from_stats(self.scheduler.stats())
 
     def _check_accounting_when_idle(self) -> None:
         """With nothing in flight, every slot must be free or in the prefix cache."""
@@ -448,14 +411,14 @@ class AsyncEngine:
         except Exception as exc:
             ok, detail = False, str(exc)
             logger.error("slot accounting failed: %s", exc)
-        self.slot_accounting = {
-            "checked": True,
-            "ok": ok,
-            "detail": detail,
-            "free_tokens": allocator.available_tokens,
-            "cached_tokens": self.scheduler.cache.cached_tokens,
-            "capacity_tokens": allocator.capacity_tokens,
-        }
+        self.slot_accounting = SlotAccounting(
+            checked=True,
+            ok=ok,
+            detail=detail,
+            free_tokens=allocator.available_tokens,
+            cached_tokens=self.scheduler.cache.cached_tokens,
+            capacity_tokens=allocator.capacity_tokens,
+        )
 
     def _take_inbox(self) -> list[Command]:
         """This turn's commands; a new request's stream is registered as it is taken, a control's
@@ -488,7 +451,7 @@ class AsyncEngine:
     ) -> None:
         if reply is not None:  # a control: its outcome, success or error, goes to whoever asked
             try:
-                result = lockstep.apply(self.scheduler, command)
+                result = self.core.apply(command)
             except Exception as exc:
                 _settle(*reply, error=exc)
             else:
@@ -497,7 +460,7 @@ class AsyncEngine:
                 self.metrics.update_from_snapshot(self.metrics_snapshot())
             return
         try:
-            lockstep.apply(self.scheduler, command)
+            self.core.apply(command)
         except (
             Exception
         ) as exc:  # InvalidRequest: a 400; anything else: this request's 500, not the engine's end
@@ -515,7 +478,7 @@ class AsyncEngine:
         while self._queries:
             query = self._queries.pop(0)
             try:
-                result = query.read(self.scheduler)
+                result = query.read(self.core)
             except Exception as exc:
                 _settle(query.loop, query.reply, error=exc)
             else:
@@ -552,7 +515,7 @@ class AsyncEngine:
         self._wake.set()
         self._thread.join()  # a step in flight finishes first: its pools must outlive it
         if close_engine:
-            self.engine.close()
+            self.core.close()
 
 
 def _settle(

@@ -13,7 +13,7 @@ import pytest
 from snugkv.memory.host_device import SharedHostDevice
 from snugkv.memory.vmm import MIB, CommitError
 from snugkv.memory.vmm_host import HostVmm
-from snugkv.sizing.share_record import RUNNING, EngineEntry, ShareRecord
+from snugkv.memory_share.record import RUNNING, EngineEntry, ShareRecord
 
 REPO_SRC = Path(__file__).resolve().parents[2] / "src"
 
@@ -42,11 +42,12 @@ def run_child(code: str, runtime: Path, *, kill_after_line: bool = False) -> sub
     return child
 
 
+@pytest.mark.slow
 def test_an_entry_of_a_process_killed_with_sigkill_is_cleared(runtime_dir: Path) -> None:
     record = ShareRecord.for_device("host")
     child = run_child(
         """
-        from snugkv.sizing.share_record import EngineEntry, ShareRecord
+        from snugkv.memory_share.record import EngineEntry, ShareRecord
         ShareRecord.for_device("host").publish(EngineEntry.of_this_process("child", 1.0, kv_bytes=1 << 20))
         """,
         runtime_dir,
@@ -73,6 +74,7 @@ def test_a_reused_pid_is_not_taken_for_the_engine_that_had_it() -> None:
     assert record.entries() == []
 
 
+@pytest.mark.slow
 def test_processes_commit_against_one_shared_budget_and_a_dead_ones_memory_comes_back(
     runtime_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -128,19 +130,20 @@ def test_snugkv_memory_gpu_host_shows_every_registered_engine_and_its_share(
     assert "'99' is neither a GPU here" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_a_start_that_cannot_get_its_memory_fails_naming_who_holds_it(
     runtime_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import torch
 
-    from snugkv.server.memory_share import MemoryShare, MemoryShareError, ShareOptions
+    from snugkv.memory_share.share import MemoryShare, MemoryShareError, ShareOptions
 
     monkeypatch.setenv("SNUGKV_HOST_DEVICE_GIB", "0.0625")  # 64 MiB, 48 of them held by a running engine
     child = run_child(
         """
         from snugkv.memory.host_device import SharedHostDevice
         from snugkv.memory.vmm_host import HostVmm
-        from snugkv.sizing.share_record import EngineEntry, ShareRecord
+        from snugkv.memory_share.record import EngineEntry, ShareRecord
         vmm = HostVmm(shared=SharedHostDevice.from_env())
         vmm.commit(vmm.reserve(48 << 20), 48 << 20)
         entry = EngineEntry.of_this_process("busy", 1.0).beat(state="running", kv_bytes=48 << 20, min_kv_bytes=48 << 20)

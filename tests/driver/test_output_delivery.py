@@ -9,8 +9,8 @@ import threading
 
 from snugkv.core.outputs import GenerateInput, GenerateOutput, TokenLogprob
 from snugkv.core.sampling import SamplingParams
-from snugkv.scheduler.async_engine import AsyncEngine, Mailbox, OutputStream
-from tests.scheduler.test_async_engine import async_engine  # noqa: F401  (the fixture)
+from snugkv.driver.engine_thread import EngineThread, Mailbox, OutputStream
+from tests.driver.test_engine_thread import engine_thread  # noqa: F401  (the fixture)
 
 
 def _out(tokens: list[int], text: str, **fields) -> GenerateOutput:
@@ -80,18 +80,18 @@ def test_posts_while_a_delivery_waits_wake_the_loop_once():
     assert wakeups == 2 and tokens == [0, 1, 2, 9]
 
 
-def test_a_slow_consumer_gets_every_token_in_fewer_outputs(async_engine: AsyncEngine):  # noqa: F811
+def test_a_slow_consumer_gets_every_token_in_fewer_outputs(engine_thread: EngineThread):  # noqa: F811
     async def read_slowly() -> list[GenerateOutput]:
         request = GenerateInput("slow", [5, 6, 7], SamplingParams(max_new_tokens=24, ignore_eos=True))
         outputs = []
-        async for output in async_engine.generate(request):
+        async for output in engine_thread.generate(request):
             outputs.append(output)
             await asyncio.sleep(0.05)  # the scheduler runs several steps meanwhile
         return outputs
 
     async def read_at_once() -> list[GenerateOutput]:
         request = GenerateInput("fast", [5, 6, 7], SamplingParams(max_new_tokens=24, ignore_eos=True))
-        return [output async for output in async_engine.generate(request)]
+        return [output async for output in engine_thread.generate(request)]
 
     slow = asyncio.run(read_slowly())
     fast = asyncio.run(read_at_once())

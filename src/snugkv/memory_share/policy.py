@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from snugkv.memory.vmm import MIB
-from snugkv.sizing.share_record import RUNNING, STARTING, EngineEntry
+from snugkv.memory_share.record import RUNNING, STARTING, EngineEntry
 
 
 @dataclass(frozen=True, slots=True)

@@ -166,7 +166,7 @@ def test_max_device_memory_holds_at_start_up_on_resize_and_on_wake():
         return engine.baseline_free_bytes - free_bytes()
 
     assert held() <= cap + 256 * MIB  # kernel modules loaded outside torch's allocator are the slack
-    limit = engine.kv_limits().cap_tokens
+    limit = engine.kv.limits().cap_tokens
     with pytest.raises(KvResizeError, match="--max-device-memory 3 GiB"):
         engine.resize_kv(limit + 1024)
     engine.resize_kv(limit // 2 // 16 * 16)

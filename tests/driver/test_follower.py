@@ -11,9 +11,9 @@ import torch.distributed as dist
 from snugkv.core.sampling import SamplingParams
 from snugkv.distributed.group import TensorParallel
 from snugkv.distributed.launch import launch
-from snugkv.scheduler import lockstep
-from snugkv.scheduler.lockstep import Add, Stop
-from snugkv.scheduler.scheduler import Scheduler
+from snugkv.driver.commands import Add, Stop
+from snugkv.driver.engine_core import EngineCore
+from snugkv.driver.follower import follow
 from tests.models.hf_tiny import hf_greedy, save_tiny_hf_model
 
 FAIL_AT_STEP = 3
@@ -35,7 +35,8 @@ def fail_once_on(tp: TensorParallel, model_dir: str, failing_rank: int) -> list:
         if output.finished:
             finished[request.rid] = (output.finish_reason, list(request.output_ids))
 
-    scheduler = Scheduler.for_engine(engine, on_output=on_output if tp.is_first_rank else None)
+    core = EngineCore.around(engine, on_output=on_output if tp.is_first_rank else None)
+    scheduler = core.scheduler
     steps = {"count": 0}
     real_step, real_stop_reason = scheduler.step, scheduler._stop_reason
 
@@ -54,17 +55,17 @@ def fail_once_on(tp: TensorParallel, model_dir: str, failing_rank: int) -> list:
         errors = []
         while turns or scheduler.has_work:
             commands = turns.pop(0) if turns else []
-            lockstep.share(tp, commands)
+            core.share(commands)
             for command in commands:
-                lockstep.apply(scheduler, command)
+                core.apply(command)
             if scheduler.has_work:
-                error = lockstep.step_once(scheduler, tp)
+                error = core.step()
                 if error is not None:
                     errors.append(str(error))
                     turns.append([Add("c", [11, 12, 13], greedy(6))])  # after the failure
-        lockstep.share(tp, [Stop()])
+        core.share([Stop()])
     else:
-        lockstep.follow(scheduler, tp)
+        follow(core)
         errors = []
     scheduler.check_slot_accounting()
     state = {

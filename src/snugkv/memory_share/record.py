@@ -11,7 +11,7 @@ program: the pid's start time is kept) is stale and is cleared by whoever reads 
 
 Devices are keyed so that every process names a GPU alike whatever its CUDA_VISIBLE_DEVICES: by
 the GPU's UUID, or `host` for the host backend's shared simulated device. What an engine does with
-the record is the policy's (`sizing.share_policy`) and the server's (`server.memory_share`).
+the record is the policy's (`memory_share.policy`) and each engine's share (`memory_share.share`).
 """
 
 from __future__ import annotations

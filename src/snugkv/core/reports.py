@@ -1,0 +1,423 @@
+"""What an engine reports about itself: typed values the engine, the scheduler and the drivers
+fill, and the server, the Python API and the memory share read.
+
+    MemoryLedger    where the device's memory went (sizing.ledger measures it)
+    StartupReport   what start-up sized: mode, `max_total_num_tokens`, the ledger, timings
+    KvResize        one change of the KV cache's size: a resize, a sleep or a wake
+    KvCacheView     the KV cache now and what a resize may ask for (the engine's view)
+    KvInfo          GET /kv: the cache and what the requests in it hold
+    SleepState      what sleeps now
+    SchedulerStats  the scheduler's counters (KV usage, queues, prefix-cache hits)
+    MetricsSnapshot what /metrics reads from the engine at a scrape
+    EngineInfo      GET /server_info: the engine's flags, sizing, counters and state
+    MemoryReport    `LLM.memory()`: the start-up report and the KV cache's slots now
+
+Each has `to_dict()`, the JSON the routes answer with; nobody reads a report by string keys.
+Values only: nothing here measures memory or touches an engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+GIB = 1 << 30  # memory.vmm's, which this floor cannot import
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryLedger:
+    """Items counted at their source (weights from the parameters, KV from the arena's committed
+    extensions, graphs and buffers from torch's allocator, the baseline from free memory before the
+    engine allocated anything); `unaccounted` is what the device says is used beyond their sum."""
+
+    device: str
+    total_bytes: int
+    free_bytes: int
+    baseline_bytes: int  # used before the engine started: CUDA context, other processes
+    weights_bytes: int
+    graphs_and_buffers_bytes: int  # torch allocator minus weights: graph pool, persistent buffers
+    kv_committed_bytes: int
+    kv_reserved_va_bytes: int  # address space only, not memory
+    activation_peak_bytes: int  # measured peak of the largest eager step
+    headroom_bytes: int  # memory left free on purpose: activation peak plus the stated margin
+    weights_in_device_memory: bool = True  # False on CPU (general RAM) and while the weights sleep
+    graph_executables_bytes: int = 0  # driver memory taken while capturing, outside torch's allocator
+
+    @property
+    def used_bytes(self) -> int:
+        return self.total_bytes - self.free_bytes
+
+    @property
+    def accounted_bytes(self) -> int:
+        weights = self.weights_bytes if self.weights_in_device_memory else 0
+        return (
+            self.baseline_bytes
+            + weights
+            + self.graphs_and_buffers_bytes
+            + self.graph_executables_bytes
+            + self.kv_committed_bytes
+        )
+
+    @property
+    def unaccounted_bytes(self) -> int:
+        return self.used_bytes - self.accounted_bytes
+
+    def rows(self) -> list[tuple[str, int]]:
+        return [
+            ("baseline (context, other processes)", self.baseline_bytes),
+            (
+                "weights" + ("" if self.weights_in_device_memory else " (host RAM, not in the KV budget)"),
+                self.weights_bytes,
+            ),
+            ("graphs and buffers (torch allocator)", self.graphs_and_buffers_bytes),
+            ("graph executables and modules (driver)", self.graph_executables_bytes),
+            ("KV committed", self.kv_committed_bytes),
+            ("unaccounted", self.unaccounted_bytes),
+            ("free (headroom kept for activations)", self.free_bytes),
+            ("= total", self.total_bytes),
+            ("activation peak, measured", self.activation_peak_bytes),
+            ("headroom target (peak + margin)", self.headroom_bytes),
+            ("KV virtual address space reserved", self.kv_reserved_va_bytes),
+        ]
+
+    def table(self) -> str:
+        width = max(len(name) for name, _ in self.rows())
+        lines = [f"Memory ledger ({self.device}):"]
+        lines += [f"  {name:<{width}}  {value / GIB:9.3f} GiB" for name, value in self.rows()]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, int | str | bool]:
+        data: dict[str, int | str | bool] = asdict(self)
+        data.update(
+            used_bytes=self.used_bytes,
+            accounted_bytes=self.accounted_bytes,
+            unaccounted_bytes=self.unaccounted_bytes,
+        )
+        return data
+
+
+@dataclass(frozen=True, slots=True)
+class StartupReport:
+    mode: str  # a `sizing.modes.SizingMode`
+    max_total_num_tokens: int
+    max_running_requests: int
+    ledger: MemoryLedger
+    sizing_ms: float
+    retries: int = 0
+    per_rank_free_bytes: tuple[int, ...] = ()
+    timings: dict[str, float] = field(default_factory=dict)  # keys carry their unit
+    quantization: str = "none"  # the FP8 scheme the linear layers run, when they do
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "quantization": self.quantization,
+            "sizing_mode": str(self.mode),
+            "max_total_num_tokens": self.max_total_num_tokens,
+            "max_running_requests": self.max_running_requests,
+            "sizing_ms": round(self.sizing_ms, 3),
+            "retries": self.retries,
+            "per_rank_free_bytes": list(self.per_rank_free_bytes),
+            "memory_ledger": self.ledger.to_dict(),
+            "timings": {key: round(value, 3) for key, value in self.timings.items()},
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class KvResize:
+    """One change of the KV cache's size, as logged and answered."""
+
+    reason: str  # "resize", "sleep", "wake"
+    from_tokens: int
+    to_tokens: int
+    from_committed_bytes: int
+    to_committed_bytes: int
+    max_running_requests: int
+    took_ms: float
+    moved_pages: int = 0
+    moved_window_pages: int = 0
+    copied_bytes: int = 0
+    evicted_tokens: int = 0
+    retracted_requests: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["took_ms"] = round(self.took_ms, 3)
+        return data
+
+    def log_line(self) -> str:
+        moved = f", moved {self.moved_pages} pages" if self.moved_pages else ""
+        if self.moved_window_pages:
+            moved += f" (+{self.moved_window_pages} window pages)"
+        if self.copied_bytes:
+            moved += f" ({self.copied_bytes / 2**20:.1f} MiB copied)"
+        evicted = f", evicted {self.evicted_tokens} cached tokens" if self.evicted_tokens else ""
+        retracted = f", retracted {self.retracted_requests} requests" if self.retracted_requests else ""
+        return (
+            f"KV {self.reason}: max_total_num_tokens {self.from_tokens} -> {self.to_tokens}, committed "
+            f"{self.from_committed_bytes / GIB:.2f} -> {self.to_committed_bytes / GIB:.2f} GiB{moved}{evicted}"
+            f"{retracted}, max_running_requests={self.max_running_requests}, took {self.took_ms:.1f} ms"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class KvCacheView:
+    """The KV cache now and what a resize would need (rank 0's view; no collective)."""
+
+    max_total_num_tokens: int  # committed now
+    capacity_tokens: int  # what the allocator hands out
+    available_tokens: int
+    page_size: int
+    committed_bytes: int
+    reserved_bytes: int
+    reserved_tokens: int
+    bytes_per_token: float  # over every buffer (a window sub-pool's share included)
+    chunk_bytes: int
+    granularity_bytes: int
+    min_tokens: int
+    max_tokens: int
+    max_tokens_bytes: int
+    max_total_tokens: int | None  # --max-total-tokens
+    max_device_memory_gib: float | None
+    cap_tokens: int | None  # what --max-device-memory leaves the KV cache
+    device_free_bytes: int
+    headroom_bytes: int
+    tokens_fitting_free_memory: int
+    max_running_requests: int
+    resizable: bool
+    sleeping_tags: frozenset[str]
+    events: tuple[KvResize, ...]  # the last changes, oldest first
+
+    @property
+    def used_tokens(self) -> int:
+        return self.capacity_tokens - self.available_tokens
+
+    @property
+    def usage(self) -> float:
+        return self.used_tokens / self.capacity_tokens if self.capacity_tokens else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        data.update(
+            used_tokens=self.used_tokens,
+            usage=self.usage,
+            sleeping_tags=sorted(self.sleeping_tags),
+            events=[event.to_dict() for event in self.events],
+        )
+        return data
+
+
+@dataclass(frozen=True, slots=True)
+class LargestRequest:
+    rid: str
+    tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class KvInfo:
+    """GET /kv: the engine's view of the cache, plus what the requests hold and want."""
+
+    cache: KvCacheView
+    held_by_requests_tokens: int
+    demand_tokens: int  # held, waiting prompts, and a page each for the next tokens
+    cached_tokens: int
+    evictable_cached_tokens: int
+    min_tokens_without_failing_a_request: int
+    largest_request: LargestRequest | None
+    num_running_requests: int
+    num_queued_requests: int
+
+    def to_dict(self) -> dict[str, Any]:
+        largest = self.largest_request
+        return {
+            **self.cache.to_dict(),
+            "held_by_requests_tokens": self.held_by_requests_tokens,
+            "demand_tokens": self.demand_tokens,
+            "cached_tokens": self.cached_tokens,
+            "evictable_cached_tokens": self.evictable_cached_tokens,
+            "min_tokens_without_failing_a_request": self.min_tokens_without_failing_a_request,
+            "largest_request": None if largest is None else {"rid": largest.rid, "tokens": largest.tokens},
+            "num_running_requests": self.num_running_requests,
+            "num_queued_requests": self.num_queued_requests,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class SleepState:
+    sleeping_tags: frozenset[str]  # what sleep released: "weights", "kv_cache", "cuda_graph"
+    level: int | None  # of the sleep that released the weights: 1 kept a host copy, 2 dropped them
+    weights_in_host_memory: bool
+    kv_committed_bytes: int
+    weights_committed_bytes: int | None  # None: the weights are not in an arena of their own
+
+    @property
+    def is_sleeping(self) -> bool:
+        return bool(self.sleeping_tags)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "is_sleeping": self.is_sleeping,
+            "sleeping_tags": sorted(self.sleeping_tags),
+            "level": self.level,
+            "weights_in_host_memory": self.weights_in_host_memory,
+            "kv_committed_bytes": self.kv_committed_bytes,
+            "weights_committed_bytes": self.weights_committed_bytes,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class KvResizeReply:
+    """What POST /kv/resize answers: the change and the cache after it."""
+
+    change: KvResize
+    kv: KvInfo
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.change.to_dict(), "kv": self.kv.to_dict()}
+
+
+@dataclass(frozen=True, slots=True)
+class SleepReply:
+    """What POST /sleep and /wake_up answer: the change and what sleeps after it."""
+
+    change: KvResize
+    state: SleepState
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.change.to_dict(), **self.state.to_dict()}
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    """`kv_cache_usage` counts the slots requests hold; prefix-cache entries the next admission may
+    evict are reported apart (`kv_cache_cached_usage`), so an idle engine reads 0 used."""
+
+    kv_cache_usage: float
+    kv_cache_cached_usage: float
+    num_running_requests: int
+    num_queued_requests: int
+    prefix_cache_hit_rate: float
+    prefix_cache_tokens: int
+    num_retractions: int
+    generated_tokens: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsSnapshot:
+    """What the /metrics gauges show of the engine: its scheduler's counters and the KV cache."""
+
+    stats: SchedulerStats
+    kv_max_total_num_tokens: int  # the KV cache's size now (it may resize)
+    kv_committed_bytes: int
+    kv_resizes: int  # resizes, sleeps and wakes so far
+    sleep_level: int  # 0 awake, 1 or 2 asleep
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            **self.stats.to_dict(),
+            "kv_max_total_num_tokens": self.kv_max_total_num_tokens,
+            "kv_committed_bytes": self.kv_committed_bytes,
+            "kv_resizes": self.kv_resizes,
+            "sleep_level": self.sleep_level,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class SlotAccounting:
+    """The last check, with nothing in flight, that every slot is free or in the prefix cache."""
+
+    checked: bool = False
+    ok: bool = False
+    detail: str = ""
+    free_tokens: int = 0
+    cached_tokens: int = 0
+    capacity_tokens: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self) if self.checked else {"checked": False}
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """GET /server_info: what the engine was started with and sized to, and its state now."""
+
+    model: str
+    startup: StartupReport
+    page_size: int
+    kv_layout: str
+    kv_dtype: str
+    attention_backend: str
+    tp_size: int
+    context_length: int
+    chunked_prefill_size: int
+    cuda_graph_max_bs: int  # 0: no decode graphs
+    prefill_graph_max_tokens: int  # 0: no piecewise graphs
+    overlap_schedule: bool
+    device: str
+    kv_capacity_tokens: int  # what the allocator hands out (a window model's can be below the size)
+    stats: SchedulerStats
+    # Counters since start: a client takes the GPU-idle fraction of a run as
+    # 1 - (change in device_busy_s) / (its wall time).
+    step_times: Mapping[str, float]
+    step_errors: int
+    gc: Mapping[str, float]  # the collector's full collections in the engine's process
+    is_sleeping: bool
+    kv_events: tuple[KvResize, ...]
+    aborted_rids: tuple[str, ...]
+    slot_accounting_when_idle: SlotAccounting
+    engine_process_pid: int | None = None  # the engine runs in a process of its own
+
+    def to_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = {
+            "model": self.model,
+            **self.startup.to_dict(),
+            "page_size": self.page_size,
+            "kv_layout": self.kv_layout,
+            "kv_dtype": self.kv_dtype,
+            "attention_backend": self.attention_backend,
+            "tp_size": self.tp_size,
+            "context_length": self.context_length,
+            "chunked_prefill_size": self.chunked_prefill_size,
+            "cuda_graph_max_bs": self.cuda_graph_max_bs,
+            "prefill_graph_max_tokens": self.prefill_graph_max_tokens,
+            "overlap_schedule": self.overlap_schedule,
+            "device": self.device,
+            "kv_capacity_tokens": self.kv_capacity_tokens,
+            "stats": self.stats.to_dict(),
+            "step_times": dict(self.step_times),
+            "step_errors": self.step_errors,
+            "gc": dict(self.gc),
+            "is_sleeping": self.is_sleeping,
+            "kv_events": [event.to_dict() for event in self.kv_events],
+            "aborted_rids": list(self.aborted_rids),
+            "slot_accounting_when_idle": self.slot_accounting_when_idle.to_dict(),
+        }
+        if self.engine_process_pid is not None:
+            data["engine_process"] = {"pid": self.engine_process_pid}
+        return data
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryReport:
+    """The start-up sizing (mode, `max_total_num_tokens`, the memory ledger, timings) and the KV
+    cache's slots now."""
+
+    sizing: StartupReport
+    capacity_tokens: int  # slots the allocator hands out
+    free_tokens: int
+    prefix_cache_tokens: int  # slots holding cached prefixes (reusable, evicted when needed)
+
+    @property
+    def ledger(self) -> MemoryLedger:
+        return self.sizing.ledger
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            **self.sizing.to_dict(),
+            "capacity_tokens": self.capacity_tokens,
+            "free_tokens": self.free_tokens,
+            "prefix_cache_tokens": self.prefix_cache_tokens,
+        }

@@ -1,0 +1,312 @@
+"""The engine core: one rank's engine, its tokenizer and the scheduler over them, and the three
+things every driver does with them: share a turn of commands, apply each, step.
+
+`EngineCore.build(args)` is the one place that assembles them (the engine's start-up pipeline, the
+model's tokenizer, a scheduler set up from the engine's flags and sizing); `EngineCore.around`
+wraps an engine already built (a benchmark's stub device, a test's engine). Every driver wraps a
+core and adds only how commands reach it and where outputs go: the thread behind the server
+(`engine_thread`), the engine process (`engine_process`), the helper ranks of `--tp N`
+(`follower`), the Python API (`snugkv.llm`) and the interactive commands (`snugkv generate`,
+`chat`).
+
+Tensor parallelism: rank 0 hears clients. At each turn it sends that turn's commands to the other
+ranks (`share`, over the CPU group), and every rank applies the same commands, in the same order,
+to its own scheduler, then steps if there is work. A scheduler is deterministic given its
+commands and the sampled tokens (which rank 0 broadcasts inside `ModelRunner.sample_on_device`),
+so every rank batches the same rows and meets the others in the same collectives. A leader that
+may leave the ranks idle for long (the Python API between calls, a person thinking) sends the
+turns that find no work over the group without the collectives' timeout (`turns_wait_on_user`,
+set alike on every rank: every rank sees the same `has_work`, so all pick the same group); a
+server's leader sends a turn at least every 50 ms and keeps to the CPU group. At tp=1 `share` is
+the identity and nothing crosses a process boundary.
+
+The core never blocks on I/O, never owns a thread, and never decides when to take a turn.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from snugkv.core.gc_pauses import GC_PAUSES
+from snugkv.core.reports import (
+    EngineInfo,
+    KvInfo,
+    KvResize,
+    MemoryReport,
+    MetricsSnapshot,
+    SchedulerStats,
+    SleepState,
+    SlotAccounting,
+)
+from snugkv.distributed.group import TensorParallel
+from snugkv.driver.commands import (
+    Abort,
+    AbortAll,
+    Add,
+    Command,
+    ResetPrefixCache,
+    ResizeKV,
+    Sleep,
+    Stop,
+    Turn,
+    WakeUp,
+)
+from snugkv.engine import Engine, EngineArgs
+from snugkv.models.loader import ModelSource
+from snugkv.models.tokenizer import Tokenizer, TokenizerUnavailable, load_tokenizer
+from snugkv.scheduler import elastic
+from snugkv.scheduler.outputs import OutputCallback
+from snugkv.scheduler.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+def load_tokenizer_or_none(
+    source: ModelSource, eos_token_ids: tuple[int, ...] = (), *, warn: bool = False
+) -> tuple[Tokenizer | None, str | None]:
+    """The model's tokenizer, or None and why there is none (a bare config with random weights:
+    prompts are then token ids); `warn` logs the reason."""
+    try:
+        return load_tokenizer(source, eos_token_ids), None
+    except TokenizerUnavailable as exc:
+        if warn:
+            logger.warning("%s", exc)
+        return None, str(exc)
+
+
+class EngineCore:
+    """One rank's engine, tokenizer and scheduler. Build it with `build` (or `around` an engine
+    already started); a driver then takes turns: `share`, `apply` each command, `step`."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        scheduler: Scheduler,
+        tokenizer: Tokenizer | None,
+        *,
+        no_tokenizer: str | None = None,
+        turns_wait_on_user: bool = False,
+    ) -> None:
+        self.engine = engine
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        self.no_tokenizer = no_tokenizer  # why `tokenizer` is None, if it is
+        self.turns_wait_on_user = turns_wait_on_user
+        self.tp: TensorParallel = engine.tp
+
+    # -- assembling -------------------------------------------------------------------------
+    @classmethod
+    def build(
+        cls,
+        args: EngineArgs,
+        *,
+        tp: TensorParallel | None = None,
+        enable_prefix_cache: bool = True,
+        tokenizer_source: ModelSource | None = None,
+        after_engine: Callable[[Engine], None] | None = None,
+        turns_wait_on_user: bool = False,
+    ) -> EngineCore:
+        """Start the engine for `args` (this rank of `tp`), load the tokenizer of its model (or of
+        `tokenizer_source`) and set the scheduler up over it. `after_engine(engine)` runs as soon as
+        the engine is sized, before the tokenizer loads (a memory share publishes its size then; a
+        benchmark installs its stub device). `turns_wait_on_user`: see the module's docstring."""
+        engine = Engine(args, tp=tp)
+        try:
+            if after_engine is not None:
+                after_engine(engine)
+            tokenizer, why = load_tokenizer_or_none(
+                tokenizer_source or engine.loaded.source,
+                engine.config.eos_token_ids,
+                warn=engine.tp.is_first_rank,
+            )
+            core = cls.around(engine, tokenizer=tokenizer, enable_prefix_cache=enable_prefix_cache)
+        except BaseException:
+            engine.close()
+            raise
+        core.no_tokenizer = why
+        core.turns_wait_on_user = turns_wait_on_user
+        return core
+
+    @classmethod
+    def around(
+        cls,
+        engine: Engine,
+        *,
+        tokenizer: Tokenizer | None = None,
+        enable_prefix_cache: bool = True,
+        on_output: OutputCallback | None = None,
+        overlap: bool | None = None,
+        max_running_requests: int | None = None,
+    ) -> EngineCore:
+        """A core over an engine already started. The scheduler takes its runner, EOS ids,
+        re-capped request limit, prefill chunk and overlap setting from the engine (every
+        tensor-parallel rank builds the same one); `overlap` and `max_running_requests` override
+        the engine's for a benchmark that compares them."""
+        args, runner = engine.args, engine.runner
+        if runner is None:
+            raise RuntimeError("the engine is closed")
+        chunked_prefill_size = args.chunked_prefill_size
+        if chunked_prefill_size is None:
+            raise ValueError("the engine's args are not resolved (EngineArgs.resolved fills them)")
+        scheduler = Scheduler(
+            runner,
+            tokenizer=tokenizer,
+            eos_token_ids=engine.config.eos_token_ids,
+            max_running_requests=max_running_requests or engine.report.max_running_requests,
+            chunked_prefill_size=chunked_prefill_size,
+            enable_prefix_cache=enable_prefix_cache,
+            on_output=on_output,
+            overlap=not args.disable_overlap_schedule if overlap is None else overlap,
+        )
+        return cls(engine, scheduler, tokenizer)
+
+    def deliver_outputs_to(self, on_output: OutputCallback | None) -> None:
+        """Where the scheduler sends each request's outputs from now on (the driver's callback)."""
+        self.scheduler.outputs.on_output = on_output
+
+    # -- a turn -----------------------------------------------------------------------------
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    @property
+    def context_length(self) -> int:
+        """Tokens a prompt and its output may take together."""
+        return self.engine.context_length
+
+    def share(self, commands: Turn | None) -> Turn:
+        """Rank 0's commands of this turn, on every rank (the others pass None)."""
+        if not self.tp.enabled:  # one rank: nothing to send, and nothing more to do per turn
+            return commands or []
+        wait_for_user = self.turns_wait_on_user and not self.has_work
+        shared: Turn = self.tp.broadcast_object_from_first(commands, wait_for_user=wait_for_user)
+        return shared
+
+    def apply(self, command: Command) -> KvResize | None:
+        """One command on this rank's scheduler; returns what an elastic-memory command did. `Add`
+        raises `InvalidRequest` and the elastic commands `KvResizeError` on every rank alike."""
+        scheduler = self.scheduler
+        if isinstance(command, Add):
+            scheduler.add_request(command.rid, command.input_ids, command.sampling)
+        elif isinstance(command, Abort):
+            scheduler.abort(command.rid)
+        elif isinstance(command, AbortAll):
+            for rid in list(scheduler.requests):
+                scheduler.abort(rid)
+        elif isinstance(command, ResetPrefixCache):
+            scheduler.cache.reset()
+        elif isinstance(command, ResizeKV):
+            return elastic.resize_kv(
+                scheduler,
+                self.engine,
+                max_total_num_tokens=command.max_total_num_tokens,
+                free_gib=command.free_gib,
+            )
+        elif isinstance(command, Sleep):
+            return elastic.sleep(scheduler, self.engine, level=command.level, tags=command.tags)
+        elif isinstance(command, WakeUp):
+            return elastic.wake_up(scheduler, self.engine, tags=command.tags)
+        elif not isinstance(command, Stop):
+            raise TypeError(f"not an engine command: {command!r}")
+        return None
+
+    def step(self) -> Exception | None:
+        """One scheduler step; a failure ends the requests it held and is returned.
+
+        With several ranks they first agree whether any of them failed (over the CPU group), and if
+        one did, every rank ends all its requests and empties its prefix cache, so their states are
+        the same again whichever rank broke. That covers failures after the step's last collective
+        (output handling, detokenizing: the rank-local part of a step). A rank that fails before or
+        inside a collective the others are in leaves them waiting there (NCCL) or aborts them
+        (gloo): that ends the launch, not just the step.
+        """
+        scheduler = self.scheduler
+        error: Exception | None = None
+        try:
+            scheduler.step()
+        except Exception as exc:  # one bad step must not take the engine down
+            error = exc
+        if not self.tp.any_rank(error is not None):
+            return None
+        if error is None:
+            error = RuntimeError("a step failed on another tensor-parallel rank")
+        scheduler.fail_all(f"internal error while generating: {type(error).__name__}: {error}")
+        if self.tp.enabled:
+            scheduler.cache.reset()
+        return error
+
+    # -- what drivers report (this rank's view; no collective) --------------------------------
+    def kv_info(self) -> KvInfo:
+        """GET /kv: the KV cache now, what the requests hold and what a resize would need (read
+        between steps: it walks the queues)."""
+        return elastic.kv_info(self.scheduler, self.engine)
+
+    def sleep_state(self) -> SleepState:
+        return self.engine.sleep_state()
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    def metrics_snapshot(self) -> MetricsSnapshot:
+        engine = self.engine
+        return MetricsSnapshot(
+            stats=self.scheduler.stats(),
+            kv_max_total_num_tokens=engine.pool.committed_tokens,
+            kv_committed_bytes=engine.pool.committed_bytes,
+            kv_resizes=engine.kv_event_count,
+            sleep_level=engine.sleep_level if engine.is_sleeping else 0,
+        )
+
+    def memory_report(self) -> MemoryReport:
+        """The start-up sizing report (updated by every resize) and the KV cache's slots now."""
+        allocator = self.scheduler.runner.allocator
+        return MemoryReport(
+            sizing=self.engine.report,
+            capacity_tokens=allocator.capacity_tokens,
+            free_tokens=allocator.available_tokens,
+            prefix_cache_tokens=self.scheduler.cache.cached_tokens,
+        )
+
+    def info(
+        self,
+        *,
+        model_name: str,
+        step_errors: int,
+        aborted_rids: tuple[str, ...],
+        slot_accounting: SlotAccounting,
+    ) -> EngineInfo:
+        """GET /server_info, with the driver's own counters."""
+        engine, scheduler = self.engine, self.scheduler
+        args = engine.args
+        graphs = not args.disable_cuda_graph
+        step_times = scheduler.times.as_dict()
+        del step_times["device_idle_fraction"]  # over the whole life of the engine: meaningless
+        return EngineInfo(
+            model=model_name,
+            startup=engine.report,
+            page_size=scheduler.page_size,
+            kv_layout=args.kv_layout,
+            kv_dtype=str(engine.kv_dtype),
+            attention_backend=str(args.attention_backend),
+            tp_size=self.tp.world_size,
+            context_length=engine.context_length,
+            chunked_prefill_size=scheduler.chunked_prefill_size,
+            cuda_graph_max_bs=(args.cuda_graph_max_bs or 0) if graphs else 0,
+            prefill_graph_max_tokens=(args.prefill_graph_max_tokens or 0) if graphs else 0,
+            overlap_schedule=scheduler.overlap,
+            device=str(engine.device),
+            kv_capacity_tokens=scheduler.runner.allocator.capacity_tokens,
+            stats=scheduler.stats(),
+            step_times=step_times,
+            step_errors=step_errors,
+            gc=GC_PAUSES.as_dict(),
+            is_sleeping=engine.is_sleeping,
+            kv_events=tuple(engine.kv_events),
+            aborted_rids=aborted_rids,
+            slot_accounting_when_idle=slot_accounting,
+        )
+
+    def close(self) -> None:
+        """Release the engine's graphs, KV arena and weights; idempotent."""
+        self.engine.close()

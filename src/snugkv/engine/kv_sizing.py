@@ -1,0 +1,373 @@
+"""The KV cache's size, in one object: the pool, its caps and the activation headroom, sized from
+the free memory measured now at start-up, on a resize and on wake alike.
+
+The steps every sizing takes, each a method:
+    measure   free device memory now, the MIN over ranks (`sizing.measure`, the one reader)
+    size      the most tokens whose backing fits `free - headroom` (less what a caller keeps free),
+              under the caps: the address space reserved at start-up, `--max-total-tokens` and what
+              `--max-device-memory` leaves the KV cache; agreed as the MIN over ranks
+    commit    back that many tokens (5% fewer per failed attempt, every rank alike) and let the
+              allocator hand them out; a run-time resize commits by growing (all ranks or none)
+              or by shrinking, the live pages moved below the bound first (`runner.kv_resize`)
+    recap     `max_running_requests` follows the size (never more requests than pages)
+
+`size_from_free()` is measure then size. Start-up's post-capture step (`size_after_capture`: the
+pipeline's steps 5 to 7 after the graphs are captured), a resize that leaves `free_gib` free
+(`tokens_leaving_free`) and a wake (`back_after_sleep`) all take it. Memory-pressure reactions
+(shrink when free memory falls below the headroom, grow back) belong here too.
+
+This object never loads, captures or schedules: which requests give way to a shrink is the
+scheduler's (`scheduler.elastic`), the graphs and weights are the engine's. It keeps the history
+of changes (`events`); the engine's report records each with a fresh ledger.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from snugkv.core.reports import KvCacheView, KvResize
+from snugkv.memory.kv_pool import KVPool
+from snugkv.memory.moves import KvMoves
+from snugkv.memory.vmm import GIB, CommitError, VirtualMemory
+from snugkv.memory.vmm_plain import PlainMemory
+from snugkv.runner import kv_resize
+from snugkv.runner.model_runner import ModelRunner
+from snugkv.sizing.measure import FreeMemory, agree_min, measure_free
+from snugkv.sizing.modes import SizingMode
+from snugkv.sizing.post_capture import (
+    SizingError,
+    finalize_with_retry,
+    no_kv_memory_message,
+    recap_running_requests,
+    tokens_for_budget,
+)
+from snugkv.sizing.resize import KvResizeError, ResizeLimits, cap_tokens, check_free_gib
+
+logger = logging.getLogger(__name__)
+
+EVENT_HISTORY = 32  # resizes, sleeps and wakes kept for GET /kv (newest last)
+
+
+@dataclass(frozen=True, slots=True)
+class KvFit:
+    """What `size_from_free` found: the tokens that fit, and the free memory they were sized from."""
+
+    tokens: int
+    free: FreeMemory
+
+
+@dataclass(frozen=True, slots=True)
+class StartupSizing:
+    """What the post-capture step sized: the figures the start-up report shows."""
+
+    max_total_num_tokens: int
+    max_running_requests: int
+    retries: int
+    per_rank_free_bytes: tuple[int, ...]
+    sizing_ms: float
+    timings: dict[str, float] = field(default_factory=dict)  # keys carry their unit
+
+
+@dataclass(frozen=True, slots=True)
+class KvCaps:
+    """The user's bounds on the KV cache and the engine's request limit (resolved flags)."""
+
+    page_size: int
+    max_total_tokens: int | None  # --max-total-tokens
+    max_device_memory_gib: float | None  # --max-device-memory: the whole engine's cap
+    max_running_requests: int  # --max-running-requests, before a small pool lowers it
+
+
+class KvSizing:
+    """The pool of `runner`, its caps and the activation headroom kept free beside it.
+
+    `held_besides_kv()` is what the engine holds on the device besides the KV cache (weights,
+    graphs, buffers): what `--max-device-memory` counts before the KV cache gets its part."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        *,
+        mode: SizingMode,
+        memory: VirtualMemory,
+        group: dist.ProcessGroup | None,
+        caps: KvCaps,
+        headroom_bytes: int,
+        held_besides_kv: Callable[[], int],
+        device_type: str,
+    ) -> None:
+        self.runner = runner
+        self.pool: KVPool = runner.kv_pool
+        self.mode = mode
+        self.memory = memory
+        self.group = group
+        self.caps = caps
+        self.headroom_bytes = headroom_bytes
+        self._held_besides_kv = held_besides_kv
+        self._device_type = device_type
+        self.events: deque[KvResize] = deque(maxlen=EVENT_HISTORY)
+        self.event_count = 0  # every change so far (`events` keeps the last EVENT_HISTORY)
+
+    @property
+    def page_size(self) -> int:
+        return self.caps.page_size
+
+    @property
+    def resizable(self) -> bool:
+        """Sized with virtual memory whose backing can come and go (post-capture)."""
+        return self.mode is SizingMode.POST_CAPTURE and not isinstance(self.memory, PlainMemory)
+
+    # -- the caps ---------------------------------------------------------------------------
+    def cap_bytes(self) -> int | None:
+        """What `--max-device-memory` leaves the KV cache: the cap less everything else the engine
+        holds now and the activation headroom (None without a cap)."""
+        if self.caps.max_device_memory_gib is None:
+            return None
+        return int(self.caps.max_device_memory_gib * GIB) - self._held_besides_kv() - self.headroom_bytes
+
+    def limits(self) -> ResizeLimits:
+        """The token counts a resize may ask for now."""
+        page = self.page_size
+        return ResizeLimits(
+            page_size=page,
+            min_tokens=2 * page,
+            reserved_tokens=self.pool.reserved_tokens,
+            max_total_tokens=self.caps.max_total_tokens,
+            cap_tokens=cap_tokens(self.pool, self.cap_bytes()),
+            max_device_memory_gib=self.caps.max_device_memory_gib,
+        )
+
+    # -- the steps --------------------------------------------------------------------------
+    def measure(self) -> FreeMemory:
+        return measure_free(self.memory, self.group)
+
+    def size(self, free: FreeMemory, *, keep_free_bytes: int = 0) -> int:
+        """The most tokens that fit `free` less the headroom and `keep_free_bytes`, under the caps,
+        agreed as the MIN over ranks (what the pool backs already counts as usable)."""
+        tokens = tokens_for_budget(
+            self.pool,
+            free.min_bytes - keep_free_bytes,
+            self.headroom_bytes,
+            self.caps.max_total_tokens,
+            self.cap_bytes(),
+        )
+        return agree_min(tokens, self.group)
+
+    def size_from_free(self, *, keep_free_bytes: int = 0) -> KvFit:
+        """Measure, then size: the tokens the free memory of now holds."""
+        free = self.measure()
+        return KvFit(self.size(free, keep_free_bytes=keep_free_bytes), free)
+
+    def commit(self, tokens: int) -> tuple[int, int]:
+        """Back `tokens` (fewer if memory went meanwhile, every rank alike) and let the allocator
+        hand them out; returns (tokens backed, retries). Raises `SizingError` when nothing fits."""
+        tokens, retries = finalize_with_retry(self.pool, tokens, self.group)
+        self.runner.allocator.resize(tokens)
+        return tokens, retries
+
+    def recap(self, tokens: int) -> int:
+        """`max_running_requests` for a pool of `tokens` (back up to the flag's value when it grew)."""
+        max_running = recap_running_requests(self.caps.max_running_requests, tokens, self.page_size)
+        self.runner.req_to_token_pool.cap_requests(max_running)
+        return max_running
+
+    # -- start-up ---------------------------------------------------------------------------
+    def size_after_capture(self) -> StartupSizing:
+        """The post-capture step: with the graphs captured and the activation peak measured,
+        measure free memory, size the KV cache to it, commit (with retry), resize the allocators
+        and re-cap the request limit."""
+        measured = time.perf_counter()
+        free = self.measure()
+        measure_ms = (time.perf_counter() - measured) * 1e3
+        self.check_cap_leaves_room()
+        committing = time.perf_counter()
+        tokens = self.size(free)
+        if tokens <= 0:
+            raise SizingError(no_kv_memory_message(free, self.headroom_bytes))
+        tokens, retries = finalize_with_retry(self.pool, tokens, self.group)
+        resized = time.perf_counter()
+        self.runner.allocator.resize(tokens)
+        resize_ms = (time.perf_counter() - resized) * 1e3
+        self.check_usable()
+        max_running = self.recap(tokens)
+        return StartupSizing(
+            tokens,
+            max_running,
+            retries,
+            free.per_rank_bytes,
+            sizing_ms=(time.perf_counter() - measured) * 1e3,
+            timings={
+                "sizing_measure_ms": measure_ms,
+                "sizing_commit_ms": (resized - committing) * 1e3,
+                "sizing_resize_ms": resize_ms,
+            },
+        )
+
+    def check_cap_leaves_room(self) -> None:
+        """`SizingError` when `--max-device-memory` leaves less than two KV pages, saying how much
+        the engine holds besides and what cap it needs."""
+        kv_cap = self.cap_bytes()
+        if kv_cap is None or self.pool.max_tokens_within(kv_cap) >= 2 * self.page_size:
+            return
+        others = self._held_besides_kv()
+        need = others + self.headroom_bytes + self.pool.bytes_for_tokens(2 * self.page_size)
+        raise SizingError(
+            f"--max-device-memory {self.caps.max_device_memory_gib:g} GiB leaves no room for the KV cache: "
+            f"the engine already holds {others / GIB:.2f} GiB (weights, graphs, buffers) and keeps "
+            f"{self.headroom_bytes / GIB:.2f} GiB of activation headroom; raise it to at least {need / GIB:.2f} GiB"
+        )
+
+    def check_usable(self) -> None:
+        """A pool whose allocator can hand out nothing (e.g. a sliding-window sub-pool rounded down
+        to 0 pages) would refuse every request: say so at start-up instead."""
+        usable = self.runner.allocator.capacity_tokens
+        page = self.page_size
+        if usable < 2 * page:  # one page for a prompt, one for its first new token
+            raise SizingError(
+                f"the KV cache holds {usable} usable tokens, less than two pages of {page}; "
+                "raise --max-total-tokens (or --host-kv-gib on CPU), lower --page-size, or for a "
+                "sliding-window model raise --swa-full-tokens-ratio"
+            )
+
+    # -- run time ---------------------------------------------------------------------------
+    def tokens_leaving_free(self, free_gib: float) -> int:
+        """The KV size that leaves `free_gib` of device memory free beyond the activation headroom,
+        measured now as the MIN over ranks (and kept under the caps)."""
+        free_gib = check_free_gib(free_gib)
+        fit = self.size_from_free(keep_free_bytes=int(free_gib * GIB))
+        if fit.tokens < 2 * self.page_size:
+            raise KvResizeError(
+                f"free_gib={free_gib:g} leaves room for only {fit.tokens} KV tokens ({fit.free.min_bytes / GIB:.2f} GiB "
+                f"free, {self.headroom_bytes / GIB:.2f} GiB activation headroom); ask for less free memory",
+                param="free_gib",
+            )
+        return fit.tokens
+
+    def resize(
+        self,
+        tokens: int,
+        *,
+        on_move: Callable[[KvMoves], None] | None = None,
+        evicted_tokens: int = 0,
+        retracted_requests: int = 0,
+    ) -> KvResize:
+        """Grow or shrink to `tokens` (a count `limits().check` passed). A grow commits more of
+        every buffer, on every rank or none; a shrink moves the pages in use above the bound below
+        it (`on_move` lets the prefix cache follow) and decommits the rest, and is refused when
+        they do not fit. The allocators and the request limit follow; graphs stay valid."""
+        started = time.perf_counter()
+        old_tokens, old_bytes = self.pool.committed_tokens, self.pool.committed_bytes
+        moved = kv_resize.MoveStats()
+        if tokens > old_tokens:
+            self._grow(old_tokens, tokens)
+        elif tokens < old_tokens:
+            try:
+                moved = kv_resize.shrink(self.runner, tokens, on_move)
+            except kv_resize.ShrinkDoesNotFit as exc:
+                raise KvResizeError(str(exc), status=409) from exc
+        return KvResize(
+            "resize",
+            old_tokens,
+            tokens,
+            old_bytes,
+            self.pool.committed_bytes,
+            self.recap(tokens),
+            (time.perf_counter() - started) * 1e3,
+            moved.moved_pages,
+            moved.moved_window_pages,
+            moved.copied_bytes,
+            evicted_tokens,
+            retracted_requests,
+        )
+
+    def _grow(self, old_tokens: int, tokens: int) -> None:
+        """Commit on every rank or on none: a rank that could not back it makes all give it back."""
+        error: CommitError | None = None
+        try:
+            kv_resize.grow(self.runner, tokens)
+        except CommitError as exc:
+            error = exc
+        if agree_min(int(error is None), self.group):
+            return
+        if error is None:
+            kv_resize.shrink(self.runner, old_tokens)  # nothing was handed out above old_tokens yet
+        reason = error or "another tensor-parallel rank ran out of memory"
+        raise KvResizeError(
+            f"could not back {tokens} KV tokens ({reason}); free device memory or ask for fewer", status=409
+        )
+
+    def release(self) -> None:
+        """Decommit the whole KV cache, the dummy page included (the engine sleeps); every slot
+        must be free."""
+        kv_resize.release(self.runner)
+
+    def back_after_sleep(self) -> int:
+        """Wake: back the dummy page, then size from the free memory of now (not the old count)
+        and commit at the old addresses, so kept graphs run as they are; returns the tokens. A
+        refusal (no memory) leaves the cache released and is a `KvResizeError` (409)."""
+        pool = self.pool
+        try:
+            pool.ensure_prefix()
+        except CommitError as exc:  # not even the dummy page fits: a 409, not a server error
+            pool.release_backing()
+            raise KvResizeError(
+                f"no memory to wake the KV cache into ({exc}); free device memory and wake again", status=409
+            ) from exc
+        fit = self.size_from_free()
+        if fit.tokens < 2 * self.page_size:
+            pool.release_backing()
+            raise KvResizeError(
+                f"no memory to wake the KV cache into: {fit.free.min_bytes / GIB:.2f} GiB free, "
+                f"{self.headroom_bytes / GIB:.2f} GiB kept as activation headroom; free device memory and wake again",
+                status=409,
+            )
+        try:
+            tokens, _ = self.commit(fit.tokens)
+        except SizingError as exc:  # memory taken meanwhile, on some rank: every rank stays asleep
+            pool.release_backing()
+            raise KvResizeError(str(exc), status=409) from exc
+        return tokens
+
+    def record(self, change: KvResize) -> None:
+        self.events.append(change)
+        self.event_count += 1
+
+    def view(self, *, max_running_requests: int, sleeping_tags: frozenset[str]) -> KvCacheView:
+        """The KV cache now and what a resize would need (this rank's view; no collective)."""
+        pool, allocator = self.pool, self.runner.allocator
+        limits = self.limits()
+        free = self.memory.mem_get_info()[0]
+        kv_cap = self.cap_bytes()
+        return KvCacheView(
+            max_total_num_tokens=pool.committed_tokens,
+            capacity_tokens=allocator.capacity_tokens,
+            available_tokens=allocator.available_tokens,
+            page_size=self.page_size,
+            committed_bytes=pool.committed_bytes,
+            reserved_bytes=pool.reserved_bytes,
+            reserved_tokens=pool.reserved_tokens,
+            bytes_per_token=pool.bytes_per_token,
+            chunk_bytes=pool.arena.chunk_bytes,
+            granularity_bytes=pool.arena.vmm.granularity_bytes,
+            min_tokens=limits.min_tokens,
+            max_tokens=limits.max_tokens,
+            max_tokens_bytes=pool.bytes_for_tokens(limits.max_tokens),
+            max_total_tokens=self.caps.max_total_tokens,
+            max_device_memory_gib=self.caps.max_device_memory_gib,
+            cap_tokens=limits.cap_tokens,
+            device_free_bytes=free,
+            headroom_bytes=self.headroom_bytes,
+            tokens_fitting_free_memory=tokens_for_budget(
+                pool, free, self.headroom_bytes, self.caps.max_total_tokens, kv_cap
+            ),
+            max_running_requests=max_running_requests,
+            resizable=self.resizable,
+            sleeping_tags=sleeping_tags,
+            events=tuple(self.events),
+        )
