@@ -70,6 +70,7 @@ def test_the_http_comparison_starts_a_bf16_then_an_fp8_server_on_the_same_worklo
     http_load.add_arguments(parser)
     args = parser.parse_args(["--model", "qwen3-0.6b", "--quantization", "fp8", "--requests", "8"])
     args.out = str(tmp_path)
+    args.model = http_load.benchmark_model(args.model)  # as run() resolves it before run_fp8
     assert http_load.run_fp8(args) == 0
     assert commands[1][-2:] == ["--quantization", "fp8"] and "--quantization" not in commands[0]
     assert workloads[0] == workloads[1] and len(workloads[0]) == 8

@@ -61,8 +61,8 @@ def test_token_id_prompts_are_served_and_every_slot_comes_back(served) -> None:
     assert scored.status_code == 200, scored.text
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        accounting = async_engine.server_info()["slot_accounting_when_idle"]
-        if accounting["checked"] and not async_engine.scheduler.has_work:
+        accounting = async_engine.server_info().slot_accounting_when_idle
+        if accounting.checked and not async_engine.scheduler.has_work:
             break
         time.sleep(0.05)
-    assert accounting["ok"], accounting
+    assert accounting.ok, accounting

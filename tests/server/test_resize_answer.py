@@ -14,6 +14,16 @@ from tests.server.fake_engine import FakeEngine
 MIB = 1 << 20
 
 
+class ResizeAnswer:
+    """The fields of a `core.reports.KvResizeReply` that the answer's freed-memory note reads."""
+
+    def __init__(self, fields: dict[str, Any]) -> None:
+        self.fields = fields
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.fields
+
+
 class ResizableFakeEngine(FakeEngine):
     def __init__(self, freed_bytes: int) -> None:
         super().__init__()
@@ -23,14 +33,14 @@ class ResizableFakeEngine(FakeEngine):
         self, *, max_total_num_tokens: int | None = None, free_gib: float | None = None
     ) -> Any:
         before = 1024 * MIB
-        return {
+        return ResizeAnswer({
             "reason": "resize",
             "from_tokens": 23300,
             "to_tokens": max_total_num_tokens,
             "from_committed_bytes": before,
             "to_committed_bytes": before - self.freed_bytes,
             "kv": {"chunk_bytes": 256 * MIB},
-        }
+        })
 
 
 def resize(freed_bytes: int) -> dict[str, Any]:
