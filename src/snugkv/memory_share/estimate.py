@@ -1,5 +1,5 @@
 """What an elastic engine asks for before it loads: estimates of its memory from the model's config
-and its flags (the weights, the activations and buffers besides them, a minimum KV cache).
+and its flags (the weights, counted on a meta-device build of the model, the activations and buffers besides them, a minimum KV cache).
 
 Estimates, not measurements: the engine is not loaded yet. Once it runs, its entry carries the
 measured figures (`MemoryShare.started`). Nothing here reads the device but `device_total_gib`.
@@ -11,7 +11,14 @@ from snugkv.engine import EngineArgs
 from snugkv.memory.host_device import SharedHostDevice
 from snugkv.memory.vmm import GIB
 from snugkv.models.config import ModelConfig
-from snugkv.models.loader import read_model_config, resolve_device, resolve_dtype, resolve_model_source
+from snugkv.models.loader import (
+    read_model_config,
+    resolve_device,
+    resolve_dtype,
+    resolve_model_source,
+    weight_bytes,
+)
+from snugkv.models.quantization import quantization_config
 from snugkv.sizing.measure import device_memory
 
 CUDA_FIXED_ALLOWANCE_BYTES = int(1.75 * GIB)  # CUDA context, kernels, cuBLAS workspaces, the margin
@@ -20,15 +27,6 @@ CUDA_FIXED_ALLOWANCE_BYTES = int(1.75 * GIB)  # CUDA context, kernels, cuBLAS wo
 def kv_bytes_per_token(config: ModelConfig, kv_dtype_bytes: int) -> int:
     """K and V of every layer for one token (a full-attention estimate)."""
     return 2 * config.num_layers * config.num_kv_heads * config.head_dim * kv_dtype_bytes
-
-
-def weight_bytes_estimate(config: ModelConfig, dtype_bytes: int) -> int:
-    """Parameters of a dense decoder of `config`'s shape (attention, gated MLP, embeddings)."""
-    hidden, head_dim = config.hidden_size, config.head_dim
-    attention = hidden * head_dim * (2 * config.num_heads + 2 * config.num_kv_heads)
-    layer = attention + 3 * hidden * config.intermediate_size + 2 * hidden
-    embeddings = config.vocab_size * hidden * (1 if config.tie_word_embeddings else 2)
-    return (config.num_layers * layer + embeddings) * dtype_bytes
 
 
 def start_estimate(args: EngineArgs, min_tokens: int) -> tuple[int, int]:
@@ -42,7 +40,9 @@ def start_estimate(args: EngineArgs, min_tokens: int) -> tuple[int, int]:
     per_token = kv_bytes_per_token(config, kv_dtype_bytes)
     need = min_tokens * per_token
     if device.type == "cuda":  # on the host backend only the KV cache is in the shared budget
-        need += weight_bytes_estimate(config, dtype.itemsize) + activation_bytes_estimate(
+        # The model built on the meta device: every expert of a MoE model, FP8 layers at their size.
+        quant = quantization_config(config.hf, args.quantization)
+        need += weight_bytes(config, dtype, device, args.context_length, quant) + activation_bytes_estimate(
             args, config, dtype.itemsize
         )
     return need, per_token

@@ -454,6 +454,24 @@ def device_memory_bytes(device: torch.device) -> tuple[int, int, int] | None:
     return int(free), int(total), int(torch.cuda.memory_reserved(device))
 
 
+def weight_bytes(
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_position: int | None = None,
+    quantization: QuantizationConfig | None = None,
+) -> int:
+    """Bytes of the parameters and buffers of `config`'s model as this rank would hold them (its
+    shard under --tp; FP8 layers at their FP8 size; every expert of a MoE model): the model built on
+    the meta device, sizes only, nothing allocated."""
+    with torch.device("meta"), _default_dtype(dtype):
+        model = get_model_class(config.architecture)(config, max_position=max_position)
+        if quantization is not None:
+            apply_quantization(model, quantization, device, dtype)
+    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}.values()
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def _weights_do_not_fit(
     config: ModelConfig,
     dtype: torch.dtype,
@@ -462,12 +480,7 @@ def _weights_do_not_fit(
     quantization: QuantizationConfig | None,
 ) -> str:
     gib = 1 << 30
-    with torch.device("meta"), _default_dtype(dtype):  # sizes only: this rank's shard under --tp
-        model = get_model_class(config.architecture)(config, max_position=max_position)
-        if quantization is not None:
-            apply_quantization(model, quantization, device, dtype)
-    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}.values()
-    needed = sum(t.numel() * t.element_size() for t in tensors) / gib
+    needed = weight_bytes(config, dtype, device, max_position, quantization) / gib
     kind = str(dtype).removeprefix("torch.") + ("" if quantization is None else ", linear layers FP8")
     what = f"the weights of {config.architecture} need about {needed:.2f} GiB ({kind})"
     memory = device_memory_bytes(device)
