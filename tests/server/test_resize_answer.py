@@ -33,14 +33,16 @@ class ResizableFakeEngine(FakeEngine):
         self, *, max_total_num_tokens: int | None = None, free_gib: float | None = None
     ) -> Any:
         before = 1024 * MIB
-        return ResizeAnswer({
-            "reason": "resize",
-            "from_tokens": 23300,
-            "to_tokens": max_total_num_tokens,
-            "from_committed_bytes": before,
-            "to_committed_bytes": before - self.freed_bytes,
-            "kv": {"chunk_bytes": 256 * MIB},
-        })
+        return ResizeAnswer(
+            {
+                "reason": "resize",
+                "from_tokens": 23300,
+                "to_tokens": max_total_num_tokens,
+                "from_committed_bytes": before,
+                "to_committed_bytes": before - self.freed_bytes,
+                "kv": {"chunk_bytes": 256 * MIB},
+            }
+        )
 
 
 def resize(freed_bytes: int) -> dict[str, Any]:
