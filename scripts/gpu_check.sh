@@ -5,6 +5,8 @@
 #   (the tp server test needs the server's wheels: scripts/fetch_device_wheels.sh, carry .whl)
 #   one bench's own flags: ARGS_decode="--max-batch 64" (BENCH_ARGS goes to every bench)
 #   MoE only: STEPS="env moe" (MOE_MODEL=mixtral-8x7b for another shape; the tuned table lands in $OUT/work/moe)
+#   parts of a step: MOE_PARTS="decode" (of "tests tune decode prefill"), FP8_TESTS=0, FP8_SHAPES=llama-3-8b
+#   the engine core's CUDA tests alone (drivers, elastic engine, LLM, graphs, VMM): STEPS="env core"
 # Uses the machine's python3 (torch with CUDA); installs nothing that needs a network.
 # Name the commit: SNUGKV_COMMIT=$(git rev-parse --short HEAD) set where the tree was committed (a
 # copied tree's git metadata can be stale: on the lent device `git rev-parse` gave an old commit).
@@ -37,6 +39,15 @@ for s in $STEPS; do
       timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -m cuda -p no:cacheprovider --ignore=tests/server ${PYTEST_ARGS:-tests} \
         2>&1 | tee "$OUT/cuda_tests.txt" | tail -25 || status=1
       ;;
+    core)  # the CUDA tests of what every driver builds on: the engine process, the elastic engine, the
+      # LLM API, several engines on one GPU, graphs, the CUDA VMM arena, overlapped scheduling
+      step "core cuda tests"
+      workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${CORE_TEST_WORKERS:-4}")
+      timeout "${CORE_TESTS_TIMEOUT:-150}" python3 -m pytest -q -m cuda -p no:cacheprovider $workers \
+        tests/driver/test_engine_process.py tests/engine/test_elastic_cuda.py tests/llm/test_llm.py \
+        tests/memory_share/test_multi_engine_cuda.py tests/memory/test_cuda_vmm.py tests/runner/test_cuda_graph.py \
+        tests/scheduler/test_overlap.py 2>&1 | tee "$OUT/core_cuda_tests.txt" | tail -15 || status=1
+      ;;
     memory)  # the start-up sizing ledger of both shipped shapes (what graphs and buffers take, the KV left)
       step "memory ledgers"
       for shape in llama-3-8b qwen3-0.6b; do
@@ -46,6 +57,8 @@ for s in $STEPS; do
       ;;
     moe)  # MoE kernels and models on the GPU, the kernels' block sizes tuned, then the MoE rows of
       # bench decode and prefill (MOE_MODEL, default qwen3-30b-a3b) with the tuned table
+      parts=${MOE_PARTS:-"tests tune decode prefill"}
+      if [[ " $parts " == *" tests "* ]]; then
       step "moe cuda tests"
       # every test of the MoE kernel files runs on the GPU here (their tiny shapes too); Triton compiles
       # many small configs, so the tests spread over workers when pytest-xdist is there
@@ -57,15 +70,19 @@ for s in $STEPS; do
       timeout "${MOE_TESTS_TIMEOUT:-150}" python3 -m pytest -q -m cuda -p no:cacheprovider $workers \
         tests/models/test_hf_equivalence.py -k "moe or mixtral" 2>&1 | tee -a "$OUT/moe_cuda_tests.txt" | tail -5 || status=1
       pack
+      fi
+      if [[ " $parts " == *" tune "* ]]; then
       step "moe kernel tuning"
       timeout "${MOE_TUNE_TIMEOUT:-150}" python3 -m snugkv.bench.moe_tune --model "${MOE_MODEL:-qwen3-30b-a3b}" \
         --out "$OUT/moe" --budget-s "${MOE_TUNE_BUDGET_S:-100}" ${ARGS_moe_tune:-} 2>&1 | tee "$OUT/moe_tune.log" || status=1
       pack
+      fi
       if [ -f "$OUT/moe/moe_configs.json" ]; then export SNUGKV_MOE_CONFIGS="$OUT/moe/moe_configs.json"; fi
       for bench in decode prefill; do
+        [[ " $parts " == *" $bench "* ]] || continue
         step "moe bench $bench"
         timeout "${BENCH_TIMEOUT:-400}" python3 -m snugkv --log-level WARNING bench "$bench" --model "${MOE_MODEL:-qwen3-30b-a3b}" \
-          --out "$OUT/moe" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/moe_bench_$bench.log" | grep -v "^Capturing" || status=1
+          --out "$OUT/moe" ${BENCH_ARGS:-} ${ARGS_moe:-} 2>&1 | tee "$OUT/moe_bench_$bench.log" | grep -v "^Capturing" || status=1
         pack
       done
       ;;
@@ -81,13 +98,15 @@ for s in $STEPS; do
       #    (256 requests) through a bf16 then an FP8 `snugkv serve`, output tok/s side by side.
       step "fp8"
       workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${FP8_TEST_WORKERS:-4}")
+      if [ "${FP8_TESTS:-1}" = 1 ]; then
       timeout "${FP8_TESTS_TIMEOUT:-150}" python3 -m pytest -q -rA -p no:cacheprovider $workers \
         tests/kernels/test_moe_fp8_experts.py 2>&1 | tee "$OUT/fp8_tests.txt" | tail -5 || status=1
       timeout "${FP8_TESTS_TIMEOUT:-150}" python3 -m pytest -q -rA -m cuda -p no:cacheprovider $workers \
         tests/kernels/test_fp8_small_gemm.py tests/kernels/test_fp8_kernels.py tests/models/test_fp8_cuda.py \
         2>&1 | tee -a "$OUT/fp8_tests.txt" | grep -E '^\{|passed|failed|error' | tail -25 || status=1
       pack
-      for shape in llama-3-8b qwen3-30b-a3b; do
+      fi
+      for shape in ${FP8_SHAPES:-llama-3-8b qwen3-30b-a3b}; do
         step "fp8 bench decode $shape"
         limit=$([ "$shape" = llama-3-8b ] && echo "${FP8_DENSE_TIMEOUT:-120}" || echo "${FP8_MOE_TIMEOUT:-180}")
         timeout "$limit" python3 -m snugkv --log-level WARNING bench decode --quantization fp8 --model "$shape" \
