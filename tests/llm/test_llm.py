@@ -358,6 +358,19 @@ def test_creating_and_closing_an_llm_twice_leaves_memory_where_it_was():
     assert max(resident[1:]) - resident[0] < tolerance, [r // MIB for r in resident]
 
 
+@pytest.mark.slow
+def test_closing_releases_the_weights_while_the_caller_still_holds_the_model():
+    # A reference kept to the model (a user's, a cache's) must not keep its weights: close() gives
+    # their memory back itself instead of waiting for the model object to be collected.
+    with LLM(max_total_tokens=2048, chunked_prefill_size=64) as llm:
+        llm.generate("Hello", SamplingParams(max_tokens=2), use_tqdm=False)
+        model = llm.engine.loaded.model
+        weight = next(model.parameters())
+        open_bytes = rss_bytes()
+    assert weight.numel() == 0 and all(p.numel() == 0 for p in model.parameters())
+    assert open_bytes - rss_bytes() > 400 * MIB  # the weights (540 MB in float32) went
+
+
 @pytest.mark.cuda
 def test_closing_gives_the_device_memory_back():
     """Post-capture sizing takes nearly all free memory; after `close()` it is back within 64 MiB

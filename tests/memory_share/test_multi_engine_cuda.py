@@ -5,6 +5,7 @@ same with the Qwen3-0.6B and Llama-3-8B shapes under load."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -33,6 +34,10 @@ def start(tmp: Path, name: str, env: dict[str, str]) -> Server:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.skipif(
+    importlib.util.find_spec("uvicorn") is None,
+    reason="needs the server's packages (on the device: scripts/fetch_device_wheels.sh, carry .whl)",
+)
 def test_two_elastic_engines_share_one_gpu_without_oom(tmp_path: Path) -> None:
     env = {
         **os.environ,

@@ -604,3 +604,21 @@ class Engine:
                 self.pool.arena.close()
         except RuntimeError as exc:  # a caller still holds a KV tensor: the arena goes when it does
             logger.warning("KV arena not released yet: %s", exc)
+        self._release_weights()
+
+    def _release_weights(self) -> None:
+        """Give the weights' memory back now, not when the last reference to the model goes: every
+        parameter and buffer is emptied in place (a caller still holding the model, a module or a
+        parameter object keeps an object of no elements), then the weight arena is released. A
+        tensor still viewing the weights themselves keeps them: the arena then goes when that tensor
+        does, and the log says so."""
+        model = self.loaded.model
+        with torch.no_grad():
+            for tensor in (*model.parameters(), *model.buffers()):
+                tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+        if self.loaded.weights is None:
+            return
+        try:
+            self.loaded.weights.close()
+        except RuntimeError as exc:
+            logger.warning("weights not released yet: %s", exc)
