@@ -35,12 +35,9 @@ from snugkv.layers.quantization import (
     QuantizationError,
     WeightScales,
     check_block_cut,
-    checkpoint_scale,
-    quantize_weight,
+    load_weight_or_scale,
     shard_scale,
 )
-
-SCALE_LEAVES = ("weight_scale", "weight_scale_inv")
 
 
 class StackedExpertLayer(Protocol):
@@ -122,8 +119,8 @@ class Fp8Experts:
         self.compute_dtype = compute_dtype
         self.dequantize = dequantize
         self.name = name
-        self._weights: dict[int, bool] = {}  # part -> its weight was float (quantized here)
-        self._scales: set[int] = set()
+        self._weights: dict[int | None, bool] = {}  # part -> its weight was float (quantized here)
+        self._scales: set[int | None] = set()
 
     @property
     def per_block(self) -> bool:
@@ -142,32 +139,20 @@ class Fp8Experts:
             if tensor.numel() != 1:
                 raise QuantizationError(f"{what} has {tensor.numel()} values; a static input scale has one")
             return
-        full_shape = experts.full_shape("weight", part)
-        if leaf in SCALE_LEAVES:
-            if part in self._scales:
-                raise QuantizationError(f"the checkpoint holds {what} (or its other scale name) twice")
-            self._store_scale(experts, checkpoint_scale(tensor, self.scheme, full_shape, what), part, what)
-            return
-        if tuple(tensor.shape) != full_shape:
-            raise QuantizationError(
-                f"{what} has shape {tuple(tensor.shape)} but the model expects {full_shape} "
-                "(does the config match the weights?)"
-            )
-        if part in self._weights:
-            raise QuantizationError(f"the checkpoint holds {what} twice")
-        if tensor.dtype == FP8_DTYPE:
-            self._weights[part] = False
-            self._store_weight(experts, tensor, part)
-        elif tensor.dtype.is_floating_point and tensor.element_size() >= 2:
-            q, scale = quantize_weight(tensor, self.scheme)
-            self._weights[part] = True
-            self._store_weight(experts, q, part)
-            self._store_scale(experts, scale, part, what)
-        else:
-            raise QuantizationError(
-                f"{what} is {tensor.dtype}; FP8 experts take float8_e4m3fn weights with their scales, or "
-                "16/32-bit float weights to quantize"
-            )
+        expert = part
+        load_weight_or_scale(
+            leaf,
+            tensor,
+            scheme=self.scheme,
+            full_shape=experts.full_shape("weight", expert),
+            weights_seen=self._weights,
+            scales_seen=self._scales,
+            part=expert,
+            store_weight=lambda q: self._store_weight(experts, q, expert),
+            store_scale=lambda scale: self._store_scale(experts, scale, expert, what),
+            what=what,
+            taker="FP8 experts take",
+        )
 
     def _store_weight(self, layer: StackedExpertLayer, q: torch.Tensor, part: int) -> None:
         dim, start, count, _ = _cut(layer)
@@ -233,7 +218,9 @@ class Fp8Experts:
             raise QuantizationError(
                 f"{self.name}: the checkpoint lacks the weight of expert part(s) {missing[:8]}"
             )
-        unscaled = sorted(p for p, was_float in weights.items() if not was_float and p not in scales)
+        unscaled = sorted(
+            p for p, was_float in weights.items() if p is not None and not was_float and p not in scales
+        )
         if unscaled:
             raise QuantizationError(
                 f"{self.name}: FP8 weight(s) of expert part(s) {unscaled[:8]} came without weight_scale / "

@@ -43,18 +43,17 @@ from snugkv.kernels.fp8_quant import quantize_fp8_activation_reference
 from snugkv.layers.fp8_gemm_choice import run_fp8_gemm
 from snugkv.layers.quantization import (
     FP8_DTYPE,
+    SCALE_LEAVES,
     ActivationScales,
     Fp8Scheme,
     QuantizationError,
     WeightScales,
     check_block_cut,
-    checkpoint_scale,
     dequantize_weight,
-    quantize_weight,
+    load_weight_or_scale,
     shard_scale,
 )
 
-SCALE_LEAVES = ("weight_scale", "weight_scale_inv")  # both multiply (DeepSeek's "inv" name is historic)
 CHECKPOINT_LEAVES = ("weight", *SCALE_LEAVES, "input_scale")
 DUMMY_INPUT_SCALE = 1.0  # random weights have no calibration: static activations get scale 1
 ACT_MODE = {
@@ -199,32 +198,18 @@ class Fp8Linear:
                 raise QuantizationError(f"the checkpoint holds {what} twice")
             self._input_scales[part] = float(tensor.float().reshape(()))
             return
-        full_shape = layer.full_shape("weight", part)
-        if leaf in SCALE_LEAVES:
-            if part in self._scales:
-                raise QuantizationError(f"the checkpoint holds {what} (or its other scale name) twice")
-            self._store_scale(layer, checkpoint_scale(tensor, self.scheme, full_shape, what), part, what)
-            return
-        if tuple(tensor.shape) != full_shape:
-            raise QuantizationError(
-                f"{what} has shape {tuple(tensor.shape)} but the model expects {full_shape} "
-                "(does the config match the weights?)"
-            )
-        if part in self._weights:
-            raise QuantizationError(f"the checkpoint holds {what} twice")
-        if tensor.dtype == FP8_DTYPE:
-            self._weights[part] = False
-            self._store_weight(layer, tensor, part)
-            return
-        if tensor.dtype.is_floating_point and tensor.element_size() >= 2:
-            q, scale = quantize_weight(tensor, self.scheme)
-            self._weights[part] = True
-            self._store_weight(layer, q, part)
-            self._store_scale(layer, scale, part, what)
-            return
-        raise QuantizationError(
-            f"{what} is {tensor.dtype}; an FP8 layer takes float8_e4m3fn weights with their scales, or "
-            "16/32-bit float weights to quantize"
+        load_weight_or_scale(
+            leaf,
+            tensor,
+            scheme=self.scheme,
+            full_shape=layer.full_shape("weight", part),
+            weights_seen=self._weights,
+            scales_seen=self._scales,
+            part=part,
+            store_weight=lambda q: self._store_weight(layer, q, part),
+            store_scale=lambda scale: self._store_scale(layer, scale, part, what),
+            what=what,
+            taker="an FP8 layer takes",
         )
 
     def _store_weight(self, layer: SlicedLinear, q: torch.Tensor, part: int | None) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -139,6 +140,57 @@ def checkpoint_scale(
     raise QuantizationError(
         f"{name} has shape {tuple(scale.shape)} but a {scheme.weights} scale of a weight of shape "
         f"{weight_shape} has shape {expected} (does the quantization_config match the checkpoint?)"
+    )
+
+
+SCALE_LEAVES = ("weight_scale", "weight_scale_inv")  # both multiply (DeepSeek's "inv" name is historic)
+
+
+def load_weight_or_scale(
+    leaf: str,
+    tensor: torch.Tensor,
+    *,
+    scheme: Fp8Scheme,
+    full_shape: tuple[int, ...],
+    weights_seen: dict[int | None, bool],
+    scales_seen: set[int | None],
+    part: int | None,
+    store_weight: Callable[[torch.Tensor], None],
+    store_scale: Callable[[torch.Tensor], None],
+    what: str,
+    taker: str,
+) -> None:
+    """A checkpoint's weight or weight scale of one part, as every FP8 loader takes it: a scale is
+    stored once (in the scheme's layout), an FP8 weight of the part's full shape as it is, a 16- or
+    32-bit float one quantized here with its scale stored beside; anything else, a wrong shape or
+    a part seen twice, is a `QuantizationError` naming `what` (`taker` says who refuses a dtype).
+    `weights_seen[part]` records whether the weight was float (quantized here); the `store_*`
+    callables put the part's weight and scale in place (a linear layer's rows, an expert's)."""
+    if leaf in SCALE_LEAVES:
+        if part in scales_seen:
+            raise QuantizationError(f"the checkpoint holds {what} (or its other scale name) twice")
+        store_scale(checkpoint_scale(tensor, scheme, full_shape, what))
+        return
+    if tuple(tensor.shape) != full_shape:
+        raise QuantizationError(
+            f"{what} has shape {tuple(tensor.shape)} but the model expects {full_shape} "
+            "(does the config match the weights?)"
+        )
+    if part in weights_seen:
+        raise QuantizationError(f"the checkpoint holds {what} twice")
+    if tensor.dtype == FP8_DTYPE:
+        weights_seen[part] = False
+        store_weight(tensor)
+        return
+    if tensor.dtype.is_floating_point and tensor.element_size() >= 2:
+        q, scale = quantize_weight(tensor, scheme)
+        weights_seen[part] = True
+        store_weight(q)
+        store_scale(scale)
+        return
+    raise QuantizationError(
+        f"{what} is {tensor.dtype}; {taker} float8_e4m3fn weights with their scales, or "
+        "16/32-bit float weights to quantize"
     )
 
 
