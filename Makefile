@@ -21,7 +21,7 @@ demo: setup
 	$(VENV)/bin/snugkv generate --chat --max-tokens 64 "In two sentences, why does a KV cache speed up text generation?"
 
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 # The inner loop: the suite without the end-to-end tests marked `slow` (server processes, tp ranks,
 # the LLM against transformers); CI runs `make test`, the whole suite.
