@@ -39,7 +39,10 @@ def test_a_half_minute_soak_exercises_every_kind_and_leaks_nothing(tmp_path, cap
     assert report["hog_cycles"] >= 1 and max(report["hog_held_bytes"]) > 0  # the server made room
     assert report["kv_tokens"]["end"] == report["kv_tokens"]["start"]
     assert report["server_rss_bytes"]["start"] > 0 and report["server_rss_bytes"]["end"] > 0
-    assert report["latency"] and all(window["requests"] > 0 for window in report["latency"])
+    assert len(report["latency"]) == 3  # per 10 s under two minutes
+    for window in report["latency"]:
+        assert window["requests"] > 0 and window["p50_ms"] <= window["p99_ms"], window
+        assert window["server_rss_mib"] > 0 and window["engine_rss_mib"] > 0, window
 
 
 def test_a_slot_the_idle_check_or_get_kv_finds_held_is_a_leak():

@@ -9,9 +9,9 @@ early. Beside them one control loop, every `--control-every-s`, in turn:
 - puts the engine to sleep and wakes it (`POST /sleep?level=1`, `POST /wake_up`); new requests
   wait at the client while the engine drains and sleeps (a request sent to a sleeping engine gets
   a 503 by design, and a 503 here must mean a fault);
-- makes room for another process (`{"free_gib": --hog-gib}`), runs one that takes that memory and
-  gives it back (`soak_hog`: a torch tensor on CUDA, a holding on the simulated shared device on a
-  CPU), then grows the KV cache back.
+- makes room for another process (`{"free_gib": --hog-gib}`, 1 GiB more on CUDA for the other
+  process's context), runs one that takes that memory and gives it back (`soak_hog`: a torch
+  tensor on CUDA, a holding on the simulated shared device on a CPU), then grows the KV cache back.
 
 At the end, with the load stopped, the engine awake and grown back to its start size and one more
 request finished, the report (a printed table; `--json PATH` and `--out DIR` save it) has: requests
@@ -22,8 +22,10 @@ process and the engine's) at start and end, the committed KV bytes and the devic
 `GET /kv` at start and end, and p50/p99 latency of the answered requests per minute (per 10 s
 when M < 2). The exit code is 1 when any 5xx, client error or leaked slot is seen.
 
-It never changes the server's flags or reads its memory directly: what it knows comes from the
-HTTP routes and /proc.
+The start figures are taken after one request of each kind (first-use compiles and allocations
+are not drift). A server without a tokenizer (random weights of a shipped shape) gets token-id
+prompts, and the kinds that need text (chat, scoring, structured output) are skipped and named in
+the report. What the soak knows of the server comes from its HTTP routes and, for the RSS, /proc.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import asyncio
 import importlib.util
 import itertools
 import logging
+import math
 import os
 import random
 import shlex
@@ -58,6 +61,7 @@ logger = logging.getLogger(__name__)
 CPU_HOST_KV_GIB = 0.25
 CPU_HOG_GIB = 0.1
 CUDA_HOG_GIB = 8.0
+CUDA_CONTEXT_GIB = 1.0  # the hog's own CUDA context and allocator slack, beside its tensor
 DRAIN_TIMEOUT_S = 120.0
 
 
@@ -70,12 +74,18 @@ class SoakState:
     awake: asyncio.Event = field(default_factory=asyncio.Event)
     in_flight: int = 0
     hog_held_bytes: list[int] = field(default_factory=list)
+    rss_samples: list[dict[str, int | None]] = field(default_factory=list)  # at each window's end
 
 
 async def _client(
-    client: httpx.AsyncClient, target: Target, kinds: itertools.cycle[str], state: SoakState, stop_at: float
+    client: httpx.AsyncClient,
+    target: Target,
+    kinds: itertools.cycle[str],
+    state: SoakState,
+    stop_at: float,
+    seed: int,
 ) -> None:
-    rng = random.Random(id(state) ^ len(state.outcomes))
+    rng = random.Random(seed)
     while time.monotonic() < stop_at:
         await state.awake.wait()
         state.in_flight += 1
@@ -139,7 +149,8 @@ async def _hog_cycle(
 ) -> None:
     """Room made for another process, that process holding it a while, the KV cache grown back."""
     hog_gib = args.hog_gib
-    await _control(client, state, "resize", "POST", "/kv/resize", json={"free_gib": hog_gib})
+    room_gib = hog_gib + (CUDA_CONTEXT_GIB if args.hog_device == "cuda" else 0.0)
+    await _control(client, state, "resize", "POST", "/kv/resize", json={"free_gib": room_gib})
     started = time.monotonic()
     try:
         hog = await asyncio.to_thread(Hog, hog_gib, args.hog_device, env)
@@ -177,6 +188,18 @@ async def _controls(
             await _hog_cycle(client, state, start_tokens, args, hold_s, hog_env)
 
 
+async def _sample_rss(
+    state: SoakState, pids: dict[str, int], window_s: float, began: float, stop_at: float
+) -> None:
+    """The processes' RSS at the end of each latency window: a leak is a trend, not a difference."""
+    for index in itertools.count(1):
+        end = min(began + index * window_s, stop_at)
+        await asyncio.sleep(max(end - time.monotonic(), 0.0))
+        state.rss_samples.append({name: process_rss_bytes(pid) for name, pid in pids.items()})
+        if end >= stop_at:
+            return
+
+
 async def _wait_idle(client: httpx.AsyncClient, timeout_s: float = DRAIN_TIMEOUT_S) -> dict[str, Any]:
     """GET /kv once nothing runs or waits (then a moment more: the idle slot check runs between steps)."""
     deadline = time.monotonic() + timeout_s
@@ -198,6 +221,7 @@ async def _snapshot(client: httpx.AsyncClient, server_pid: int | None) -> dict[s
     return {
         "kv": kv,
         "info": info,
+        "engine_pid": engine_pid,
         "server_rss_bytes": process_rss_bytes(server_pid) if server_pid else None,
         "engine_rss_bytes": process_rss_bytes(engine_pid) if engine_pid else None,
     }
@@ -229,7 +253,9 @@ async def _soak(
         kinds = [kind for kind in KINDS if kind not in skipped]
         # One of each kind before the start figures: first-use allocations and compiles (a
         # grammar's, a sampler's) are not drift.
-        warm_up = [await send(client, target, kind, random.Random(1)) for kind in kinds]
+        untimed = list(
+            await asyncio.gather(*(send(client, target, kind, random.Random(-1)) for kind in kinds))
+        )
         start = await _snapshot(client, server_pid)
         start_tokens = int(start["kv"]["max_total_num_tokens"])
         state = SoakState()
@@ -237,8 +263,14 @@ async def _soak(
         began = time.monotonic()
         stop_at = began + args.minutes * 60
         cycle = itertools.cycle(kinds)
-        clients = [_client(client, target, cycle, state, stop_at) for _ in range(args.concurrency)]
-        await asyncio.gather(_controls(client, state, args, start_tokens, stop_at, hog_env), *clients)
+        clients = [_client(client, target, cycle, state, stop_at, seed) for seed in range(args.concurrency)]
+        pids = {"server_rss_mib": server_pid, "engine_rss_mib": start["engine_pid"]}
+        sampler = _sample_rss(
+            state, {name: pid for name, pid in pids.items() if pid}, _window_s(args), began, stop_at
+        )
+        await asyncio.gather(
+            _controls(client, state, args, start_tokens, stop_at, hog_env), sampler, *clients
+        )
         seconds = time.monotonic() - began
         # Back to the start: awake, the start size, one more request (the idle slot check runs again).
         if (await client.get("/is_sleeping")).json().get("is_sleeping"):
@@ -248,10 +280,10 @@ async def _soak(
             await _control(
                 client, state, "resize", "POST", "/kv/resize", json={"max_total_num_tokens": start_tokens}
             )
-        state.outcomes.append(await send(client, target, "completion", random.Random(0)))
+        untimed.append(await send(client, target, "completion", random.Random(-2)))
         end = await _snapshot(client, server_pid)
     return {
-        "warm_up": warm_up,
+        "untimed": untimed,
         "target": target,
         "skipped": skipped,
         "start": start,
@@ -262,12 +294,20 @@ async def _soak(
     }
 
 
+def _window_s(args: argparse.Namespace) -> float:
+    return 10.0 if args.minutes < 2 else 60.0
+
+
 def _summary(result: dict[str, Any], args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     state: SoakState = result["state"]
     start, end = result["start"], result["end"]
     leaks = leaked_slots(end["info"], end["kv"])
     rows = outcome_rows(state.outcomes, state.controls)
-    window_s = 10.0 if args.minutes < 2 else 60.0
+    window_s = _window_s(args)
+    windows = max(1, math.ceil(args.minutes * 60 / window_s))
+    latency = latency_windows(state.outcomes, result["began"], window_s, windows)
+    for window, sample in zip(latency, state.rss_samples):
+        window.update({name: None if rss is None else rss / 2**20 for name, rss in sample.items()})
     counts = {outcome: sum(row[outcome] for row in rows) for outcome in OUTCOMES}
     summary = {
         "minutes": args.minutes,
@@ -282,7 +322,8 @@ def _summary(result: dict[str, Any], args: argparse.Namespace) -> tuple[list[dic
         "hog_cycles": len(state.hog_held_bytes),
         "hog_asked_bytes": int(args.hog_gib * GIB),
         "hog_held_bytes": state.hog_held_bytes,
-        "warm_up": {name: sum(1 for o in result["warm_up"] if o.outcome == name) for name in OUTCOMES},
+        # one of each kind before the start figures, one completion after the load
+        "untimed": {name: sum(1 for o in result["untimed"] if o.outcome == name) for name in OUTCOMES},
         "server_log_tracebacks": result.get("server_log_tracebacks"),
         "server_rss_bytes": {"start": start["server_rss_bytes"], "end": end["server_rss_bytes"]},
         "engine_rss_bytes": {"start": start["engine_rss_bytes"], "end": end["engine_rss_bytes"]},
@@ -294,10 +335,10 @@ def _summary(result: dict[str, Any], args: argparse.Namespace) -> tuple[list[dic
         },
         "step_errors": {"start": start["info"].get("step_errors"), "end": end["info"].get("step_errors")},
         "latency_window_s": window_s,
-        "latency": latency_windows(state.outcomes, result["began"], window_s),
+        "latency": latency,
         "failures": [
             {"kind": o.kind, "outcome": o.outcome, "detail": o.detail}
-            for o in [*result["warm_up"], *state.outcomes, *state.controls]
+            for o in [*result["untimed"], *state.outcomes, *state.controls]
             if o.outcome in ("5xx", "client-error")
         ][:20],
     }

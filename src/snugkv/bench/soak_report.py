@@ -38,18 +38,22 @@ def outcome_rows(outcomes: Sequence[Outcome], controls: Sequence[Outcome]) -> li
     return rows
 
 
-def latency_windows(outcomes: Sequence[Outcome], began_s: float, window_s: float) -> list[dict[str, Any]]:
-    """Per window of `window_s` (by when a request started): requests, answered, p50/p99 of the answered."""
-    windows: dict[int, list[Outcome]] = {}
+def latency_windows(
+    outcomes: Sequence[Outcome], began_s: float, window_s: float, windows: int
+) -> list[dict[str, Any]]:
+    """Each of `windows` windows of `window_s` (a request belongs to the one it started in):
+    requests, answered, p50/p99 of the answered."""
+    by_window: list[list[Outcome]] = [[] for _ in range(windows)]
     for outcome in outcomes:
-        windows.setdefault(int(max(outcome.started_s - began_s, 0.0) // window_s), []).append(outcome)
+        index = int(max(outcome.started_s - began_s, 0.0) // window_s)
+        by_window[min(index, windows - 1)].append(outcome)
     rows = []
-    for index in sorted(windows):
-        answered = [outcome.latency_s for outcome in windows[index] if outcome.outcome == "200"]
+    for index, mine in enumerate(by_window):
+        answered = [outcome.latency_s for outcome in mine if outcome.outcome == "200"]
         rows.append(
             {
                 "window_s": f"{index * window_s:g}-{(index + 1) * window_s:g}",
-                "requests": len(windows[index]),
+                "requests": len(mine),
                 "answered": len(answered),
                 "p50_ms": _percentile_ms(answered, 0.5),
                 "p99_ms": _percentile_ms(answered, 0.99),
