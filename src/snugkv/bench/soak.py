@@ -51,7 +51,7 @@ import httpx
 from snugkv.bench.report import emit, format_table
 from snugkv.bench.serving_http import serve_command, start_server, stop_server
 from snugkv.bench.soak_hog import Hog
-from snugkv.bench.soak_load import KINDS, OUTCOMES, TEXT_KINDS, Outcome, Target, send
+from snugkv.bench.soak_load import KINDS, OUTCOMES, TEXT_KINDS, Outcome, Target, send, status_class
 from snugkv.bench.soak_report import latency_windows, leaked_slots, outcome_rows, process_rss_bytes
 from snugkv.memory.host_device import HOST_DEVICE_ENV, RUNTIME_DIR_ENV
 from snugkv.memory.vmm import GIB
@@ -105,9 +105,7 @@ async def _control(
         code, detail = response.status_code, "" if response.status_code == 200 else response.text[:300]
     except httpx.HTTPError as exc:
         code, detail = 0, f"{type(exc).__name__}: {exc}"[:300]
-    outcome = (
-        "200" if code == 200 else "4xx" if 400 <= code < 500 else "5xx" if code >= 500 else "client-error"
-    )
+    outcome = status_class(code)
     state.controls.append(Outcome(kind, outcome, started, time.monotonic() - started, detail))
     return code
 
@@ -245,7 +243,7 @@ async def _soak(
     limits = httpx.Limits(max_connections=args.concurrency + 8)
     async with httpx.AsyncClient(base_url=url, timeout=300.0, limits=limits, headers=headers) as client:
         target = await _probe_target(client, url, args.served_model)
-        skipped = {kind: "the server has no tokenizer (token-id prompts only)" for kind in TEXT_KINDS}
+        skipped = {kind: "the server has no tokenizer (token-id prompts only)" for kind in sorted(TEXT_KINDS)}
         if target.has_tokenizer:
             skipped = {}
         if importlib.util.find_spec("xgrammar") is None:

@@ -3,8 +3,9 @@
 Every kind goes to an OpenAI route of the server with a short output (the soak is about what the
 server keeps or loses over time, not about throughput). How a request ended is one of
 `OUTCOMES`: the status class of the answer, or `client-cut` for the kinds that end the request
-themselves (`disconnect`: the socket is dropped mid-stream, without closing the HTTP exchange;
-`abort`: the stream is closed after its first events, as a client that stops reading does). A
+themselves, after two events or half a second (`disconnect`: the socket is reset mid-stream,
+without closing the HTTP exchange; `abort`: the stream is closed, as a client that stops reading
+does). A
 streamed answer whose events carry an error counts as a 5xx: its status line said 200 before the
 failure. The kinds that need the server's tokenizer (text in, text out) are `TEXT_KINDS`; a server
 without one gets token-id prompts and only the other kinds.
@@ -26,7 +27,12 @@ import httpx
 TEXT_KINDS = frozenset({"chat", "chat_stream", "scoring", "structured"})
 OUTCOMES = ("200", "4xx", "5xx", "client-cut", "client-error")
 MAX_TOKENS = 16
-CUT_AFTER_EVENTS = 2  # data events read before a `disconnect` or an `abort` ends the request
+# A `disconnect` or an `abort` ends its request after this many data events, or this long after
+# sending it, whichever comes first: a server without a tokenizer streams no text, so it may send
+# no event before the last. Its output is long enough to be cut mid-answer.
+CUT_AFTER_EVENTS = 2
+CUT_AFTER_S = 0.5
+CUT_MAX_TOKENS = 128
 ANSWER_SCHEMA = {
     "type": "object",
     "properties": {"answer": {"type": "string", "maxLength": 16}, "sure": {"type": "boolean"}},
@@ -81,8 +87,9 @@ class Target:
         return [rng.randrange(10, self.vocab_size) for _ in range(rng.randint(4, 24))]
 
 
-def _status_class(code: int) -> str:
-    return "200" if code == 200 else "4xx" if 400 <= code < 500 else "5xx" if code >= 500 else str(code)
+def status_class(code: int) -> str:
+    """An HTTP status as an outcome: 200, 4xx, 5xx (anything else, e.g. 0 for no answer: client-error)."""
+    return "200" if code == 200 else "4xx" if 400 <= code < 500 else "5xx" if code >= 500 else "client-error"
 
 
 def _error_text(events: list[dict[str, Any]]) -> str:
@@ -103,26 +110,32 @@ RequestFn = Callable[[httpx.AsyncClient, Target, random.Random], Awaitable[tuple
 async def _post(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> tuple[str, str]:
     response = await client.post(path, json=body)
     detail = "" if response.status_code == 200 else response.text[:300]
-    return _status_class(response.status_code), detail
+    return status_class(response.status_code), detail
 
 
 async def _stream(
-    client: httpx.AsyncClient, path: str, body: dict[str, Any], cut_after: int | None = None
+    client: httpx.AsyncClient, path: str, body: dict[str, Any], cut: bool = False
 ) -> tuple[str, str]:
-    """A streamed request read to its end (or closed after `cut_after` data events)."""
+    """A streamed request read to its end, or closed mid-answer (`cut`, see `CUT_AFTER_S`)."""
     lines: list[str] = []
-    async with client.stream("POST", path, json={**body, "stream": True}) as response:
-        if response.status_code != 200:
-            return _status_class(response.status_code), (await response.aread()).decode()[:300]
-        async for line in response.aiter_lines():
-            lines.append(line)
-            if cut_after is not None and len(_events(lines)) >= cut_after:
-                return "client-cut", ""  # leaving the block closes the stream mid-answer
+    try:
+        async with asyncio.timeout(CUT_AFTER_S if cut else None):
+            async with client.stream("POST", path, json={**body, "stream": True}) as response:
+                if response.status_code != 200:
+                    return status_class(response.status_code), (await response.aread()).decode()[:300]
+                async for line in response.aiter_lines():
+                    lines.append(line)
+                    if cut and len(_events(lines)) >= CUT_AFTER_EVENTS:
+                        return "client-cut", ""  # leaving the block closes the stream mid-answer
+    except TimeoutError:
+        return "client-cut", f"cut after {CUT_AFTER_S} s, {len(_events(lines))} events"
     error = _error_text(_events(lines))
     if error:
         return "5xx", f"error event in a 200 stream: {error}"
     if "data: [DONE]" not in (line.strip() for line in lines):
         return "5xx", "the stream ended without data: [DONE]"
+    if cut:
+        return "200", "the stream ended before the cut"
     return "200", ""
 
 
@@ -175,14 +188,14 @@ async def structured(client: httpx.AsyncClient, target: Target, rng: random.Rand
 
 
 async def abort(client: httpx.AsyncClient, target: Target, rng: random.Random) -> tuple[str, str]:
-    body = _completion(target, rng, max_tokens=4 * MAX_TOKENS, ignore_eos=True)
-    return await _stream(client, "/v1/completions", body, cut_after=CUT_AFTER_EVENTS)
+    body = _completion(target, rng, max_tokens=CUT_MAX_TOKENS, ignore_eos=True)
+    return await _stream(client, "/v1/completions", body, cut=True)
 
 
 async def disconnect(client: httpx.AsyncClient, target: Target, rng: random.Random) -> tuple[str, str]:
     """A raw HTTP/1.1 stream whose socket is dropped (no close of the exchange) after a few events."""
     address = urlsplit(target.url)
-    body = json.dumps(_completion(target, rng, max_tokens=4 * MAX_TOKENS, ignore_eos=True, stream=True))
+    body = json.dumps(_completion(target, rng, max_tokens=CUT_MAX_TOKENS, ignore_eos=True, stream=True))
     reader, writer = await asyncio.open_connection(address.hostname, address.port or 80)
     try:
         head = (
@@ -194,16 +207,20 @@ async def disconnect(client: httpx.AsyncClient, target: Target, rng: random.Rand
                 head += f"{name}: {value}\r\n"
         writer.write((head + "\r\n" + body).encode())
         await writer.drain()
-        status_line = await reader.readline()
-        code = int(status_line.split()[1]) if len(status_line.split()) > 1 else 0
-        if code != 200:
-            return _status_class(code), status_line.decode(errors="replace").strip()
-        seen = 0
-        while seen < CUT_AFTER_EVENTS:
-            line = await reader.readline()
-            if not line:
-                return "200", "the stream ended before the cut"
-            seen += line.startswith(b"data: {")
+        try:
+            async with asyncio.timeout(CUT_AFTER_S):
+                status_line = await reader.readline()
+                code = int(status_line.split()[1]) if len(status_line.split()) > 1 else 0
+                if code != 200:
+                    return status_class(code), status_line.decode(errors="replace").strip()
+                seen = 0
+                while seen < CUT_AFTER_EVENTS:
+                    line = await reader.readline()
+                    if not line:
+                        return "200", "the stream ended before the cut"
+                    seen += line.startswith(b"data: {")
+        except TimeoutError:
+            pass  # cut on time: no events yet (a server without a tokenizer streams no text)
         return "client-cut", ""
     finally:
         writer.transport.abort()  # a reset, not a FIN after a finished exchange
