@@ -5,9 +5,8 @@ server keeps or loses over time, not about throughput). How a request ended is o
 `OUTCOMES`: the status class of the answer, or `client-cut` for the kinds that end the request
 themselves, after two events or half a second (`disconnect`: the socket is reset mid-stream,
 without closing the HTTP exchange; `abort`: the stream is closed, as a client that stops reading
-does). A
-streamed answer whose events carry an error counts as a 5xx: its status line said 200 before the
-failure. The kinds that need the server's tokenizer (text in, text out) are `TEXT_KINDS`; a server
+does). A streamed answer whose events carry an error counts as a 5xx: its status line said 200
+before the failure. The kinds that need the server's tokenizer (text in, text out) are `TEXT_KINDS`; a server
 without one gets token-id prompts and only the other kinds.
 """
 
@@ -39,32 +38,18 @@ ANSWER_SCHEMA = {
     "required": ["answer", "sure"],
     "additionalProperties": False,
 }
+# fmt: off
 _WORDS = [
-    "river",
-    "stone",
-    "lantern",
-    "harbor",
-    "maple",
-    "quiet",
-    "orbit",
-    "velvet",
-    "signal",
-    "meadow",
-    "copper",
-    "thunder",
-    "garden",
-    "silver",
-    "cabin",
-    "winter",
-    "echo",
-    "marble",
-    "forest",
-    "candle",
+    "river", "stone", "lantern", "harbor", "maple", "quiet", "orbit", "velvet", "signal", "meadow",
+    "copper", "thunder", "garden", "silver", "cabin", "winter", "echo", "marble", "forest", "candle",
 ]
+# fmt: on
 
 
 @dataclass(frozen=True, slots=True)
 class Outcome:
+    """How one request (or control call) of `kind` ended, when it started and how long it took."""
+
     kind: str
     outcome: str  # one of OUTCOMES
     started_s: float  # on the monotonic clock
