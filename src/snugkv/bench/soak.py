@@ -4,7 +4,7 @@ A fresh `snugkv serve` starts (or `--url` names one already running) and, for `-
 allowed), `--concurrency` clients send the kinds of `soak_load` in turn: completions and chat,
 streamed and not, n > 1, penalties, prompt scoring (echo + logprobs, max_tokens 0), structured
 output (json_schema, only where xgrammar imports), streams dropped at the socket and streams closed
-early. Beside them one control loop, every `--control-every-s`, in turn:
+early. Beside them one control loop (`soak_controls`), every `--control-every-s`, in turn:
 - resizes the KV cache (`POST /kv/resize` to half its start size, then back);
 - puts the engine to sleep and wakes it (`POST /sleep?level=1`, `POST /wake_up`); new requests
   wait at the client while the engine drains and sleeps (a request sent to a sleeping engine gets
@@ -42,7 +42,6 @@ import shlex
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,8 +49,8 @@ import httpx
 
 from snugkv.bench.report import emit, format_table
 from snugkv.bench.serving_http import serve_command, start_server, stop_server
-from snugkv.bench.soak_hog import Hog
-from snugkv.bench.soak_load import KINDS, OUTCOMES, TEXT_KINDS, Outcome, Target, send, status_class
+from snugkv.bench.soak_controls import DRAIN_TIMEOUT_S, SoakState, control_call, run_controls
+from snugkv.bench.soak_load import KINDS, OUTCOMES, TEXT_KINDS, Target, send
 from snugkv.bench.soak_report import latency_windows, leaked_slots, outcome_rows, process_rss_bytes
 from snugkv.memory.host_device import HOST_DEVICE_ENV, RUNTIME_DIR_ENV
 from snugkv.memory.vmm import GIB
@@ -61,20 +60,6 @@ logger = logging.getLogger(__name__)
 CPU_HOST_KV_GIB = 0.25
 CPU_HOG_GIB = 0.1
 CUDA_HOG_GIB = 8.0
-CUDA_CONTEXT_GIB = 1.0  # the hog's own CUDA context and allocator slack, beside its tensor
-DRAIN_TIMEOUT_S = 120.0
-
-
-@dataclass(slots=True)
-class SoakState:
-    """What the clients and the control loop share: the outcomes, the gate, the requests in flight."""
-
-    outcomes: list[Outcome] = field(default_factory=list)
-    controls: list[Outcome] = field(default_factory=list)
-    awake: asyncio.Event = field(default_factory=asyncio.Event)
-    in_flight: int = 0
-    hog_held_bytes: list[int] = field(default_factory=list)
-    rss_samples: list[dict[str, int | None]] = field(default_factory=list)  # at each window's end
 
 
 async def _client(
@@ -93,97 +78,6 @@ async def _client(
             state.outcomes.append(await send(client, target, next(kinds), rng))
         finally:
             state.in_flight -= 1
-
-
-async def _control(
-    client: httpx.AsyncClient, state: SoakState, kind: str, method: str, path: str, **kw: Any
-) -> int:
-    """One control call, recorded as an outcome of `kind`; returns its status code (0: no answer)."""
-    started = time.monotonic()
-    try:
-        response = await client.request(method, path, **kw)
-        code, detail = response.status_code, "" if response.status_code == 200 else response.text[:300]
-    except httpx.HTTPError as exc:
-        code, detail = 0, f"{type(exc).__name__}: {exc}"[:300]
-    outcome = status_class(code)
-    state.controls.append(Outcome(kind, outcome, started, time.monotonic() - started, detail))
-    return code
-
-
-async def _resize_cycle(
-    client: httpx.AsyncClient, state: SoakState, start_tokens: int, hold_s: float
-) -> None:
-    await _control(
-        client, state, "resize", "POST", "/kv/resize", json={"max_total_num_tokens": start_tokens // 2}
-    )
-    await asyncio.sleep(hold_s)
-    await _control(client, state, "resize", "POST", "/kv/resize", json={"max_total_num_tokens": start_tokens})
-
-
-async def _drain(state: SoakState) -> None:
-    deadline = time.monotonic() + DRAIN_TIMEOUT_S
-    while state.in_flight and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
-
-
-async def _sleep_cycle(client: httpx.AsyncClient, state: SoakState, hold_s: float) -> None:
-    state.awake.clear()
-    try:
-        await _drain(state)
-        if await _control(client, state, "sleep", "POST", "/sleep", params={"level": "1"}) == 200:
-            await asyncio.sleep(hold_s)
-            await _control(client, state, "wake", "POST", "/wake_up")
-    finally:
-        state.awake.set()
-
-
-async def _hog_cycle(
-    client: httpx.AsyncClient,
-    state: SoakState,
-    start_tokens: int,
-    args: argparse.Namespace,
-    hold_s: float,
-    env: dict[str, str],
-) -> None:
-    """Room made for another process, that process holding it a while, the KV cache grown back."""
-    hog_gib = args.hog_gib
-    room_gib = hog_gib + (CUDA_CONTEXT_GIB if args.hog_device == "cuda" else 0.0)
-    await _control(client, state, "resize", "POST", "/kv/resize", json={"free_gib": room_gib})
-    started = time.monotonic()
-    try:
-        hog = await asyncio.to_thread(Hog, hog_gib, args.hog_device, env)
-    except (RuntimeError, OSError) as exc:
-        state.controls.append(Outcome("hog", "client-error", started, time.monotonic() - started, str(exc)))
-    else:
-        await asyncio.sleep(hold_s)
-        code = await asyncio.to_thread(hog.release)
-        state.hog_held_bytes.append(hog.held_bytes)
-        outcome = "200" if code == 0 else "client-error"
-        detail = f"held {hog.held_bytes} bytes" + ("" if code == 0 else f", exited with {code}")
-        state.controls.append(Outcome("hog", outcome, started, time.monotonic() - started, detail))
-    await _control(client, state, "resize", "POST", "/kv/resize", json={"max_total_num_tokens": start_tokens})
-
-
-async def _controls(
-    client: httpx.AsyncClient,
-    state: SoakState,
-    args: argparse.Namespace,
-    start_tokens: int,
-    stop_at: float,
-    hog_env: dict[str, str],
-) -> None:
-    actions = ["resize", "sleep"] + (["hog"] if args.hog_gib > 0 else [])
-    hold_s = min(2.0, args.control_every_s / 2)
-    for action in itertools.cycle(actions):
-        await asyncio.sleep(args.control_every_s)
-        if time.monotonic() >= stop_at:
-            return
-        if action == "resize":
-            await _resize_cycle(client, state, start_tokens, hold_s)
-        elif action == "sleep":
-            await _sleep_cycle(client, state, hold_s / 2)
-        else:
-            await _hog_cycle(client, state, start_tokens, args, hold_s, hog_env)
 
 
 async def _sample_rss(
@@ -267,15 +161,15 @@ async def _soak(
             state, {name: pid for name, pid in pids.items() if pid}, _window_s(args), began, stop_at
         )
         await asyncio.gather(
-            _controls(client, state, args, start_tokens, stop_at, hog_env), sampler, *clients
+            run_controls(client, state, args, start_tokens, stop_at, hog_env), sampler, *clients
         )
         seconds = time.monotonic() - began
         # Back to the start: awake, the start size, one more request (the idle slot check runs again).
         if (await client.get("/is_sleeping")).json().get("is_sleeping"):
-            await _control(client, state, "wake", "POST", "/wake_up")
+            await control_call(client, state, "wake", "POST", "/wake_up")
         kv_now = (await client.get("/kv")).json()
         if kv_now["max_total_num_tokens"] != start_tokens:
-            await _control(
+            await control_call(
                 client, state, "resize", "POST", "/kv/resize", json={"max_total_num_tokens": start_tokens}
             )
         untimed.append(await send(client, target, "completion", random.Random(-2)))
