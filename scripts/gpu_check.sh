@@ -23,7 +23,7 @@ if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
-STEPS=${STEPS:-"env tests memory vmm kernels attention decode fp8 prefill moe capacity serving http elastic structured multi-engine"}
+STEPS=${STEPS:-"env tests memory vmm kernels attention decode fp8 prefill moe capacity serving http elastic structured multi-engine soak"}
 status=0
 step() { echo "=== $1 ($(date +%T))"; }
 
@@ -120,6 +120,15 @@ for s in $STEPS; do
         timeout "${FP8_HTTP_TIMEOUT:-240}" python3 -m snugkv --log-level WARNING bench http --quantization fp8 \
           --model llama-3-8b --servers process --out "$OUT/fp8-http" 2>&1 | tee "$OUT/bench_fp8_http.log" || status=1
       fi
+      ;;
+    soak)  # 10 minutes of mixed load on a real server of the Llama-3-8B shape (random weights, so
+      # token-id prompts: the text kinds are skipped and the report says so), with KV resizes,
+      # sleep/wake and a child taking and freeing SOAK_HOG_GIB (default 8) of GPU memory; fails on
+      # any 5xx or leaked KV slot. Needs the server's wheels (.whl).
+      step "bench soak"
+      timeout "${SOAK_TIMEOUT:-900}" python3 -m snugkv --log-level WARNING bench soak --model llama-3-8b \
+        --minutes "${SOAK_MINUTES:-10}" --hog-gib "${SOAK_HOG_GIB:-8}" --concurrency "${SOAK_CONCURRENCY:-32}" \
+        --json "$OUT/soak.json" ${ARGS_soak:-} 2>&1 | tee "$OUT/bench_soak.log" || status=1
       ;;
     multi-engine)  # two servers on one GPU (scripts/bench_multi_engine.py); needs the server wheels
       step "bench multi-engine"

@@ -23,7 +23,7 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import IO, Any
 
 import httpx
 
@@ -44,11 +44,22 @@ def serve_command(model: str, extra: list[str]) -> list[str]:
     ]  # fmt: skip
 
 
-def start_server(command: list[str], timeout_s: float = 300.0) -> tuple[subprocess.Popen[bytes], str]:
-    """`command --port P` on a free loopback port; returns the process and its base URL once healthy."""
+def start_server(
+    command: list[str],
+    timeout_s: float = 300.0,
+    env: dict[str, str] | None = None,
+    log: IO[bytes] | None = None,
+) -> tuple[subprocess.Popen[bytes], str]:
+    """`command --port P` on a free loopback port (in `env`, default this process's environment;
+    its output to `log`, default this process's); returns the process and its base URL once healthy."""
     port = _free_port()
     command = [*command, "--port", str(port)]
-    process = subprocess.Popen(command, env={**os.environ, "TQDM_DISABLE": "1"})
+    process = subprocess.Popen(
+        command,
+        env={**(os.environ if env is None else env), "TQDM_DISABLE": "1"},
+        stdout=log,
+        stderr=None if log is None else subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

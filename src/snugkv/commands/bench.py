@@ -26,6 +26,7 @@ BENCHMARKS = {
     "elastic": "snugkv.bench.elastic",
     "structured": "snugkv.bench.structured",
     "fuzz": "snugkv.bench.fuzz",
+    "soak": "snugkv.bench.soak",
     "cpu-decode": "snugkv.bench.cpu_decode",
 }
 # One line each for `snugkv bench --help`, without importing the modules (their docstrings say more).
@@ -43,6 +44,7 @@ SUMMARIES = {
     "elastic": "resizing the KV cache, sleeping and waking (GPU)",
     "structured": "decode throughput with a quarter of the batch held to a JSON schema (GPU)",
     "fuzz": "every route of a server against its OpenAPI schema (schemathesis): no 5xx",
+    "soak": "a real server under mixed load, resizes, sleep/wake and a memory hog for M minutes: nothing leaks",
     "cpu-decode": "greedy decode on CPU, snugkv against transformers' generate on the same weights",
 }
 
