@@ -4,6 +4,7 @@
 #   tp on two GPUs (nvidia-h200-x2): STEPS="env tests tp" BENCH_ARGS="--dtype float32" bash scripts/gpu_check.sh
 #   (the tp server test needs the server's wheels: scripts/fetch_device_wheels.sh, carry .whl)
 #   one bench's own flags: ARGS_decode="--max-batch 64" (BENCH_ARGS goes to every bench)
+#   memory pressure only: STEPS="env pressure" (ARGS_pressure="--chunk-mib 16" for small extensions)
 #   MoE only: STEPS="env moe" (MOE_MODEL=mixtral-8x7b for another shape; the tuned table lands in $OUT/work/moe)
 # Uses the machine's python3 (torch with CUDA); installs nothing that needs a network.
 # Name the commit: SNUGKV_COMMIT=$(git rev-parse --short HEAD) set where the tree was committed (a
@@ -21,7 +22,7 @@ if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
-STEPS=${STEPS:-"env tests memory vmm kernels attention decode fp8 prefill moe capacity serving http elastic structured multi-engine"}
+STEPS=${STEPS:-"env tests memory vmm kernels attention decode fp8 prefill moe capacity serving http elastic pressure structured multi-engine"}
 status=0
 step() { echo "=== $1 ($(date +%T))"; }
 
@@ -99,6 +100,11 @@ for s in $STEPS; do
         timeout "${FP8_HTTP_TIMEOUT:-240}" python3 -m snugkv --log-level WARNING bench http --quantization fp8 \
           --model llama-3-8b --servers process --out "$OUT/fp8-http" 2>&1 | tee "$OUT/bench_fp8_http.log" || status=1
       fi
+      ;;
+    pressure)  # another process takes memory below the headroom while an 8B shape serves (scripts/pressure_check.py)
+      step "pressure"
+      timeout "${BENCH_TIMEOUT:-400}" python3 scripts/pressure_check.py --out "$OUT/pressure" ${ARGS_pressure:-} \
+        2>&1 | tee "$OUT/pressure.log" || status=1
       ;;
     multi-engine)  # two servers on one GPU (scripts/bench_multi_engine.py); needs the server wheels
       step "bench multi-engine"
