@@ -26,14 +26,14 @@ PAGE = 4
 DEVICE_MIB = 24  # the simulated device: 16 MiB of headroom leaves the KV cache 8 MiB (16,384 tokens)
 HEADROOM_MIB = 16
 
-# Another process on the device: takes the bytes asked for on each line (-1: all that is free).
+# Another process on the device: takes the bytes asked for on each line (-N: all that is free but N).
 HOG = """
 import sys
 from snugkv.memory.host_device import SharedHostDevice
 device = SharedHostDevice.from_env()
 for line in sys.stdin:
     want = int(line)
-    want = device.free_bytes() if want < 0 else want
+    want = device.free_bytes() + want if want < 0 else want
     device.take(want)
     print(want, flush=True)
 """

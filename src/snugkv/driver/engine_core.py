@@ -268,12 +268,25 @@ class EngineCore:
         elif isinstance(command, WakeUp):
             return elastic.wake_up(scheduler, self.engine, tags=command.tags)
         elif isinstance(command, CheckMemory):
-            return elastic.relieve_pressure(scheduler, self.engine)
+            return self._relieve_pressure()
         elif isinstance(command, ExpireWait):
             scheduler.expire_wait(command.rid, RETRY_AFTER_S)
         elif not isinstance(command, Stop):
             raise TypeError(f"not an engine command: {command!r}")
         return None
+
+    def _relieve_pressure(self) -> KvResize | None:
+        """A memory check; a move that breaks for another reason than a refusal (which it logs and
+        retries at the next check) ends the requests it held, as a failed step does, instead of the
+        driver's loop."""
+        try:
+            return elastic.relieve_pressure(self.scheduler, self.engine)
+        except Exception as exc:
+            logger.exception("a memory-pressure move failed; ended the requests in flight")
+            self.scheduler.fail_all(
+                f"internal error while resizing the KV cache: {type(exc).__name__}: {exc}"
+            )
+            return None
 
     def step(self) -> Exception | None:
         """One scheduler step; a failure ends the requests it held and is returned.

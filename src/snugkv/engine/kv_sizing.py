@@ -60,6 +60,7 @@ logger = logging.getLogger(__name__)
 
 EVENT_HISTORY = 32  # resizes, sleeps and wakes kept for GET /kv (newest last)
 PRESSURE_HYSTERESIS = 0.05  # a pressure grow needs this share of the reserve more to fit (at least 4 pages)
+PRESSURE_HYSTERESIS_MAX_BYTES = GIB  # and at most this much KV (a 120 GiB reserve would make it 6 GiB)
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +134,7 @@ class KvSizing:
         self.event_count = 0  # every change so far (`events` keeps the last EVENT_HISTORY)
         self.pressure_shrinks = 0  # changes recorded as "pressure" / "pressure-grow"
         self.pressure_grows = 0
+        self._hysteresis_tokens: int | None = None
 
     @property
     def page_size(self) -> int:
@@ -164,8 +166,8 @@ class KvSizing:
         )
 
     # -- the steps --------------------------------------------------------------------------
-    def measure(self) -> FreeMemory:
-        return measure_free(self.memory, self.group)
+    def measure(self, *, settled: bool = True) -> FreeMemory:
+        return measure_free(self.memory, self.group, settled=settled)
 
     def size(self, free: FreeMemory, *, keep_free_bytes: int = 0) -> int:
         """The most tokens that fit `free` less the headroom and `keep_free_bytes`, under the caps,
@@ -179,9 +181,9 @@ class KvSizing:
         )
         return agree_min(tokens, self.group)
 
-    def size_from_free(self, *, keep_free_bytes: int = 0) -> KvFit:
-        """Measure, then size: the tokens the free memory of now holds."""
-        free = self.measure()
+    def size_from_free(self, *, keep_free_bytes: int = 0, settled: bool = True) -> KvFit:
+        """Measure, then size: the tokens the free memory of now holds (`settled`: see `measure_free`)."""
+        free = self.measure(settled=settled)
         return KvFit(self.size(free, keep_free_bytes=keep_free_bytes), free)
 
     def commit(self, tokens: int) -> tuple[int, int]:
@@ -271,16 +273,23 @@ class KvSizing:
 
     def pressure_hysteresis_tokens(self) -> int:
         """How many more tokens must fit before memory pressure grows the cache (whole pages): a
-        share of the reserve, the same at every size, so a shrink's slack (half) never reaches it."""
-        page = self.page_size
-        return max(4 * page, int(self.pool.reserved_tokens * PRESSURE_HYSTERESIS) // page * page)
+        share of the reserve (at most 1 GiB of KV), the same at every size, so a shrink's slack
+        (half of it) never reaches it."""
+        if self._hysteresis_tokens is None:  # the reserve never changes: found once (a search)
+            page = self.page_size
+            share = min(
+                int(self.pool.reserved_tokens * PRESSURE_HYSTERESIS),
+                self.pool.max_tokens_within(PRESSURE_HYSTERESIS_MAX_BYTES),
+            )
+            self._hysteresis_tokens = max(4 * page, share // page * page)
+        return self._hysteresis_tokens
 
     def pressure_move(self) -> PressureMove | None:
         """Measure free memory now (MIN over ranks) and say whether the cache must shrink (free
         memory below the activation headroom: to what fits, less half the hysteresis so that the
         next grow is not a step away) or may grow back (to what start-up sizing gives now, when at
         least the hysteresis more fits); None: it stays. Every rank answers alike."""
-        fit = self.size_from_free()
+        fit = self.size_from_free(settled=False)  # every 0.25 s: no sync, no emptied cache
         committed = self.pool.committed_tokens
         limits = self.limits()
         hysteresis = self.pressure_hysteresis_tokens()

@@ -111,8 +111,7 @@ def relieve_pressure(scheduler: Scheduler, engine: Engine) -> KvResize | None:
     if not watches_pressure(engine):
         return None
     kv = engine.kv
-    scheduler.finish_in_flight()  # the free memory read below includes what the step in flight holds
-    move = kv.pressure_move()
+    move = kv.pressure_move()  # the step in flight runs on (a move settles it first, in resize_kv)
     if move is None:
         return None
     tokens = move.tokens

@@ -40,8 +40,8 @@ is retried smaller instead of failing its requests (`retry_out_of_memory`, one r
 tensor parallelism the other ranks are inside the step's collectives). The step before it is read,
 every request of the failed batch is retracted (its computed KV goes to the prefix cache, nothing
 is lost; the failed launch's slots go with the release), and until `OOM_RECOVERY_STEPS` steps ran
-the batches are capped at half the failed one's rows and tokens (doubling back after each such
-run). Past `MAX_OOM_STREAK` failures in a row the error is raised as any other.
+the batches are capped at half the failed one's rows (and a failed prefill's tokens), doubling
+back after each such run. Past `MAX_OOM_STREAK` failures in a row the error is raised as any other.
 
 A prompt longer than the KV cache holds now, but not longer than it could hold (`could_hold_tokens`:
 the reserve and the caps of an engine that can resize), waits for memory instead of being refused:
@@ -301,7 +301,12 @@ class Scheduler:
             if not request.finished:
                 self.retract(request)
         rows = max(1, len(batch.requests) // 2)
-        tokens = max(self.page_size, sum(len(row.token_ids) for row in batch.rows) // 2)
+        # a decode ran out for its rows; a prefill for its tokens too
+        tokens = (
+            self.chunked_prefill_size
+            if batch.decode
+            else max(self.page_size, sum(len(row.token_ids) for row in batch.rows) // 2)
+        )
         self._oom_caps = rows, tokens
         logger.warning(
             "a %s step of %d requests ran out of device memory (%s); retracted them, retrying with at most "
