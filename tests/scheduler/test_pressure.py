@@ -246,8 +246,10 @@ def test_a_prompt_the_shrunken_cache_cannot_hold_waits_for_memory_and_runs_once_
         hog.take(-1)  # the device is full: the idle engine gives back all but two pages
         turn_until(core, lambda: engine.pool.committed_tokens == 2 * PAGE)
         core.scheduler.add_request("long", long_prompt, greedy)  # accepted: the reserve holds it
-        core.scheduler.add_request("short", long_prompt[:3], greedy)  # fits now: it runs past the long one
+        two = SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True)
+        core.scheduler.add_request("short", long_prompt[:1], two)  # fits now: it runs past the long one
         turn_until(core, lambda: "short" in finished)
+        assert finished["short"] is None and len(outputs["short"]) == 2
         assert "long" not in finished and core.scheduler.waits_for_memory(core.scheduler.requests["long"])
         hog.end()  # memory comes back: the cache grows and the waiting prompt runs
         turn_until(core, lambda: "long" in finished)

@@ -115,7 +115,7 @@ class EngineCore:
         self._memory_waits: dict[str, float] = {}  # rank 0: when each request began to wait for memory
         self._next_wait_scan_s = 0.0
         if engine.kv.resizable:  # a prompt the cache could grow to hold waits for memory, not a 400
-            scheduler.could_hold_tokens = lambda: engine.kv.limits().max_tokens
+            scheduler.could_hold_tokens = engine.kv.largest_tokens()
 
     # -- assembling -------------------------------------------------------------------------
     @classmethod
@@ -379,7 +379,7 @@ class EngineCore:
             kv_capacity_tokens=scheduler.runner.allocator.capacity_tokens,
             kv_max_capacity_tokens=None
             if scheduler.could_hold_tokens is None
-            else scheduler.could_hold_tokens(),
+            else scheduler.could_hold_tokens,
             stats=scheduler.stats(),
             step_times=step_times,
             step_errors=step_errors,

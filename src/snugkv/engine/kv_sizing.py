@@ -153,6 +153,13 @@ class KvSizing:
             return None
         return int(self.caps.max_device_memory_gib * GIB) - self._held_besides_kv() - self.headroom_bytes
 
+    def largest_tokens(self) -> int:
+        """The most tokens the cache could ever hold: the reserve under `--max-total-tokens` (the
+        same on every rank; `--max-device-memory`'s share is left out, as it is measured per rank
+        and moves with what the engine holds, and a scheduler's decisions must not differ)."""
+        bounds = [self.pool.reserved_tokens, self.caps.max_total_tokens]
+        return min(bound for bound in bounds if bound is not None) // self.page_size * self.page_size
+
     def limits(self) -> ResizeLimits:
         """The token counts a resize may ask for now."""
         page = self.page_size

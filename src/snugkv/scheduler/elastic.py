@@ -199,7 +199,7 @@ def wake_up(scheduler: Scheduler, engine: Engine, *, tags: tuple[str, ...] = ())
     if not engine.is_sleeping:
         scheduler.max_running_requests = result.max_running_requests
         capacity = scheduler.runner.allocator.capacity_tokens
-        could_hold = capacity if scheduler.could_hold_tokens is None else scheduler.could_hold_tokens()
+        could_hold = capacity if scheduler.could_hold_tokens is None else scheduler.could_hold_tokens
         for request in [r for r in scheduler.waiting if r.num_tokens + scheduler.page_size > could_hold]:
             scheduler.fail(
                 request,

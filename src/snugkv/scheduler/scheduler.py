@@ -56,7 +56,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 
@@ -134,7 +134,7 @@ class Scheduler:
         self._oom_caps: tuple[int, int] | None = None  # (rows, tokens) per batch after running out
         self._steps_since_oom = 0
         # What the KV cache could grow to (an engine that can resize); None: its size is fixed.
-        self.could_hold_tokens: Callable[[], int] | None = None
+        self.could_hold_tokens: int | None = None
 
     # -- intake -----------------------------------------------------------------------
     def add_request(self, rid: str, prompt_ids: list[int], sampling: SamplingParams) -> Request:
@@ -166,7 +166,7 @@ class Scheduler:
             )
         capacity = self.runner.allocator.capacity_tokens
         if len(prompt_ids) + self.page_size > capacity and not self.paused:  # asleep: wake checks it
-            could_hold = None if self.could_hold_tokens is None else self.could_hold_tokens()
+            could_hold = self.could_hold_tokens
             if could_hold is None:
                 raise InvalidRequest(
                     f"the prompt needs {len(prompt_ids)} KV slots but the whole KV cache holds {capacity}; "
@@ -545,8 +545,10 @@ class Scheduler:
         sample_index = 0
         emit, stop_reason = self.outputs.emit, self._stop_reason
         # what `_stop_reason` compares every request with: the longest a request may grow (the
-        # context, and what the KV cache could hold with nothing else in it)
-        limits = (self.context_length, self.runner.allocator.capacity_tokens - self.page_size)
+        # context, and what the KV cache could hold with nothing else in it: a cache that can grow
+        # back retracts a request past its size of now, which then waits for memory)
+        kv_tokens = self.could_hold_tokens or self.runner.allocator.capacity_tokens
+        limits = (self.context_length, kv_tokens - self.page_size)
         for row, request in zip(rows, batch):
             index = sample_index
             sample_index += row.need_logits
