@@ -4,6 +4,7 @@
 #   tp on two GPUs (nvidia-h200-x2): STEPS="env tests tp" BENCH_ARGS="--dtype float32" bash scripts/gpu_check.sh
 #   (the tp server test needs the server's wheels: scripts/fetch_device_wheels.sh, carry .whl)
 #   one bench's own flags: ARGS_decode="--max-batch 64" (BENCH_ARGS goes to every bench)
+#   memory pressure only: STEPS="env pressure" (ARGS_pressure="--chunk-mib 16" for small extensions)
 #   MoE only: STEPS="env moe" (MOE_MODEL=mixtral-8x7b for another shape; the tuned table lands in $OUT/work/moe)
 #   parts of a step: MOE_PARTS="decode" (of "tests tune decode prefill"), FP8_TESTS=0, FP8_SHAPES=llama-3-8b
 #   the engine core's CUDA tests alone (drivers, elastic engine, LLM, graphs, VMM): STEPS="env core"
@@ -23,7 +24,7 @@ if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
-STEPS=${STEPS:-"env tests memory vmm kernels attention decode fp8 prefill moe capacity serving http elastic structured multi-engine soak"}
+STEPS=${STEPS:-"env tests memory vmm kernels attention decode fp8 prefill moe capacity serving http elastic pressure structured multi-engine soak"}
 status=0
 step() { echo "=== $1 ($(date +%T))"; }
 
@@ -129,6 +130,11 @@ for s in $STEPS; do
       timeout "${SOAK_TIMEOUT:-900}" python3 -m snugkv --log-level WARNING bench soak --model llama-3-8b \
         --minutes "${SOAK_MINUTES:-10}" --hog-gib "${SOAK_HOG_GIB:-8}" --concurrency "${SOAK_CONCURRENCY:-32}" \
         --json "$OUT/soak.json" ${ARGS_soak:-} 2>&1 | tee "$OUT/bench_soak.log" || status=1
+      ;;
+    pressure)  # another process takes memory below the headroom while an 8B shape serves (scripts/pressure_check.py)
+      step "pressure"
+      timeout "${BENCH_TIMEOUT:-400}" python3 scripts/pressure_check.py --out "$OUT/pressure" ${ARGS_pressure:-} \
+        2>&1 | tee "$OUT/pressure.log" || status=1
       ;;
     multi-engine)  # two servers on one GPU (scripts/bench_multi_engine.py); needs the server wheels
       step "bench multi-engine"

@@ -87,4 +87,5 @@ def test_the_metrics_snapshot_is_the_stats_and_the_kv_figures() -> None:
     )
     assert snapshot.to_dict() == {
         **STATS.to_dict(), "kv_max_total_num_tokens": 512, "kv_committed_bytes": 2048, "kv_resizes": 3, "sleep_level": 0,
+        "kv_pressure_shrinks": 0, "kv_pressure_grows": 0, "oom_retries": 0,
     }  # fmt: skip

@@ -65,6 +65,7 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, Callable[[], None]]:
         disable_prefix_cache=False,
         kv_chunk_mib=args.kv_chunk_mib,
         max_device_memory_gib=args.max_device_memory,
+        queue_timeout_s=args.queue_timeout,
     )
     engine, _ = build_engine_thread(engine_args)
     return engine, engine.stop
@@ -97,6 +98,7 @@ def main() -> None:
     parser.add_argument("--tokenizer-gguf", default=None, help="fake engine only: use this GGUF's tokenizer")
     parser.add_argument("--kv-chunk-mib", type=int, default=256, help="real engine only")
     parser.add_argument("--max-device-memory", type=float, default=None, help="real engine only (GiB)")
+    parser.add_argument("--queue-timeout", type=float, default=None, help="real engine only (seconds)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 

@@ -63,10 +63,19 @@ def test_completion_top_logprobs_hold_the_sampled_token() -> None:
 def test_the_kv_capacity_the_engine_reports_bounds_the_sequence_limit() -> None:
     from snugkv.server.prepare import SequenceLimit
 
-    class Engine:  # the two figures of `EngineInfo` the limit reads
+    class Engine:  # the figures of `EngineInfo` the limit reads
         max_context_tokens = 8192
+        could_hold: int | None = None  # a resizable engine's reserve and caps
 
         def server_info(self) -> SimpleNamespace:
-            return SimpleNamespace(max_total_num_tokens=4096, kv_capacity_tokens=1000, page_size=16)
+            return SimpleNamespace(
+                max_total_num_tokens=4096,
+                kv_capacity_tokens=1000,
+                kv_max_capacity_tokens=self.could_hold,
+                page_size=16,
+            )
 
-    assert SequenceLimit.of(Engine()) == SequenceLimit(1000 - 16 + 1, "this server's KV cache")  # type: ignore[arg-type]
+    engine = Engine()
+    assert SequenceLimit.of(engine) == SequenceLimit(1000 - 16 + 1, "this server's KV cache")  # type: ignore[arg-type]
+    engine.could_hold = 3000  # what a shrunken engine holds less of waits for memory: the reserve bounds it
+    assert SequenceLimit.of(engine) == SequenceLimit(3000 - 16 + 1, "this server's KV cache")  # type: ignore[arg-type]

@@ -186,6 +186,22 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "start; --kv-elastic: the device's total)",
     )
     group.add_argument(
+        "--no-kv-pressure",
+        action="store_true",
+        help="keep the KV cache at its size when another process takes device memory (default: a "
+        "post-capture engine shrinks it between steps when free memory falls below the activation "
+        "headroom and grows it back when memory returns; --kv-elastic engines leave that to the share)",
+    )
+    group.add_argument(
+        "--queue-timeout",
+        dest="queue_timeout_s",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="how long a request waits for KV memory when the cache holds too little for it now but "
+        "could hold it (a starting or shrunken engine); then a 503 with Retry-After (default: 30)",
+    )
+    group.add_argument(
         "--weights-seed", type=int, default=0, help="seed of random (--load-format dummy) weights"
     )
     group.add_argument(

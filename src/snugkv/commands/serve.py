@@ -396,6 +396,9 @@ def _join_memory_share(args: argparse.Namespace) -> MemoryShare:
         args.kv_chunk_mib = ELASTIC_CHUNK_MIB
     if args.kv_reserve_gib is None:  # room to grow into all the others may give back
         args.kv_reserve_gib = device_total_gib(engine_args_from(args))
+    # The share sizes this engine (it gives back what a process outside takes, and grows only into
+    # what the others leave): a pressure grow of its own would take what a starting engine was given.
+    args.no_kv_pressure = True
 
     options = ShareOptions(weight=args.memory_share, min_tokens=args.kv_min_tokens)
     name = args.served_model_name or str(args.model or "default")

@@ -87,3 +87,5 @@ class GenerateOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     error: str | None = None
     rejected: bool = False  # the engine refused the request as it is (a 400: `error` says what to change)
+    # the request waited for KV memory the engine could not get in time: a 503 with this Retry-After
+    retry_after_s: float | None = None

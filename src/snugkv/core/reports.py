@@ -3,7 +3,7 @@ fill, and the server, the Python API and the memory share read.
 
     MemoryLedger    where the device's memory went (sizing.ledger measures it)
     StartupReport   what start-up sized: mode, `max_total_num_tokens`, the ledger, timings
-    KvResize        one change of the KV cache's size: a resize, a sleep or a wake
+    KvResize        one change of the KV cache's size: a resize, a sleep, a wake, a pressure move
     KvCacheView     the KV cache now and what a resize may ask for (the engine's view)
     KvInfo          GET /kv: the cache and what the requests in it hold
     SleepState      what sleeps now
@@ -123,11 +123,17 @@ class StartupReport:
         }
 
 
+PRESSURE_WHY = {
+    "pressure": " (free memory fell below the activation headroom)",
+    "pressure-grow": " (memory came back)",
+}
+
+
 @dataclass(frozen=True, slots=True)
 class KvResize:
     """One change of the KV cache's size, as logged and answered."""
 
-    reason: str  # "resize", "sleep", "wake"
+    reason: str  # "resize", "sleep", "wake", "pressure" (memory taken), "pressure-grow" (it came back)
     from_tokens: int
     to_tokens: int
     from_committed_bytes: int
@@ -139,6 +145,9 @@ class KvResize:
     copied_bytes: int = 0
     evicted_tokens: int = 0
     retracted_requests: int = 0
+    free_bytes: int | None = (
+        None  # a pressure move: the free device memory it was sized from (MIN over ranks)
+    )
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -153,10 +162,12 @@ class KvResize:
             moved += f" ({self.copied_bytes / 2**20:.1f} MiB copied)"
         evicted = f", evicted {self.evicted_tokens} cached tokens" if self.evicted_tokens else ""
         retracted = f", retracted {self.retracted_requests} requests" if self.retracted_requests else ""
+        why = PRESSURE_WHY.get(self.reason, "")
+        free = f", free {self.free_bytes / GIB:.2f} GiB" if self.free_bytes is not None else ""
         return (
-            f"KV {self.reason}: max_total_num_tokens {self.from_tokens} -> {self.to_tokens}, committed "
+            f"KV {self.reason}{why}: max_total_num_tokens {self.from_tokens} -> {self.to_tokens}, committed "
             f"{self.from_committed_bytes / GIB:.2f} -> {self.to_committed_bytes / GIB:.2f} GiB{moved}{evicted}"
-            f"{retracted}, max_running_requests={self.max_running_requests}, took {self.took_ms:.1f} ms"
+            f"{retracted}{free}, max_running_requests={self.max_running_requests}, took {self.took_ms:.1f} ms"
         )
 
 
@@ -312,8 +323,11 @@ class MetricsSnapshot:
     stats: SchedulerStats
     kv_max_total_num_tokens: int  # the KV cache's size now (it may resize)
     kv_committed_bytes: int
-    kv_resizes: int  # resizes, sleeps and wakes so far
+    kv_resizes: int  # resizes, sleeps, wakes and pressure moves so far
     sleep_level: int  # 0 awake, 1 or 2 asleep
+    kv_pressure_shrinks: int = 0  # shrinks because free memory fell below the activation headroom
+    kv_pressure_grows: int = 0  # grows back when it returned
+    oom_retries: int = 0  # steps that ran out of device memory and were retried smaller
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -322,6 +336,9 @@ class MetricsSnapshot:
             "kv_committed_bytes": self.kv_committed_bytes,
             "kv_resizes": self.kv_resizes,
             "sleep_level": self.sleep_level,
+            "kv_pressure_shrinks": self.kv_pressure_shrinks,
+            "kv_pressure_grows": self.kv_pressure_grows,
+            "oom_retries": self.oom_retries,
         }
 
 
@@ -369,6 +386,9 @@ class EngineInfo:
     aborted_rids: tuple[str, ...]
     slot_accounting_when_idle: SlotAccounting
     engine_process_pid: int | None = None  # the engine runs in a process of its own
+    # what the KV cache could grow to (the reserve and the caps), where it can resize; a request
+    # that fits this but not `kv_capacity_tokens` waits for memory instead of being refused
+    kv_max_capacity_tokens: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {
@@ -397,6 +417,8 @@ class EngineInfo:
         }
         if self.engine_process_pid is not None:
             data["engine_process"] = {"pid": self.engine_process_pid}
+        if self.kv_max_capacity_tokens is not None:
+            data["kv_max_capacity_tokens"] = self.kv_max_capacity_tokens
         return data
 
 

@@ -1,7 +1,7 @@
 """What a driver asks of an engine core, one turn at a time: the commands every rank applies.
 
 A turn is the list of commands rank 0 took in since its last one (requests added and aborted, KV
-resizes, sleep and wake, a prefix-cache reset, stop). With tensor parallelism rank 0 sends each
+resizes, sleep and wake, a prefix-cache reset, a memory check, stop). With tensor parallelism rank 0 sends each
 turn to the other ranks before applying it (`EngineCore.share`), so every rank applies the same
 commands in the same order. Commands are small frozen values that pickle cheaply; they carry no
 reply channel (a driver keeps its own, keyed by the command's place in the turn).
@@ -65,5 +65,22 @@ class ResetPrefixCache:
     """Drop every unlocked prefix-cache entry (`LLM.reset_prefix_cache`)."""
 
 
-Command = Add | Abort | AbortAll | Stop | ResizeKV | Sleep | WakeUp | ResetPrefixCache
+@dataclass(frozen=True, slots=True)
+class CheckMemory:
+    """Measure free device memory (MIN over ranks) and shrink or grow the KV cache under memory
+    pressure; rank 0's clock adds it to a turn (`EngineCore.share`), so every rank measures and
+    decides at the same point."""
+
+
+@dataclass(frozen=True, slots=True)
+class ExpireWait:
+    """End a request that waited `--queue-timeout` for KV memory in vain (a 503 with Retry-After);
+    rank 0's clock decides, so every rank ends it at the same turn."""
+
+    rid: str
+
+
+Command = (
+    Add | Abort | AbortAll | Stop | ResizeKV | Sleep | WakeUp | ResetPrefixCache | CheckMemory | ExpireWait
+)
 Turn = list[Command]

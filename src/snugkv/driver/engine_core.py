@@ -20,12 +20,21 @@ set alike on every rank: every rank sees the same `has_work`, so all pick the sa
 server's leader sends a turn at least every 50 ms and keeps to the CPU group. At tp=1 `share` is
 the identity and nothing crosses a process boundary.
 
+Memory pressure: on rank 0, `share` adds a `CheckMemory` command to a turn every
+`MEMORY_CHECK_S` (and at the first turn after a step ran out of memory), so every rank measures
+free memory at the same point of the same turn and takes the same decision
+(`scheduler.elastic.relieve_pressure`: shrink by the deficit, grow back with hysteresis). Engines
+that cannot resize (plain memory, profiled sizing) or run with `--no-kv-pressure` never get one.
+A request queued for memory the KV cache does not hold now (`Scheduler.waits_for_memory`) is ended
+by an `ExpireWait` that rank 0 adds once it waited `--queue-timeout` (a 503 with Retry-After).
+
 The core never blocks on I/O, never owns a thread, and never decides when to take a turn.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 from snugkv.core.gc_pauses import GC_PAUSES
@@ -44,7 +53,9 @@ from snugkv.driver.commands import (
     Abort,
     AbortAll,
     Add,
+    CheckMemory,
     Command,
+    ExpireWait,
     ResetPrefixCache,
     ResizeKV,
     Sleep,
@@ -60,6 +71,9 @@ from snugkv.scheduler.outputs import OutputCallback
 from snugkv.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
+
+MEMORY_CHECK_S = 0.25  # how often rank 0 has every rank measure free memory (a sync and a read)
+RETRY_AFTER_S = 5.0  # what a 503 for a request that waited for memory in vain tells the client
 
 
 def load_tokenizer_or_none(
@@ -94,6 +108,14 @@ class EngineCore:
         self.no_tokenizer = no_tokenizer  # why `tokenizer` is None, if it is
         self.turns_wait_on_user = turns_wait_on_user
         self.tp: TensorParallel = engine.tp
+        # One rank cannot retry a step alone: with tp the others are in its collectives.
+        scheduler.retry_out_of_memory = not self.tp.enabled
+        self._next_memory_check_s = time.monotonic() + MEMORY_CHECK_S
+        self._oom_retries_seen = 0
+        self._memory_waits: dict[str, float] = {}  # rank 0: when each request began to wait for memory
+        self._next_wait_scan_s = 0.0
+        if engine.kv.resizable:  # a prompt the cache could grow to hold waits for memory, not a 400
+            scheduler.could_hold_tokens = engine.kv.largest_tokens()
 
     # -- assembling -------------------------------------------------------------------------
     @classmethod
@@ -176,12 +198,50 @@ class EngineCore:
         return self.engine.context_length
 
     def share(self, commands: Turn | None) -> Turn:
-        """Rank 0's commands of this turn, on every rank (the others pass None)."""
+        """Rank 0's commands of this turn, on every rank (the others pass None). When a memory check
+        is due, rank 0's list gets a `CheckMemory` appended in place (so a driver that applies its
+        own list applies it too, as every other rank does)."""
+        stopping = any(isinstance(command, Stop) for command in commands or ())  # the others leave at Stop
+        if commands is not None and self.tp.is_first_rank and not stopping:
+            if self._memory_check_due():
+                commands.append(CheckMemory())
+            commands.extend(self._expired_waits())
         if not self.tp.enabled:  # one rank: nothing to send, and nothing more to do per turn
             return commands or []
         wait_for_user = self.turns_wait_on_user and not self.has_work
         shared: Turn = self.tp.broadcast_object_from_first(commands, wait_for_user=wait_for_user)
         return shared
+
+    def _memory_check_due(self) -> bool:
+        """Rank 0's clock: a memory check every `MEMORY_CHECK_S`, or now after a step ran out."""
+        if not elastic.watches_pressure(self.engine):
+            return False
+        now = time.monotonic()
+        retried = self.scheduler.oom_retries != self._oom_retries_seen
+        if now < self._next_memory_check_s and not retried:
+            return False
+        self._oom_retries_seen = self.scheduler.oom_retries
+        self._next_memory_check_s = now + MEMORY_CHECK_S
+        return True
+
+    def _expired_waits(self) -> list[ExpireWait]:
+        """Rank 0's clock, every `MEMORY_CHECK_S`: the queued requests that waited for memory for
+        `--queue-timeout` (the scan is O(queue), so it does not run every turn)."""
+        scheduler = self.scheduler
+        if scheduler.could_hold_tokens is None:
+            return []
+        now = time.monotonic()
+        if now < self._next_wait_scan_s:
+            return []
+        self._next_wait_scan_s = now + MEMORY_CHECK_S
+        waits = {
+            r.rid: self._memory_waits.get(r.rid, now)
+            for r in scheduler.waiting
+            if scheduler.waits_for_memory(r)
+        }
+        self._memory_waits = waits
+        timeout_s = self.engine.args.queue_timeout_s
+        return [ExpireWait(rid) for rid, since in waits.items() if now - since >= timeout_s]
 
     def apply(self, command: Command) -> KvResize | None:
         """One command on this rank's scheduler; returns what an elastic-memory command did. `Add`
@@ -207,9 +267,26 @@ class EngineCore:
             return elastic.sleep(scheduler, self.engine, level=command.level, tags=command.tags)
         elif isinstance(command, WakeUp):
             return elastic.wake_up(scheduler, self.engine, tags=command.tags)
+        elif isinstance(command, CheckMemory):
+            return self._relieve_pressure()
+        elif isinstance(command, ExpireWait):
+            scheduler.expire_wait(command.rid, RETRY_AFTER_S)
         elif not isinstance(command, Stop):
             raise TypeError(f"not an engine command: {command!r}")
         return None
+
+    def _relieve_pressure(self) -> KvResize | None:
+        """A memory check; a move that breaks for another reason than a refusal (which it logs and
+        retries at the next check) ends the requests it held, as a failed step does, instead of the
+        driver's loop."""
+        try:
+            return elastic.relieve_pressure(self.scheduler, self.engine)
+        except Exception as exc:
+            logger.exception("a memory-pressure move failed; ended the requests in flight")
+            self.scheduler.fail_all(
+                f"internal error while resizing the KV cache: {type(exc).__name__}: {exc}"
+            )
+            return None
 
     def step(self) -> Exception | None:
         """One scheduler step; a failure ends the requests it held and is returned.
@@ -256,6 +333,9 @@ class EngineCore:
             kv_committed_bytes=engine.pool.committed_bytes,
             kv_resizes=engine.kv_event_count,
             sleep_level=engine.sleep_level if engine.is_sleeping else 0,
+            kv_pressure_shrinks=engine.kv.pressure_shrinks,
+            kv_pressure_grows=engine.kv.pressure_grows,
+            oom_retries=self.scheduler.oom_retries,
         )
 
     def memory_report(self) -> MemoryReport:
@@ -297,6 +377,9 @@ class EngineCore:
             overlap_schedule=scheduler.overlap,
             device=str(engine.device),
             kv_capacity_tokens=scheduler.runner.allocator.capacity_tokens,
+            kv_max_capacity_tokens=None
+            if scheduler.could_hold_tokens is None
+            else scheduler.could_hold_tokens,
             stats=scheduler.stats(),
             step_times=step_times,
             step_errors=step_errors,

@@ -147,6 +147,7 @@ def merge_into(earlier: GenerateOutput, later: GenerateOutput) -> None:
     earlier.cached_tokens = max(earlier.cached_tokens, later.cached_tokens)
     earlier.error = later.error if later.error is not None else earlier.error
     earlier.rejected = earlier.rejected or later.rejected
+    earlier.retry_after_s = later.retry_after_s if later.retry_after_s is not None else earlier.retry_after_s
 
 
 class Outbox(Protocol):
@@ -374,7 +375,7 @@ class EngineThread:
             commands = self._take_inbox()
             if stopping:
                 commands.append(Stop())
-            self.core.share(commands)  # the other ranks apply the same, in order
+            commands = self.core.share(commands)  # the other ranks apply the same, in order
             for index, command in enumerate(commands):
                 self._apply(command, self._replies.pop(index, None))
             self._flush_outbox()  # refusals, and the ends of aborted requests
@@ -391,6 +392,9 @@ class EngineThread:
                 continue
             self._accounting_checked = False
             self._idle_since = None
+            if self.scheduler.only_waits_for_memory:  # nothing a step can do: do not spin
+                self._wake.wait(0.01)
+                self._wake.clear()
             error = self.core.step()
             self._flush_outbox()
             if error is not None:

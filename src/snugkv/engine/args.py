@@ -52,6 +52,8 @@ class EngineArgs:
     kv_chunk_mib: int = DEFAULT_CHUNK_BYTES // MIB  # largest KV extension: what a shrink drops whole
     disable_overlap_schedule: bool = False  # the scheduler reads each step's tokens before the next
     kv_reserve_gib: float | None = None  # KV address space to reserve (default: free memory at start)
+    no_kv_pressure: bool = False  # keep the KV cache's size when free memory falls below the headroom
+    queue_timeout_s: float = 30.0  # how long a request waits for KV memory the cache does not hold now
 
     def validate(self) -> None:
         """Refuse values no engine can run with, naming the flag (before `resolved` fills defaults)."""
@@ -104,6 +106,10 @@ class EngineArgs:
         if not 0 < self.swa_full_tokens_ratio <= 1:
             raise InvalidEngineArgs(
                 f"--swa-full-tokens-ratio must be in (0, 1], got {self.swa_full_tokens_ratio}"
+            )
+        if self.queue_timeout_s <= 0:
+            raise InvalidEngineArgs(
+                f"--queue-timeout must be a positive number of seconds, got {self.queue_timeout_s}"
             )
         if self.kv_reserve_gib is not None and self.kv_reserve_gib <= 0:
             raise InvalidEngineArgs(f"--kv-reserve-gib must be positive, got {self.kv_reserve_gib}")

@@ -13,8 +13,15 @@ The steps every sizing takes, each a method:
 
 `size_from_free()` is measure then size. Start-up's post-capture step (`size_after_capture`: the
 pipeline's steps 5 to 7 after the graphs are captured), a resize that leaves `free_gib` free
-(`tokens_leaving_free`) and a wake (`back_after_sleep`) all take it. Memory-pressure reactions
-(shrink when free memory falls below the headroom, grow back) belong here too.
+(`tokens_leaving_free`), a wake (`back_after_sleep`) and memory pressure (`pressure_move`) all
+take it.
+
+Memory pressure: start-up measured what was free then; another process may take device memory
+later, and the activation headroom the engine keeps free beside its KV cache would go with it (the
+next large step runs out of memory). `pressure_move` measures again (between steps, when the engine
+core asks) and answers a shrink to what fits now, less a slack, when free memory fell below the
+headroom, or a grow to what start-up sizing would give now when at least `pressure_hysteresis_tokens`
+more fit (so a shrink is not followed by a grow by the same few pages, back and forth).
 
 This object never loads, captures or schedules: which requests give way to a shrink is the
 scheduler's (`scheduler.elastic`), the graphs and weights are the engine's. It keeps the history
@@ -52,6 +59,8 @@ from snugkv.sizing.resize import KvResizeError, ResizeLimits, cap_tokens, check_
 logger = logging.getLogger(__name__)
 
 EVENT_HISTORY = 32  # resizes, sleeps and wakes kept for GET /kv (newest last)
+PRESSURE_HYSTERESIS = 0.05  # a pressure grow needs this share of the reserve more to fit (at least 4 pages)
+PRESSURE_HYSTERESIS_MAX_BYTES = GIB  # and at most this much KV (a 120 GiB reserve would make it 6 GiB)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +68,16 @@ class KvFit:
     """What `size_from_free` found: the tokens that fit, and the free memory they were sized from."""
 
     tokens: int
+    free: FreeMemory
+
+
+@dataclass(frozen=True, slots=True)
+class PressureMove:
+    """What memory pressure asks of the KV cache now: `tokens` for `reason` ("pressure": free memory
+    fell below the headroom; "pressure-grow": memory came back), measured from `free`."""
+
+    tokens: int
+    reason: str
     free: FreeMemory
 
 
@@ -113,6 +132,9 @@ class KvSizing:
         self._device_type = device_type
         self.events: deque[KvResize] = deque(maxlen=EVENT_HISTORY)
         self.event_count = 0  # every change so far (`events` keeps the last EVENT_HISTORY)
+        self.pressure_shrinks = 0  # changes recorded as "pressure" / "pressure-grow"
+        self.pressure_grows = 0
+        self._hysteresis_tokens: int | None = None
 
     @property
     def page_size(self) -> int:
@@ -131,6 +153,13 @@ class KvSizing:
             return None
         return int(self.caps.max_device_memory_gib * GIB) - self._held_besides_kv() - self.headroom_bytes
 
+    def largest_tokens(self) -> int:
+        """The most tokens the cache could ever hold: the reserve under `--max-total-tokens` (the
+        same on every rank; `--max-device-memory`'s share is left out, as it is measured per rank
+        and moves with what the engine holds, and a scheduler's decisions must not differ)."""
+        bounds = [self.pool.reserved_tokens, self.caps.max_total_tokens]
+        return min(bound for bound in bounds if bound is not None) // self.page_size * self.page_size
+
     def limits(self) -> ResizeLimits:
         """The token counts a resize may ask for now."""
         page = self.page_size
@@ -144,8 +173,8 @@ class KvSizing:
         )
 
     # -- the steps --------------------------------------------------------------------------
-    def measure(self) -> FreeMemory:
-        return measure_free(self.memory, self.group)
+    def measure(self, *, settled: bool = True) -> FreeMemory:
+        return measure_free(self.memory, self.group, settled=settled)
 
     def size(self, free: FreeMemory, *, keep_free_bytes: int = 0) -> int:
         """The most tokens that fit `free` less the headroom and `keep_free_bytes`, under the caps,
@@ -159,9 +188,9 @@ class KvSizing:
         )
         return agree_min(tokens, self.group)
 
-    def size_from_free(self, *, keep_free_bytes: int = 0) -> KvFit:
-        """Measure, then size: the tokens the free memory of now holds."""
-        free = self.measure()
+    def size_from_free(self, *, keep_free_bytes: int = 0, settled: bool = True) -> KvFit:
+        """Measure, then size: the tokens the free memory of now holds (`settled`: see `measure_free`)."""
+        free = self.measure(settled=settled)
         return KvFit(self.size(free, keep_free_bytes=keep_free_bytes), free)
 
     def commit(self, tokens: int) -> tuple[int, int]:
@@ -249,6 +278,38 @@ class KvSizing:
             )
         return fit.tokens
 
+    def pressure_hysteresis_tokens(self) -> int:
+        """How many more tokens must fit before memory pressure grows the cache (whole pages): a
+        share of the reserve (at most 1 GiB of KV), the same at every size, so a shrink's slack
+        (half of it) never reaches it."""
+        if self._hysteresis_tokens is None:  # the reserve never changes: found once (a search)
+            page = self.page_size
+            share = min(
+                int(self.pool.reserved_tokens * PRESSURE_HYSTERESIS),
+                self.pool.max_tokens_within(PRESSURE_HYSTERESIS_MAX_BYTES),
+            )
+            self._hysteresis_tokens = max(4 * page, share // page * page)
+        return self._hysteresis_tokens
+
+    def pressure_move(self) -> PressureMove | None:
+        """Measure free memory now (MIN over ranks) and say whether the cache must shrink (free
+        memory below the activation headroom: to what fits, less half the hysteresis so that the
+        next grow is not a step away) or may grow back (to what start-up sizing gives now, when at
+        least the hysteresis more fits); None: it stays. Every rank answers alike."""
+        fit = self.size_from_free(settled=False)  # every 0.25 s: no sync, no emptied cache
+        committed = self.pool.committed_tokens
+        limits = self.limits()
+        hysteresis = self.pressure_hysteresis_tokens()
+        page = self.page_size
+        if fit.tokens < committed:
+            slack = hysteresis // 2 // page * page
+            tokens = max(limits.min_tokens, min(fit.tokens - slack, limits.max_tokens))
+            return PressureMove(tokens, "pressure", fit.free) if tokens < committed else None
+        tokens = min(fit.tokens, limits.max_tokens)
+        if tokens - committed >= hysteresis:
+            return PressureMove(tokens, "pressure-grow", fit.free)
+        return None
+
     def resize(
         self,
         tokens: int,
@@ -256,6 +317,8 @@ class KvSizing:
         on_move: Callable[[KvMoves], None] | None = None,
         evicted_tokens: int = 0,
         retracted_requests: int = 0,
+        reason: str = "resize",
+        free_bytes: int | None = None,
     ) -> KvResize:
         """Grow or shrink to `tokens` (a count `limits().check` passed). A grow commits more of
         every buffer, on every rank or none; a shrink moves the pages in use above the bound below
@@ -272,7 +335,7 @@ class KvSizing:
             except kv_resize.ShrinkDoesNotFit as exc:
                 raise KvResizeError(str(exc), status=409) from exc
         return KvResize(
-            "resize",
+            reason,
             old_tokens,
             tokens,
             old_bytes,
@@ -284,6 +347,7 @@ class KvSizing:
             moved.copied_bytes,
             evicted_tokens,
             retracted_requests,
+            free_bytes,
         )
 
     def _grow(self, old_tokens: int, tokens: int) -> None:
@@ -337,6 +401,8 @@ class KvSizing:
     def record(self, change: KvResize) -> None:
         self.events.append(change)
         self.event_count += 1
+        self.pressure_shrinks += change.reason == "pressure"
+        self.pressure_grows += change.reason == "pressure-grow"
 
     def view(self, *, max_running_requests: int, sleeping_tags: frozenset[str]) -> KvCacheView:
         """The KV cache now and what a resize would need (this rank's view; no collective)."""

@@ -210,6 +210,13 @@ class Engine:
             return None
         return HostVmm() if self.device.type == "cpu" else create_vmm(self.device)
 
+    @staticmethod
+    def _host_headroom() -> int:
+        """The host keeps no activation headroom (activations come from general RAM), except on a
+        simulated shared device told to keep some (memory-pressure tests)."""
+        shared = SharedHostDevice.from_env()
+        return shared.headroom_bytes if shared is not None else 0
+
     def _host_kv_bytes(self) -> int:
         if self.args.host_kv_gib is not None:
             return int(self.args.host_kv_gib * GIB)
@@ -362,7 +369,11 @@ class Engine:
         # 5. Measure the activation peak of the largest eager step; it and the margin stay free.
         peak = measure_peak_bytes(self.device, lambda: self._largest_eager_step(runner))
         self._activation_peak_bytes = peak
-        headroom = peak + self.args.headroom_margin_mib * MIB if self.device.type == "cuda" else 0
+        headroom = (
+            peak + self.args.headroom_margin_mib * MIB
+            if self.device.type == "cuda"
+            else self._host_headroom()
+        )
         # 6. Measure free memory, size, commit (with retry), 7. resize the allocators, re-cap.
         self.kv = self._kv_sizing(runner, headroom)
         sized = self.kv.size_after_capture()
@@ -506,8 +517,12 @@ class Engine:
         on_move: Callable[[KvMoves], None] | None = None,
         evicted_tokens: int = 0,
         retracted_requests: int = 0,
+        reason: str = "resize",
+        free_bytes: int | None = None,
     ) -> KvResize:
-        """Grow or shrink the KV cache to `max_total_num_tokens` (rounded down to whole pages).
+        """Grow or shrink the KV cache to `max_total_num_tokens` (rounded down to whole pages);
+        `reason` is what the record says moved it ("resize", "pressure", "pressure-grow"), with the
+        free memory a pressure move was sized from (`free_bytes`).
 
         Shrinking moves the pages in use above the new bound below it (`on_move` lets the prefix
         cache follow); they must fit (the scheduler's elastic module evicts and retracts first;
@@ -520,6 +535,8 @@ class Engine:
             on_move=on_move,
             evicted_tokens=evicted_tokens,
             retracted_requests=retracted_requests,
+            reason=reason,
+            free_bytes=free_bytes,
         )
         self._record(change)
         return change

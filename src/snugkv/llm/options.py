@@ -43,7 +43,11 @@ NOT_ENGINE_OPTIONS = {
 
 
 # fields whose flag is not their name with - for _
-FLAGS = {"tp_size": "--tp", "max_device_memory_gib": "--max-device-memory"}
+FLAGS = {
+    "tp_size": "--tp",
+    "max_device_memory_gib": "--max-device-memory",
+    "queue_timeout_s": "--queue-timeout",
+}
 
 
 def flag_of(field_name: str) -> str:

@@ -6,6 +6,9 @@ the process dies. The host backend (`vmm_host.HostVmm`) alone has a budget per p
 against one budget of X GiB shared by all processes that set it: what each process holds is kept
 per pid in a JSON file under the runtime directory, updated under an `fcntl.flock`, and the holdings
 of a pid that no longer runs are dropped when the file is next read (as the driver would).
+`SNUGKV_HOST_DEVICE_HEADROOM_MIB=M` makes every engine on it keep M MiB free beside its KV cache, as
+a GPU engine keeps its measured activation headroom (the host's activations come from general RAM,
+so it keeps none by default): what memory-pressure tests take memory below.
 
 This module also owns the runtime directory of the host (`runtime_dir`): `$SNUGKV_RUNTIME_DIR`,
 else `$XDG_RUNTIME_DIR/snugkv`, else `/dev/shm/snugkv-<uid>` (memory-backed, one per user). It never
@@ -28,6 +31,7 @@ from snugkv.memory.vmm import GIB
 
 RUNTIME_DIR_ENV = "SNUGKV_RUNTIME_DIR"
 HOST_DEVICE_ENV = "SNUGKV_HOST_DEVICE_GIB"
+HOST_HEADROOM_ENV = "SNUGKV_HOST_DEVICE_HEADROOM_MIB"
 
 
 def runtime_dir() -> Path:
@@ -92,6 +96,7 @@ class SharedHostDevice:
 
     path: Path
     capacity_bytes: int
+    headroom_bytes: int = 0  # what an engine keeps free beside its KV cache (SNUGKV_HOST_DEVICE_HEADROOM_MIB)
 
     @classmethod
     def from_env(cls) -> SharedHostDevice | None:
@@ -105,7 +110,14 @@ class SharedHostDevice:
             raise ValueError(f"{HOST_DEVICE_ENV}={value!r} is not a number of GiB") from None
         if capacity_gib <= 0:
             raise ValueError(f"{HOST_DEVICE_ENV}={value!r} must be a positive number of GiB")
-        return cls(runtime_dir() / "host-device.json", int(capacity_gib * GIB))
+        headroom = os.environ.get(HOST_HEADROOM_ENV) or "0"
+        try:
+            headroom_mib = float(headroom)
+        except ValueError:
+            raise ValueError(f"{HOST_HEADROOM_ENV}={headroom!r} is not a number of MiB") from None
+        if headroom_mib < 0:
+            raise ValueError(f"{HOST_HEADROOM_ENV}={headroom!r} must be 0 or more MiB")
+        return cls(runtime_dir() / "host-device.json", int(capacity_gib * GIB), int(headroom_mib * 2**20))
 
     @contextlib.contextmanager
     def holdings(self) -> Iterator[dict[str, dict[str, Any]]]:

@@ -9,6 +9,13 @@ engine moves the live pages below the bound (the cache follows through `remap_sl
 decommits the rest. A grow only commits. Every rank runs this on the same commands, so every rank
 evicts, retracts and moves alike.
 
+Memory pressure (`relieve_pressure`, on every post-capture engine unless `--no-kv-pressure`): the
+engine core has every rank measure free memory at the same turn (a `CheckMemory` command); when
+another process took so much that the activation headroom is no longer free, the cache shrinks by
+the deficit through the same resize as `POST /kv/resize` (cache entries, then moves, then the
+newest requests retracted, never a request failed); when memory comes back it grows again up to
+what start-up sizing would give now. The sizing object says how far (`KvSizing.pressure_move`).
+
 Sleep retracts every request in flight (they wait in the queue; nothing is lost), empties the
 prefix cache and pauses the scheduler; wake sizes the KV cache again and lets the queue run.
 
@@ -32,9 +39,11 @@ logger = logging.getLogger(__name__)
 
 def smallest_size(scheduler: Scheduler) -> tuple[int, Request | None]:
     """The fewest tokens the cache can shrink to without failing a live request: the largest one's
-    tokens plus a page (room for its next token), at least two pages; and that request."""
+    tokens plus a page (room for its next token), at least two pages; and that request. A queued
+    request the cache does not hold now anyway (it waits for memory) does not count."""
     page = scheduler.page_size
-    largest = max((*scheduler.waiting, *scheduler.running), key=lambda r: r.num_tokens, default=None)
+    live = [*(r for r in scheduler.waiting if not scheduler.waits_for_memory(r)), *scheduler.running]
+    largest = max(live, key=lambda r: r.num_tokens, default=None)
     if largest is None:
         return 2 * page, None
     return max(2 * page, -(-largest.num_tokens // page) * page + page), largest
@@ -46,9 +55,11 @@ def resize_kv(
     *,
     max_total_num_tokens: int | None = None,
     free_gib: float | None = None,
+    reason: str = "resize",
+    free_bytes: int | None = None,
 ) -> KvResize:
     """Resize `engine`'s KV cache, which `scheduler` runs on, to `max_total_num_tokens`, or to what
-    leaves `free_gib` of device memory free."""
+    leaves `free_gib` of device memory free; `reason` names who asked, for the record."""
     kv = engine.check_resizable()  # asleep or sized without virtual memory: refused before any value
     scheduler.finish_in_flight()  # a launched step's slots and tokens are settled before pages move
     if (max_total_num_tokens is None) == (free_gib is None):
@@ -75,9 +86,49 @@ def resize_kv(
         on_move=lambda moves: scheduler.cache.remap_slots(moves.full),
         evicted_tokens=evicted,
         retracted_requests=retracted,
+        reason=reason,
+        free_bytes=free_bytes,
     )
     scheduler.max_running_requests = result.max_running_requests
     return result
+
+
+def watches_pressure(engine: Engine) -> bool:
+    """Whether memory pressure may resize this engine's KV cache now: post-capture sizing over
+    virtual memory, `--no-kv-pressure` not given, awake. The same answer on every rank."""
+    return (
+        not engine.args.no_kv_pressure
+        and engine.kv.resizable
+        and not engine.is_sleeping
+        and engine.runner is not None
+    )
+
+
+def relieve_pressure(scheduler: Scheduler, engine: Engine) -> KvResize | None:
+    """Measure free memory (every rank, the MIN) and shrink or grow the KV cache as
+    `KvSizing.pressure_move` says; a shrink never goes below what the largest live request needs.
+    Returns the change (recorded as a "pressure" / "pressure-grow" event), or None."""
+    if not watches_pressure(engine):
+        return None
+    kv = engine.kv
+    move = kv.pressure_move()  # the step in flight runs on (a move settles it first, in resize_kv)
+    if move is None:
+        return None
+    tokens = move.tokens
+    if move.reason == "pressure":
+        tokens = max(tokens, smallest_size(scheduler)[0])
+        if tokens >= kv.pool.committed_tokens:  # the live requests hold all of it: nothing gives way
+            return None
+    if tokens == kv.pool.committed_tokens:
+        return None
+    try:
+        change = resize_kv(
+            scheduler, engine, max_total_num_tokens=tokens, reason=move.reason, free_bytes=move.free.min_bytes
+        )
+    except KvResizeError as exc:  # memory went between the measure and the commit: the next check retries
+        logger.warning("KV %s to %d tokens refused: %s", move.reason, tokens, exc)
+        return None
+    return change
 
 
 def _make_room(scheduler: Scheduler, tokens: int) -> tuple[int, int]:
@@ -141,13 +192,15 @@ def sleep(scheduler: Scheduler, engine: Engine, *, level: int = 1, tags: tuple[s
 
 def wake_up(scheduler: Scheduler, engine: Engine, *, tags: tuple[str, ...] = ()) -> KvResize:
     """Take memory back; once nothing sleeps, the queue runs again. A queued request the re-sized
-    cache can no longer hold ends with an error saying so (the only request a wake can fail)."""
+    cache could never hold ends with an error saying so (the only request a wake can fail); one it
+    could hold once it grows waits for memory."""
     scheduler.finish_in_flight()
     result = engine.wake_up(tags)
     if not engine.is_sleeping:
         scheduler.max_running_requests = result.max_running_requests
         capacity = scheduler.runner.allocator.capacity_tokens
-        for request in [r for r in scheduler.waiting if r.num_tokens + scheduler.page_size > capacity]:
+        could_hold = capacity if scheduler.could_hold_tokens is None else scheduler.could_hold_tokens
+        for request in [r for r in scheduler.waiting if r.num_tokens + scheduler.page_size > could_hold]:
             scheduler.fail(
                 request,
                 f"the KV cache woke up holding {capacity} tokens, fewer than this request needs "

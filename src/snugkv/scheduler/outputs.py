@@ -111,6 +111,7 @@ class OutputBuilder:
             if sampling.prompt_logprobs is None
             else self._unsent_prompt_logprobs(request),
             error=request.error,
+            retry_after_s=request.retry_after_s,
         )
         request.sent_token_len = len(output_ids)
         request.sent_logprobs_len = len(logprobs)

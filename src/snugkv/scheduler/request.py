@@ -37,6 +37,7 @@ class Request:
     grammar: RequestGrammar | None = None  # structured output: its place in the grammar
     finish_reason: str | None = None
     error: str | None = None
+    retry_after_s: float | None = None  # it waited for KV memory in vain: a 503, try again after this
     aborted: bool = False
     retractions: int = 0
     seq: int = 0  # arrival order in its scheduler (the same on every tensor-parallel rank)

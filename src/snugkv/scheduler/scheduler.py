@@ -34,6 +34,20 @@ differ is the step at which a waiting request is admitted (one later at most) an
 pressure, which prefix-cache entries are evicted. With tensor parallelism the sampled tokens go
 from rank 0 to the others over the device group (`ModelRunner.sample_on_device`), so every
 rank overlaps alike and makes the same choices.
+
+A step whose launch runs out of device memory (another process took what the activations needed)
+is retried smaller instead of failing its requests (`retry_out_of_memory`, one rank only: with
+tensor parallelism the other ranks are inside the step's collectives). The step before it is read,
+every request of the failed batch is retracted (its computed KV goes to the prefix cache, nothing
+is lost; the failed launch's slots go with the release), and until `OOM_RECOVERY_STEPS` steps ran
+the batches are capped at half the failed one's rows (and a failed prefill's tokens), doubling
+back after each such run. Past `MAX_OOM_STREAK` failures in a row the error is raised as any other.
+
+A prompt longer than the KV cache holds now, but not longer than it could hold (`could_hold_tokens`:
+the reserve and the caps of an engine that can resize), waits for memory instead of being refused:
+it stays queued without holding a slot, the requests behind it are admitted past it, and once the
+cache grew (memory pressure eased, a resize, the memory share) it is admitted as any other. The
+engine core ends it with a 503 and Retry-After when `--queue-timeout` passes first (`expire_wait`).
 """
 
 from __future__ import annotations
@@ -43,6 +57,8 @@ import logging
 import time
 from collections import deque
 from collections.abc import Iterable
+
+import torch
 
 from snugkv.core.forward import FUTURE_TOKEN, BatchRow
 from snugkv.core.reports import SchedulerStats
@@ -65,6 +81,17 @@ from snugkv.structured.matcher import RequestGrammar
 __all__ = ["OutputCallback", "Scheduler", "SlotAccountingError"]
 
 logger = logging.getLogger(__name__)
+
+OOM_RECOVERY_STEPS = 64  # steps without running out of memory before a batch cap doubles again
+MAX_OOM_STREAK = 12  # launches in a row that ran out of memory before the error is raised
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether a launch failed for want of device memory (torch's error, or a library's allocation
+    failure that torch passes on as a RuntimeError)."""
+    return isinstance(error, torch.OutOfMemoryError) or (
+        isinstance(error, RuntimeError) and "out of memory" in str(error).lower()
+    )
 
 
 class Scheduler:
@@ -101,6 +128,13 @@ class Scheduler:
         self.paused = False  # the engine sleeps: requests wait in the queue and no step runs
         self._in_flight: LaunchedStep | None = None  # launched; its results are not read yet
         self._grammars: GrammarCache | None = None  # structured output's, made on first use
+        self.retry_out_of_memory = True  # a launch out of device memory is retried smaller
+        self.oom_retries = 0
+        self._oom_streak = 0  # launches in a row that ran out of memory
+        self._oom_caps: tuple[int, int] | None = None  # (rows, tokens) per batch after running out
+        self._steps_since_oom = 0
+        # What the KV cache could grow to (an engine that can resize); None: its size is fixed.
+        self.could_hold_tokens: int | None = None
 
     # -- intake -----------------------------------------------------------------------
     def add_request(self, rid: str, prompt_ids: list[int], sampling: SamplingParams) -> Request:
@@ -132,10 +166,17 @@ class Scheduler:
             )
         capacity = self.runner.allocator.capacity_tokens
         if len(prompt_ids) + self.page_size > capacity and not self.paused:  # asleep: wake checks it
-            raise InvalidRequest(
-                f"the prompt needs {len(prompt_ids)} KV slots but the whole KV cache holds {capacity}; "
-                "shorten the prompt"
-            )
+            could_hold = self.could_hold_tokens
+            if could_hold is None:
+                raise InvalidRequest(
+                    f"the prompt needs {len(prompt_ids)} KV slots but the whole KV cache holds {capacity}; "
+                    "shorten the prompt"
+                )
+            if len(prompt_ids) + self.page_size > could_hold:  # it waits for memory when it fits this
+                raise InvalidRequest(
+                    f"the prompt needs {len(prompt_ids)} KV slots but the KV cache can hold at most {could_hold} "
+                    f"(its reserved address space and caps; it holds {capacity} now); shorten the prompt"
+                )
         if sampling.structured is not None:
             self._grammar_cache().get(sampling.structured)  # compiled once; a bad spec is refused here
 
@@ -156,6 +197,36 @@ class Scheduler:
         request = self.requests.get(rid)
         if request is not None:
             request.aborted = True
+
+    def waits_for_memory(self, request: Request) -> bool:
+        """A queued request the KV cache of now cannot hold (it could once the cache grows)."""
+        return (
+            not request.is_admitted
+            and request.num_tokens + self.page_size > self.runner.allocator.capacity_tokens
+        )
+
+    @property
+    def only_waits_for_memory(self) -> bool:
+        """Work, but none a step can do: every queued request waits for memory, nothing runs."""
+        return (
+            not self.running
+            and self._in_flight is None
+            and all(self.waits_for_memory(r) for r in self.waiting)
+        )
+
+    def expire_wait(self, rid: str, retry_after_s: float) -> None:
+        """End a request that waited for memory in vain (a 503 with Retry-After); one admitted
+        meanwhile, or gone, is left alone."""
+        request = self.requests.get(rid)
+        if request is None or request not in self.waiting or not self.waits_for_memory(request):
+            return
+        capacity = self.runner.allocator.capacity_tokens
+        request.retry_after_s = retry_after_s
+        self.fail(
+            request,
+            f"the prompt needs {request.num_tokens} KV slots and the KV cache holds {capacity} now: no memory "
+            "came back while it waited (another process holds the device's memory); try again later",
+        )
 
     @property
     def has_work(self) -> bool:
@@ -181,7 +252,15 @@ class Scheduler:
                 batch = self._schedule_prefill() or self._schedule_decode(retract=True)
                 if batch is None:
                     return
-            self._in_flight = self._launch(batch, previous)
+            try:
+                launched = self._launch(batch, previous)
+            except Exception as exc:
+                if not self._may_retry(exc):
+                    raise
+                self._retry_smaller(batch, exc)
+                return
+            self._in_flight = launched
+            self._after_launch()
             if previous is not None:
                 self._complete(previous)
             if not self.overlap:
@@ -198,7 +277,61 @@ class Scheduler:
             self._complete(launched)
 
     def _prefill_may_run(self) -> bool:
-        return bool(self.waiting) and len(self.running) < self.max_running_requests
+        return bool(self.waiting) and len(self.running) < self._row_limit()
+
+    # -- running out of device memory ---------------------------------------------------
+    def _row_limit(self) -> int:
+        """Requests that may run at once: the flag's (re-capped) limit, or less after running out."""
+        if self._oom_caps is None:
+            return self.max_running_requests
+        return min(self.max_running_requests, self._oom_caps[0])
+
+    def _may_retry(self, error: Exception) -> bool:
+        return self.retry_out_of_memory and is_out_of_memory(error) and self._oom_streak < MAX_OOM_STREAK
+
+    def _retry_smaller(self, batch: ScheduledBatch, error: Exception) -> None:
+        """The launch of `batch` ran out of memory: read the step before it, retract every request
+        of the batch (the release frees the failed launch's slots too) and cap what runs next."""
+        self.oom_retries += 1
+        self._oom_streak += 1
+        self._steps_since_oom = 0
+        self.finish_in_flight()
+        self._requeue_after_failure(batch.requests)
+        for request in sorted(batch.requests, key=lambda r: -r.seq):
+            if not request.finished:
+                self.retract(request)
+        rows = max(1, len(batch.requests) // 2)
+        # a decode ran out for its rows; a prefill for its tokens too
+        tokens = (
+            self.chunked_prefill_size
+            if batch.decode
+            else max(self.page_size, sum(len(row.token_ids) for row in batch.rows) // 2)
+        )
+        self._oom_caps = rows, tokens
+        logger.warning(
+            "a %s step of %d requests ran out of device memory (%s); retracted them, retrying with at most "
+            "%d requests and %d tokens per step",
+            "decode" if batch.decode else "prefill",
+            len(batch.requests),
+            error,
+            rows,
+            tokens,
+        )
+
+    def _after_launch(self) -> None:
+        """A launch went through: the streak ends, and after a calm run the caps double back."""
+        self._oom_streak = 0
+        if self._oom_caps is None:
+            return
+        self._steps_since_oom += 1
+        if self._steps_since_oom < OOM_RECOVERY_STEPS:
+            return
+        self._steps_since_oom = 0
+        rows, tokens = self._oom_caps
+        if rows >= self.max_running_requests and tokens >= self.chunked_prefill_size:
+            self._oom_caps = None
+        else:
+            self._oom_caps = 2 * rows, 2 * tokens
 
     def _requeue_after_failure(self, batch: list[Request]) -> None:
         """After a step raised: every request of the batch that did not finish is in a queue again
@@ -220,15 +353,24 @@ class Scheduler:
         chunk budget. A request whose earlier chunk is still in flight (overlap) continues after it.
         Room is counted in pages as requests are taken; the slots of the whole batch are allocated
         in one call at the end (one call per request cost ~0.5 ms of host time each)."""
-        budget = self.chunked_prefill_size
+        budget = (
+            self.chunked_prefill_size
+            if self._oom_caps is None
+            else min(self.chunked_prefill_size, self._oom_caps[1])
+        )
+        row_limit = self._row_limit()
         scoring_budget = PROMPT_LOGITS_PER_STEP
         rows: list[BatchRow] = []
         batch: list[Request] = []
         admitted_here: list[bool] = []
         taken = 0  # slots the rows taken so far will take
         reserve = len(self.running) * self.page_size
-        while self.waiting and budget > 0 and len(self.running) + len(batch) < self.max_running_requests:
+        waiting_for_memory: list[Request] = []  # passed over: they go back to the queue's head in order
+        while self.waiting and budget > 0 and len(self.running) + len(batch) < row_limit:
             request = self.waiting[0]
+            if self.waits_for_memory(request):
+                waiting_for_memory.append(self.waiting.popleft())
+                continue
             newly_admitted = not request.is_admitted
             if newly_admitted and not self.slots.admit(request):
                 break
@@ -265,6 +407,7 @@ class Scheduler:
                 self.slots.release(request)
             self.waiting.appendleft(request)
             slots = self.runner.allocate_slots(rows) if rows else None
+        self.waiting.extendleft(reversed(waiting_for_memory))
         if slots is None:
             return None
         return ScheduledBatch(rows, batch, slots, decode=False)
@@ -402,8 +545,10 @@ class Scheduler:
         sample_index = 0
         emit, stop_reason = self.outputs.emit, self._stop_reason
         # what `_stop_reason` compares every request with: the longest a request may grow (the
-        # context, and what the KV cache could hold with nothing else in it)
-        limits = (self.context_length, self.runner.allocator.capacity_tokens - self.page_size)
+        # context, and what the KV cache could hold with nothing else in it: a cache that can grow
+        # back retracts a request past its size of now, which then waits for memory)
+        kv_tokens = self.could_hold_tokens or self.runner.allocator.capacity_tokens
+        limits = (self.context_length, kv_tokens - self.page_size)
         for row, request in zip(rows, batch):
             index = sample_index
             sample_index += row.need_logits

@@ -36,6 +36,7 @@ class APIError(Exception):
         type: str = INVALID_REQUEST,
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status_code = status_code
@@ -43,13 +44,16 @@ class APIError(Exception):
         self.type = type
         self.param = param
         self.code = code
+        self.headers = headers  # e.g. a 503's Retry-After
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, type=self.type, param=self.param, code=self.code)
 
     def response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status_code == 401 else None
-        return JSONResponse(self.body(), status_code=self.status_code, headers=headers)
+        headers = {"WWW-Authenticate": "Bearer"} if self.status_code == 401 else {}
+        return JSONResponse(
+            self.body(), status_code=self.status_code, headers={**headers, **(self.headers or {})}
+        )
 
 
 def bad_request(message: str, *, param: str | None = None, code: str | None = None) -> APIError:

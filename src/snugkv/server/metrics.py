@@ -65,6 +65,20 @@ class ServerMetrics:
         self.kv_resizes = Gauge(
             f"{PREFIX}_kv_resize_events", "KV resizes, sleeps and wakes recorded by the engine", registry=r
         )
+        # Counts the engine keeps (a scrape reads them; gauges, as the engine owns the count).
+        self.kv_pressure_shrinks = Gauge(
+            f"{PREFIX}_kv_pressure_shrinks_total",
+            "KV cache shrinks because free device memory fell below the activation headroom",
+            registry=r,
+        )
+        self.kv_pressure_grows = Gauge(
+            f"{PREFIX}_kv_pressure_grows_total", "KV cache grows after memory pressure eased", registry=r
+        )
+        self.oom_retries = Gauge(
+            f"{PREFIX}_oom_retries_total",
+            "Steps that ran out of device memory and were retried smaller (no request failed)",
+            registry=r,
+        )
         self.sleep_level = Gauge(
             f"{PREFIX}_sleep_level", "0 awake; 1 or 2 asleep (vLLM's levels)", registry=r
         )
@@ -110,6 +124,9 @@ class ServerMetrics:
         self.kv_committed.set(snapshot.kv_committed_bytes)
         self.kv_resizes.set(snapshot.kv_resizes)  # resizes, sleeps and wakes so far
         self.sleep_level.set(snapshot.sleep_level)  # 0 awake, 1 or 2 asleep
+        self.kv_pressure_shrinks.set(snapshot.kv_pressure_shrinks)
+        self.kv_pressure_grows.set(snapshot.kv_pressure_grows)
+        self.oom_retries.set(snapshot.oom_retries)
 
     # What the server measures on each request stream.
     def track(self) -> RequestTracker:

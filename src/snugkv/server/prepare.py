@@ -65,8 +65,8 @@ class SequenceLimit:
     def of(cls, client: EngineClient) -> SequenceLimit:
         """The model's context, or less when the KV cache is smaller (e.g. --max-total-tokens 64).
 
-        The engine refuses a prompt that, with one page to grow into, is larger than its whole KV
-        cache; checked here, such a request is a 400 whether streamed or not, and /v1/models says the
+        The engine refuses a prompt that, with one page to grow into, is larger than the whole KV
+        cache it could hold (one it holds less of now waits for memory: a 503 if none comes); checked here, such a request is a 400 whether streamed or not, and /v1/models says the
         limit. (An engine that cannot answer leaves the context as the limit; its own refusal is then
         the backstop.)
         """
@@ -75,8 +75,9 @@ class SequenceLimit:
             info = client.server_info()
         except Exception:
             return context
-        # What the allocator hands out (a sliding-window model's can be below max_total_num_tokens).
-        kv_tokens, page_tokens = info.kv_capacity_tokens, info.page_size
+        # What the allocator hands out (a sliding-window model's can be below max_total_num_tokens),
+        # or what it could grow to: a request that fits only that waits in the engine for memory.
+        kv_tokens, page_tokens = info.kv_max_capacity_tokens or info.kv_capacity_tokens, info.page_size
         if 0 < kv_tokens - page_tokens + 1 < context.tokens:
             return SequenceLimit(kv_tokens - page_tokens + 1, "this server's KV cache")
         return context

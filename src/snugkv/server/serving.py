@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import cast
 
@@ -110,6 +111,14 @@ class FanOut:
             self._record(index, output)
             if output.error is not None and output.rejected:
                 raise APIError(400, output.error)
+            if output.error is not None and output.retry_after_s is not None:  # waited for KV memory in vain
+                raise APIError(
+                    503,
+                    output.error,
+                    type=SERVER_ERROR,
+                    code="kv_memory_unavailable",
+                    headers={"Retry-After": str(max(1, math.ceil(output.retry_after_s)))},
+                )
             if output.error is not None:
                 raise APIError(
                     500,

@@ -1,7 +1,8 @@
 """Reading memory: free bytes (MIN over ranks) and the peak of an eager step.
 
 This is the only module that asks a device how much memory is free. On CUDA it synchronizes
-and empties torch's caching allocator first, so cached-but-unused blocks count as free. With a
+and empties torch's caching allocator first, so cached-but-unused blocks count as free (memory
+pressure's frequent check counts them without emptying: `settled=False`). With a
 process group, every rank gets the MIN over all ranks, so all commit the same token count.
 """
 
@@ -97,10 +98,18 @@ def measure_capture(device: torch.device, capture: Callable[[], object]) -> Capt
     return CaptureMemory(before - after, max(before - after - reserved_growth, 0))
 
 
-def measure_free(vmm: VirtualMemory, group: dist.ProcessGroup | None = None) -> FreeMemory:
-    """Free memory now, agreed over `group` (a CPU/gloo group) by taking the MIN."""
-    settle(vmm.device)
+def measure_free(
+    vmm: VirtualMemory, group: dist.ProcessGroup | None = None, *, settled: bool = True
+) -> FreeMemory:
+    """Free memory now, agreed over `group` (a CPU/gloo group) by taking the MIN. `settled=False`
+    (memory pressure's frequent check, between steps): no synchronize and no emptied cache, which
+    would cost the next step its cudaMallocs; the blocks torch's caching allocator holds unused count
+    as free instead (this engine's next step takes its activations from them)."""
+    if settled:
+        settle(vmm.device)
     free, total = vmm.mem_get_info()
+    if not settled:
+        free += cached_unused_bytes(vmm.device)
     per_rank: tuple[int, ...] = (free,)
     if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
         gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
