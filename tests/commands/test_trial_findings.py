@@ -202,6 +202,9 @@ def _every_flag() -> set[str]:
         bench_parser = argparse.ArgumentParser()
         importlib.import_module(module_name).add_arguments(bench_parser)
         flags.update(option for action in bench_parser._actions for option in action.option_strings)
+    from snugkv.bench import soak_hog  # a program of its own, run by bench soak
+
+    flags.update(option for action in soak_hog.build_parser()._actions for option in action.option_strings)
     flags.update("--no-" + f[2:] for f in list(flags))  # BooleanOptionalAction's negations
     return flags
 

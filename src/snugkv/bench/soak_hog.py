@@ -69,11 +69,15 @@ def _hold_shared_host(size_bytes: int) -> None:
     device.give_back(held_bytes)
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--gib", type=float, required=True)
     parser.add_argument("--device", choices=("cuda", "cpu"), required=True)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     size_bytes = int(args.gib * GIB)
     if args.device == "cuda":
         _hold_cuda(size_bytes)
