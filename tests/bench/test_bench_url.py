@@ -77,8 +77,11 @@ def test_the_three_workloads_count_every_token_and_see_the_shared_system_prompts
     assert (rate["requests"], rate["output_tokens"]) == (12, sum(out for _, out in online)), rate
     assert rate["errors"] == 0 and rate["tpot_p50_ms"] > 0, rate
     assert (chat["requests"], chat["output_tokens"], chat["errors"]) == (12, 12 * 8, 0), chat
-    # 6 users share 2 system prompts and each second turn repeats the first: most of it is cached
-    assert chat["cached_prompt_fraction"] > 0.5, chat
+    # Each second turn repeats its user's first (system prompt and first message: ~45% of all the
+    # prompt tokens), so that much is cached whatever the timing; first turns that share a system
+    # prompt find it cached only when they do not start in the same step as the first one to send
+    # it, which the timing decides (0.478 seen on a loaded 2-core CI machine, up to ~0.7 idle).
+    assert chat["cached_prompt_fraction"] > 0.4, chat
     assert "chat 6 users x 2 turns" in capsys.readouterr().out
 
 
