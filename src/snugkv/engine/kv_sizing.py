@@ -45,7 +45,7 @@ from snugkv.memory.vmm import GIB, CommitError, VirtualMemory
 from snugkv.memory.vmm_plain import PlainMemory
 from snugkv.runner import kv_resize
 from snugkv.runner.model_runner import ModelRunner
-from snugkv.sizing.measure import FreeMemory, agree_min, measure_free
+from snugkv.sizing.measure import FreeMemory, agree_min, measure_free, settle
 from snugkv.sizing.modes import SizingMode
 from snugkv.sizing.post_capture import (
     SizingError,
@@ -328,6 +328,9 @@ class KvSizing:
         old_tokens, old_bytes = self.pool.committed_tokens, self.pool.committed_bytes
         moved = kv_resize.MoveStats()
         if tokens > old_tokens:
+            # The unused blocks torch's caching allocator holds go back to the device first: memory
+            # pressure's check counted them as free (settled=False), and the commit needs them.
+            settle(self.memory.device)
             self._grow(old_tokens, tokens)
         elif tokens < old_tokens:
             try:
