@@ -15,6 +15,9 @@ rm -rf .whl && mkdir -p .whl
 "$PY" -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp --no-deps \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 -d .whl xgrammar apache-tvm-ffi
+# pytest-xdist (and execnet) spread the GPU steps' many-small-kernel test files over workers
+"$PY" -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp --no-deps \
+  --platform manylinux2014_x86_64 -d .whl pytest-xdist execnet
 # The device's own numpy, tqdm and requests stay: a copy on PYTHONPATH would shadow them.
 rm -f .whl/numpy-* .whl/tqdm-* .whl/requests-* .whl/urllib3-* .whl/charset_normalizer-*
 if ls .whl | grep -qE '^(torch|triton|transformers|nvidia)[-_]'; then

@@ -8,6 +8,8 @@
 #   MoE only: STEPS="env moe" (MOE_MODEL=mixtral-8x7b for another shape; the tuned table lands in $OUT/work/moe)
 #   parts of a step: MOE_PARTS="decode" (of "tests tune decode prefill"), FP8_TESTS=0, FP8_SHAPES=llama-3-8b
 #   the engine core's CUDA tests alone (drivers, elastic engine, LLM, graphs, VMM): STEPS="env core"
+#   a 10-minute soak over two calls: the first ends with STEPS="... soak-start", the next (at once, while the
+#   machine is warm) begins with STEPS="soak-wait ..."
 # Uses the machine's python3 (torch with CUDA); installs nothing that needs a network.
 # Name the commit: SNUGKV_COMMIT=$(git rev-parse --short HEAD) set where the tree was committed (a
 # copied tree's git metadata can be stale: on the lent device `git rev-parse` gave an old commit).
@@ -27,6 +29,12 @@ fi
 STEPS=${STEPS:-"env tests memory vmm kernels attention decode fp8 prefill moe capacity serving http elastic pressure structured multi-engine soak"}
 status=0
 step() { echo "=== $1 ($(date +%T))"; }
+run_fp8_http() {
+  step "fp8 bench http"
+  timeout "${FP8_HTTP_TIMEOUT:-240}" python3 -m snugkv --log-level WARNING bench http --quantization fp8 \
+    --model llama-3-8b --servers process --out "$OUT/fp8-http" 2>&1 | tee "$OUT/bench_fp8_http.log" || status=1
+}
+SOAK_DIR=/tmp/snugkv-soak  # outside $OUT, which is emptied before every device call
 
 for s in $STEPS; do
   case $s in
@@ -105,7 +113,7 @@ for s in $STEPS; do
       timeout "${FP8_TESTS_TIMEOUT:-150}" python3 -m pytest -q -rA -p no:cacheprovider $workers \
         tests/kernels/test_moe_fp8_experts.py 2>&1 | tee "$OUT/fp8_tests.txt" | tail -5 || status=1
       timeout "${FP8_TESTS_TIMEOUT:-150}" python3 -m pytest -q -rA -m cuda -p no:cacheprovider $workers \
-        tests/kernels/test_fp8_small_gemm.py tests/kernels/test_fp8_kernels.py tests/models/test_fp8_cuda.py \
+        tests/kernels/test_gemm_timing.py tests/kernels/test_fp8_small_gemm.py tests/kernels/test_fp8_kernels.py tests/models/test_fp8_cuda.py \
         2>&1 | tee -a "$OUT/fp8_tests.txt" | grep -E '^\{|passed|failed|error' | tail -25 || status=1
       pack
       fi
@@ -116,11 +124,10 @@ for s in $STEPS; do
           --out "$OUT/fp8-$shape" ${ARGS_fp8:-} 2>&1 | tee "$OUT/bench_fp8-$shape.log" | grep -v "^Capturing" || status=1
         pack
       done
-      if [ "${FP8_HTTP:-0}" = 1 ]; then
-        step "fp8 bench http"
-        timeout "${FP8_HTTP_TIMEOUT:-240}" python3 -m snugkv --log-level WARNING bench http --quantization fp8 \
-          --model llama-3-8b --servers process --out "$OUT/fp8-http" 2>&1 | tee "$OUT/bench_fp8_http.log" || status=1
-      fi
+      if [ "${FP8_HTTP:-0}" = 1 ]; then run_fp8_http; fi
+      ;;
+    fp8-http)  # the offline workload through a bf16 then an FP8 server alone (as FP8_HTTP=1 in fp8)
+      run_fp8_http
       ;;
     soak)  # 10 minutes of mixed load on a real server of the Llama-3-8B shape (random weights, so
       # token-id prompts: the text kinds are skipped and the report says so), with KV resizes,
@@ -130,6 +137,27 @@ for s in $STEPS; do
       timeout "${SOAK_TIMEOUT:-900}" python3 -m snugkv --log-level WARNING bench soak --model llama-3-8b \
         --minutes "${SOAK_MINUTES:-10}" --hog-gib "${SOAK_HOG_GIB:-8}" --concurrency "${SOAK_CONCURRENCY:-32}" \
         --json "$OUT/soak.json" ${ARGS_soak:-} 2>&1 | tee "$OUT/bench_soak.log" || status=1
+      ;;
+    soak-start)  # the same soak in its own process session (setsid): it outlives this device call, so a
+      # 10-minute soak spans two calls of at most 10 minutes each; `soak-wait` as the next call's first step
+      # (within the machine's ~30 s warm window) waits for it and collects its results.
+      # SOAK_LEAD_S: seconds this call goes on after the start (the soak serves meanwhile)
+      step "soak start"
+      rm -rf "$SOAK_DIR" && mkdir -p "$SOAK_DIR"
+      setsid nohup bash -c "timeout ${SOAK_TIMEOUT:-900} python3 -m snugkv --log-level WARNING bench soak --model llama-3-8b \
+        --minutes ${SOAK_MINUTES:-10} --hog-gib ${SOAK_HOG_GIB:-8} --concurrency ${SOAK_CONCURRENCY:-32} \
+        --json $SOAK_DIR/soak.json ${ARGS_soak:-} > $SOAK_DIR/bench_soak.log 2>&1; echo \$? > $SOAK_DIR/rc" \
+        </dev/null >/dev/null 2>&1 &
+      sleep "${SOAK_LEAD_S:-70}"
+      tail -5 "$SOAK_DIR/bench_soak.log"
+      ;;
+    soak-wait)  # the soak `soak-start` left running: wait (at most SOAK_WAIT_S), then collect it
+      step "soak wait"
+      deadline=$((SECONDS + ${SOAK_WAIT_S:-570}))
+      while [ ! -f "$SOAK_DIR/rc" ] && [ "$SECONDS" -lt "$deadline" ]; do sleep 3; done
+      cp -r "$SOAK_DIR/." "$OUT/" 2>/dev/null
+      tail -40 "$OUT/bench_soak.log" 2>/dev/null || echo "no soak ran on this machine (was it given back between the calls?)"
+      [ "$(cat "$SOAK_DIR/rc" 2>/dev/null)" = 0 ] || { echo "soak rc: $(cat "$SOAK_DIR/rc" 2>/dev/null || echo 'not finished')"; status=1; }
       ;;
     pressure)  # another process takes memory below the headroom while an 8B shape serves (scripts/pressure_check.py)
       step "pressure"

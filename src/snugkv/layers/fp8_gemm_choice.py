@@ -9,8 +9,8 @@ fastest for every later call of that key, in this process. Batch buckets are pow
 captured graph's batch always finds its bucket measured.
 
 Timing (`gemm_timing.interleaved_seconds`): the candidates of a key run round-robin, each run after an L2
-flush, all enqueued without a host sync between them (median of 10 per candidate), after a few ms
-of flushes that take the clocks out of idle. At b638307 each candidate was timed alone with a sync
+flush, all enqueued behind a GPU spin so that the GPU never waits for a launch inside a timed run
+(median of 10 per candidate), after a few ms of flushes that take the clocks out of idle. At b638307 each candidate was timed alone with a sync
 after every run: the GPU idled between runs, and the torch profiler's kernel times of the chosen
 GEMMs at batch 64 came to half of what the chooser had measured for them.
 
