@@ -37,6 +37,8 @@ run_fp8_http() {
 SOAK_DIR=/tmp/snugkv-soak  # outside $OUT, which is emptied before every device call
 
 for s in $STEPS; do
+  # DEADLINE_S: a step starts only before this many seconds into the call (a call runs at most 10 minutes)
+  if [ -n "${DEADLINE_S:-}" ] && [ "$SECONDS" -ge "$DEADLINE_S" ]; then echo "=== $s skipped (past DEADLINE_S)"; continue; fi
   case $s in
     env)
       step env
