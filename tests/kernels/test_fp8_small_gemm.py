@@ -46,6 +46,17 @@ def _expected(activations, x, q, scale, act, static, bias):
     return fp8_linear_reference(x, q, scale, act=act, block_n=block_n, static_scale=static, bias=bias)
 
 
+def _close_but_for_quantization_ties(got: torch.Tensor, expected: torch.Tensor) -> None:
+    """W8A8 on model shapes: the kernel's per-token scale (float32, computed in another order than
+    the reference's) can put an input right at an fp8 rounding boundary on the other side, which
+    moves every output of that row by up to a few bf16 steps. On the H200 at 55c410f, 0.003-0.14% of
+    the outputs of K = 4096 and 14336 were outside CLOSE, by at most 0.031. A layout or scale bug
+    moves most outputs, and by far more."""
+    bad = ~torch.isclose(got, expected, **CLOSE)
+    assert float(bad.float().mean()) <= 5e-3, f"{int(bad.sum())} of {bad.numel()} outputs off"
+    torch.testing.assert_close(got, expected, rtol=0.0, atol=0.05 + 0.02 * float(expected.abs().max()))
+
+
 def _counters_are_zero() -> bool:
     return not bool(arrival_counters(torch.device(DEVICE)).any())
 
@@ -154,9 +165,11 @@ def test_swapab_on_model_shapes_equals_the_reference(n, k, rows, activations):
     tile_m = max(16, 1 << (rows - 1).bit_length())
     split = choose_split_k(-(-n // 64), k, 128, sm_count(0))
     got = fp8_linear_swapab(x, q, scale, activations=activations, tile_m=tile_m, split_k=split)
-    torch.testing.assert_close(
-        got.float(), _expected(activations, x, q, scale, "token", None, None).float(), **CLOSE
-    )
+    expected = _expected(activations, x, q, scale, "token", None, None).float()
+    if activations == "float":
+        torch.testing.assert_close(got.float(), expected, **CLOSE)
+    else:
+        _close_but_for_quantization_ties(got.float(), expected)
     again = fp8_linear_swapab(x, q, scale, activations=activations, tile_m=tile_m, split_k=split)
     assert torch.equal(got, again)
 

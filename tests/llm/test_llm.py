@@ -373,14 +373,17 @@ def test_closing_releases_the_weights_while_the_caller_still_holds_the_model():
 
 @pytest.mark.cuda
 def test_closing_gives_the_device_memory_back():
-    """Post-capture sizing takes nearly all free memory; after `close()` it is back within 64 MiB
-    (what stays: the CUDA context, loaded kernels, cuBLAS workspaces), and a second LLM leaks no more."""
+    """Post-capture sizing takes nearly all free memory; after `close()` the LLM's tensors are gone,
+    what stays is the process's (loaded kernels, cuBLAS workspaces: 232 MiB on the H200 at 55c410f,
+    against 2.27 GiB and then 3.44 GiB at fa2df20, when the weights stayed), and a second LLM adds
+    nothing to it."""
     from snugkv.bench.model_configs import benchmark_model
 
     model = benchmark_model("qwen3-0.6b")
     torch.zeros(1, device="cuda")  # the CUDA context is not the LLM's to give back
     torch.cuda.synchronize()
     free_before = torch.cuda.mem_get_info()[0]
+    allocated_before = torch.cuda.memory_allocated()
     figures = []
     for _ in range(2):
         with LLM(model, load_format="dummy", max_running_requests=32, cuda_graph_max_bs=32) as llm:
@@ -389,9 +392,15 @@ def test_closing_gives_the_device_memory_back():
             free_open = torch.cuda.mem_get_info()[0]
         free_after = torch.cuda.mem_get_info()[0]
         figures.append(((free_before - free_open) / MIB, (free_before - free_after) / MIB))
-    print("device memory taken while open / left after close, MiB:", figures)
+        assert torch.cuda.memory_allocated() == allocated_before  # no tensor of the LLM's lives on
+    print(
+        "device memory taken while open / left after close, MiB:",
+        figures,
+        f"(torch's allocator holds {torch.cuda.memory_reserved() / MIB:.0f} MiB)",
+    )
     assert all(taken_open > 4096 for taken_open, _ in figures), figures
-    assert all(left < 64 for _, left in figures), figures
+    assert all(left < 512 for _, left in figures), figures  # a 0.6B model's weights alone are 1.1 GiB
+    assert figures[1][1] - figures[0][1] < 64, figures
 
 
 # -- package and README ---------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from snugkv.core.sampling import InvalidRequest, SamplingParams
 from snugkv.driver import engine_core
 from snugkv.driver.engine_core import EngineCore
 from snugkv.engine import Engine, EngineArgs
+from snugkv.scheduler import elastic
 from snugkv.memory.vmm import MIB
 from tests.models.hf_tiny import save_tiny_hf_model
 
@@ -173,6 +174,40 @@ def test_memory_taken_below_the_headroom_shrinks_the_cache_and_its_return_grows_
         snapshot = core.metrics_snapshot()
         assert snapshot.kv_pressure_shrinks == reasons.count("pressure") >= 2
         assert snapshot.kv_pressure_grows == reasons.count("pressure-grow") >= 1
+    finally:
+        engine.close()
+
+
+def test_a_pressure_grow_never_takes_back_the_room_an_explicit_resize_made(
+    device: None, model_dir: str, hog: Hog
+) -> None:
+    """An operator shrinks the cache to make room for another process (the soak's memory hog on an
+    H200 at 55c410f: the room was taken back by a pressure grow before the hog had allocated, and
+    the hog ran out of memory). Pressure still shrinks below that size and grows back up to it."""
+    engine = start(model_dir)
+    try:
+        core = EngineCore.around(engine)
+        pool = engine.pool
+        startup_tokens = pool.committed_tokens
+        half = startup_tokens // 2 // PAGE * PAGE
+        elastic.resize_kv(core.scheduler, engine, max_total_num_tokens=half)
+        assert pool.committed_tokens == half
+
+        def disturb(turn: int) -> None:
+            if turn == 6:
+                hog.take(-1)  # everything free: the cache must shrink below the operator's size
+            if turn == 10:
+                hog.end()  # it comes back: the cache grows to the operator's size, not beyond
+
+        run(core, disturb)
+        reasons = [event.reason for event in engine.kv_events]
+        assert reasons[0] == "resize" and "pressure" in reasons and reasons[-1] == "pressure-grow", reasons
+        assert max(event.to_tokens for event in engine.kv_events[1:]) <= half
+        assert pool.committed_tokens == half
+        run(core)  # memory free, no pressure: the size stays where the operator put it
+        assert pool.committed_tokens == half and engine.kv_events[-1].reason == "pressure-grow"
+        elastic.resize_kv(core.scheduler, engine, max_total_num_tokens=startup_tokens)
+        assert pool.committed_tokens == startup_tokens
     finally:
         engine.close()
 

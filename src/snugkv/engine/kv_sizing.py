@@ -134,6 +134,10 @@ class KvSizing:
         self.event_count = 0  # every change so far (`events` keeps the last EVENT_HISTORY)
         self.pressure_shrinks = 0  # changes recorded as "pressure" / "pressure-grow"
         self.pressure_grows = 0
+        # The size the last explicit resize (POST /kv/resize, `LLM.resize_kv`) set: a pressure grow
+        # goes no further, so it never takes back the room an operator made (for another process
+        # that is still starting, say). None: up to what start-up sizing gives now.
+        self.resize_ceiling_tokens: int | None = None
         self._hysteresis_tokens: int | None = None
 
     @property
@@ -294,8 +298,9 @@ class KvSizing:
     def pressure_move(self) -> PressureMove | None:
         """Measure free memory now (MIN over ranks) and say whether the cache must shrink (free
         memory below the activation headroom: to what fits, less half the hysteresis so that the
-        next grow is not a step away) or may grow back (to what start-up sizing gives now, when at
-        least the hysteresis more fits); None: it stays. Every rank answers alike."""
+        next grow is not a step away) or may grow back (to what start-up sizing gives now, at most
+        the size the last explicit resize set, when at least the hysteresis more fits); None: it
+        stays. Every rank answers alike."""
         fit = self.size_from_free(settled=False)  # every 0.25 s: no sync, no emptied cache
         committed = self.pool.committed_tokens
         limits = self.limits()
@@ -306,6 +311,8 @@ class KvSizing:
             tokens = max(limits.min_tokens, min(fit.tokens - slack, limits.max_tokens))
             return PressureMove(tokens, "pressure", fit.free) if tokens < committed else None
         tokens = min(fit.tokens, limits.max_tokens)
+        if self.resize_ceiling_tokens is not None:
+            tokens = min(tokens, self.resize_ceiling_tokens)
         if tokens - committed >= hysteresis:
             return PressureMove(tokens, "pressure-grow", fit.free)
         return None
@@ -406,6 +413,8 @@ class KvSizing:
         self.event_count += 1
         self.pressure_shrinks += change.reason == "pressure"
         self.pressure_grows += change.reason == "pressure-grow"
+        if change.reason == "resize":
+            self.resize_ceiling_tokens = change.to_tokens
 
     def view(self, *, max_running_requests: int, sleeping_tags: frozenset[str]) -> KvCacheView:
         """The KV cache now and what a resize would need (this rank's view; no collective)."""
