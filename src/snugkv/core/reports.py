@@ -99,6 +99,14 @@ class MemoryLedger:
 
 @dataclass(frozen=True, slots=True)
 class StartupReport:
+    """What start-up sized, and how long its phases took. `timings` (keys carry their unit):
+    `process_age_s` (the process ran this long before the engine started: imports; Linux only),
+    `device_init_s` (the CUDA context), `load_s` (weights), `reserve_s` (post-capture: the KV
+    cache's virtual addresses, the runner and the dummy page), `capture_decode_s`,
+    `capture_piecewise_s` and `capture_s` (both, and measuring their memory), `activation_peak_s`
+    (the largest eager step, measured), `sizing_*_ms` (post-capture: measure, commit, resize;
+    `sizing_ms` is the whole step) and `total_s` (the engine's start-up, the ledger included)."""
+
     mode: str  # a `sizing.modes.SizingMode`
     max_total_num_tokens: int
     max_running_requests: int

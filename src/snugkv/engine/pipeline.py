@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from snugkv.core.forward import BatchRow
 from snugkv.core.gc_pauses import freeze_startup_objects, thaw
+from snugkv.core.process_clock import process_age_s
 from snugkv.core.reports import KvCacheView, KvResize, MemoryLedger, SleepState, StartupReport
 from snugkv.core.sampling import MAX_LOGPROBS, PROMPT_LOGITS_PER_STEP, SamplingParams
 from snugkv.distributed.group import TensorParallel, use_tensor_parallel
@@ -84,6 +85,10 @@ class Engine:
         self, args: EngineArgs, group: dist.ProcessGroup | None = None, tp: TensorParallel | None = None
     ) -> None:
         started = time.perf_counter()
+        # The start-up's phases in seconds (the report's `timings`); the first is how long this
+        # process ran before the engine started (its imports; in an engine process, its spawn too).
+        age_s = process_age_s()
+        self._timings: dict[str, float] = {} if age_s is None else {"process_age_s": age_s}
         # Tensor parallel: this rank's groups; the CPU group is the sizing group (MIN over ranks).
         self.tp = tp = tp or TensorParallel()
         if args.tp_size != tp.world_size:
@@ -92,6 +97,11 @@ class Engine:
                 f"snugkv.distributed.launch (this process is rank {tp.rank} of {tp.world_size})"
             )
         group = group if group is not None or not tp.enabled else tp.cpu_group
+        # The first line the engine logs: what comes before it in a start-up is imports (and the
+        # spawn of an engine process), which scripts/startup_check.py times by it.
+        self._log(
+            "Starting the engine: model=%s, device=%s", args.model or "the default", args.device or "auto"
+        )
         self.device = resolve_device(args.device)
         if self.device.type == "cuda" and (self.device.index is None or tp.enabled):
             self.device = torch.device("cuda", torch.cuda.current_device())  # tp: the launcher pinned it
@@ -101,6 +111,8 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
             torch.zeros(1, device=self.device)  # CUDA context first, so the baseline includes it
+        loading = time.perf_counter()
+        self._timings["device_init_s"] = loading - started
 
         # 1. Load weights (baseline before, so the ledger can tell them apart). Post-capture places
         # them in virtual memory too, so sleep can release them without breaking a graph.
@@ -127,7 +139,7 @@ class Engine:
         self.config = self.loaded.config
         self.kv_dtype = args.kv_dtype or self.loaded.dtype
         self.context_length = args.context_length or self.config.max_position_embeddings
-        load_s = time.perf_counter() - started
+        self._timings["load_s"] = time.perf_counter() - loading
 
         self.memory = self._memory_backend()
         self.baseline_free_bytes = baseline_free
@@ -155,7 +167,7 @@ class Engine:
             sizing_ms=sized.sizing_ms,
             retries=sized.retries,
             per_rank_free_bytes=sized.per_rank_free_bytes,
-            timings={"load_s": load_s, **sized.timings, "total_s": time.perf_counter() - started},
+            timings={**self._timings, **sized.timings, "total_s": time.perf_counter() - started},
             quantization=self.loaded.quantization_name,
         )
         self._log("%s", ledger.table())
@@ -288,23 +300,31 @@ class Engine:
             return []
         return default_token_buckets(min(self.args.prefill_graph_max_tokens, self.context_length))
 
-    def _capture_graphs(self, runner: ModelRunner) -> float:
+    def _capture_graphs(self, runner: ModelRunner) -> dict[str, float]:
         """Capture the decode graphs and the piecewise prefill graphs; counts the driver memory
-        they took outside torch's allocator (the ledger's own item) and returns the seconds it took."""
+        they took outside torch's allocator (the ledger's own item) and returns the seconds each
+        kind took (`capture_decode_s`, `capture_piecewise_s`; `capture_s`: both and the measuring
+        around them)."""
         sizes, buckets = self._graph_batch_sizes(), self._prefill_graph_buckets()
+        timings = {"capture_decode_s": 0.0, "capture_piecewise_s": 0.0, "capture_s": 0.0}
         if not sizes and not buckets:
             self._graph_driver_bytes = 0
-            return 0.0
+            return timings
 
         def capture() -> None:
+            decode = time.perf_counter()
             if sizes:
                 runner.capture_cuda_graphs(sizes)
+            piecewise = time.perf_counter()
             if buckets:
                 runner.capture_piecewise_graphs(buckets)
+            timings["capture_decode_s"] = piecewise - decode
+            timings["capture_piecewise_s"] = time.perf_counter() - piecewise
 
         started = time.perf_counter()
         self._graph_driver_bytes = measure_capture(self.device, capture).driver_bytes
-        return time.perf_counter() - started
+        timings["capture_s"] = time.perf_counter() - started
+        return timings
 
     def _release_graphs(self) -> None:
         """Drop every graph and its pool (sleep with `cuda_graph`)."""
@@ -351,6 +371,7 @@ class Engine:
     # -- post-capture -------------------------------------------------------------------
     def _start_post_capture(self) -> StartupSizing:
         page = self._page_size
+        reserving = time.perf_counter()
         # 2. Reserve: an upper bound from all free memory, no graph or activation reserve.
         free = measure_free(self.memory, self.group)
         probe = self._pool(PoolMode.POST_CAPTURE, page * 1024)
@@ -365,10 +386,13 @@ class Engine:
         pool = self._pool(PoolMode.POST_CAPTURE, reserved_tokens)
         # 3. Back the dummy page, 4. capture the decode graphs against the fixed addresses.
         runner = self._build_runner(pool)
-        capture_s = self._capture_graphs(runner)
+        self._timings["reserve_s"] = time.perf_counter() - reserving
+        self._timings.update(self._capture_graphs(runner))
         # 5. Measure the activation peak of the largest eager step; it and the margin stay free.
+        peaking = time.perf_counter()
         peak = measure_peak_bytes(self.device, lambda: self._largest_eager_step(runner))
         self._activation_peak_bytes = peak
+        self._timings["activation_peak_s"] = time.perf_counter() - peaking
         headroom = (
             peak + self.args.headroom_margin_mib * MIB
             if self.device.type == "cuda"
@@ -388,7 +412,7 @@ class Engine:
             sized.sizing_ms,
             self._per_rank_text(sized.per_rank_free_bytes),
         )
-        return replace(sized, timings={"capture_s": capture_s, **sized.timings})
+        return sized
 
     def _kv_sizing(self, runner: ModelRunner, headroom_bytes: int) -> KvSizing:
         pool = runner.kv_pool
@@ -430,8 +454,10 @@ class Engine:
         page = self._page_size
         pages = max(2, self._chunked_prefill_size // page + 1)
         probe = self._pool(PoolMode.STATIC, pages * page)
+        peaking = time.perf_counter()
         peak = self._profile_peak(probe)
         self._activation_peak_bytes = peak
+        self._timings["activation_peak_s"] = time.perf_counter() - peaking
         bytes_per_token = probe.bytes_per_token
         probe.close()
         settle(self.device)
@@ -468,7 +494,7 @@ class Engine:
         pool = self._pool(PoolMode.STATIC, tokens)
         runner = self._build_runner(pool)
         sizing_ms = (time.perf_counter() - measured) * 1e3
-        capture_s = self._capture_graphs(runner)
+        self._timings.update(self._capture_graphs(runner))
         self.kv = self._kv_sizing(runner, headroom_bytes=0)  # the static modes keep no headroom
         self.kv.check_usable()
         max_running = self.kv.recap(pool.committed_tokens)
@@ -486,7 +512,6 @@ class Engine:
             retries=0,
             per_rank_free_bytes=(),
             sizing_ms=sizing_ms,
-            timings={"capture_s": capture_s},
         )
 
     def _profile_peak(self, pool: KVPool) -> int:
