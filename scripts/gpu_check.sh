@@ -26,7 +26,7 @@ if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
-STEPS=${STEPS:-"env tests memory vmm kernels attention decode fp8 prefill moe capacity serving http elastic pressure structured multi-engine soak"}
+STEPS=${STEPS:-"env tests memory vmm kernels attention decode fp8 prefill moe capacity serving http elastic pressure structured multi-engine startup soak"}
 status=0
 step() { echo "=== $1 ($(date +%T))"; }
 run_fp8_http() {
@@ -160,6 +160,25 @@ for s in $STEPS; do
       cp -r "$SOAK_DIR/." "$OUT/" 2>/dev/null
       tail -40 "$OUT/bench_soak.log" 2>/dev/null || echo "no soak ran on this machine (was it given back between the calls?)"
       [ "$(cat "$SOAK_DIR/rc" 2>/dev/null)" = 0 ] || { echo "soak rc: $(cat "$SOAK_DIR/rc" 2>/dev/null || echo 'not finished')"; status=1; }
+      ;;
+    startup)  # snugkv serve of both shipped shapes timed to healthy, with the breakdown (scripts/startup_check.py); needs the server wheels (.whl)
+      step "startup"
+      timeout "${STARTUP_TIMEOUT:-600}" python3 scripts/startup_check.py --out "$OUT/startup" ${ARGS_startup:-} \
+        2>&1 | tee "$OUT/startup.log" || status=1
+      ;;
+    retest)  # named CUDA tests again (RETEST="file::test ..."), e.g. after fixing what a run found
+      step "retest"
+      timeout "${RETEST_TIMEOUT:-200}" python3 -m pytest -q -rA -p no:cacheprovider ${RETEST_WORKERS:+-n $RETEST_WORKERS} ${RETEST:-} \
+        2>&1 | tee "$OUT/retest.txt" | grep -E '^\{|^device memory|passed|failed|error' | tail -30 || status=1
+      ;;
+    fp8-graphs)  # the FP8 graph-against-eager test with each GEMM family alone (which one differs)
+      step "fp8 graphs by family"
+      for variant in default SNUGKV_FP8_WEIGHT_ONLY=0 SNUGKV_FP8_GEMM=scaled_mm SNUGKV_FP8_GEMM=triton; do
+        echo "--- $variant"
+        ( [ "$variant" = default ] || export "$variant"; timeout 120 python3 -m pytest -q -p no:cacheprovider \
+          -o log_cli=true --log-cli-level=WARNING "tests/models/test_fp8_cuda.py::test_fp8_decode_and_piecewise_graphs_replay_the_eager_step[flag]" ) \
+          2>&1 | grep -E 'WARNING|Mismatched|Greatest|passed|failed' | tail -8
+      done 2>&1 | tee "$OUT/fp8_graphs.txt"
       ;;
     pressure)  # another process takes memory below the headroom while an 8B shape serves (scripts/pressure_check.py)
       step "pressure"
