@@ -46,7 +46,7 @@ from snugkv.memory.vmm_factory import create_vmm
 from snugkv.memory.vmm_host import HostVmm, available_ram_bytes
 from snugkv.memory.vmm_plain import PlainMemory
 from snugkv.models.loader import LoadedModel, load_model, resolve_device
-from snugkv.runner.cuda_graph import default_cuda_graph_batch_sizes
+from snugkv.runner.cuda_graph import default_cuda_graph_batch_sizes, release_cublas_workspaces
 from snugkv.runner.kv_cache import make_kv_pool
 from snugkv.runner.model_runner import ModelRunner
 from snugkv.runner.piecewise_graphs import default_token_buckets
@@ -639,6 +639,8 @@ class Engine:
         thaw()  # what the engine held becomes collectable again
         runner.close()
         self.runner = None
+        if self.device.type == "cuda":
+            release_cublas_workspaces()  # the eager GEMMs' cached workspaces since the last capture
         settle(self.device)
         try:
             self.pool.close()
