@@ -20,11 +20,14 @@ def split_qkv(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q `[T, Hq, D]`, k and v `[T, Hkv, D]`: views of the merged projection, no copies."""
     q_size, kv_size = num_q_heads * head_dim, num_kv_heads * head_dim
-    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    # split_with_sizes and view: the C methods under `split` and `unflatten`, without their Python
+    # wrappers (this runs in every layer of every CPU step).
+    q, k, v = qkv.split_with_sizes([q_size, kv_size, kv_size], dim=-1)
+    rows = qkv.shape[:-1]
     return (
-        q.unflatten(-1, (num_q_heads, head_dim)),
-        k.unflatten(-1, (num_kv_heads, head_dim)),
-        v.unflatten(-1, (num_kv_heads, head_dim)),
+        q.view(*rows, num_q_heads, head_dim),
+        k.view(*rows, num_kv_heads, head_dim),
+        v.view(*rows, num_kv_heads, head_dim),
     )
 
 
