@@ -9,7 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from snugkv.attention.torch_backend import TorchAttentionBackend
+from snugkv.attention.torch_backend import (
+    TorchAttentionBackend,
+    TorchAttentionMetadata,
+    attend,
+    attend_decode,
+)
 from snugkv.core.forward import BatchRow, ForwardBatch
 from snugkv.layers.attention import PagedAttention
 from snugkv.memory.allocator import make_allocator
@@ -163,3 +168,54 @@ def test_padded_decode_row_reads_only_the_dummy_slot():
     torch.testing.assert_close(out, v)  # one visible key: the output is its value
     k_buffer, _ = pool.get_kv_buffer(layer.layer_id)
     assert k_buffer[1:].abs().sum() == 0, "padding wrote outside the dummy page"
+
+
+@pytest.mark.parametrize(
+    ("batch", "num_heads", "num_kv_heads", "width"), [(1, 9, 3, 70), (3, 4, 2, 17), (2, 6, 1, 1)]
+)
+def test_decode_attention_is_the_general_attention_bit_for_bit(batch, num_heads, num_kv_heads, width):
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(batch, num_heads, HEAD_DIM, generator=gen)
+    k = torch.randn(batch, width, num_kv_heads, HEAD_DIM, generator=gen)
+    v = torch.randn(batch, width, num_kv_heads, HEAD_DIM, generator=gen)
+    hidden = torch.rand(batch, width, generator=gen) < 0.3
+    hidden[:, 0] = False
+    for mask in (hidden, torch.zeros_like(hidden)):
+        want = attend(q[:, None], k, v, mask[:, None], 0.3)[:, 0]
+        assert torch.equal(attend_decode(q, k, v, mask, 0.3), want)
+    assert torch.equal(
+        attend_decode(q, k, v, None, 0.3),
+        attend(q[:, None], k, v, torch.zeros_like(hidden)[:, None], 0.3)[:, 0],
+    )
+
+
+def test_every_layer_of_a_forward_reads_the_keys_worked_out_once():
+    setup = Setup(
+        page_size=1, layout="nhd", kv_dtype=torch.float32, num_heads=4, num_kv_heads=2, sliding_window=None
+    )
+    setup.table.alloc(), setup.table.alloc()
+    setup.step([(1, 5), (2, 3)])
+    fb = setup.step([(1, 1), (2, 1)])  # rows of 6 and 4 keys: the shorter one's tail is masked
+    metadata = fb.attn_metadata
+    assert isinstance(metadata, TorchAttentionMetadata) and metadata.decode is not None
+    keys = metadata.decode
+    other = PagedAttention(0, 4, 2, HEAD_DIM, sliding_window=3)
+    q = setup.rand(2, 4, HEAD_DIM)
+    setup.backend.forward(q, None, None, other, fb, save_kv=False)
+    assert fb.attn_metadata is metadata  # the second layer did not start again
+    assert set(keys.hidden) == {None, 3}  # one mask per sliding window, each made once
+    assert not keys.sees_all
+
+
+def test_an_eager_decode_of_rows_of_one_length_needs_no_mask():
+    setup = Setup(
+        page_size=1, layout="nhd", kv_dtype=torch.float32, num_heads=2, num_kv_heads=1, sliding_window=None
+    )
+    setup.table.alloc(), setup.table.alloc()
+    setup.step([(1, 4), (2, 4)])
+    fb = setup.step([(1, 1), (2, 1)])
+    keys = fb.attn_metadata.decode
+    assert keys.sees_all and keys.hidden == {None: None}
+    assert keys.hidden_for(5) is None and keys.hidden_for(4) is not None  # a window under 5 keys hides some
+    fb = setup.step([(1, 1), (2, 1)], decode_width=64)  # a graph's static width: masked whatever the lengths
+    assert not fb.attn_metadata.decode.sees_all

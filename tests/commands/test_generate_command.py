@@ -36,3 +36,17 @@ def test_generate_runs_the_post_capture_sizing_pipeline(capsys, caplog):
         assert main(["generate", "--max-tokens", "4", "--ignore-eos", "Hello"]) == 0
     assert "Post-capture KV sizing: max_total_num_tokens=" in caplog.text
     assert "Memory ledger" in caplog.text
+
+
+@pytest.mark.slow
+def test_generate_reads_the_tokenizer_and_the_gguf_config_once(capsys, monkeypatch):
+    # Each costs a start ~0.1-0.3 s: the command reads them before the engine starts, the engine reuses them.
+    from snugkv.models import loader, tokenizer
+
+    loads, parses = [], []
+    real_load, real_open = tokenizer._load_gguf_tokenizer, loader.open_gguf
+    monkeypatch.setattr(tokenizer, "_load_gguf_tokenizer", lambda path: loads.append(path) or real_load(path))
+    monkeypatch.setattr(loader, "open_gguf", lambda path: parses.append(path) or real_open(path))
+    loader._parsed_gguf_config.cache_clear()
+    assert main(["generate", "--max-tokens", "2", "--ignore-eos", "Hello"]) == 0
+    assert len(loads) == 1 and len(parses) == 1

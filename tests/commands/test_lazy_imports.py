@@ -45,3 +45,27 @@ def test_starting_a_model_imports_no_server_plotting_grammar_or_compiler(tmp_pat
     loaded = modules_after(code)
     unwanted = ("fastapi", "uvicorn", "matplotlib", "xgrammar", "schemathesis", "torch._dynamo", "sympy")
     assert not {name for name in unwanted if name in loaded}
+
+
+def test_a_cached_gguf_tokenizer_loads_without_the_registry_of_every_model(tmp_path, monkeypatch):
+    # transformers.models (AutoTokenizer's registry) costs ~0.3 s of imports at each `generate`.
+    from snugkv.models import default_model
+    from snugkv.models.loader import ModelSource
+    from snugkv.models.tokenizer import load_tokenizer
+
+    model = default_model.default_model_path()
+    monkeypatch.setenv(default_model.CACHE_DIR_ENV, str(tmp_path))
+    load_tokenizer(ModelSource(model, "gguf"))  # converted and cached here
+    code = (
+        "from pathlib import Path\n"
+        "from snugkv.models.loader import ModelSource\n"
+        "from snugkv.models.tokenizer import load_tokenizer\n"
+        f"load_tokenizer(ModelSource(Path({str(model)!r}), 'gguf'))"
+    )
+    loaded = modules_after(code)
+    assert "transformers.models" not in loaded and "transformers" in loaded
+
+
+def test_the_parser_of_every_command_imports_no_http_client():
+    # `serve`'s flags name the router's policies; the router's HTTP client is only for serving.
+    assert "httpx" not in modules_after("from snugkv.cli import build_parser; build_parser()")

@@ -114,6 +114,20 @@ def test_max_tokens_within_is_the_largest_count_that_fits():
     tokens = pool.max_tokens_within(budget)
     assert tokens % 4 == 0 and tokens > 0
     assert pool.bytes_for_tokens(tokens) <= budget < pool.bytes_for_tokens(tokens + 4)
+    assert pool.max_tokens_within(budget, tokens + 100) == tokens  # a cap above what fits changes nothing
+    assert pool.max_tokens_within(budget, 1_001) == 1_000  # one below it is the answer, a page multiple
+    assert pool.max_tokens_within(10**15, 10**9) == 100_000  # never past the reserve
+
+
+def test_a_cap_that_fits_is_answered_without_a_search(monkeypatch):
+    pool = make_pool(
+        "mha", dtype="float16", page_size=4, layout="nhd", reserved_tokens=100_000, mode="post-capture"
+    )
+    asked = []
+    real = pool.bytes_for_tokens
+    monkeypatch.setattr(pool, "bytes_for_tokens", lambda tokens: asked.append(tokens) or real(tokens))
+    assert pool.max_tokens_within(1 << 40, 1_024) == 1_024
+    assert asked == [1_024]
 
 
 def test_post_capture_pool_costs_nothing_until_the_prefix_is_backed(caplog):

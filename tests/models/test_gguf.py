@@ -91,3 +91,22 @@ def test_gguf_of_an_unsupported_architecture_names_the_supported_ones(tmp_path):
     writer.close()
     with pytest.raises(ModelLoadError, match=r"'bert'.*llama"):
         load_model(path)
+
+
+def test_a_gguf_config_is_parsed_once_per_version_of_the_file(tmp_path, monkeypatch):
+    import os
+
+    from snugkv.models import loader
+
+    path = tmp_path / "tiny.gguf"
+    write_gguf(tiny_hf_model("llama"), path, "llama", [Q.F16])
+    parses = []
+    real_open = loader.open_gguf
+    monkeypatch.setattr(loader, "open_gguf", lambda p: parses.append(p) or real_open(p))
+    source = loader.ModelSource(path, "gguf")
+    assert loader.read_model_config(source) == loader.read_model_config(source)
+    assert len(parses) == 1
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))  # the file changed: read it again
+    loader.read_model_config(source)
+    assert len(parses) == 2

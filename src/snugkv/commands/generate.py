@@ -86,7 +86,7 @@ class Session:
         engine_args = engine_args_from(self.args)
         if engine_args.max_total_tokens is None and max_total_tokens is not None:
             engine_args = dataclasses.replace(engine_args, max_total_tokens=max_total_tokens)
-        self.core = EngineCore.build(engine_args, tp=self.tp, tokenizer_source=self.source)
+        self.core = EngineCore.build(engine_args, tp=self.tp, tokenizer=self.tokenizer)
         self.core.deliver_outputs_to(self._output)
         self.tokenizer = self.core.tokenizer or self.tokenizer  # with the model's extra EOS ids
         self._on_text: Any = None

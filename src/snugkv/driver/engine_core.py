@@ -126,22 +126,29 @@ class EngineCore:
         tp: TensorParallel | None = None,
         enable_prefix_cache: bool = True,
         tokenizer_source: ModelSource | None = None,
+        tokenizer: Tokenizer | None = None,
         after_engine: Callable[[Engine], None] | None = None,
         turns_wait_on_user: bool = False,
     ) -> EngineCore:
         """Start the engine for `args` (this rank of `tp`), load the tokenizer of its model (or of
         `tokenizer_source`) and set the scheduler up over it. `after_engine(engine)` runs as soon as
         the engine is sized, before the tokenizer loads (a memory share publishes its size then; a
-        benchmark installs its stub device). `turns_wait_on_user`: see the module's docstring."""
+        benchmark installs its stub device). `tokenizer`: the one the caller loaded already for
+        this model (read again, it would cost a command's start-up some 0.1-0.3 s); it gets the
+        model's EOS ids. `turns_wait_on_user`: see the module's docstring."""
         engine = Engine(args, tp=tp)
         try:
             if after_engine is not None:
                 after_engine(engine)
-            tokenizer, why = load_tokenizer_or_none(
-                tokenizer_source or engine.loaded.source,
-                engine.config.eos_token_ids,
-                warn=engine.tp.is_first_rank,
-            )
+            why: str | None = None
+            if tokenizer is not None:
+                tokenizer = tokenizer.with_eos_token_ids(engine.config.eos_token_ids)
+            else:
+                tokenizer, why = load_tokenizer_or_none(
+                    tokenizer_source or engine.loaded.source,
+                    engine.config.eos_token_ids,
+                    warn=engine.tp.is_first_rank,
+                )
             core = cls.around(engine, tokenizer=tokenizer, enable_prefix_cache=enable_prefix_cache)
         except BaseException:
             engine.close()

@@ -186,9 +186,15 @@ class KVPool:
             for buffer in self._buffers[group]
         )
 
-    def max_tokens_within(self, budget_bytes: int) -> int:
-        """The most tokens (a page multiple, <= the upper bound) whose backing fits the budget."""
+    def max_tokens_within(self, budget_bytes: int, at_most_tokens: int | None = None) -> int:
+        """The most tokens (a page multiple, <= the upper bound and `at_most_tokens`) whose backing
+        fits the budget. When the most allowed fits, it is the answer without a search (memory
+        pressure asks every 0.25 s, and a capped cache that fits is the usual answer)."""
         low, high = 0, self.reserved_tokens // self.page_size
+        if at_most_tokens is not None:
+            high = max(0, min(high, at_most_tokens // self.page_size))
+        if self.bytes_for_tokens(high * self.page_size) <= budget_bytes:
+            return high * self.page_size
         if self.bytes_for_tokens(0) > budget_bytes:
             return 0
         while low < high:

@@ -9,6 +9,7 @@ the file's path, size and modification time, and loaded from there afterwards.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -37,6 +38,10 @@ class Tokenizer:
         if hf_tokenizer.eos_token_id is not None:
             eos.add(int(hf_tokenizer.eos_token_id))
         self.eos_token_ids = frozenset(eos)
+
+    def with_eos_token_ids(self, eos_token_ids: Iterable[int]) -> Tokenizer:
+        """The same tokenizer that also stops at `eos_token_ids` (a model's extra EOS ids)."""
+        return Tokenizer(self.hf, (*self.eos_token_ids, *eos_token_ids))
 
     @property
     def vocab_size(self) -> int:
@@ -76,17 +81,38 @@ def _gguf_cache_key(path: Path) -> str:
     return hashlib.sha256(identity.encode()).hexdigest()[:24]
 
 
-def _load_gguf_tokenizer(path: Path) -> Any:
+# The class transformers saves a converted GGUF tokenizer as (5.x, 4.x): plain fast tokenizers.
+_PLAIN_FAST_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
+
+
+def _load_saved_tokenizer(directory: Path) -> Any:
+    """A tokenizer this module saved: a plain fast tokenizer loads through its own class, which
+    AutoTokenizer would pick too, without AutoTokenizer's registry of every model (~0.3 s of
+    imports at each start); any other class through AutoTokenizer."""
+    try:
+        saved_class = json.loads((directory / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError):
+        saved_class = None
+    if saved_class in _PLAIN_FAST_CLASSES:
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(str(directory))
     from transformers import AutoTokenizer
 
+    return AutoTokenizer.from_pretrained(str(directory))
+
+
+def _load_gguf_tokenizer(path: Path) -> Any:
     cached = cache_dir() / "tokenizers" / _gguf_cache_key(path)
     if cached.is_dir():
         try:
-            return AutoTokenizer.from_pretrained(str(cached))
+            return _load_saved_tokenizer(cached)
         except (OSError, ValueError) as exc:
             logger.warning("Rebuilding the cached tokenizer at %s (%s)", cached, exc)
             shutil.rmtree(cached, ignore_errors=True)
     logger.info("Building the tokenizer from %s (cached for next time)", path.name)
+    from transformers import AutoTokenizer
+
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     except (struct.error, ValueError, KeyError, IndexError) as exc:  # transformers' own GGUF reader

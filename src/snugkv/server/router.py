@@ -27,8 +27,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 ROUTER_BINARY = "smg"
 ROUTER_PACKAGE = "smg==1.13.0"
 ROUTER_POLICIES = (
@@ -105,6 +103,8 @@ def router_command(binary: str, worker_urls: list[str], options: RouterOptions) 
 
 def healthy_workers(router_url: str, api_key: str | None = None, timeout_s: float = 5.0) -> list[str]:
     """URLs of the workers smg counts healthy now (`GET /workers`); [] when it does not answer."""
+    import httpx  # here: `serve`'s flags (ROUTER_POLICIES) are built by every snugkv command
+
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
         response = httpx.get(f"{router_url}/workers", headers=headers, timeout=timeout_s)

@@ -50,10 +50,7 @@ def tokens_for_budget(
     budget = free_bytes - headroom_bytes + pool.committed_bytes
     if kv_cap_bytes is not None:
         budget = min(budget, kv_cap_bytes)
-    tokens = pool.max_tokens_within(budget)
-    if max_total_tokens is not None:
-        tokens = min(tokens, max_total_tokens // pool.page_size * pool.page_size)
-    return tokens
+    return pool.max_tokens_within(budget, max_total_tokens)
 
 
 def finalize_with_retry(pool: KVPool, tokens: int, group: dist.ProcessGroup | None = None) -> tuple[int, int]:
