@@ -19,8 +19,8 @@ from snugkv.core.sampling import InvalidRequest, SamplingParams
 from snugkv.driver import engine_core
 from snugkv.driver.engine_core import EngineCore
 from snugkv.engine import Engine, EngineArgs
-from snugkv.scheduler import elastic
 from snugkv.memory.vmm import MIB
+from snugkv.scheduler import elastic
 from tests.models.hf_tiny import save_tiny_hf_model
 
 PAGE = 4
