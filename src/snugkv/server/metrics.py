@@ -24,6 +24,10 @@ from snugkv.core.reports import MetricsSnapshot, SchedulerStats
 
 PREFIX = "snugkv"
 THROUGHPUT_WINDOW_S = 10.0
+# Generated tokens are counted in buckets this long, so the window holds at most
+# THROUGHPUT_WINDOW_S / THROUGHPUT_BUCKET_S + 1 of them however many tokens arrive (the gauge's
+# window is off by at most one bucket).
+THROUGHPUT_BUCKET_S = 0.25
 
 TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0)
@@ -108,7 +112,9 @@ class ServerMetrics:
             f"{PREFIX}_e2e_request_latency_seconds", "Request latency", buckets=E2E_BUCKETS_S, registry=r
         )
         self._lock = threading.Lock()
-        self._recent_tokens: collections.deque[tuple[float, int]] = collections.deque()
+        # [bucket start, tokens] of the last THROUGHPUT_WINDOW_S, oldest first; pruned on every
+        # write as well as every read: a server nobody scrapes must not keep one entry per delivery.
+        self._recent_tokens: collections.deque[list[float]] = collections.deque()
 
     # What the engine reports.
     def update_from_stats(self, stats: SchedulerStats) -> None:
@@ -136,8 +142,14 @@ class ServerMetrics:
         if count <= 0:
             return
         self.generated_tokens.inc(count)
+        now_s = time.perf_counter()
+        bucket_s = now_s - now_s % THROUGHPUT_BUCKET_S
         with self._lock:
-            self._recent_tokens.append((time.perf_counter(), count))
+            self._forget_tokens_before(now_s - THROUGHPUT_WINDOW_S)
+            if self._recent_tokens and self._recent_tokens[-1][0] == bucket_s:
+                self._recent_tokens[-1][1] += count
+            else:
+                self._recent_tokens.append([bucket_s, count])
 
     def record_finished(self, reason: str, *, prompt_tokens: int, cached_tokens: int) -> None:
         self.finished.labels(finish_reason=reason).inc()
@@ -146,12 +158,15 @@ class ServerMetrics:
 
     def recent_tokens_per_s(self) -> float:
         """Generated tokens per second over the last `THROUGHPUT_WINDOW_S`."""
-        now_s = time.perf_counter()
         with self._lock:
-            while self._recent_tokens and self._recent_tokens[0][0] < now_s - THROUGHPUT_WINDOW_S:
-                self._recent_tokens.popleft()
+            self._forget_tokens_before(time.perf_counter() - THROUGHPUT_WINDOW_S)
             recent = sum(count for _, count in self._recent_tokens)
         return recent / THROUGHPUT_WINDOW_S
+
+    def _forget_tokens_before(self, start_s: float) -> None:
+        """Drop the buckets that ended before `start_s` (the caller holds the lock)."""
+        while self._recent_tokens and self._recent_tokens[0][0] + THROUGHPUT_BUCKET_S <= start_s:
+            self._recent_tokens.popleft()
 
     def render(self) -> bytes:
         """The Prometheus text exposition, with the derived gauges brought up to date."""
