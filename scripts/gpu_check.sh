@@ -35,6 +35,12 @@ run_fp8_http() {
     --model llama-3-8b --servers process --out "$OUT/fp8-http" 2>&1 | tee "$OUT/bench_fp8_http.log" || status=1
 }
 SOAK_DIR=/tmp/snugkv-soak  # outside $OUT, which is emptied before every device call
+run_soak() {  # the soak step's command; its JSON report to $1
+  timeout "${SOAK_TIMEOUT:-900}" python3 -m snugkv --log-level WARNING bench soak --model llama-3-8b \
+    --minutes "${SOAK_MINUTES:-10}" --hog-gib "${SOAK_HOG_GIB:-8}" --concurrency "${SOAK_CONCURRENCY:-32}" \
+    --json "$1" ${ARGS_soak:-}
+}
+export -f run_soak
 
 for s in $STEPS; do
   # DEADLINE_S: a step starts only before this many seconds into the call (a call runs at most 10 minutes)
@@ -136,9 +142,7 @@ for s in $STEPS; do
       # sleep/wake and a child taking and freeing SOAK_HOG_GIB (default 8) of GPU memory; fails on
       # any 5xx or leaked KV slot. Needs the server's wheels (.whl).
       step "bench soak"
-      timeout "${SOAK_TIMEOUT:-900}" python3 -m snugkv --log-level WARNING bench soak --model llama-3-8b \
-        --minutes "${SOAK_MINUTES:-10}" --hog-gib "${SOAK_HOG_GIB:-8}" --concurrency "${SOAK_CONCURRENCY:-32}" \
-        --json "$OUT/soak.json" ${ARGS_soak:-} 2>&1 | tee "$OUT/bench_soak.log" || status=1
+      run_soak "$OUT/soak.json" 2>&1 | tee "$OUT/bench_soak.log" || status=1
       ;;
     soak-start)  # the same soak in its own process session (setsid): it outlives this device call, so a
       # 10-minute soak spans two calls of at most 10 minutes each; `soak-wait` as the next call's first step
@@ -146,9 +150,7 @@ for s in $STEPS; do
       # SOAK_LEAD_S: seconds this call goes on after the start (the soak serves meanwhile)
       step "soak start"
       rm -rf "$SOAK_DIR" && mkdir -p "$SOAK_DIR"
-      setsid nohup bash -c "timeout ${SOAK_TIMEOUT:-900} python3 -m snugkv --log-level WARNING bench soak --model llama-3-8b \
-        --minutes ${SOAK_MINUTES:-10} --hog-gib ${SOAK_HOG_GIB:-8} --concurrency ${SOAK_CONCURRENCY:-32} \
-        --json $SOAK_DIR/soak.json ${ARGS_soak:-} > $SOAK_DIR/bench_soak.log 2>&1; echo \$? > $SOAK_DIR/rc" \
+      setsid nohup bash -c "run_soak $SOAK_DIR/soak.json > $SOAK_DIR/bench_soak.log 2>&1; echo \$? > $SOAK_DIR/rc" \
         </dev/null >/dev/null 2>&1 &
       sleep "${SOAK_LEAD_S:-70}"
       tail -5 "$SOAK_DIR/bench_soak.log"

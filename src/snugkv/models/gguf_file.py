@@ -77,16 +77,11 @@ class GGUFFile:
         return value
 
     def _string(self) -> str:
-        length = self._unpack("<Q")
-        raw = self._data[self._pos : self._pos + length]
-        if len(raw) != length:
-            raise GGUFFormatError(f"{self.path} ends inside a string; is the file complete?")
-        self._pos += length
-        return raw.decode("utf-8", errors="replace")
+        return self._strings(1)[0]
 
     def _strings(self, count: int) -> list[str]:
-        """`count` strings in a row (a tokenizer's ~50k tokens and merges): `_string`'s reading in
-        one loop, without a method call per string."""
+        """`count` strings in a row (a tokenizer's ~50k tokens and merges) in one loop, without a
+        method call per string."""
         data, pos, end = self._data, self._pos, len(self._data)
         unpack, strings = struct.unpack_from, []
         for _ in range(count):
