@@ -130,16 +130,13 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from snugkv.models.registry import UnsupportedArchitectureError
     from snugkv.models.tokenizer import TokenizerUnavailable
     from snugkv.models.weights import WeightLoadError
+    from snugkv.server.sockets import ServerBindError
     from snugkv.sizing.post_capture import SizingError
 
     errors: tuple[type[BaseException], ...] = (
         ConfigError, DefaultModelUnavailable, GGUFError, GGUFFormatError, InvalidEngineArgs, InvalidRequest,
-        ModelLoadError,
+        ModelLoadError, ServerBindError,
         RankFailed, SizingError, TensorParallelError, TokenizerUnavailable, UnsupportedArchitectureError,
         WeightLoadError,
     )  # fmt: skip
-    try:
-        from snugkv.server.launch import ServerBindError
-    except ImportError:  # the server's dependencies are not installed
-        return errors
-    return (*errors, ServerBindError)
+    return errors

@@ -165,6 +165,29 @@ def test_a_start_up_error_is_raised_in_the_servers_process_as_itself(tmp_path):
     assert str(across.value) == str(in_process.value)
 
 
+def test_an_engine_process_spawned_from_flags_refuses_a_bad_flag_as_invalid_engine_args():
+    """`snugkv serve` spawns its engine from the parsed flags before it checks them itself: the
+    engine process checks them first thing and its refusal is raised here as itself."""
+    from snugkv.cli import build_parser
+    from snugkv.driver.engine_start import start_from_flags
+    from snugkv.engine import InvalidEngineArgs
+
+    flags = build_parser().parse_args(["serve", "--dtype", "foo"])
+    started = start_from_flags(flags)
+    with pytest.raises(InvalidEngineArgs, match="--dtype must be one of"):
+        EngineProcess(started)
+    assert not started.process.is_alive()
+
+
+def test_an_engine_process_the_server_never_took_over_is_ended(tiny_args):
+    from snugkv.cli import build_parser
+    from snugkv.driver.engine_start import start_from_flags
+
+    started = start_from_flags(build_parser().parse_args(["serve", "--model", tiny_args.model]))
+    started.stop_unless_adopted()
+    assert not started.process.is_alive()
+
+
 def test_when_the_engine_process_dies_every_stream_ends_with_an_error(tiny_args):
     exits: list[str] = []
     process = EngineProcess(EngineSpec(tiny_args, after_start=slow_steps), on_exit=exits.append)

@@ -14,7 +14,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from snugkv.server.app import create_app
-from snugkv.server.launch import bind_socket, serve
+from snugkv.server.launch import serve
+from snugkv.server.sockets import bind_socket
 from tests.server.conftest import API_KEY, ServerProcess, start_server
 from tests.server.fake_engine import FakeEngine
 from tests.server.serve_for_tests import SHUTDOWN_COMPLETE

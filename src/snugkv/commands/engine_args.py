@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import re
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the engine (and torch) load when a command runs, not to build --help
@@ -28,32 +29,47 @@ def tensor_parallel_size(value: str) -> int:
     return size
 
 
-def device_name(value: str) -> str:
-    """`--device`: cpu, cuda or cuda:N, and for CUDA one this torch build can use here."""
-    import torch
+_DEVICE = re.compile(r"([a-z_]+)(?::(\d+))?")
 
+
+def device_name(value: str) -> str:
+    """`--device`: auto, cpu, cuda or cuda:N, checked as written (no torch import at parse time:
+    `snugkv serve` parses its flags before it spawns the engine process). Whether this machine has
+    that GPU is `check_device`'s question."""
     if value == "auto":
         return value
-    try:
-        device = torch.device(value)
-    except RuntimeError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a device; use cpu, cuda or cuda:N") from None
-    if device.type not in ("cpu", "cuda"):
-        raise argparse.ArgumentTypeError(f"snugkv runs on cpu or cuda (cuda:N), not on {device.type}")
-    if device.type == "cuda":
-        if torch.version.cuda is None:
-            raise argparse.ArgumentTypeError(
-                f"this torch ({torch.__version__}) is built without CUDA; use --device cpu, "
-                "or install a CUDA build of torch"
-            )
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0:
-            raise argparse.ArgumentTypeError("no CUDA GPU is visible to this process; use --device cpu")
-        if device.index is not None and device.index >= count:
-            raise argparse.ArgumentTypeError(
-                f"{value} does not exist: {count} GPU(s) are visible, cuda:0 to cuda:{count - 1}"
-            )
+    match = _DEVICE.fullmatch(value)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a device; use cpu, cuda or cuda:N")
+    kind, index = match.groups()
+    if kind not in ("cpu", "cuda") or (kind == "cpu" and index not in (None, "0")):
+        raise argparse.ArgumentTypeError(f"snugkv runs on cpu or cuda (cuda:N), not on {value}")
     return value
+
+
+def check_device(value: str | None) -> None:
+    """A CUDA `--device` this torch build can use on this machine, else `InvalidEngineArgs` naming
+    the flag."""
+    import torch
+
+    from snugkv.engine.args import InvalidEngineArgs
+
+    if value is None or value == "auto" or not value.startswith("cuda"):
+        return
+    if torch.version.cuda is None:
+        raise InvalidEngineArgs(
+            f"argument --device: this torch ({torch.__version__}) is built without CUDA; use "
+            "--device cpu, or install a CUDA build of torch"
+        )
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        raise InvalidEngineArgs("argument --device: no CUDA GPU is visible to this process; use --device cpu")
+    index = torch.device(value).index
+    if index is not None and index >= count:
+        raise InvalidEngineArgs(
+            f"argument --device: {value} does not exist: {count} GPU(s) are visible, cuda:0 to "
+            f"cuda:{count - 1}"
+        )
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -226,16 +242,17 @@ def engine_args_from(namespace: argparse.Namespace) -> EngineArgs:
     return EngineArgs(**values)
 
 
-def checked_engine_args(namespace: argparse.Namespace) -> EngineArgs:
+def checked_engine_args(namespace: argparse.Namespace, *, warn: bool = True) -> EngineArgs:
     """`engine_args_from`, refused (`InvalidEngineArgs`: one line, exit code 2) as the engine would
     refuse it, before any model is read or process started; one warning per flag the sizing mode
     ignores."""
     from snugkv.models.loader import resolve_device
 
+    check_device(getattr(namespace, "device", None))
     args = engine_args_from(namespace)
     args.validate()
     args.resolved(resolve_device(args.device))
-    for warning in args.ignored_flag_warnings(given_flags(namespace)):
+    for warning in args.ignored_flag_warnings(given_flags(namespace)) if warn else ():
         logger.warning("%s", warning)
     return args
 

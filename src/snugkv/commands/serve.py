@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # the commands import what they run lazily: `snugkv --help` l
 
     from snugkv.distributed.group import TensorParallel
     from snugkv.driver.engine_process import EngineProcess
+    from snugkv.driver.engine_start import StartedEngine
     from snugkv.driver.engine_thread import EngineThread
     from snugkv.engine import Engine
     from snugkv.memory_share.share import MemoryShare
@@ -177,41 +178,35 @@ def _model_name(model: str | None, path: Path) -> str:
 
 
 def build_engine_process(
-    args: argparse.Namespace, on_exit: Callable[[str], None] | None = None
+    args: argparse.Namespace,
+    on_exit: Callable[[str], None] | None = None,
+    started: StartedEngine | None = None,
 ) -> tuple[EngineProcess, str]:
-    """--engine-process: the engine core and its scheduler thread in a child process; returns
-    (client, name)."""
-    from snugkv.driver.engine_process import EngineProcess, EngineSpec
+    """--engine-process: the engine core and its scheduler thread in a child process (`started`, if
+    `run` spawned it already); returns (client, name) once the engine is ready."""
+    from snugkv.driver.engine_process import EngineProcess
+    from snugkv.driver.engine_start import start_from_flags
 
-    root = logging.getLogger()
-    formatter = root.handlers[0].formatter if root.handlers else None
-    spec = EngineSpec(
-        engine_args_from(args),
-        enable_prefix_cache=not args.disable_prefix_cache,
-        log_level=root.level,
-        log_format=getattr(formatter, "_fmt", None),
-        log_datefmt=getattr(formatter, "datefmt", None),
-    )
-    client = EngineProcess(spec, on_exit=on_exit)
+    client = EngineProcess(started or start_from_flags(args), on_exit=on_exit)
     name = args.served_model_name or _model_name(args.model, client.source.path)
     client.model_name = name
     return client, name
 
 
 def run(args: argparse.Namespace) -> int:
-    from snugkv.distributed.launch import device_type_for, launch
     from snugkv.distributed.nodes import NodePlacementError, placement_from
+    from snugkv.driver.engine_start import start_from_flags
+    from snugkv.server.sockets import bind_socket
 
     # The flags as given: replicas get these, not the defaults the checks below fill in (a filled-in
     # --memory-share would read to a replica as given without --kv-elastic).
     given = argparse.Namespace(**vars(args))
-    # Before the port, the engine process or a rank: a bad flag is one line, not a traceback after loading.
-    checked_engine_args(args)
     problem = _api_key_problem(args) or _share_flags_problem(args)
     if problem:
         logger.error("%s", problem)
         return 2
     if getattr(args, "dp_size", 1) > 1:
+        checked_engine_args(args)  # one line for a bad flag, before any replica starts
         from snugkv.commands.serve_replicas import serve_replicas
 
         return serve_replicas(given, _serve_parser(), api_key=api_key_from(args), api_key_env=API_KEY_ENV)
@@ -229,25 +224,34 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         logger.error("%s", problem)
         return 2
-    from snugkv.server.launch import GRACEFUL_SHUTDOWN_S, bind_socket
-
     # Hold the port now, so a taken one fails before the engine starts (listening comes later);
     # only rank 0's host serves HTTP.
     sock = bind_socket(args.host, args.port, listen=False) if nodes.hosts_rank_zero else None
     with sock if sock is not None else contextlib.nullcontext():
-        return int(
-            launch(
-                _serve_rank,
-                args.tp_size,
-                (args,),
-                device_type=device_type_for(args.device),
-                leader_kwargs={"sock": sock},
-                on_helper_failure=_stop_serving,
-                helper_failure_grace_s=GRACEFUL_SHUTDOWN_S + 20,
-                nodes=nodes,
+        # The engine process starts before this process imports torch and the HTTP stack: its
+        # imports, load and capture overlap this process's imports (docs/bench/startup.md).
+        started = start_from_flags(args) if args.engine_process else None
+        try:
+            checked_engine_args(args)  # a bad flag is one line, not a traceback after loading
+            from snugkv.distributed.launch import device_type_for, launch
+            from snugkv.server.launch import GRACEFUL_SHUTDOWN_S
+
+            return int(
+                launch(
+                    _serve_rank,
+                    args.tp_size,
+                    (args,),
+                    device_type=device_type_for(args.device),
+                    leader_kwargs={"sock": sock, "started": started},
+                    on_helper_failure=_stop_serving,
+                    helper_failure_grace_s=GRACEFUL_SHUTDOWN_S + 20,
+                    nodes=nodes,
+                )
+                or 0
             )
-            or 0
-        )
+        finally:
+            if started is not None:
+                started.stop_unless_adopted()
 
 
 def _api_key_problem(args: argparse.Namespace) -> str | None:
@@ -322,8 +326,14 @@ def _stop_serving() -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _serve_rank(tp: TensorParallel, args: argparse.Namespace, sock: socket.socket | None = None) -> int:
-    """Rank 0 serves HTTP on `sock`; with --tp the other ranks follow its scheduler step by step."""
+def _serve_rank(
+    tp: TensorParallel,
+    args: argparse.Namespace,
+    sock: socket.socket | None = None,
+    started: StartedEngine | None = None,
+) -> int:
+    """Rank 0 serves HTTP on `sock` (with the engine process `started`, if `run` spawned it); with
+    --tp the other ranks follow its scheduler step by step."""
     if not tp.is_first_rank:
         return _follow(tp, args)
     from snugkv.server.app import create_app
@@ -346,7 +356,7 @@ def _serve_rank(tp: TensorParallel, args: argparse.Namespace, sock: socket.socke
             return 2
     try:
         if getattr(args, "engine_process", False):
-            client, name = build_engine_process(args, on_exit=_engine_exited)
+            client, name = build_engine_process(args, on_exit=_engine_exited, started=started)
         else:
             with share.holding_others_headroom() if share is not None else contextlib.nullcontext():
                 after = share.started if share is not None else None

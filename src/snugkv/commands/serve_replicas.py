@@ -72,9 +72,9 @@ def serve_replicas(
     """Run `args` (parsed by `serve_parser`) as `--dp` replicas behind the router; the exit code. The
     key reaches the replicas as `api_key_env` in their environment, the router on its command line."""
     from snugkv.distributed.launch import free_port
-    from snugkv.server.launch import bind_socket
     from snugkv.server.replicas import Fleet, FleetSpec, ReplicaSpec
     from snugkv.server.router import RouterOptions, RouterUnavailable, find_router_binary, router_version
+    from snugkv.server.sockets import bind_socket
 
     problem = _fleet_problem(args)
     if problem:

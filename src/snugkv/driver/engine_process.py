@@ -21,6 +21,7 @@ request ends with an error, /health answers 503 and `on_exit` is called.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import concurrent.futures
 import contextlib
@@ -31,18 +32,18 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import pickle
-import signal
-import sys
 import threading
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+from snugkv.commands.engine_args import checked_engine_args
 from snugkv.core.gc_pauses import freeze_startup_objects
 from snugkv.core.outputs import GenerateInput, GenerateOutput
 from snugkv.core.reports import EngineInfo, KvInfo, KvResizeReply, MetricsSnapshot, SleepReply, SleepState
 from snugkv.driver.engine_core import EngineCore, load_tokenizer_or_none
+from snugkv.driver.engine_start import LogSettings, StartedEngine, ignore_stop_signals, spawn
 from snugkv.driver.engine_thread import (
     EngineThread,
     Mailbox,
@@ -102,14 +103,13 @@ class EngineProcess:
     whose engine runs in a child process. Blocks in `__init__` until the engine is ready; a start-up
     error is raised here as the engine raised it."""
 
-    def __init__(self, spec: EngineSpec, *, on_exit: Callable[[str], None] | None = None) -> None:
-        context = multiprocessing.get_context("spawn")
-        self._conn, child_conn = context.Pipe()
-        self._process = context.Process(
-            target=_engine_main, args=(child_conn, spec), name="snugkv-engine", daemon=False
-        )
-        self._process.start()
-        child_conn.close()
+    def __init__(
+        self, spec: EngineSpec | StartedEngine, *, on_exit: Callable[[str], None] | None = None
+    ) -> None:
+        """Spawn the engine process for `spec`, or take over one already spawned (`engine_start`)."""
+        started = spec if isinstance(spec, StartedEngine) else spawn(_engine_main, spec)
+        started.adopted = True
+        self._conn, self._process = started.conn, started.process
         self._send_lock = threading.Lock()
         self._streams: dict[str, tuple[Mailbox, OutputStream]] = {}
         self._streams_lock = threading.Lock()
@@ -473,16 +473,30 @@ def _picklable(exc: BaseException) -> BaseException:
     return exc
 
 
+def engine_main_from_flags(conn: Connection, flags: argparse.Namespace, log: LogSettings) -> None:
+    """The engine process `engine_start.start_from_flags` spawned: check the flags (a bad one is sent
+    back as the error, for the server to say in one line, if the server did not refuse it first),
+    then as `_engine_main`."""
+    try:
+        args = checked_engine_args(flags, warn=False)  # the server warns (it checks them too)
+    except Exception as exc:
+        conn.send(("failed", _picklable(exc)))
+        conn.close()
+        return
+    spec = EngineSpec(
+        args,
+        enable_prefix_cache=not flags.disable_prefix_cache,
+        log_level=log.level,
+        log_format=log.format,
+        log_datefmt=log.datefmt,
+    )
+    _engine_main(conn, spec)
+
+
 def _engine_main(conn: Connection, spec: EngineSpec) -> None:
     """The engine process: build the engine, say "ready" (or send the error), serve the pipe."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server owns shutdown: it sends "stop"
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(
-        level=spec.log_level,
-        format=spec.log_format or "%(asctime)s %(levelname)s %(name)s: %(message)s",
-        datefmt=spec.log_datefmt,
-        stream=sys.stderr,
-    )
+    ignore_stop_signals()
+    LogSettings(spec.log_level, spec.log_format, spec.log_datefmt).configure()  # no-op once configured
     try:
         core = EngineCore.build(
             spec.engine_args,
