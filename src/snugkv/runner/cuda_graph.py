@@ -154,15 +154,21 @@ class DecodeCudaGraphs:
         free_before = torch.cuda.mem_get_info()[0]
         self.memory_pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
-        for batch_size in tqdm(
-            sorted(self.batch_sizes, reverse=True), desc="Capturing decode CUDA graphs", unit="graph"
+        warm_up_s = 0.0
+        for index, batch_size in enumerate(
+            tqdm(sorted(self.batch_sizes, reverse=True), desc="Capturing decode CUDA graphs", unit="graph")
         ):
             forward_batch = self._batch(batch_size)
+            warm_up_started = time.perf_counter()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                for _ in range(2):  # warm-up: lazy init, autotuning, allocator caches
+                # Warm-up: lazy init, compiles and GEMM choices of this size, allocator caches. Once
+                # a size is enough after the first (the largest, which sets the allocator's blocks).
+                for _ in range(2 if index == 0 else 1):
                     self.forward(forward_batch)
             torch.cuda.current_stream().wait_stream(stream)
+            torch.cuda.current_stream().synchronize()
+            warm_up_s += time.perf_counter() - warm_up_started
             graph = torch.cuda.CUDAGraph()
             release_cublas_workspaces()  # the graph's workspace comes from its pool
             with torch.cuda.graph(graph, pool=self.memory_pool, stream=stream):
@@ -174,11 +180,13 @@ class DecodeCudaGraphs:
         release_cublas_workspaces()
         used_gib = (free_before - torch.cuda.mem_get_info()[0]) / 2**30
         logger.info(
-            "Captured %d decode CUDA graphs (batch sizes %d..%d) in %.1f s, %.2f GiB",
+            "Captured %d decode CUDA graphs (batch sizes %d..%d) in %.1f s (%.1f s of it warm-up "
+            "forwards), %.2f GiB",
             len(self.graphs),
             self.batch_sizes[0],
             self.max_batch_size,
             time.perf_counter() - started,
+            warm_up_s,
             used_gib,
         )
 
