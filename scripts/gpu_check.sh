@@ -182,6 +182,20 @@ for s in $STEPS; do
           2>&1 | grep -E 'WARNING|graph: max|^\{|passed|failed' | tail -8
       done 2>&1 | tee "$OUT/fp8_graphs.txt"
       ;;
+    seed)  # the seed test through a real server on each MoE shape (scripts/seed_check.py): sizing line =
+      # /server_info, the ledger within 128 MiB, 256 requests at 2x the KV cache in demand with no OOM, the
+      # minimum free memory under that load. DeepSeek-V2-Lite's MLA cache holds millions of tokens: its
+      # cache is capped (SEED_CAP_TOKENS) so that 2x its demand is prefilled within the call.
+      step "seed"
+      timeout "${SEED_TIMEOUT:-420}" python3 scripts/seed_check.py --out "$OUT/seed" \
+        --shapes ${SEED_SHAPES:-qwen3-30b-a3b mixtral-8x7b} ${ARGS_seed:-} 2>&1 | tee "$OUT/seed.log" | grep -v "^Capturing" || status=1
+      pack
+      if [ -n "${SEED_CAPPED_SHAPES-deepseek-v2-lite}" ]; then
+        timeout "${SEED_TIMEOUT:-420}" python3 scripts/seed_check.py --out "$OUT/seed-capped" \
+          --shapes ${SEED_CAPPED_SHAPES-deepseek-v2-lite} --extra-args "--max-total-tokens ${SEED_CAP_TOKENS:-524288}" \
+          2>&1 | tee "$OUT/seed-capped.log" | grep -v "^Capturing" || status=1
+      fi
+      ;;
     pressure)  # another process takes memory below the headroom while an 8B shape serves (scripts/pressure_check.py)
       step "pressure"
       timeout "${BENCH_TIMEOUT:-400}" python3 scripts/pressure_check.py --out "$OUT/pressure" ${ARGS_pressure:-} \
