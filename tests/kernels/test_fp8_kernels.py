@@ -17,6 +17,7 @@ from snugkv.kernels.fp8_gemm import (
     fp8_linear_triton,
 )
 from snugkv.kernels.fp8_quant import quantize_fp8_activation_reference, quantize_fp8_activation_triton
+from snugkv.kernels.fp8_small_gemm import fp8_linear_weight_only_reference
 from snugkv.layers.quantization import ActivationScales, Fp8Scheme, WeightScales, quantize_weight
 from tests.kernels.kernel_cases import DEVICE, generator, randn, same_bits
 
@@ -194,7 +195,9 @@ def test_fp8_gemv_for_one_row_equals_the_reference(act):
 def test_the_chooser_keeps_the_fastest_candidate_that_agrees_and_drops_a_wrong_one(monkeypatch):
     """The choice per shape and batch bucket, on any device: timings stubbed (CUDA events need a
     GPU), one candidate made wrong on purpose, one made to raise, one that gives other bits when
-    run again (a racy split-K would), and a weight-only one checked against its own reference."""
+    run again (a racy split-K would), and a weight-only one checked against its own reference. The
+    first bucket has a weight-only candidate, so only it is timed (one rounding up to 16 rows); the
+    W8A8 fakes are timed where it is made wrong."""
     from snugkv.distributed.group import TensorParallel
     from snugkv.layers import fp8_gemm_candidates as listed
     from snugkv.layers import fp8_gemm_choice as choice
@@ -240,17 +243,22 @@ def test_the_chooser_keeps_the_fastest_candidate_that_agrees_and_drops_a_wrong_o
     x = randn(generator(21), 3, 256, dtype=torch.bfloat16)
     out = layer(x)
     (row,) = choice.measurements()
-    assert row["chosen"] == fake[4].label
+    assert row["chosen"] == fake[5].label  # slower than fake[4], but the bucket's rounding is weight-only
     assert (row["wrong"], row["broken"], row["unstable"]) == ("wrong", "unavailable", "wrong")
     assert row[fake[5].label] == 3.0  # the weight-only one agreed with the weight-only reference
-    assert timed_labels == [[fake[0].label, fake[4].label, fake[5].label]]
+    assert timed_labels == [[fake[5].label]]
     assert (row["n"], row["k"], row["rows"]) == (192, 256, 3)
-    expected = fp8_linear_reference(x, layer.weight, layer.weight_scale, act="token")
+    expected = fp8_linear_weight_only_reference(x, layer.weight, layer.weight_scale)
     torch.testing.assert_close(out.float(), expected.float(), rtol=8e-3, atol=1e-2)
     layer(randn(generator(22), 4, 256, dtype=torch.bfloat16))  # the same bucket (4): no new measurement
     assert len(choice.measurements()) == 1 and len(timed_labels) == 1
-    layer(randn(generator(23), 5, 256, dtype=torch.bfloat16))  # bucket 8: measured once more
-    assert len(choice.measurements()) == 2
+    fake[5] = listed.Candidate(fake[5].label, "triton", wrong, "float")  # no weight-only runs bucket 8
+    x = randn(generator(23), 5, 256, dtype=torch.bfloat16)
+    out = layer(x)  # bucket 8: measured once more, the fastest W8A8 one kept
+    assert len(choice.measurements()) == 2 and choice.measurements()[1]["chosen"] == fake[4].label
+    assert timed_labels[1] == [fake[0].label, fake[4].label]
+    expected = fp8_linear_reference(x, layer.weight, layer.weight_scale, act="token")
+    torch.testing.assert_close(out.float(), expected.float(), rtol=8e-3, atol=1e-2)
     assert choice.summary()["keys"] == 2
 
 

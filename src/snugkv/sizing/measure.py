@@ -40,6 +40,7 @@ def settle(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
+        _KEPT_UNUSED_BYTES[_device_key(device)] = _reserved_unused_bytes(device)
 
 
 def device_memory(device: torch.device) -> tuple[int, int]:
@@ -157,10 +158,30 @@ def shared_device_free_bytes(device: torch.device) -> int | None:
     return None if shared is None else shared.free_bytes()
 
 
+# Per device: the blocks torch's allocator holds unused right after the last `settle`, i.e. those
+# emptying the cache cannot hand back. They are the CUDA graphs' private pools, whose free blocks
+# only their graphs' replays use (decode graphs up to batch 256 of the Mixtral-8x7B shape: enough
+# that counting them as free made memory pressure try to grow the KV cache by 1 GiB into memory the
+# driver did not have, H200 at 69b276b), and partly used segments. Neither is memory a KV grow can
+# back, so `cached_unused_bytes` counts only what is unused beyond them.
+_KEPT_UNUSED_BYTES: dict[tuple[str, int], int] = {}
+
+
+def _device_key(device: torch.device) -> tuple[str, int]:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return device.type, int(index)
+
+
+def _reserved_unused_bytes(device: torch.device) -> int:
+    return max(int(torch.cuda.memory_reserved(device)) - int(torch.cuda.memory_allocated(device)), 0)
+
+
 def cached_unused_bytes(device: torch.device) -> int:
     """Bytes torch's caching allocator holds that no tensor uses (between steps: the activations of
-    the last one). They are free for this process's next step, so they count toward its own
-    headroom; reading the counters needs no synchronization (0 off CUDA)."""
+    the last one), beyond what it held unused after the last `settle` (the graphs' private pools).
+    They are free for this process's next step, so they count toward its own headroom; reading the
+    counters needs no synchronization (0 off CUDA)."""
     if device.type != "cuda":
         return 0
-    return max(int(torch.cuda.memory_reserved(device)) - int(torch.cuda.memory_allocated(device)), 0)
+    kept = _KEPT_UNUSED_BYTES.get(_device_key(device), 0)
+    return max(_reserved_unused_bytes(device) - kept, 0)
