@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from startup_check import REPO, ServerLog, free_port, http, shape_dir, stop, wait_healthy
+from startup_check import Server, http, shape_dir, wait_healthy
 
 SIZING_LINE = re.compile(r"Post-capture KV sizing: max_total_num_tokens=(\d+)")
 OOM_TEXT = ("OutOfMemoryError", "out of memory", "CUDA_ERROR_OUT_OF_MEMORY")
@@ -126,22 +126,11 @@ def idle_slots(url: str, timeout_s: float = 30.0) -> dict[str, Any]:
 
 def check_shape(name: str, out: Path, args: argparse.Namespace, extra_args: list[str]) -> dict[str, Any]:
     config = shape_dir(name)
-    label = config.stem if config.is_file() else config.name
     vocab = int(json.loads((config / "config.json").read_text())["vocab_size"])
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    command = [
-        sys.executable, "-m", "snugkv", "serve", "--model", str(config), "--load-format", "dummy",
-        "--port", str(port), *extra_args,
-    ]  # fmt: skip
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(REPO / "src"), env.get("PYTHONPATH"))))
-    result: dict[str, Any] = {"shape": label, "command": shlex.join(command), "problems": []}
+    server = Server.start(config, extra_args, out, "seed")
+    url, process, spawned, log = server.url, server.process, server.spawned, server.log
+    result: dict[str, Any] = {"shape": server.label, "command": shlex.join(server.command), "problems": []}
     problems: list[str] = result["problems"]
-    spawned = time.monotonic()
-    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    log = ServerLog(out / f"seed-{label}.log", spawned)
-    reader = log.follow(process.stdout)
     try:
         result["healthy_after_s"] = round(wait_healthy(url, process, spawned, args.timeout), 3)
         _, info = http(f"{url}/server_info")
@@ -176,7 +165,9 @@ def check_shape(name: str, out: Path, args: argparse.Namespace, extra_args: list
         result.update(statuses=statuses, full_answers=full)
         if full != len(answers):
             problems.append(f"{len(answers) - full} of {len(answers)} answers were not 200 with all tokens")
-            result["first_failure"] = next(a for a in answers if a.get("completion_tokens") != args.max_tokens)
+            result["first_failure"] = next(
+                a for a in answers if a.get("completion_tokens") != args.max_tokens
+            )
         result["slots_after"] = idle_slots(url)
         if not result["slots_after"].get("ok"):
             problems.append(f"the idle slot check after the load: {result['slots_after']}")
@@ -185,8 +176,7 @@ def check_shape(name: str, out: Path, args: argparse.Namespace, extra_args: list
     except Exception as exc:
         problems.append(f"{type(exc).__name__}: {exc}\n{log.tail()}")
     finally:
-        result["stop"] = stop(process)
-        reader.join(timeout=10)
+        result["stop"] = server.stop()
     oom = [line for _, line in log.lines if any(text in line for text in OOM_TEXT)]
     if oom:
         problems.append(f"out of memory in the server's log: {oom[0][:300]}")

@@ -171,24 +171,54 @@ def breakdown(total_s: float, engine_start_s: float, timings: dict[str, float]) 
     return {key: round(value, 3) for key, value in phases.items()}
 
 
+@dataclass
+class Server:
+    """A `snugkv serve` of a shape with random weights on a free port, its output followed."""
+
+    label: str
+    url: str
+    command: list[str]
+    process: subprocess.Popen[bytes]
+    spawned: float
+    log: ServerLog
+    reader: threading.Thread
+
+    @classmethod
+    def start(cls, config: Path, extra_args: list[str], log_dir: Path, log_prefix: str) -> Server:
+        label = config.stem if config.is_file() else config.name
+        port = free_port()
+        command = [
+            sys.executable, "-m", "snugkv", "serve", "--model", str(config), "--load-format", "dummy",
+            "--port", str(port), *extra_args,
+        ]  # fmt: skip
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(REPO / "src"), env.get("PYTHONPATH"))))
+        spawned = time.monotonic()
+        process = subprocess.Popen(
+            command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        )
+        log = ServerLog(log_dir / f"{log_prefix}-{label}.log", spawned)
+        return cls(
+            label, f"http://127.0.0.1:{port}", command, process, spawned, log, log.follow(process.stdout)
+        )
+
+    def stop(self) -> dict[str, Any]:
+        stopped = stop(self.process)
+        self.reader.join(timeout=10)
+        return stopped
+
+
 def check_shape(name: str, out: Path, extra_args: list[str], timeout_s: float) -> dict[str, Any]:
     """Start, time, query, request and stop one server; the shape's entry of startup.json."""
     config = shape_dir(name)
-    label = config.stem if config.is_file() else config.name
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    command = [
-        sys.executable, "-m", "snugkv", "serve", "--model", str(config), "--load-format", "dummy",
-        "--port", str(port), *extra_args,
-    ]  # fmt: skip
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(REPO / "src"), env.get("PYTHONPATH"))))
-    result: dict[str, Any] = {"shape": label, "config": str(config), "command": shlex.join(command)}
-    spawned = time.monotonic()
-    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    log = ServerLog(out / f"startup-{label}.log", spawned)
+    server = Server.start(config, extra_args, out, "startup")
+    url, process, spawned, log = server.url, server.process, server.spawned, server.log
+    result: dict[str, Any] = {
+        "shape": server.label,
+        "config": str(config),
+        "command": shlex.join(server.command),
+    }
     result["log"] = str(log.path)
-    reader = log.follow(process.stdout)
     try:
         total_s = wait_healthy(url, process, spawned, timeout_s)
         status, info = http(f"{url}/server_info")
@@ -217,8 +247,7 @@ def check_shape(name: str, out: Path, extra_args: list[str], timeout_s: float) -
     except Exception as exc:
         result["error"] = f"{exc}\n{log.tail()}"
     finally:
-        result["stop"] = stop(process)
-        reader.join(timeout=10)
+        result["stop"] = server.stop()
     ok = "error" not in result and result["request"]["status"] == 200 and result["stop"]["exit_code"] == 0
     result["ok"] = ok
     return result

@@ -14,7 +14,7 @@ from snugkv.cli import main
 @pytest.fixture()
 def started(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     """What `serve` would have started: create_app's keyword arguments."""
-    import snugkv.driver.engine_start
+    import snugkv.commands.engine_spawn
     import snugkv.server.app
     import snugkv.server.launch
     from snugkv.commands import serve
@@ -32,7 +32,7 @@ def started(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
         serve, "build_engine_thread", lambda args, metrics, tp, **hooks: (NoEngine(), "model")
     )
     monkeypatch.setattr(serve, "build_engine_process", lambda args, **hooks: (NoEngine(), "model"))
-    monkeypatch.setattr(snugkv.driver.engine_start, "start_from_flags", lambda args: NotStarted())
+    monkeypatch.setattr(snugkv.commands.engine_spawn, "start_from_flags", lambda args: NotStarted())
     monkeypatch.setattr(snugkv.server.app, "create_app", lambda engine, **kwargs: seen.update(kwargs))
     monkeypatch.setattr(snugkv.server.launch, "serve", lambda app, **kwargs: None)
     monkeypatch.delenv("SNUGKV_API_KEY", raising=False)

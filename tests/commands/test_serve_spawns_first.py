@@ -12,7 +12,7 @@ import textwrap
 PROBE = textwrap.dedent(
     """
     import json, sys
-    import snugkv.driver.engine_start as engine_start
+    import snugkv.commands.engine_spawn as engine_spawn
 
     class Probe(SystemExit):
         pass
@@ -22,7 +22,7 @@ PROBE = textwrap.dedent(
         print(json.dumps({"loaded": loaded, "device": flags.device, "port": flags.port}))
         raise Probe(0)
 
-    engine_start.start_from_flags = probe
+    engine_spawn.start_from_flags = probe
     from snugkv.cli import main
     sys.exit(main(sys.argv[1:]))
     """

@@ -169,7 +169,7 @@ def test_an_engine_process_spawned_from_flags_refuses_a_bad_flag_as_invalid_engi
     """`snugkv serve` spawns its engine from the parsed flags before it checks them itself: the
     engine process checks them first thing and its refusal is raised here as itself."""
     from snugkv.cli import build_parser
-    from snugkv.driver.engine_start import start_from_flags
+    from snugkv.commands.engine_spawn import start_from_flags
     from snugkv.engine import InvalidEngineArgs
 
     flags = build_parser().parse_args(["serve", "--dtype", "foo"])
@@ -181,7 +181,7 @@ def test_an_engine_process_spawned_from_flags_refuses_a_bad_flag_as_invalid_engi
 
 def test_an_engine_process_the_server_never_took_over_is_ended(tiny_args):
     from snugkv.cli import build_parser
-    from snugkv.driver.engine_start import start_from_flags
+    from snugkv.commands.engine_spawn import start_from_flags
 
     started = start_from_flags(build_parser().parse_args(["serve", "--model", tiny_args.model]))
     started.stop_unless_adopted()

@@ -184,8 +184,8 @@ def build_engine_process(
 ) -> tuple[EngineProcess, str]:
     """--engine-process: the engine core and its scheduler thread in a child process (`started`, if
     `run` spawned it already); returns (client, name) once the engine is ready."""
+    from snugkv.commands.engine_spawn import start_from_flags
     from snugkv.driver.engine_process import EngineProcess
-    from snugkv.driver.engine_start import start_from_flags
 
     client = EngineProcess(started or start_from_flags(args), on_exit=on_exit)
     name = args.served_model_name or _model_name(args.model, client.source.path)
@@ -194,8 +194,8 @@ def build_engine_process(
 
 
 def run(args: argparse.Namespace) -> int:
+    from snugkv.commands.engine_spawn import start_from_flags
     from snugkv.distributed.nodes import NodePlacementError, placement_from
-    from snugkv.driver.engine_start import start_from_flags
     from snugkv.server.sockets import bind_socket
 
     # The flags as given: replicas get these, not the defaults the checks below fill in (a filled-in

@@ -21,7 +21,6 @@ request ends with an error, /health answers 503 and `on_exit` is called.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import concurrent.futures
 import contextlib
@@ -38,7 +37,6 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from snugkv.commands.engine_args import checked_engine_args
 from snugkv.core.gc_pauses import freeze_startup_objects
 from snugkv.core.outputs import GenerateInput, GenerateOutput
 from snugkv.core.reports import EngineInfo, KvInfo, KvResizeReply, MetricsSnapshot, SleepReply, SleepState
@@ -107,7 +105,7 @@ class EngineProcess:
         self, spec: EngineSpec | StartedEngine, *, on_exit: Callable[[str], None] | None = None
     ) -> None:
         """Spawn the engine process for `spec`, or take over one already spawned (`engine_start`)."""
-        started = spec if isinstance(spec, StartedEngine) else spawn(_engine_main, spec)
+        started = spec if isinstance(spec, StartedEngine) else spawn(engine_main, spec)
         started.adopted = True
         self._conn, self._process = started.conn, started.process
         self._send_lock = threading.Lock()
@@ -473,27 +471,13 @@ def _picklable(exc: BaseException) -> BaseException:
     return exc
 
 
-def engine_main_from_flags(conn: Connection, flags: argparse.Namespace, log: LogSettings) -> None:
-    """The engine process `engine_start.start_from_flags` spawned: check the flags (a bad one is sent
-    back as the error, for the server to say in one line, if the server did not refuse it first),
-    then as `_engine_main`."""
-    try:
-        args = checked_engine_args(flags, warn=False)  # the server warns (it checks them too)
-    except Exception as exc:
-        conn.send(("failed", _picklable(exc)))
-        conn.close()
-        return
-    spec = EngineSpec(
-        args,
-        enable_prefix_cache=not flags.disable_prefix_cache,
-        log_level=log.level,
-        log_format=log.format,
-        log_datefmt=log.datefmt,
-    )
-    _engine_main(conn, spec)
+def send_start_failure(conn: Connection, exc: Exception) -> None:
+    """Instead of "ready": the start-up error, for `EngineProcess` to raise as itself; closes the pipe."""
+    conn.send(("failed", _picklable(exc)))
+    conn.close()
 
 
-def _engine_main(conn: Connection, spec: EngineSpec) -> None:
+def engine_main(conn: Connection, spec: EngineSpec) -> None:
     """The engine process: build the engine, say "ready" (or send the error), serve the pipe."""
     ignore_stop_signals()
     LogSettings(spec.log_level, spec.log_format, spec.log_datefmt).configure()  # no-op once configured
@@ -506,8 +490,7 @@ def _engine_main(conn: Connection, spec: EngineSpec) -> None:
         )
     except Exception as exc:  # raised again in the server's process, which says it to the user
         logger.debug("the engine did not start", exc_info=True)
-        conn.send(("failed", _picklable(exc)))
-        conn.close()
+        send_start_failure(conn, exc)
         return
     engine = core.engine
     engine_thread = EngineThread(core, model_name=engine.loaded.source.path.stem)

@@ -1,16 +1,12 @@
-"""Spawning the engine process, with nothing heavy imported: `snugkv serve` starts its engine process
-from its flags before it imports torch or the HTTP stack itself, so that the engine's imports, load and
-capture run while the server process imports what it serves with (docs/bench/startup.md). The server
-then hands the `StartedEngine` to `EngineProcess`, which waits for "ready".
-
-The server checks the flags (`checked_engine_args`, which imports torch) while the engine process
-imports; a bad one is one line and the engine process is killed. The engine process checks them too,
-first thing, and sends a refusal back as its start-up error.
+"""Spawning the engine process, with nothing heavy imported (no torch, no engine, no HTTP stack):
+`EngineProcess` spawns through it, and `snugkv serve` (commands/engine_spawn.py) spawns its engine
+process from its flags before it imports torch or the HTTP stack itself, so that the engine's
+imports, load and capture run while the server process imports what it serves with
+(docs/bench/startup.md). `EngineProcess` then takes the `StartedEngine` over and waits for "ready".
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import multiprocessing
 import signal
@@ -73,21 +69,7 @@ def spawn(target: Callable[..., None], *args: Any) -> StartedEngine:
     return StartedEngine(process, conn)
 
 
-def start_from_flags(flags: argparse.Namespace) -> StartedEngine:
-    """The engine process for `snugkv serve`'s flags (tensor parallel 1), spawned now."""
-    values = {name: value for name, value in vars(flags).items() if not callable(value)}
-    return spawn(_engine_main_from_flags, argparse.Namespace(**values), LogSettings.of_root())
-
-
 def ignore_stop_signals() -> None:
     """The server owns shutdown: it sends "stop" (and Ctrl-C in a terminal reaches both processes)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-
-
-def _engine_main_from_flags(conn: Connection, flags: argparse.Namespace, log: LogSettings) -> None:
-    ignore_stop_signals()  # before the imports: a Ctrl-C during them is the server's to handle
-    log.configure()
-    from snugkv.driver.engine_process import engine_main_from_flags
-
-    engine_main_from_flags(conn, flags, log)
