@@ -33,7 +33,7 @@ import multiprocessing.connection
 import pickle
 import threading
 from collections.abc import AsyncGenerator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -91,9 +91,7 @@ class EngineSpec:
     after_start: Callable[[Engine], None] | None = None
     # Detokenize with this model's tokenizer (a `ModelSource`) instead of the engine's model's own.
     tokenizer_source: ModelSource | None = None
-    log_level: int = logging.INFO
-    log_format: str | None = None
-    log_datefmt: str | None = None
+    log: LogSettings = field(default_factory=LogSettings)  # the server's (`LogSettings.of_root()`)
 
 
 class EngineProcess:
@@ -480,7 +478,7 @@ def send_start_failure(conn: Connection, exc: Exception) -> None:
 def engine_main(conn: Connection, spec: EngineSpec) -> None:
     """The engine process: build the engine, say "ready" (or send the error), serve the pipe."""
     ignore_stop_signals()
-    LogSettings(spec.log_level, spec.log_format, spec.log_datefmt).configure()  # no-op once configured
+    spec.log.configure()  # a no-op when `commands/engine_spawn` configured it already
     try:
         core = EngineCore.build(
             spec.engine_args,
