@@ -7,7 +7,7 @@ import gc
 import pytest
 import torch
 
-from snugkv.memory.arena import ArenaClosedError, KvArena
+from snugkv.memory.arena import SHRINK_EXCESS_BYTES, ArenaClosedError, KvArena, auto_chunk_bytes
 from snugkv.memory.layout import BufferLayout, KVLayout
 from snugkv.memory.vmm import MIB, CommitError
 from snugkv.memory.vmm_host import HostVmm
@@ -31,16 +31,18 @@ def test_buffers_sit_at_granularity_aligned_offsets():
     assert second.offset % (2 * MIB) == 0 and second.offset >= first.reserved_bytes
 
 
-def test_commit_grows_with_one_extension_and_shrinks_back():
+def test_commit_grows_with_one_extension_and_shrinks_back_by_whole_extensions():
     arena = make_arena()
     buffer = arena.add_buffer(k_layout(), 100_000)
     arena.commit({"k": 3 * MIB})
     assert buffer.committed_bytes == 4 * MIB and len(buffer.extensions) == 1
     arena.commit({"k": 20 * MIB})
     assert buffer.committed_bytes == 20 * MIB and len(buffer.extensions) == 2
-    arena.commit({"k": 6 * MIB})
-    assert buffer.committed_bytes == 6 * MIB
-    assert arena.vmm.committed_bytes == 6 * MIB
+    arena.commit({"k": 6 * MIB})  # falls in the second extension (4-20 MiB): it stays whole
+    assert buffer.committed_bytes == 20 * MIB
+    arena.commit({"k": 4 * MIB})  # the second lies wholly above: it goes
+    assert buffer.committed_bytes == 4 * MIB
+    assert arena.vmm.committed_bytes == 4 * MIB
 
 
 def test_failed_commit_rolls_back_every_buffer_of_the_call():
@@ -181,42 +183,56 @@ def test_growth_commits_extensions_of_at_most_one_chunk_cut_at_chunk_multiples()
     assert arena.vmm.committed_bytes == 14 * MIB
 
 
-def test_shrink_keeps_every_byte_below_the_new_end_and_gives_the_rest_back():
+def test_shrink_keeps_every_byte_below_the_new_end_and_gives_whole_extensions_back():
     arena = chunked_arena(chunk_mib=4)
     arena.add_buffer(k_layout("a"), 100_000)
     arena.add_buffer(k_layout("b"), 100_000)
     arena.commit({"a": 14 * MIB, "b": 10 * MIB})
     a_pattern, b_pattern = fill_pattern(arena, "a", 14 * MIB), fill_pattern(arena, "b", 10 * MIB)
-    arena.commit({"a": 6 * MIB + 1, "b": 2 * MIB})  # a: split inside its second chunk; b: a whole chunk kept
+    assert arena.backing_bytes("a", 6 * MIB + 1) == 8 * MIB  # what the commit below will keep
+    arena.commit({"a": 6 * MIB + 1, "b": 2 * MIB})  # a: ends inside its second chunk; b: inside its first
     a, b = arena.buffers
-    assert a.committed_bytes == 8 * MIB and b.committed_bytes == 2 * MIB  # target rounded up to a granule
-    assert arena.vmm.committed_bytes == 10 * MIB
+    assert a.committed_bytes == 8 * MIB and b.committed_bytes == 4 * MIB  # the extensions they fall in
+    assert arena.vmm.committed_bytes == 12 * MIB
     assert torch.equal(read_bytes(arena, "a", 8 * MIB), a_pattern[: 8 * MIB])
-    assert torch.equal(read_bytes(arena, "b", 2 * MIB), b_pattern[: 2 * MIB])
-    arena.commit({"a": 12 * MIB, "b": 10 * MIB})  # grows again after a split, chunks still bounded
+    assert torch.equal(read_bytes(arena, "b", 4 * MIB), b_pattern[: 4 * MIB])
+    arena.commit({"a": 12 * MIB, "b": 10 * MIB})  # grows again, chunks still bounded
     assert max(extension.size_bytes for extension in a.extensions) <= 4 * MIB
     assert torch.equal(read_bytes(arena, "a", 8 * MIB), a_pattern[: 8 * MIB])
 
 
-def test_a_shrink_without_room_for_the_split_keeps_the_straddling_extension_whole():
-    arena = chunked_arena(chunk_mib=8, capacity_bytes=16 * MIB)
+def test_a_shrink_on_a_full_backend_gives_memory_back_without_asking_for_any():
+    arena = chunked_arena(chunk_mib=2, capacity_bytes=16 * MIB)
     buffer = arena.add_buffer(k_layout(), 100_000)
-    arena.commit({"k": 16 * MIB})  # the backend is full
+    arena.commit({"k": 16 * MIB})  # the backend is full: nothing could be committed for a moment
     pattern = fill_pattern(arena, "k", 16 * MIB)
-    arena.commit({"k": 10 * MIB})  # drops nothing whole; the split needs 2 MiB it cannot get
-    assert buffer.committed_bytes == 16 * MIB
-    assert torch.equal(read_bytes(arena, "k", 16 * MIB), pattern)
-    arena.commit({"k": 6 * MIB})  # the top chunk goes whole, which makes room to split the next
-    assert buffer.committed_bytes == 6 * MIB and arena.vmm.committed_bytes == 6 * MIB
-    assert torch.equal(read_bytes(arena, "k", 6 * MIB), pattern[: 6 * MIB])
+    arena.commit({"k": 10 * MIB - 1})
+    assert buffer.committed_bytes == 10 * MIB and arena.vmm.committed_bytes == 10 * MIB
+    assert torch.equal(read_bytes(arena, "k", 10 * MIB), pattern[: 10 * MIB])
 
 
-def test_close_releases_the_scratch_range_too():
-    arena = chunked_arena()
+def test_backing_bytes_of_a_grow_is_the_target_rounded_to_a_granule():
+    arena = chunked_arena(chunk_mib=4)
     arena.add_buffer(k_layout(), 100_000)
-    arena.commit({"k": 8 * MIB})
-    arena.commit({"k": 5 * MIB})  # splits the second chunk through the scratch range
-    assert arena._scratch_address is not None
-    gc.collect()
-    arena.close()
-    assert arena.vmm.committed_bytes == 0
+    arena.commit({"k": 6 * MIB})
+    assert arena.backing_bytes("k", 6 * MIB) == 6 * MIB
+    assert arena.backing_bytes("k", 9 * MIB) == 10 * MIB
+    assert arena.backing_bytes("k", 5 * MIB) == 6 * MIB  # inside the 4-6 MiB extension a grow made
+    assert arena.backing_bytes("k", 4 * MIB) == 4 * MIB and arena.backing_bytes("k", 0) == 0
+
+
+@pytest.mark.parametrize("num_buffers", [1, 2, 27, 64, 96, 300])
+def test_auto_chunk_keeps_a_shrink_within_512_mib_of_its_target(num_buffers):
+    granule = 2 * MIB
+    chunk = auto_chunk_bytes(num_buffers, granule)
+    assert chunk % granule == 0 and chunk >= granule
+    if num_buffers * granule <= SHRINK_EXCESS_BYTES:
+        assert num_buffers * chunk <= SHRINK_EXCESS_BYTES
+        assert num_buffers * (chunk + granule) > SHRINK_EXCESS_BYTES  # the largest that does
+
+
+def test_auto_chunk_keeps_a_small_arenas_shrink_within_a_32nd_of_it():
+    page = 4096
+    assert auto_chunk_bytes(60, page, 64 * MIB) == 2 * MIB // 60 // page * page  # 2 MiB over 60 buffers
+    assert auto_chunk_bytes(60, page, 1 << 40) == auto_chunk_bytes(60, page)  # a large one: 512 MiB
+    assert auto_chunk_bytes(60, page, 1 * MIB) == page  # at least one granule

@@ -7,7 +7,7 @@ import gc
 import pytest
 import torch
 
-from snugkv.memory.arena import KvArena
+from snugkv.memory.arena import SHRINK_EXCESS_BYTES, KvArena, auto_chunk_bytes
 from snugkv.memory.kv_pool import KVPoolSpec, MHAKVPool
 from snugkv.memory.vmm import GIB, MIB, CommitError
 from snugkv.memory.vmm_factory import create_vmm
@@ -38,7 +38,8 @@ def test_reserving_256_gib_leaves_free_memory_unchanged(vmm):
 
 
 def make_pool(vmm, mode: str, layout: str = "nhd", page_size: int = 1) -> MHAKVPool:
-    arena = KvArena(vmm, 256 * GIB, label="cuda-test")
+    chunk = auto_chunk_bytes(64, vmm.granularity_bytes)  # what a pool that makes its arena picks
+    arena = KvArena(vmm, 256 * GIB, label="cuda-test", chunk_bytes=chunk)
     return MHAKVPool(
         KVPoolSpec.of(dtype="bfloat16", page_size=page_size, layout=layout, device="cuda", mode=mode),
         reserved_tokens=400_000,
@@ -146,26 +147,9 @@ def test_fp8_pool_on_gpu_round_trips_e4m3_values(vmm):
     pool.arena.close()
 
 
-def test_remap_keeps_the_contents_of_a_gpu_extension(vmm):
-    base = vmm.reserve(8 * vmm.granularity_bytes)
-    size = 2 * vmm.granularity_bytes
-    extension = vmm.commit(base + 4 * vmm.granularity_bytes, size)
-    from snugkv.memory.views import byte_view
-
-    source = byte_view(extension.address, size, torch.device("cuda"), owner=vmm, on_release=lambda: None)
-    source.copy_(torch.arange(size, device="cuda").to(torch.uint8))
-    del source
-    torch.cuda.synchronize()
-    moved = vmm.remap(extension, base)
-    view = byte_view(base, size, torch.device("cuda"), owner=vmm, on_release=lambda: None)
-    assert torch.equal(view, torch.arange(size, device="cuda").to(torch.uint8))
-    del view
-    vmm.decommit(moved)
-    vmm.release(base, 8 * vmm.granularity_bytes)
-
-
 def test_a_pool_shrink_frees_the_decommitted_bytes_and_keeps_the_rest_bit_for_bit(vmm):
-    """Device free memory moves by the resized bytes, within one granule per buffer."""
+    """Device free memory moves by the committed bytes, which are what `backing_bytes` said: a
+    shrink keeps each buffer's extension its end falls in (at most 512 MiB in all more than asked)."""
     pool = make_pool(vmm, "post-capture")
     pool.ensure_prefix()
     pool.finalize_backing(300_000)
@@ -174,13 +158,58 @@ def test_a_pool_shrink_frees_the_decommitted_bytes_and_keeps_the_rest_bit_for_bi
     pool.set_kv(7, loc, k, k * 2)
     granule, buffers = vmm.granularity_bytes, 64
     for tokens in (150_001, 100_000, 250_000, 100_000):
-        before, committed = free_bytes(), pool.committed_bytes
+        before, committed, expected = free_bytes(), pool.committed_bytes, pool.backing_bytes(tokens)
         pool.finalize_backing(tokens)
         moved = pool.committed_bytes - committed
+        assert pool.committed_bytes == expected
         assert abs((before - free_bytes()) - moved) <= buffers * granule, tokens
-        assert 0 <= pool.committed_bytes - pool.bytes_for_tokens(tokens) < buffers * granule
+        assert 0 <= pool.committed_bytes - pool.bytes_for_tokens(tokens) <= SHRINK_EXCESS_BYTES
         key, value = pool.get_kv_buffer(7)
         assert torch.equal(key[1:100_001], k) and torch.equal(value[1:100_001], k * 2)
         del key, value
+    pool.close()
+    pool.arena.close()
+
+
+def test_many_small_extensions_map_with_one_access_call_and_hold_what_is_written(vmm):
+    """A grow cut into 2 MiB pieces (one cuMemSetAccess over all of them) is readable and writable
+    end to end, and gives every byte back."""
+    arena = KvArena(vmm, 256 * MIB, label="pieces", chunk_bytes=vmm.granularity_bytes)
+    from snugkv.memory.layout import BufferLayout
+
+    buffer = arena.add_buffer(BufferLayout("k", torch.uint8, (), page_size=1), 128 * MIB)
+    before = free_bytes()
+    arena.commit({"k": 128 * MIB})
+    assert len(buffer.extensions) == 128 * MIB // vmm.granularity_bytes
+    assert before - free_bytes() >= 128 * MIB
+    view = arena.view(buffer)
+    pattern = torch.randint(0, 256, (128 * MIB,), dtype=torch.uint8, device="cuda")
+    view[: 128 * MIB].copy_(pattern)
+    assert torch.equal(view[: 128 * MIB], pattern)
+    del view, pattern
+    arena.commit({"k": 0})
+    assert free_bytes() >= before - 2 * MIB
+    gc.collect()
+    arena.close()
+
+
+def test_a_shrink_on_a_full_gpu_frees_memory_without_allocating(vmm):
+    """With every other byte of the GPU taken, a shrink still gives memory back (no extension is
+    split, so nothing new is created)."""
+    pool = make_pool(vmm, "post-capture")
+    pool.ensure_prefix()
+    pool.finalize_backing(300_000)
+    torch.cuda.empty_cache()
+    free = free_bytes()
+    hog = torch.empty(max(free - 16 * MIB, 0), dtype=torch.uint8, device="cuda")
+    try:
+        committed = pool.committed_bytes
+        expected = pool.backing_bytes(100_000)
+        pool.finalize_backing(100_000)
+        assert pool.committed_bytes == expected < committed
+        assert free_bytes() - 16 * MIB >= (committed - expected) * 0.99
+    finally:
+        del hog
+        torch.cuda.empty_cache()
     pool.close()
     pool.arena.close()

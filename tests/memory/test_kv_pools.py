@@ -119,13 +119,58 @@ def test_max_tokens_within_is_the_largest_count_that_fits():
     assert pool.max_tokens_within(10**15, 10**9) == 100_000  # never past the reserve
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    kind=st.sampled_from(["mha", "mla", "swa"]),
+    page_size=st.sampled_from([1, 16, 64]),
+    sizes=st.lists(st.integers(min_value=0, max_value=60_000), min_size=2, max_size=6),
+    budget_share=st.floats(min_value=0.0, max_value=1.2),
+)
+def test_a_budget_sized_shrink_releases_at_least_what_it_asks_and_never_commits(
+    kind, page_size, sizes, budget_share
+):
+    """After any history of resizes, the count `max_tokens_within` gives for a byte budget leaves
+    exactly `backing_bytes` committed, within the budget, and a shrink to it commits nothing new."""
+    vmm = HostVmm(granularity_bytes=GRANULE)
+    arena = KvArena(vmm, 4096 * MIB, label="test", chunk_bytes=4 * GRANULE)
+    pool = make_pool(
+        kind,
+        dtype="float16",
+        page_size=page_size,
+        layout="nhd",
+        reserved_tokens=60_000,
+        mode="post-capture",
+        arena=arena,
+    )
+    pool.ensure_prefix()
+    for tokens in sizes:
+        pool.finalize_backing(tokens)
+    committed = pool.committed_bytes
+    budget = int(committed * budget_share)
+    tokens = pool.max_tokens_within(budget)
+    if pool.backing_bytes(0) > budget:
+        assert tokens == 0
+        return
+    expected = pool.backing_bytes(tokens)
+    assert expected <= budget
+    if tokens + page_size <= pool.reserved_tokens:
+        assert pool.backing_bytes(tokens + page_size) > budget  # the most that fits
+    asked = [] if expected >= committed else None
+    real_commit = vmm.commit
+    vmm.commit = lambda *a: asked.append(a) or real_commit(*a)  # a shrink must not ask for memory
+    pool.finalize_backing(tokens)
+    assert pool.committed_bytes == expected
+    if asked is None:
+        assert vmm.committed_bytes == expected  # backs exactly what was said, and gave the rest back
+
+
 def test_a_cap_that_fits_is_answered_without_a_search(monkeypatch):
     pool = make_pool(
         "mha", dtype="float16", page_size=4, layout="nhd", reserved_tokens=100_000, mode="post-capture"
     )
     asked = []
-    real = pool.bytes_for_tokens
-    monkeypatch.setattr(pool, "bytes_for_tokens", lambda tokens: asked.append(tokens) or real(tokens))
+    real = pool.backing_bytes
+    monkeypatch.setattr(pool, "backing_bytes", lambda tokens: asked.append(tokens) or real(tokens))
     assert pool.max_tokens_within(1 << 40, 1_024) == 1_024
     assert asked == [1_024]
 

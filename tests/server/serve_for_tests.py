@@ -96,7 +96,7 @@ def main() -> None:
         "--max-total-tokens", type=int, default=4096, help="real engine only: KV cache tokens"
     )
     parser.add_argument("--tokenizer-gguf", default=None, help="fake engine only: use this GGUF's tokenizer")
-    parser.add_argument("--kv-chunk-mib", type=int, default=256, help="real engine only")
+    parser.add_argument("--kv-chunk-mib", type=float, default=None, help="real engine only")
     parser.add_argument("--max-device-memory", type=float, default=None, help="real engine only (GiB)")
     parser.add_argument("--queue-timeout", type=float, default=None, help="real engine only (seconds)")
     args = parser.parse_args()

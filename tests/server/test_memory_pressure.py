@@ -32,8 +32,7 @@ def shared(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[ServerPr
     monkeypatch.setenv("SNUGKV_RUNTIME_DIR", str(tmp_path / "run"))
     monkeypatch.setenv("SNUGKV_HOST_DEVICE_GIB", str(DEVICE_MIB / 1024))
     monkeypatch.setenv("SNUGKV_HOST_DEVICE_HEADROOM_MIB", str(HEADROOM_MIB))
-    # Small extensions: a shrink on a device with little free memory drops whole ones.
-    server = start_server(tmp_path, "--queue-timeout", str(QUEUE_TIMEOUT_S), "--kv-chunk-mib", "1")
+    server = start_server(tmp_path, "--queue-timeout", str(QUEUE_TIMEOUT_S))
     yield server
     assert server.stop() == 0, server.log()
 

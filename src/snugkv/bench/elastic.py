@@ -56,8 +56,8 @@ class _CallClock:
     """Wall time and count of the VMM backend's and the arena's calls during a resize (bench-only
     wrappers on the instances, removed after), to show where a resize's milliseconds go."""
 
-    VMM_CALLS = ("commit", "decommit", "remap")
-    ARENA_CALLS = ("_copy", "_synchronize")
+    VMM_CALLS = ("commit_pieces", "decommit")
+    ARENA_CALLS = ("_synchronize",)
 
     def __init__(self, engine: Any) -> None:
         self.targets = [(engine.pool.arena.vmm, self.VMM_CALLS), (engine.pool.arena, self.ARENA_CALLS)]

@@ -358,7 +358,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-running-requests", type=int, default=None, help="passed to serve")
     parser.add_argument(
         "--kv-chunk-mib",
-        type=int,
+        type=float,
         default=None,
         help="passed to serve (default: 1 on a CPU, serve's on CUDA)",
     )

@@ -190,9 +190,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--kv-chunk-mib",
-        type=int,
-        default=256,
-        help="largest KV extension in MiB: a run-time shrink drops whole ones (default: 256)",
+        type=float,
+        default=None,
+        help="largest KV extension in MiB: a run-time shrink releases whole ones and keeps at most one "
+        "per buffer more than asked (default: 512 MiB over all buffers, e.g. 8 for 64 buffers; rounded up to the device's granule)",
     )
     group.add_argument(
         "--kv-reserve-gib",

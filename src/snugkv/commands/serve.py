@@ -397,13 +397,9 @@ def _serve_rank(
 
 def _join_memory_share(args: argparse.Namespace) -> MemoryShare:
     """--kv-elastic: register on the GPU's record and wait until the running engines made room."""
-    from snugkv.memory.arena import DEFAULT_CHUNK_BYTES
-    from snugkv.memory.vmm import MIB
     from snugkv.memory_share.estimate import device_total_gib
-    from snugkv.memory_share.share import ELASTIC_CHUNK_MIB, MemoryShare, ShareOptions
+    from snugkv.memory_share.share import MemoryShare, ShareOptions
 
-    if args.kv_chunk_mib == DEFAULT_CHUNK_BYTES // MIB:  # a shrink on a full device frees whole chunks only
-        args.kv_chunk_mib = ELASTIC_CHUNK_MIB
     if args.kv_reserve_gib is None:  # room to grow into all the others may give back
         args.kv_reserve_gib = device_total_gib(engine_args_from(args))
     # The share sizes this engine (it gives back what a process outside takes, and grows only into

@@ -7,9 +7,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from snugkv.attention.registry import attention_backend_names
-from snugkv.memory.arena import DEFAULT_CHUNK_BYTES
 from snugkv.memory.layout import KV_DTYPES, KVLayout, parse_kv_dtype
-from snugkv.memory.vmm import MIB
 from snugkv.models.loader import DTYPE_NAMES, LOAD_FORMATS
 from snugkv.models.quantization import QUANTIZATION_CHOICES
 from snugkv.sizing.modes import SizingMode
@@ -49,7 +47,9 @@ class EngineArgs:
     swa_full_tokens_ratio: float = 0.8
     tp_size: int = 1  # tensor-parallel ranks; > 1 runs one engine per rank (snugkv.distributed.launch)
     max_device_memory_gib: float | None = None  # cap on the engine's device memory, kept on every resize
-    kv_chunk_mib: int = DEFAULT_CHUNK_BYTES // MIB  # largest KV extension: what a shrink drops whole
+    kv_chunk_mib: float | None = (
+        None  # largest KV extension (a shrink drops whole ones); None: 512 MiB over all buffers
+    )
     disable_overlap_schedule: bool = False  # the scheduler reads each step's tokens before the next
     kv_reserve_gib: float | None = None  # KV address space to reserve (default: free memory at start)
     no_kv_pressure: bool = False  # keep the KV cache's size when free memory falls below the headroom
@@ -129,8 +129,8 @@ class EngineArgs:
             )
         if self.max_device_memory_gib is not None and self.max_device_memory_gib <= 0:
             raise InvalidEngineArgs(f"--max-device-memory must be positive, got {self.max_device_memory_gib}")
-        if self.kv_chunk_mib < 1:
-            raise InvalidEngineArgs(f"--kv-chunk-mib must be at least 1, got {self.kv_chunk_mib}")
+        if self.kv_chunk_mib is not None and self.kv_chunk_mib <= 0:
+            raise InvalidEngineArgs(f"--kv-chunk-mib must be positive, got {self.kv_chunk_mib}")
         if self.max_running_requests is not None and self.max_running_requests < 1:
             raise InvalidEngineArgs(
                 f"--max-running-requests must be at least 1, got {self.max_running_requests}"

@@ -243,7 +243,7 @@ class Engine:
             device=self.device,
             mode=mode,
             memory=self.memory,
-            chunk_bytes=self.args.kv_chunk_mib * MIB,
+            chunk_bytes=None if self.args.kv_chunk_mib is None else round(self.args.kv_chunk_mib * MIB),
         )
         return make_kv_pool(
             self.config,

@@ -6,21 +6,22 @@ sit at granularity-aligned offsets; each buffer is backed from its start up to a
 Tensors handed out are zero-copy views that keep the arena alive; `close()` refuses while any
 view lives, so the range is never unmapped under a tensor.
 
-Chunks. A driver mapping can only be unmapped whole (`cuMemUnmap`), so a buffer is backed by
-extensions of at most `chunk_bytes`, cut at chunk multiples from the buffer's start. Growing adds
-chunks; shrinking drops whole extensions from the top, and the one that straddles the new end is
-replaced by a smaller one holding exactly the kept bytes: a new extension is committed in a scratch
-range, the kept bytes are copied there, the old one is decommitted and the new one is remapped to
-its place. Contents below the new end are never lost, and what stays committed is the target
-rounded up to one granule. The chunk size is a trade-off: every extension costs a driver handle
-(on the H200, one 64 GiB handle maps in 2.3 ms, 64 handles of 1 GiB in 8.6 ms, so about 0.1 ms a
-handle), while a shrink copies up to one chunk per buffer and needs one chunk free for a moment.
-The default, 256 MiB, keeps a 100 GiB pool of 64 buffers at about 450 handles (tens of ms to map)
-and a shrink's copy under 16 GiB at worst.
+Chunks. A driver mapping can only be unmapped whole (`cuMemUnmap`), and its physical memory goes
+back only with it, so a buffer is backed by extensions of at most `chunk_bytes`, cut at chunk
+multiples from the buffer's start. Growing adds extensions; shrinking drops the extensions that lie
+wholly above the new end and keeps the one the end falls in, whole. A shrink therefore never asks
+the device for memory (no extension is split: splitting needs new physical memory for a moment,
+which is exactly what a device under pressure lacks) and keeps at most one chunk per buffer more
+than asked. `auto_chunk_bytes` picks the chunk so that this excess stays under `SHRINK_EXCESS_BYTES`
+over all buffers of the arena, and under 1/32 of the arena where that is less (a CPU's small cache); `backing_bytes` answers what a commit to a target would leave
+committed, so sizing counts exactly the memory a resize takes or gives back. Every extension costs a
+driver handle (on the H200, ~45 us to create and map one of 2 MiB; docs/bench/pressure.md measures
+the arena's start-up commit and a 10 GiB shrink).
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -29,11 +30,21 @@ import torch
 
 from snugkv.memory.layout import BufferLayout
 from snugkv.memory.views import byte_view, typed_view
-from snugkv.memory.vmm import GIB, KIB, MIB, CommitError, Extension, VirtualMemory
+from snugkv.memory.vmm import GIB, KIB, MIB, Extension, VirtualMemory
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CHUNK_BYTES = 256 * MIB
+DEFAULT_CHUNK_BYTES = 256 * MIB  # the weights' arena (released whole, never shrunk part-way)
+SHRINK_EXCESS_BYTES = 512 * MIB  # what a shrink may keep beyond its target, over all of an arena's buffers
+
+
+def auto_chunk_bytes(num_buffers: int, granularity_bytes: int, arena_bytes: int | None = None) -> int:
+    """The largest chunk (a granule multiple) that keeps a shrink's excess, one chunk per buffer at
+    most, under `SHRINK_EXCESS_BYTES` and 1/32 of `arena_bytes`; one granule where even that is
+    more (hundreds of buffers, a tiny arena)."""
+    excess = SHRINK_EXCESS_BYTES if arena_bytes is None else min(SHRINK_EXCESS_BYTES, arena_bytes // 32)
+    per_buffer = excess // max(num_buffers, 1)
+    return max(granularity_bytes, per_buffer // granularity_bytes * granularity_bytes)
 
 
 class ArenaClosedError(RuntimeError):
@@ -78,7 +89,6 @@ class KvArena:
         self.reserved_bytes = vmm.align_up(reserved_bytes)
         self.chunk_bytes = vmm.align_up(chunk_bytes)
         self.base_address = vmm.reserve(self.reserved_bytes)
-        self._scratch_address: int | None = None  # reserved on the first shrink that keeps a part
         self._buffers: dict[str, ArenaBuffer] = {}
         self._cursor_bytes = 0
         self._live_views = 0
@@ -148,41 +158,29 @@ class KvArena:
     def commit(self, targets: dict[str, int]) -> int:
         """Back each named buffer up to its target byte count (rounded up to a granule).
 
-        Growing adds extensions of at most `chunk_bytes`; shrinking drops extensions from the top
-        and keeps every byte below the new end (see the module docstring). Growth is all or
-        nothing: if any commit fails, every extension made by this call is released and the
-        `CommitError` propagates. Returns the bytes newly committed.
+        Growing adds extensions of at most `chunk_bytes`; shrinking decommits the extensions wholly
+        above the target and keeps the one it falls in (see the module docstring): it never asks the
+        backend for memory and keeps every byte below the target. Growth is all or nothing: if any
+        commit fails, every extension made by this call is released and the `CommitError`
+        propagates. Returns the bytes newly committed.
         """
         self._check_open()
         plans = [
             (self._buffers[name], self._target_bytes(self._buffers[name], size))
             for name, size in targets.items()
         ]
-        self._synchronize()
+        if any(target < buffer.committed_bytes for buffer, target in plans):
+            self._synchronize()  # no queued kernel may touch what is unmapped
         for buffer, target in plans:
-            if target < buffer.committed_bytes:
-                self._drop_above(buffer, target)
-        unsplit: list[tuple[str, int, str]] = []  # buffers left with their whole top extension
-        for buffer, target in plans:
-            if target < buffer.committed_bytes:
-                reason = self._split_top(buffer, target)
-                if reason is not None:
-                    unsplit.append((buffer.name, buffer.committed_bytes - target, reason))
-        if unsplit:
-            logger.warning(
-                "%s arena: %d buffer(s) keep %.1f MiB more than asked (%s, ...): no room to split their top "
-                "extension (%s); a later shrink or a smaller --kv-chunk-mib gives it back",
-                self.label,
-                len(unsplit),
-                sum(extra for _, extra, _ in unsplit) / MIB,
-                unsplit[0][0],
-                unsplit[0][2],
-            )
+            self._drop_above(buffer, target)
         added: list[tuple[ArenaBuffer, Extension]] = []
         try:
             for buffer, target in plans:
-                for start, size in self._pieces(buffer.committed_bytes, target):
-                    extension = self.vmm.commit(self.base_address + buffer.offset + start, size)
+                pieces = self._pieces(buffer.committed_bytes, target)
+                if not pieces:
+                    continue
+                start = self.base_address + buffer.offset + pieces[0][0]
+                for extension in self.vmm.commit_pieces(start, [size for _, size in pieces]):
                     buffer.extensions.append(extension)
                     added.append((buffer, extension))
         except BaseException:  # CommitError, or any other failure of the backend: all or nothing
@@ -191,6 +189,20 @@ class KvArena:
                 self.vmm.decommit(extension)
             raise
         return sum(extension.size_bytes for _, extension in added)
+
+    def backing_bytes(self, name: str, size_bytes: int) -> int:
+        """What buffer `name` would hold committed after `commit({name: size_bytes})`: the target
+        rounded up to a granule when it grows, the end of the extension it falls in when it shrinks."""
+        buffer = self._buffers[name]
+        target = self._target_bytes(buffer, size_bytes)
+        committed = buffer.committed_bytes
+        if target >= committed:
+            return target
+        if target == 0:
+            return 0
+        start = self.base_address + buffer.offset
+        ends = [extension.address + extension.size_bytes - start for extension in buffer.extensions]
+        return ends[bisect.bisect_left(ends, target)]
 
     def _pieces(self, start: int, end: int) -> list[tuple[int, int]]:
         """`[start, end)` of a buffer cut at multiples of `chunk_bytes`: (offset, size) pairs."""
@@ -217,42 +229,6 @@ class KvArena:
         while buffer.extensions and buffer.extensions[-1].address >= end:
             self.vmm.decommit(buffer.extensions.pop())
 
-    def _split_top(self, buffer: ArenaBuffer, target: int) -> str | None:
-        """Replace the top extension, which straddles `target`, by one holding only its bytes below
-        `target`, contents kept. Without memory for the moment both exist, the whole extension
-        stays (at most one chunk more than asked stays committed): returns why, else None."""
-        top = buffer.extensions[-1]
-        kept = self.base_address + buffer.offset + target - top.address
-        if kept > self.chunk_bytes:  # never made by this arena; nothing to split it through
-            return "an extension larger than a chunk"
-        scratch = self._scratch()
-        try:
-            fresh = self.vmm.commit(scratch, kept)
-        except CommitError as exc:
-            return str(exc)
-        try:
-            self._copy(scratch, top.address, kept)
-            self._synchronize()
-        except BaseException:
-            self.vmm.decommit(fresh)
-            raise
-        self.vmm.decommit(buffer.extensions.pop())
-        buffer.extensions.append(self.vmm.remap(fresh, top.address))
-        return None
-
-    def _scratch(self) -> int:
-        if self._scratch_address is None:
-            self._scratch_address = self.vmm.reserve(self.chunk_bytes)
-        return self._scratch_address
-
-    def _copy(self, destination: int, source: int, size_bytes: int) -> None:
-        """Copy `size_bytes` between two committed addresses of this arena's device."""
-        views = [
-            byte_view(address, size_bytes, self.device, owner=self, on_release=_nothing)
-            for address in (destination, source)
-        ]
-        views[0].copy_(views[1])
-
     def _synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -275,8 +251,6 @@ class KvArena:
             while buffer.extensions:
                 self.vmm.decommit(buffer.extensions.pop())
         self.vmm.release(self.base_address, self.reserved_bytes)
-        if self._scratch_address is not None:
-            self.vmm.release(self._scratch_address, self.chunk_bytes)
         self._closed = True
 
     def __del__(self) -> None:
@@ -286,7 +260,3 @@ class KvArena:
                 self.close()
         except Exception:
             pass
-
-
-def _nothing() -> None:
-    """A transient view's release callback: copies inside the arena are not counted as live views."""

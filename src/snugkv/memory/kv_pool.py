@@ -19,7 +19,7 @@ from enum import StrEnum
 
 import torch
 
-from snugkv.memory.arena import DEFAULT_CHUNK_BYTES, ArenaBuffer, KvArena
+from snugkv.memory.arena import ArenaBuffer, KvArena, auto_chunk_bytes
 from snugkv.memory.layout import BufferLayout, KVLayout, parse_kv_dtype
 from snugkv.memory.moves import KvMoves, PageMoves
 from snugkv.memory.vmm import GIB, VirtualMemory
@@ -29,6 +29,7 @@ from snugkv.memory.vmm_plain import PlainMemory
 logger = logging.getLogger(__name__)
 
 DEFAULT_GROUP = "full"
+MOVE_STAGING_BYTES = 16 << 20  # a shrink's page copy goes through at most this much at a time
 
 
 class PoolMode(StrEnum):
@@ -41,7 +42,8 @@ class KVPoolSpec:
     """How a pool stores KV, whatever its kind: storage dtype, page size, layout, device, whether it
     is backed now (static) or after graph capture (post-capture), the memory backend (None: the
     device's default, see `_default_memory`) and the largest extension its arena commits
-    (`KvArena.chunk_bytes`: what a later shrink can drop whole)."""
+    (`KvArena.chunk_bytes`: what a later shrink drops whole; None: `arena.auto_chunk_bytes` for the
+    pool's number of buffers, so a shrink keeps at most 512 MiB more than asked)."""
 
     dtype: torch.dtype
     page_size: int
@@ -49,7 +51,7 @@ class KVPoolSpec:
     device: torch.device
     mode: PoolMode = PoolMode.STATIC
     memory: VirtualMemory | None = None
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    chunk_bytes: int | None = None
 
     @classmethod
     def of(
@@ -61,7 +63,7 @@ class KVPoolSpec:
         device: torch.device | str,
         mode: PoolMode | str = PoolMode.STATIC,
         memory: VirtualMemory | None = None,
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        chunk_bytes: int | None = None,
     ) -> KVPoolSpec:
         """A spec from user-facing names ("bfloat16", "hnd", "post-capture"), checked."""
         if page_size < 1:
@@ -127,7 +129,9 @@ class KVPool:
                 for group, layouts in layouts_by_group.items()
                 for layout in layouts
             )
-            self._arena = KvArena(vmm, need, label=type(self).__name__, chunk_bytes=self.spec.chunk_bytes)
+            count = sum(len(layouts) for layouts in layouts_by_group.values())
+            chunk = self.spec.chunk_bytes or auto_chunk_bytes(count, vmm.granularity_bytes, need)
+            self._arena = KvArena(vmm, need, label=type(self).__name__, chunk_bytes=chunk)
         views: dict[str, torch.Tensor] = {}
         for group, layouts in layouts_by_group.items():
             placed = [self._arena.add_buffer(layout, upper[group]) for layout in layouts]
@@ -186,20 +190,29 @@ class KVPool:
             for buffer in self._buffers[group]
         )
 
+    def backing_bytes(self, num_tokens: int) -> int:
+        """Bytes the pool holds committed once resized to `num_tokens`: a grow backs what the tokens
+        need (granule-aligned per buffer), a shrink keeps each buffer's extension the new end falls
+        in whole (`KvArena.backing_bytes`). Sizing fits this, so a shrink sized from a budget
+        releases at least what the budget asks."""
+        arena = self.arena
+        return sum(arena.backing_bytes(name, size) for name, size in self._targets(num_tokens).items())
+
     def max_tokens_within(self, budget_bytes: int, at_most_tokens: int | None = None) -> int:
         """The most tokens (a page multiple, <= the upper bound and `at_most_tokens`) whose backing
-        fits the budget. When the most allowed fits, it is the answer without a search (memory
-        pressure asks every 0.25 s, and a capped cache that fits is the usual answer)."""
+        (`backing_bytes`: what a resize to them would leave committed) fits the budget. When the most
+        allowed fits, it is the answer without a search (memory pressure asks every 0.25 s, and a
+        capped cache that fits is the usual answer)."""
         low, high = 0, self.reserved_tokens // self.page_size
         if at_most_tokens is not None:
             high = max(0, min(high, at_most_tokens // self.page_size))
-        if self.bytes_for_tokens(high * self.page_size) <= budget_bytes:
+        if self.backing_bytes(high * self.page_size) <= budget_bytes:
             return high * self.page_size
-        if self.bytes_for_tokens(0) > budget_bytes:
+        if self.backing_bytes(0) > budget_bytes:
             return 0
         while low < high:
             mid = (low + high + 1) // 2
-            if self.bytes_for_tokens(mid * self.page_size) <= budget_bytes:
+            if self.backing_bytes(mid * self.page_size) <= budget_bytes:
                 low = mid
             else:
                 high = mid - 1
@@ -284,14 +297,20 @@ class KVPool:
         raise NotImplementedError
 
     def _copy_pages(self, buffer: torch.Tensor, moves: PageMoves) -> int:
+        """Copy the moved rows of one buffer through a staging tensor of at most `MOVE_STAGING_BYTES`
+        (a shrink runs when memory is short: it must not ask for the moved bytes at once)."""
         if self.layout is KVLayout.PAGE_MAJOR:
             sources, destinations = moves.src_pages, moves.dst_pages
         else:
             sources, destinations = moves.slots(self.page_size)
         raw = buffer.view(torch.uint8)  # the bytes themselves, whatever the dtype (fp8, NaN payloads)
-        rows = raw.index_select(0, sources.to(raw.device))
-        raw.index_copy_(0, destinations.to(raw.device), rows)
-        return rows.numel()
+        sources, destinations = sources.to(raw.device), destinations.to(raw.device)
+        row_bytes = raw[0].numel()
+        rows_per_copy = max(1, MOVE_STAGING_BYTES // row_bytes)
+        for start in range(0, sources.numel(), rows_per_copy):
+            end = start + rows_per_copy
+            raw.index_copy_(0, destinations[start:end], raw.index_select(0, sources[start:end]))
+        return sources.numel() * row_bytes
 
     # -- what attention reads and writes (snugkv.core.forward.KVCache) -----------------------
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:

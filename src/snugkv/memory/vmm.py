@@ -48,12 +48,10 @@ class VirtualMemory(ABC):
 
     Contract: `reserve` returns a granularity-aligned address and costs no physical memory.
     `commit` backs `[address, address + size)` with one new extension or raises
-    `CommitError` having rolled back everything it created. `decommit` returns an extension's
-    physical memory; the addresses stay reserved. `remap` moves an extension's physical memory,
-    contents and all, to another reserved span of the same size (the old span stays reserved,
-    unbacked): it is how a shrink keeps the data of a partly kept extension, since a driver
-    mapping can only be unmapped whole. `release` frees a reserved range; the caller must have
-    decommitted every extension in it first.
+    `CommitError` having rolled back everything it created; `commit_pieces` backs consecutive
+    spans, one extension each, all or none. `decommit` returns an extension's physical memory (it
+    never allocates: a device under pressure can always give back); the addresses stay reserved.
+    `release` frees a reserved range; the caller must have decommitted every extension in it first.
     """
 
     name: str
@@ -73,9 +71,19 @@ class VirtualMemory(ABC):
     @abstractmethod
     def decommit(self, extension: Extension) -> None: ...
 
-    @abstractmethod
-    def remap(self, extension: Extension, address: int) -> Extension:
-        """Map `extension`'s memory at `address` instead (contents kept); returns the moved extension."""
+    def commit_pieces(self, address: int, sizes_bytes: list[int]) -> list[Extension]:
+        """Back consecutive spans from `address`, one extension per size, all or none: on any
+        failure what this call made is decommitted and the error propagates."""
+        made: list[Extension] = []
+        try:
+            for size in sizes_bytes:
+                made.append(self.commit(address, size))
+                address += size
+        except BaseException:
+            for extension in reversed(made):
+                self.decommit(extension)
+            raise
+        return made
 
     @abstractmethod
     def release(self, address: int, size_bytes: int) -> None: ...

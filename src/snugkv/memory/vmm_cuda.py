@@ -2,8 +2,10 @@
 
 Every driver call is checked; a failure names the call and the CUresult. A commit is one
 `cuMemCreate` + `cuMemMap` + `cuMemSetAccess` for the whole span (one handle per extension,
-never a loop over 2 MiB chunks); if map or set-access fails, what was created is unmapped and
-released before the error propagates, so nothing stays half-mapped. Importing this module
+never a loop over 2 MiB chunks); a commit of several pieces maps each and sets access once over
+them all. If map or set-access fails, what was created is unmapped and released before the error
+propagates, so nothing stays half-mapped. Decommitting only unmaps and releases: it never
+allocates, so memory can always be given back. Importing this module
 needs cuda-bindings but no driver: the driver is first touched in `probe_vmm_support`.
 """
 
@@ -135,27 +137,36 @@ class CudaVmm(VirtualMemory):
             _check(drv.cuMemUnmap(extension.address, extension.size_bytes), "cuMemUnmap")
             _check(drv.cuMemRelease(extension.handle), "cuMemRelease")
 
-    def remap(self, extension: Extension, address: int) -> Extension:
-        """Unmap the handle and map it at `address`; the physical memory (and its contents) stays."""
-        size = extension.size_bytes
-        if address % self._granularity_bytes:
-            raise ValueError(f"remap target 0x{address:x} must be granularity-aligned")
+    def commit_pieces(self, address: int, sizes_bytes: list[int]) -> list[Extension]:
+        """One `cuMemCreate` + `cuMemMap` per piece, then one `cuMemSetAccess` over the whole span
+        (the driver takes a range of several mappings): a grow of thousands of small extensions
+        pays the access call once. All or none, as `commit`."""
+        granule = self._granularity_bytes
+        if address % granule or any(size <= 0 or size % granule for size in sizes_bytes):
+            raise ValueError(f"commit pieces from 0x{address:x} must be positive and granularity-aligned")
+        made: list[Extension] = []
         with self._lock:
             self._make_current()
-            _check(drv.cuMemUnmap(extension.address, size), "cuMemUnmap")
-            mapped = False
             try:
-                _check(drv.cuMemMap(address, size, 0, extension.handle, 0), "cuMemMap")
-                mapped = True
-                _check(drv.cuMemSetAccess(address, size, [self._access], 1), "cuMemSetAccess")
-            except VmmError:  # put the memory back where it was, so the caller still owns a mapping
-                if mapped:
-                    drv.cuMemUnmap(address, size)
-                old = extension.address
-                _check(drv.cuMemMap(old, size, 0, extension.handle, 0), "cuMemMap (restore)")
-                _check(drv.cuMemSetAccess(old, size, [self._access], 1), "cuMemSetAccess (restore)")
-                raise
-        return Extension(address, size, extension.handle)
+                start = address
+                for size in sizes_bytes:
+                    handle = _check(drv.cuMemCreate(size, self._prop, 0), f"cuMemCreate({size} bytes)")
+                    try:
+                        _check(drv.cuMemMap(start, size, 0, handle, 0), "cuMemMap")
+                    except VmmError:
+                        drv.cuMemRelease(handle)
+                        raise
+                    made.append(Extension(start, size, handle))
+                    start += size
+                span = start - address
+                _check(drv.cuMemSetAccess(address, span, [self._access], 1), "cuMemSetAccess")
+            except VmmError as exc:
+                for extension in reversed(made):
+                    drv.cuMemUnmap(extension.address, extension.size_bytes)
+                    drv.cuMemRelease(extension.handle)
+                total = sum(sizes_bytes)
+                raise CommitError(f"{exc}; the {total} bytes asked for were released again") from exc
+        return made
 
     def release(self, address: int, size_bytes: int) -> None:
         self._make_current()

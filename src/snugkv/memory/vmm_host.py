@@ -32,9 +32,6 @@ _MAP_PRIVATE_ANONYMOUS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
 _MAP_NORESERVE = 0x4000
 _MADV_DONTNEED = 4
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+; older kernels fall back to touching each page
-_MAP_FIXED = 0x10
-_MREMAP_MAYMOVE = 1
-_MREMAP_FIXED = 2
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
@@ -50,8 +47,6 @@ def _load_libc() -> ctypes.CDLL:
         ctypes.c_int,
         ctypes.c_long,
     ]
-    libc.mremap.restype = ctypes.c_void_p
-    libc.mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
     for fn in (libc.munmap, libc.madvise, libc.mprotect):
         fn.restype = ctypes.c_int
     libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
@@ -197,31 +192,6 @@ class HostVmm(VirtualMemory):
             self._committed_bytes -= extension.size_bytes
             if self._shared is not None:
                 self._shared.give_back(extension.size_bytes)
-
-    def remap(self, extension: Extension, address: int) -> Extension:
-        """`mremap` moves the pages themselves (no copy); the span they left is reserved again."""
-        size = extension.size_bytes
-        self._check_span(address, size)
-        flags = _MREMAP_MAYMOVE | _MREMAP_FIXED
-        with self._lock:
-            moved = self._libc.mremap(extension.address, size, size, flags, address)
-            if moved in (None, _MAP_FAILED):
-                errno_value = ctypes.get_errno()
-                raise VmmError(
-                    f"mremap({size} bytes) failed: errno {errno_value} ({os.strerror(errno_value)})"
-                )
-            self._reserve_fixed(extension.address, size)
-        return Extension(address, size, handle=None)
-
-    def _reserve_fixed(self, address: int, size_bytes: int) -> None:
-        flags = _MAP_PRIVATE_ANONYMOUS | _MAP_NORESERVE | _MAP_FIXED
-        result = self._libc.mmap(address, size_bytes, _PROT_NONE, flags, -1, 0)
-        if result in (None, _MAP_FAILED):
-            errno_value = ctypes.get_errno()
-            raise VmmError(
-                f"mmap(PROT_NONE, MAP_FIXED, {size_bytes} bytes) failed: errno {errno_value} "
-                f"({os.strerror(errno_value)})"
-            )
 
     def release(self, address: int, size_bytes: int) -> None:
         self._check(self._libc.munmap(address, self.align_up(size_bytes)), "munmap")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from snugkv.memory.vmm import MIB, CommitError, Extension, VirtualMemory, VmmError
+from snugkv.memory.vmm import MIB, CommitError, Extension, VirtualMemory
 
 
 class PlainMemory(VirtualMemory):
@@ -49,12 +49,6 @@ class PlainMemory(VirtualMemory):
 
     def decommit(self, extension: Extension) -> None:
         return None
-
-    def remap(self, extension: Extension, address: int) -> Extension:
-        raise VmmError(
-            "a plainly allocated (static) KV pool cannot move its memory; resizing at run time needs "
-            "--kv-sizing post-capture on a device with virtual memory management"
-        )
 
     def release(self, address: int, size_bytes: int) -> None:
         self._blocks.pop(address, None)

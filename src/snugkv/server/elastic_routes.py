@@ -58,8 +58,8 @@ async def _json_object(request: Request, example: str) -> dict[str, Any]:
 
 def with_what_it_freed(result: dict[str, Any]) -> dict[str, Any]:
     """The resize's answer with `freed_bytes`, and a `warning` when a shrink gave no memory back
-    (the arena keeps a buffer's top extension whole when there is no memory to split it: a client
-    that shrank to free memory must not have to read the server's log to learn it did not)."""
+    (each buffer keeps the extension its new end falls in whole: a client that shrank by less than
+    one extension per buffer must not have to read the server's log to learn it freed nothing)."""
     freed_bytes = result.get("from_committed_bytes", 0) - result.get("to_committed_bytes", 0)
     shrank = result.get("to_tokens", 0) < result.get("from_tokens", 0)
     answer = {**result, "freed_bytes": max(freed_bytes, 0)}
@@ -68,8 +68,9 @@ def with_what_it_freed(result: dict[str, Any]) -> dict[str, Any]:
         chunk_text = f" of {chunk / MIB:g} MiB" if isinstance(chunk, int) else ""
         answer["warning"] = (
             f"The KV cache now hands out {result['to_tokens']} tokens, but no memory was freed: each "
-            f"buffer keeps its top extension{chunk_text} whole, as there was no free memory to split it "
-            "in. A later shrink gives it back, or start the server with a smaller --kv-chunk-mib."
+            f"buffer keeps the extension{chunk_text} its new end falls in whole, and this shrink stayed "
+            "inside them. Shrink by more (free_gib asks in bytes and always frees what it asks), or "
+            "start the server with a smaller --kv-chunk-mib."
         )
     return answer
 
