@@ -89,3 +89,19 @@ def test_the_metrics_snapshot_is_the_stats_and_the_kv_figures() -> None:
         **STATS.to_dict(), "kv_max_total_num_tokens": 512, "kv_committed_bytes": 2048, "kv_resizes": 3, "sleep_level": 0,
         "kv_pressure_shrinks": 0, "kv_pressure_grows": 0, "oom_retries": 0,
     }  # fmt: skip
+
+
+def test_the_ledger_rows_above_the_total_add_up_to_it_with_the_weights_counted_once() -> None:
+    gib = 1 << 30
+    on_gpu = MemoryLedger(
+        "cuda", 140 * gib, gib, 2 * gib, weights_bytes=16 * gib, graphs_and_buffers_bytes=gib,
+        kv_committed_bytes=118 * gib, kv_reserved_va_bytes=140 * gib, activation_peak_bytes=gib,
+        headroom_bytes=gib + gib // 4, graph_executables_bytes=gib // 8, workspace_bytes=gib,
+    )  # fmt: skip
+    on_cpu = MemoryLedger("cpu", 100, 40, 0, 10, 0, 50, 200, 0, 0, weights_in_device_memory=False)
+    for ledger in (on_gpu, on_cpu):
+        assert sum(value for _, value in ledger.total_rows()) == ledger.total_bytes
+        assert [name for name, _ in ledger.rows()].count("= total") == 1
+        assert sum("weights" in name for name, _ in ledger.rows()) == 1
+    assert on_gpu.unaccounted_bytes == gib - gib // 8  # the workspace is a row of its own
+    assert "weights (host RAM, not on the device)" not in dict(on_cpu.total_rows())

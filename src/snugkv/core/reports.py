@@ -43,6 +43,7 @@ class MemoryLedger:
     headroom_bytes: int  # memory left free on purpose: activation peak plus the stated margin
     weights_in_device_memory: bool = True  # False on CPU (general RAM) and while the weights sleep
     graph_executables_bytes: int = 0  # driver memory taken while capturing, outside torch's allocator
+    workspace_bytes: int = 0  # torch's cached blocks no tensor uses now: the activation workspace, held
 
     @property
     def used_bytes(self) -> int:
@@ -55,6 +56,7 @@ class MemoryLedger:
             self.baseline_bytes
             + weights
             + self.graphs_and_buffers_bytes
+            + self.workspace_bytes
             + self.graph_executables_bytes
             + self.kv_committed_bytes
         )
@@ -64,22 +66,33 @@ class MemoryLedger:
         return self.used_bytes - self.accounted_bytes
 
     def rows(self) -> list[tuple[str, int]]:
+        """The device's memory, the rows above "= total" adding up to it; then figures beside it."""
+        in_device = [("weights", self.weights_bytes)] if self.weights_in_device_memory else []
+        beside = (
+            []
+            if self.weights_in_device_memory
+            else [("weights (host RAM, not on the device)", self.weights_bytes)]
+        )
         return [
             ("baseline (context, other processes)", self.baseline_bytes),
-            (
-                "weights" + ("" if self.weights_in_device_memory else " (host RAM, not in the KV budget)"),
-                self.weights_bytes,
-            ),
+            *in_device,
             ("graphs and buffers (torch allocator)", self.graphs_and_buffers_bytes),
+            ("activation workspace (torch cache, held)", self.workspace_bytes),
             ("graph executables and modules (driver)", self.graph_executables_bytes),
             ("KV committed", self.kv_committed_bytes),
             ("unaccounted", self.unaccounted_bytes),
-            ("free (headroom kept for activations)", self.free_bytes),
+            ("free", self.free_bytes),
             ("= total", self.total_bytes),
+            *beside,
             ("activation peak, measured", self.activation_peak_bytes),
-            ("headroom target (peak + margin)", self.headroom_bytes),
+            ("headroom target (peak + margin; the workspace counts toward it)", self.headroom_bytes),
             ("KV virtual address space reserved", self.kv_reserved_va_bytes),
         ]
+
+    def total_rows(self) -> list[tuple[str, int]]:
+        """The rows that add up to the device's total (every one above "= total")."""
+        rows = self.rows()
+        return rows[: [name for name, _ in rows].index("= total")]
 
     def table(self) -> str:
         width = max(len(name) for name, _ in self.rows())

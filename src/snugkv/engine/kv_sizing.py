@@ -45,7 +45,7 @@ from snugkv.memory.vmm import GIB, CommitError, VirtualMemory
 from snugkv.memory.vmm_plain import PlainMemory
 from snugkv.runner import kv_resize
 from snugkv.runner.model_runner import ModelRunner
-from snugkv.sizing.measure import FreeMemory, agree_min, measure_free, settle
+from snugkv.sizing.measure import FreeMemory, agree_min, measure_free
 from snugkv.sizing.modes import SizingMode
 from snugkv.sizing.post_capture import (
     SizingError,
@@ -107,7 +107,10 @@ class KvSizing:
     """The pool of `runner`, its caps and the activation headroom kept free beside it.
 
     `held_besides_kv()` is what the engine holds on the device besides the KV cache (weights,
-    graphs, buffers): what `--max-device-memory` counts before the KV cache gets its part."""
+    graphs, buffers): what `--max-device-memory` counts before the KV cache gets its part.
+    `workspace_bytes` (the activation peak) is how much of torch's unused cache every reading counts
+    as free: the engine keeps its activation workspace there and never empties it while it serves
+    (`sizing.measure`), so a step asks the driver for nothing."""
 
     def __init__(
         self,
@@ -118,6 +121,7 @@ class KvSizing:
         group: dist.ProcessGroup | None,
         caps: KvCaps,
         headroom_bytes: int,
+        workspace_bytes: int,
         held_besides_kv: Callable[[], int],
         device_type: str,
     ) -> None:
@@ -128,6 +132,7 @@ class KvSizing:
         self.group = group
         self.caps = caps
         self.headroom_bytes = headroom_bytes
+        self.workspace_bytes = workspace_bytes
         self._held_besides_kv = held_besides_kv
         self._device_type = device_type
         self.events: deque[KvResize] = deque(maxlen=EVENT_HISTORY)
@@ -177,8 +182,8 @@ class KvSizing:
         )
 
     # -- the steps --------------------------------------------------------------------------
-    def measure(self, *, settled: bool = True) -> FreeMemory:
-        return measure_free(self.memory, self.group, settled=settled)
+    def measure(self) -> FreeMemory:
+        return measure_free(self.memory, self.group, workspace_bytes=self.workspace_bytes)
 
     def size(self, free: FreeMemory, *, keep_free_bytes: int = 0) -> int:
         """The most tokens that fit `free` less the headroom and `keep_free_bytes`, under the caps,
@@ -192,9 +197,9 @@ class KvSizing:
         )
         return agree_min(tokens, self.group)
 
-    def size_from_free(self, *, keep_free_bytes: int = 0, settled: bool = True) -> KvFit:
-        """Measure, then size: the tokens the free memory of now holds (`settled`: see `measure_free`)."""
-        free = self.measure(settled=settled)
+    def size_from_free(self, *, keep_free_bytes: int = 0) -> KvFit:
+        """Measure, then size: the tokens the free memory of now holds."""
+        free = self.measure()
         return KvFit(self.size(free, keep_free_bytes=keep_free_bytes), free)
 
     def commit(self, tokens: int) -> tuple[int, int]:
@@ -301,7 +306,7 @@ class KvSizing:
         next grow is not a step away) or may grow back (to what start-up sizing gives now, at most
         the size the last explicit resize set, when at least the hysteresis more fits); None: it
         stays. Every rank answers alike."""
-        fit = self.size_from_free(settled=False)  # every 0.25 s: no sync, no emptied cache
+        fit = self.size_from_free()  # every 0.25 s: no sync, no emptied cache
         committed = self.pool.committed_tokens
         limits = self.limits()
         hysteresis = self.pressure_hysteresis_tokens()
@@ -334,10 +339,7 @@ class KvSizing:
         started = time.perf_counter()
         old_tokens, old_bytes = self.pool.committed_tokens, self.pool.committed_bytes
         moved = kv_resize.MoveStats()
-        if tokens > old_tokens:
-            # The unused blocks torch's caching allocator holds go back to the device first: memory
-            # pressure's check counted them as free (settled=False), and the commit needs them.
-            settle(self.memory.device)
+        if tokens > old_tokens:  # from the driver's free memory: the sizing kept the workspace apart
             self._grow(old_tokens, tokens)
         elif tokens < old_tokens:
             try:

@@ -428,6 +428,7 @@ class Engine:
                 max_running_requests=self._max_running_requests,
             ),
             headroom_bytes=headroom_bytes,
+            workspace_bytes=self._activation_peak_bytes,
             held_besides_kv=lambda: self._engine_device_bytes(pool) - pool.committed_bytes,
             device_type=self.device.type,
         )

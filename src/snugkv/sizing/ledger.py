@@ -14,7 +14,7 @@ import torch
 
 from snugkv.core.reports import MemoryLedger
 from snugkv.memory.vmm import VirtualMemory
-from snugkv.sizing.measure import device_memory
+from snugkv.sizing.measure import cached_unused_bytes
 
 __all__ = ["MemoryLedger", "measure_ledger"]  # the ledger's type is core's; this module measures it
 
@@ -37,16 +37,20 @@ def measure_ledger(
     """The ledger as the device reports it now.
 
     On CUDA, torch's reserved memory minus the weights (and minus the KV cache when it came from
-    torch's allocator, as in the static modes) is the graph pool and persistent buffers; the
-    baseline is what was used before the engine allocated anything. On CPU the host backend's
-    budget stands for the device, and weights live in general RAM.
+    torch's allocator, as in the static modes) and minus its unused cached blocks (the activation
+    workspace, a row of its own) is the graph pool and persistent buffers; the baseline is what was
+    used before the engine allocated anything. Read without settling: a serving engine keeps its
+    workspace. On CPU the host backend's budget stands for the device, and weights live in general
+    RAM.
     """
+    workspace = 0
     if device.type == "cuda":
-        free, total = device_memory(device)
+        free, total = (int(value) for value in torch.cuda.mem_get_info(device))
         baseline = total - baseline_free_bytes
         kv_in_torch = kv_committed_bytes if kv_in_torch_allocator else 0
         weights_in_torch = weights_bytes if weights_in_torch_allocator else 0
-        graphs_and_buffers = torch.cuda.memory_reserved(device) - weights_in_torch - kv_in_torch
+        workspace = cached_unused_bytes(device)
+        graphs_and_buffers = torch.cuda.memory_reserved(device) - workspace - weights_in_torch - kv_in_torch
         name = torch.cuda.get_device_name(device)
     else:
         free, total = memory.mem_get_info()
@@ -64,4 +68,5 @@ def measure_ledger(
         activation_peak_bytes=activation_peak_bytes,
         headroom_bytes=headroom_bytes,
         weights_in_device_memory=device.type == "cuda" and weights_resident,
+        workspace_bytes=workspace,
     )

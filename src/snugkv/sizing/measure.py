@@ -1,9 +1,14 @@
 """Reading memory: free bytes (MIN over ranks) and the peak of an eager step.
 
-This is the only module that asks a device how much memory is free. On CUDA it synchronizes
-and empties torch's caching allocator first, so cached-but-unused blocks count as free (memory
-pressure's frequent check counts them without emptying: `settled=False`). With a
-process group, every rank gets the MIN over all ranks, so all commit the same token count.
+This is the only module that asks a device how much memory is free. With a process group, every
+rank gets the MIN over all ranks, so all commit the same token count.
+
+The activation workspace. Before an engine exists (and when it sleeps or closes) a reading settles
+first: it synchronizes and empties torch's caching allocator, so cached-but-unused blocks count as
+free. A serving engine never empties it: the blocks its largest step used stay in torch's cache,
+held for the next step, so a step never asks the driver for memory (another process that takes
+every free byte cannot take these). Readings then count those blocks as free for this engine, up to
+its activation peak (`workspace_bytes`): they are the headroom it keeps, already in hand.
 """
 
 from __future__ import annotations
@@ -61,17 +66,25 @@ def torch_reserved_bytes(device: torch.device) -> int:
     return int(torch.cuda.memory_reserved(device))
 
 
+def torch_held_bytes(device: torch.device) -> int:
+    """What torch's caching allocator holds on `device` beyond its unused cached blocks (tensors,
+    the graphs' pools): read without settling, so a serving engine keeps its workspace (0 off CUDA)."""
+    if device.type != "cuda":
+        return 0
+    return int(torch.cuda.memory_reserved(device)) - cached_unused_bytes(device)
+
+
 def engine_device_bytes(
     memory: VirtualMemory, outside_torch_bytes: int, baseline_reserved_bytes: int = 0
 ) -> int:
     """Device memory this engine holds now, counted at its sources so other processes never count:
-    on CUDA, what torch's allocator reserved since the engine's baseline (graph pool, buffers;
-    cached blocks are handed back first; tensors the process held before the engine started are
-    not the engine's) plus what it holds outside torch's allocator (`outside_torch_bytes`: arenas,
+    on CUDA, what torch's allocator holds since the engine's baseline (graph pool, buffers; not
+    the activation workspace, which the headroom counts; tensors the process held before the
+    engine started are not the engine's) plus what it holds outside torch's allocator (`outside_torch_bytes`: arenas,
     graph executables); on CPU what its backend committed (the KV cache: weights and activations
     live in general RAM)."""
     if memory.device.type == "cuda":
-        reserved = torch_reserved_bytes(memory.device) - baseline_reserved_bytes
+        reserved = torch_held_bytes(memory.device) - baseline_reserved_bytes
         return max(reserved, 0) + outside_torch_bytes
     free, total = memory.mem_get_info()
     return total - free
@@ -100,17 +113,18 @@ def measure_capture(device: torch.device, capture: Callable[[], object]) -> Capt
 
 
 def measure_free(
-    vmm: VirtualMemory, group: dist.ProcessGroup | None = None, *, settled: bool = True
+    vmm: VirtualMemory, group: dist.ProcessGroup | None = None, *, workspace_bytes: int | None = None
 ) -> FreeMemory:
-    """Free memory now, agreed over `group` (a CPU/gloo group) by taking the MIN. `settled=False`
-    (memory pressure's frequent check, between steps): no synchronize and no emptied cache, which
-    would cost the next step its cudaMallocs; the blocks torch's caching allocator holds unused count
-    as free instead (this engine's next step takes its activations from them)."""
-    if settled:
+    """Free memory now, agreed over `group` (a CPU/gloo group) by taking the MIN. `workspace_bytes`
+    None: settle first (before the engine's workspace exists). A number (a serving engine: its
+    activation peak): no synchronize and no emptied cache; the blocks torch's caching allocator
+    holds unused count as free, up to that many bytes (the engine's next step takes its
+    activations from them; more than its peak is memory it holds, not free)."""
+    if workspace_bytes is None:
         settle(vmm.device)
     free, total = vmm.mem_get_info()
-    if not settled:
-        free += cached_unused_bytes(vmm.device)
+    if workspace_bytes is not None:
+        free += min(cached_unused_bytes(vmm.device), workspace_bytes)
     per_rank: tuple[int, ...] = (free,)
     if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
         gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
