@@ -23,7 +23,7 @@ from snugkv.version import __version__
 
 TABLE_COLUMNS = (
     "engine", "model", "case", "prompts", "output_tok_per_s", "kv_tokens", "startup_s", "errors",
-    "ttft_p50_ms", "tpot_p50_ms", "error",
+    "ttft_p50_ms", "tpot_p50_ms", "error", "skipped",
 )  # fmt: skip
 
 

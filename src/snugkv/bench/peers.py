@@ -275,11 +275,24 @@ def run_plan(plan: Plan) -> Report:
                 peer_skipped = peer_skipped or engine in PEERS
                 report.rows += skipped_rows(engine, plan.shape.name, case, prompts, reason)
                 report.problems.append(f"{engine} {case} skipped: {reason}")
-            else:
+                report.write()
+                continue
+            try:
                 rows, startup_s = run_engine_case(plan, engine, case, clock, baseline_mib, report)
-                report.rows += rows
-                if startup_s is not None:
-                    seen_start_s[engine] = startup_s
+            except Exception as exc:  # this engine's case fails; the next still runs
+                error = f"{type(exc).__name__}: {str(exc)[:300]}"
+                rows, startup_s = (
+                    engine_rows(engine, plan.shape.name, case, prompts, ServerFacts(), [], error),
+                    None,
+                )
+                report.problems.append(f"{engine} {case}: {error}")
+            except BaseException:  # SIGTERM (the call's timeout), Ctrl-C: the server is stopped already
+                report.problems.append(f"{engine} {case}: stopped by a signal before it finished")
+                report.write()
+                raise
+            report.rows += rows
+            if startup_s is not None:
+                seen_start_s[engine] = startup_s
             report.write()
     report.write(complete=True)
     return report
