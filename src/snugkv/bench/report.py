@@ -38,7 +38,7 @@ def environment() -> dict[str, Any]:
 
 def commit() -> str:
     """The commit measured: $SNUGKV_COMMIT where set (a copied tree's git metadata can be stale),
-    else `git rev-parse --short HEAD`."""
+    else git's short name of HEAD."""
     named = os.environ.get("SNUGKV_COMMIT", "")
     if named:
         return named
