@@ -103,3 +103,29 @@ def test_offline_figures_match_the_built_in_path_within_noise(
     # One pass each on a shared CPU spreads by up to ~30%; this catches a generator that measures
     # something else (a wrong token count or clock), not a few percent.
     assert 0.5 < ratio < 2.0, (through_url, reference)
+
+
+def test_token_id_and_text_prompts_each_get_a_measured_pass_and_the_stress_load_its_fixed_lengths(
+    stub_server: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["bench", "http", "--url", stub_server, *LOAD, "--workloads", "offline,stress"]
+    args += ["--prompts", "ids,text", "--stress-input-tokens", "64", "--stress-output-tokens", "8"]
+    assert main([*args, "--out", str(tmp_path)]) == 0, capsys.readouterr()
+    first, ids, text, stress_ids, stress_text = _rows(tmp_path)
+    assert [row["prompts"] for row in (first, ids, text)] == ["ids", "ids", "text"]
+    expected = workload(24, seed=0, vocab=500, low=16, high=48)
+    assert ids["prompt_tokens"] == sum(len(prompt) for prompt, _ in expected), ids  # ids count exactly
+    for row in (ids, text):
+        assert row["output_tokens"] == sum(out for _, out in expected) and row["errors"] == 0, row
+    for row, kind in ((stress_ids, "ids"), (stress_text, "text")):
+        assert row["case"] == "stress 24 x (64 in + 8 out)" and row["prompts"] == kind, row
+        assert (row["requests"], row["output_tokens"], row["errors"]) == (24, 24 * 8, 0), row
+    assert stress_ids["prompt_tokens"] == 24 * 64, stress_ids
+
+
+def test_an_unknown_prompt_kind_is_refused_with_the_kinds_to_pick_from(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["bench", "http", "--url", "http://127.0.0.1:1", "--prompts", "tokens"])
+    assert "name prompt kinds from text, ids" in capsys.readouterr().err

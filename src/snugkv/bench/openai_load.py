@@ -11,11 +11,16 @@ nothing here starts or stops it, and only the OpenAI routes are used (`/v1/model
   process at each of `--request-rates`;
 - chat: `--chat-users` users, each talking to one of `--chat-system-prompts` shared system prompts
   for `--chat-turns` turns (the history grows by each answer, as a chat client sends it),
-  `--chat-concurrency` users at a time.
+  `--chat-concurrency` users at a time;
+- stress (only when named): `--requests` prompts of `--stress-input-tokens` tokens, each asking for
+  `--stress-output-tokens`, all sent at once after a warm-up of prompts that long; one measured pass
+  per prompt kind (a server whose KV cache holds less than the demand queues and preempts).
 
-Prompts are text (routers route on text and some refuse token ids): random words of the prompt
-tokenizer (`--tokenizer`, else the server's model name read as a model path or Hub id), so a prompt
-of N tokens is about N tokens for the server too (its own count, from `usage`, is in the table).
+Prompts are text by default (routers route on text and some refuse token ids): random words of the
+prompt tokenizer (`--tokenizer`, else the server's model name read as a model path or Hub id), so a
+prompt of N tokens is about N tokens for the server too (its own count, from `usage`, is in the
+table). `--prompts ids,text` sends the offline and stress loads as token ids too (the same tokens'
+ids, no tokenizer work in the server), one measured pass per kind, each row naming its `prompts`.
 Outputs have fixed lengths (`ignore_eos`, a vLLM/SGLang/snugkv extension). Each row has the client's
 figures: output tokens per second over the wall time, time to first token and per output token
 (p50, p99), failed requests, and the share of prompt tokens the server reports cached
@@ -44,7 +49,9 @@ from snugkv.bench.serving import workload
 
 logger = logging.getLogger(__name__)
 
-WORKLOADS = ("offline", "rate", "chat")
+WORKLOADS = ("offline", "rate", "chat", "stress")
+DEFAULT_WORKLOADS = ("offline", "rate", "chat")  # stress only when asked for: it is long
+PROMPT_KINDS = ("text", "ids")
 WARM_UP_REQUESTS = 16
 CLIENT_TIMEOUT_S = 3600.0
 _WORD = re.compile(r"^ [A-Za-z]{2,}$")
@@ -114,9 +121,12 @@ def prompt_tokenizer(name: str | None, served_model: str) -> Any:
         ) from exc
 
 
+Prompt = str | list[int]  # text, or token ids
+
+
 class PromptText:
     """Random text of a given token count, made of the tokenizer's own whole-word tokens, so that
-    encoding it gives back about that many tokens."""
+    encoding it gives back about that many tokens; or the ids of such tokens."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
@@ -131,6 +141,13 @@ class PromptText:
         text = str(self.tokenizer.decode(ids))
         encoded = self.tokenizer.encode(text, add_special_tokens=False)
         return text if len(encoded) <= tokens else str(self.tokenizer.decode(encoded[:tokens]))
+
+    def ids(self, tokens: int, rng: random.Random) -> list[int]:
+        return [rng.choice(self.word_ids) for _ in range(tokens)]
+
+    def prompt(self, kind: str, tokens: int, rng: random.Random) -> Prompt:
+        """A prompt of `kind` ("text" or "ids") of `tokens` tokens."""
+        return self.ids(tokens, rng) if kind == "ids" else self.text(tokens, rng)
 
 
 # -- one request --------------------------------------------------------------------------------
@@ -190,7 +207,7 @@ async def send(
     return record
 
 
-def completion_body(prompt: str, max_tokens: int) -> dict[str, Any]:
+def completion_body(prompt: Prompt, max_tokens: int) -> dict[str, Any]:
     return {
         "prompt": prompt,
         "max_tokens": max_tokens,
@@ -219,7 +236,7 @@ def _client(connections: int) -> httpx.AsyncClient:
 
 # -- workloads ----------------------------------------------------------------------------------
 async def run_completions(
-    target: Target, prompts: list[tuple[str, int]], arrivals: list[float] | None = None
+    target: Target, prompts: list[tuple[Prompt, int]], arrivals: list[float] | None = None
 ) -> tuple[list[RequestRecord], float, float]:
     """Every prompt at once (or each at its arrival time, seconds after the start)."""
     async with _client(len(prompts)) as client:
@@ -370,13 +387,17 @@ def run_against_url(args: argparse.Namespace) -> int:
     # Fresh text on every run (unless --prompt-seed): a server's prefix cache holds nothing of it.
     rng = random.Random(args.prompt_seed)
     if "offline" in args.workloads:
-        warm_up = [(text.text(60, rng), 64) for _ in range(WARM_UP_REQUESTS)]
+        warm_up = [(text.prompt(args.prompts[0], 60, rng), 64) for _ in range(WARM_UP_REQUESTS)]
         asyncio.run(run_completions(target, warm_up))
         case = f"offline {args.requests} req, in/out U[{args.low},{args.high}]"
-        for name in ("first pass, not compared", "measured"):
-            prompts = [(text.text(len(prompt), rng), out) for prompt, out in offline]  # fresh text each pass
+        passes = [("first pass, not compared", args.prompts[0])]
+        passes += [("measured", kind) for kind in args.prompts]
+        for name, kind in passes:
+            # fresh prompts each pass
+            prompts = [(text.prompt(kind, len(prompt), rng), out) for prompt, out in offline]
             row = _measured(target, run_completions(target, prompts))
-            rows.append({"path": f"{args.url}, httpx client, streamed ({name})", "case": case, **row})
+            path = f"{args.url}, httpx client, streamed ({name})"
+            rows.append({"path": path, "case": case, "prompts": kind, **row})
     if "rate" in args.workloads:
         for rate in args.request_rates:
             online = workload(
@@ -406,8 +427,28 @@ def run_against_url(args: argparse.Namespace) -> int:
             f"system prompts of {args.chat_system_tokens} tokens, {args.chat_concurrency} at a time"
         )
         rows.append({"path": f"{args.url}, httpx client, streamed", "case": case, **row})
+    if "stress" in args.workloads:
+        rows.extend(_stress_rows(args, target, text, rng))
     emit("http", rows, args.out, extra={"url": args.url, "model": target.model})
     return 1 if any(row["errors"] for row in rows) else 0
+
+
+def _stress_rows(
+    args: argparse.Namespace, target: Target, text: PromptText, rng: random.Random
+) -> list[dict[str, Any]]:
+    """The stress load once per prompt kind, after a warm-up whose prefills are as long as its own."""
+    inputs, outputs = args.stress_input_tokens, args.stress_output_tokens
+    warm_up = [(text.prompt(args.prompts[0], inputs, rng), 16) for _ in range(WARM_UP_REQUESTS)]
+    asyncio.run(run_completions(target, warm_up))
+    case = f"stress {args.requests} x ({inputs} in + {outputs} out)"
+    rows = []
+    for kind in args.prompts:
+        prompts: list[tuple[Prompt, int]] = [
+            (text.prompt(kind, inputs, rng), outputs) for _ in range(args.requests)
+        ]
+        row = _measured(target, run_completions(target, prompts))
+        rows.append({"path": f"{args.url}, httpx client, streamed", "case": case, "prompts": kind, **row})
+    return rows
 
 
 def add_url_arguments(parser: argparse.ArgumentParser) -> None:
@@ -421,8 +462,20 @@ def add_url_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--workloads",
         type=_workloads,
-        default=list(WORKLOADS),
-        help=f"--url: which workloads run, of {','.join(WORKLOADS)} (default: all)",
+        default=list(DEFAULT_WORKLOADS),
+        help=f"--url: which workloads run, of {','.join(WORKLOADS)} (default: {','.join(DEFAULT_WORKLOADS)})",
+    )
+    group.add_argument(
+        "--prompts",
+        type=_prompt_kinds,
+        default=["text"],
+        help="--url offline and stress: the prompt kinds, one measured pass each, of text,ids (default: text)",
+    )
+    group.add_argument(
+        "--stress-input-tokens", type=int, default=3500, help="--url stress: each prompt's length"
+    )
+    group.add_argument(
+        "--stress-output-tokens", type=int, default=400, help="--url stress: each request's output"
     )
     group.add_argument(
         "--prompt-seed", type=int, default=None, help="--url: seed of the prompts' text (default: a new one)"
@@ -440,11 +493,19 @@ def add_url_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--chat-concurrency", type=int, default=8, help="--url chat: users talking at once")
 
 
-def _workloads(value: str) -> list[str]:
+def _names(value: str, known: tuple[str, ...], what: str) -> list[str]:
     names = [name.strip() for name in value.split(",") if name.strip()]
-    unknown = [name for name in names if name not in WORKLOADS]
+    unknown = [name for name in names if name not in known]
     if unknown or not names:
         raise argparse.ArgumentTypeError(
-            f"{value!r}: name workloads from {', '.join(WORKLOADS)}, separated by commas"
+            f"{value!r}: name {what} from {', '.join(known)}, separated by commas"
         )
     return names
+
+
+def _workloads(value: str) -> list[str]:
+    return _names(value, WORKLOADS, "workloads")
+
+
+def _prompt_kinds(value: str) -> list[str]:
+    return _names(value, PROMPT_KINDS, "prompt kinds")

@@ -32,16 +32,23 @@ def environment() -> dict[str, Any]:
         if torch.cuda.is_available()
         else platform.processor() or "cpu",
     }
-    env["commit"] = os.environ.get("SNUGKV_COMMIT", "")
-    if env["commit"]:
-        return env
+    env["commit"] = commit()
+    return env
+
+
+def commit() -> str:
+    """The commit measured: $SNUGKV_COMMIT where set (a copied tree's git metadata can be stale),
+    else git's short name of HEAD."""
+    named = os.environ.get("SNUGKV_COMMIT", "")
+    if named:
+        return named
     try:
-        env["commit"] = subprocess.run(
+        found = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5, check=False
         ).stdout.strip()
     except OSError:
-        env["commit"] = "unknown"
-    return env
+        found = ""
+    return found or "unknown"
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
