@@ -19,8 +19,9 @@ from snugkv.core.sampling import InvalidRequest, SamplingParams
 from snugkv.driver import engine_core
 from snugkv.driver.engine_core import EngineCore
 from snugkv.engine import Engine, EngineArgs
-from snugkv.memory.vmm import MIB
+from snugkv.memory.vmm import MIB, CommitError
 from snugkv.scheduler import elastic
+from snugkv.scheduler.scheduler import MAX_OOM_STREAK, OOM_RETRY_AFTER_S
 from tests.models.hf_tiny import save_tiny_hf_model
 
 PAGE = 4
@@ -244,6 +245,79 @@ def test_a_step_out_of_memory_is_retried_smaller_and_loses_no_request(
         assert run(core) == undisturbed
         assert core.scheduler.oom_retries == 2
         assert core.metrics_snapshot().oom_retries == 2
+    finally:
+        engine.close()
+
+
+# How each library says it found no device memory (the texts torch and the libraries raise).
+NO_MEMORY_ERRORS = {
+    "torch": lambda: torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+    "cublas": lambda: RuntimeError(
+        "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"
+    ),
+    "driver": lambda: RuntimeError("Triton Error [CUDA]: CUDA_ERROR_OUT_OF_MEMORY"),
+    "runtime": lambda: RuntimeError("cudaErrorMemoryAllocation"),
+    "nccl": lambda: RuntimeError("NCCL error: unhandled cuda error, NCCL version 2.27.3: out of memory"),
+    "arena": lambda: CommitError("cuMemCreate failed: CUDA_ERROR_OUT_OF_MEMORY"),
+}
+
+
+@pytest.mark.parametrize("library", sorted(NO_MEMORY_ERRORS))
+def test_every_librarys_out_of_memory_is_retried_smaller(
+    model_dir: str, monkeypatch: pytest.MonkeyPatch, library: str
+) -> None:
+    engine = start(model_dir)
+    try:
+        core = EngineCore.around(engine)
+        undisturbed = run(core)
+        forward = core.scheduler.runner.forward
+        calls = {"count": 0}
+
+        def forward_out_of_memory_once(*args: object, **kwargs: object) -> torch.Tensor:
+            calls["count"] += 1
+            if calls["count"] == 3:
+                raise NO_MEMORY_ERRORS[library]()
+            return forward(*args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(core.scheduler.runner, "forward", forward_out_of_memory_once)
+        assert run(core) == undisturbed
+        assert core.scheduler.oom_retries == 1
+    finally:
+        engine.close()
+
+
+def test_a_batch_that_never_finds_memory_ends_in_a_503_and_the_engine_serves_on(
+    model_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = start(model_dir)
+    try:
+        core = EngineCore.around(engine)
+        outputs: dict[str, GenerateOutput] = {}
+        core.deliver_outputs_to(lambda request, output: outputs.__setitem__(output.rid, output))
+        forward = core.scheduler.runner.forward
+        failing = {"on": True}
+
+        def forward_without_memory(*args: object, **kwargs: object) -> torch.Tensor:
+            if failing["on"]:
+                raise RuntimeError(
+                    "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"
+                )
+            return forward(*args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(core.scheduler.runner, "forward", forward_without_memory)
+        sampling = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+        core.scheduler.add_request("refused", prompts(1)[0], sampling)
+        turn_until(core, lambda: "refused" in outputs and outputs["refused"].finished)
+        refused = outputs["refused"]
+        assert refused.error is not None and "try again later" in refused.error
+        assert refused.retry_after_s == OOM_RETRY_AFTER_S
+        assert core.scheduler.oom_retries == MAX_OOM_STREAK
+        core.scheduler.check_slot_accounting()
+        assert engine.runner.allocator.available_tokens == engine.runner.allocator.capacity_tokens
+        failing["on"] = False  # memory came back: the next request is served
+        core.scheduler.add_request("served", prompts(1)[0], sampling)
+        turn_until(core, lambda: "served" in outputs and outputs["served"].finished)
+        assert outputs["served"].error is None
     finally:
         engine.close()
 

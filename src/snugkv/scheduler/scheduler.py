@@ -41,7 +41,9 @@ tensor parallelism the other ranks are inside the step's collectives). The step 
 every request of the failed batch is retracted (its computed KV goes to the prefix cache, nothing
 is lost; the failed launch's slots go with the release), and until `OOM_RECOVERY_STEPS` steps ran
 the batches are capped at half the failed one's rows (and a failed prefill's tokens), doubling
-back after each such run. Past `MAX_OOM_STREAK` failures in a row the error is raised as any other.
+back after each such run. Every library's way of saying so counts (`memory.no_memory`: torch,
+cuBLAS, the CUDA driver, NCCL, the arena). Past `MAX_OOM_STREAK` failures in a row the requests of
+the failed batch end with a 503 and Retry-After (the engine stays up; the others go on).
 
 A prompt longer than the KV cache holds now, but not longer than it could hold (`could_hold_tokens`:
 the reserve and the caps of an engine that can resize), waits for memory instead of being refused:
@@ -58,14 +60,13 @@ import time
 from collections import deque
 from collections.abc import Iterable
 
-import torch
-
 from snugkv.core.forward import FUTURE_TOKEN, BatchRow
 from snugkv.core.reports import SchedulerStats
 from snugkv.core.sampling import PROMPT_LOGITS_PER_STEP, InvalidRequest, SamplingParams
 from snugkv.core.structured_output import TokenBitmask
 from snugkv.core.tokenizer import Tokenizer
 from snugkv.core.transfer import to_host
+from snugkv.memory.no_memory import is_out_of_memory
 from snugkv.runner.model_runner import ModelRunner
 from snugkv.scheduler.detokenizer import detokenize, find_stop
 from snugkv.scheduler.launched import LaunchedStep, ScheduledBatch, StepTimes, clock
@@ -83,15 +84,8 @@ __all__ = ["OutputCallback", "Scheduler", "SlotAccountingError"]
 logger = logging.getLogger(__name__)
 
 OOM_RECOVERY_STEPS = 64  # steps without running out of memory before a batch cap doubles again
-MAX_OOM_STREAK = 12  # launches in a row that ran out of memory before the error is raised
-
-
-def is_out_of_memory(error: BaseException) -> bool:
-    """Whether a launch failed for want of device memory (torch's error, or a library's allocation
-    failure that torch passes on as a RuntimeError)."""
-    return isinstance(error, torch.OutOfMemoryError) or (
-        isinstance(error, RuntimeError) and "out of memory" in str(error).lower()
-    )
+MAX_OOM_STREAK = 12  # launches in a row that ran out of memory before the batch is refused (503)
+OOM_RETRY_AFTER_S = 5.0  # what the 503 of a batch that never found memory tells the client
 
 
 class Scheduler:
@@ -255,10 +249,13 @@ class Scheduler:
             try:
                 launched = self._launch(batch, previous)
             except Exception as exc:
-                if not self._may_retry(exc):
-                    raise
-                self._retry_smaller(batch, exc)
-                return
+                if self._may_retry(exc):
+                    self._retry_smaller(batch, exc)
+                    return
+                if self.retry_out_of_memory and is_out_of_memory(exc):
+                    self._refuse_for_memory(batch, exc)
+                    return
+                raise
             self._in_flight = launched
             self._after_launch()
             if previous is not None:
@@ -317,6 +314,28 @@ class Scheduler:
             rows,
             tokens,
         )
+
+    def _refuse_for_memory(self, batch: ScheduledBatch, error: Exception) -> None:
+        """`MAX_OOM_STREAK` launches in a row found no memory: end the failed batch's requests with
+        a 503 and Retry-After (the client may try again; it is not the request's fault) and let the
+        rest go on, the batch caps kept."""
+        self._oom_streak = 0
+        self.finish_in_flight()
+        self._requeue_after_failure(batch.requests)
+        logger.warning(
+            "%d launches in a row ran out of device memory (%s); ended %d requests with a 503",
+            MAX_OOM_STREAK,
+            error,
+            len(batch.requests),
+        )
+        for request in batch.requests:
+            if not request.finished:
+                request.retry_after_s = OOM_RETRY_AFTER_S
+                self.fail(
+                    request,
+                    "the device has no memory for this request's step now (another process holds it); "
+                    "try again later",
+                )
 
     def _after_launch(self) -> None:
         """A launch went through: the streak ends, and after a calm run the caps double back."""
