@@ -171,3 +171,41 @@ def test_the_idle_slot_check_waits_for_the_engine_to_stay_idle(engine_thread):
     while len(checks) < 2 and time.monotonic() < deadline:
         time.sleep(0.02)
     assert len(checks) == 2  # new work, a new idle period, a new check
+
+
+def test_build_makes_the_core_on_the_thread_that_runs_its_steps(tmp_path):
+    """cuBLAS handles and workspaces are per thread: the thread that steps must be the one whose
+    start-up (capture, activation peak) made them, before the KV cache was sized."""
+    import threading
+
+    save_tiny_hf_model("llama", tmp_path)
+    threads: dict[str, threading.Thread] = {}
+
+    def build_core() -> EngineCore:
+        threads["build"] = threading.current_thread()
+        engine = Engine(EngineArgs(model=str(tmp_path), dtype="float32", host_kv_gib=0.02))
+        return EngineCore.around(engine)
+
+    engine_thread = EngineThread.build(build_core, model_name=lambda core: "tiny")
+    try:
+        step = engine_thread.scheduler.step
+
+        def recorded_step() -> None:
+            threads["step"] = threading.current_thread()
+            step()
+
+        engine_thread.scheduler.step = recorded_step  # type: ignore[method-assign]
+        outputs = asyncio.run(collect(engine_thread, "r", [5, 6, 7], 3))
+        assert outputs[-1].finished and outputs[-1].error is None
+        assert threads["step"] is threads["build"] is not threading.main_thread()
+        assert engine_thread.model_name == "tiny"
+    finally:
+        engine_thread.stop()
+
+
+def test_a_build_that_fails_raises_in_the_caller():
+    def build_core() -> EngineCore:
+        raise ValueError("not a model directory")
+
+    with pytest.raises(ValueError, match="not a model directory"):
+        EngineThread.build(build_core, model_name="tiny")

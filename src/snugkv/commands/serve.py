@@ -158,14 +158,19 @@ def build_engine_thread(
     from snugkv.driver.engine_core import EngineCore
     from snugkv.driver.engine_thread import EngineThread
 
-    core = EngineCore.build(
-        engine_args_from(args),
-        tp=tp,
-        enable_prefix_cache=not args.disable_prefix_cache,
-        after_engine=after_engine,
+    engine_thread = EngineThread.build(  # on the thread that runs its steps
+        lambda: EngineCore.build(
+            engine_args_from(args),
+            tp=tp,
+            enable_prefix_cache=not args.disable_prefix_cache,
+            after_engine=after_engine,
+        ),
+        model_name=lambda core: (
+            args.served_model_name or _model_name(args.model, core.engine.loaded.source.path)
+        ),
+        metrics=metrics,
     )
-    name = args.served_model_name or _model_name(args.model, core.engine.loaded.source.path)
-    return EngineThread(core, model_name=name, metrics=metrics), name
+    return engine_thread, engine_thread.model_name
 
 
 def _model_name(model: str | None, path: Path) -> str:

@@ -479,19 +479,21 @@ def engine_main(conn: Connection, spec: EngineSpec) -> None:
     """The engine process: build the engine, say "ready" (or send the error), serve the pipe."""
     ignore_stop_signals()
     spec.log.configure()  # a no-op when `commands/engine_spawn` configured it already
-    try:
-        core = EngineCore.build(
-            spec.engine_args,
-            enable_prefix_cache=spec.enable_prefix_cache,
-            tokenizer_source=spec.tokenizer_source,
-            after_engine=spec.after_start,
+    try:  # built on the thread that will run its steps (EngineThread.build says why)
+        engine_thread = EngineThread.build(
+            lambda: EngineCore.build(
+                spec.engine_args,
+                enable_prefix_cache=spec.enable_prefix_cache,
+                tokenizer_source=spec.tokenizer_source,
+                after_engine=spec.after_start,
+            ),
+            model_name=lambda core: core.engine.loaded.source.path.stem,
         )
     except Exception as exc:  # raised again in the server's process, which says it to the user
         logger.debug("the engine did not start", exc_info=True)
         send_start_failure(conn, exc)
         return
-    engine = core.engine
-    engine_thread = EngineThread(core, model_name=engine.loaded.source.path.stem)
+    engine = engine_thread.engine
     side = _EngineSide(conn, engine_thread)
     try:
         side.send(

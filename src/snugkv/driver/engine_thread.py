@@ -223,9 +223,51 @@ InboxItem = Submit | Abort | AbortAll | Control | Query
 
 
 class EngineThread:
-    """An engine core on a thread of its own; starts the thread at once and serves until `stop`."""
+    """An engine core on a thread of its own; starts the thread at once and serves until `stop`.
 
-    def __init__(self, core: EngineCore, *, model_name: str, metrics: MetricsSink | None = None) -> None:
+    `EngineThread.build(...)` builds the core on that thread: the thread that runs every step then
+    made its cuBLAS / cuBLASLt handles and workspaces (torch keeps them per thread) while start-up
+    captured and measured, before the KV cache was sized, so serving never creates one (on a device
+    another process filled, `cublasCreate` inside a step fails)."""
+
+    @classmethod
+    def build(
+        cls,
+        build_core: Callable[[], EngineCore],
+        *,
+        model_name: str | Callable[[EngineCore], str],
+        metrics: MetricsSink | None = None,
+    ) -> EngineThread:
+        """Start the scheduler thread, build the core there (`build_core`), then serve on it;
+        returns once the core is built, or raises what building it raised."""
+        handoff: queue.SimpleQueue[EngineThread | BaseException] = queue.SimpleQueue()
+
+        def run() -> None:
+            try:
+                core = build_core()
+                name = model_name(core) if callable(model_name) else model_name
+                engine_thread = cls(core, model_name=name, metrics=metrics, thread=threading.current_thread())
+            except BaseException as exc:  # raised again in the caller's thread
+                handoff.put(exc)
+                return
+            handoff.put(engine_thread)
+            engine_thread._loop()
+
+        threading.Thread(target=run, name="snugkv-scheduler", daemon=True).start()
+        result = handoff.get()
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def __init__(
+        self,
+        core: EngineCore,
+        *,
+        model_name: str,
+        metrics: MetricsSink | None = None,
+        thread: threading.Thread | None = None,
+    ) -> None:
+        """`thread`: the running thread that will drive the core (`build`); None: start one now."""
         self.core = core
         self.engine = core.engine
         self.scheduler = core.scheduler
@@ -251,8 +293,10 @@ class EngineThread:
         self.slot_accounting = SlotAccounting()
         self._replies: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future[Any]]] = {}
         self._queries: list[Query] = []
-        self._thread = threading.Thread(target=self._loop, name="snugkv-scheduler", daemon=True)
-        self._thread.start()
+        if thread is None:
+            thread = threading.Thread(target=self._loop, name="snugkv-scheduler", daemon=True)
+            thread.start()
+        self._thread = thread
 
     # -- EngineClient -------------------------------------------------------------------
     async def generate(self, request: GenerateInput) -> AsyncGenerator[GenerateOutput, None]:
