@@ -73,12 +73,14 @@ class Fleet:
     url: str
     replica_urls: list[str]
     replica_pids: list[int]
+    api_key: str | None = API_KEY
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
     def client(self, **options: object) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=API_KEY, max_retries=0, **options)  # type: ignore[arg-type]
+        key = self.api_key or "unused"  # the openai client wants one; a fleet without a key ignores it
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, **options)  # type: ignore[arg-type]
 
     def stop(self) -> int:
         if self.process.poll() is None:
@@ -91,12 +93,17 @@ class Fleet:
         return self.process.returncode
 
 
-def start_fleet(model: Path, log_path: Path, policy: str, *extra: str) -> Fleet:
+def start_fleet(
+    model: Path, log_path: Path, policy: str, *extra: str, key_env: str | None = API_KEY
+) -> Fleet:
+    """`serve --dp 2` with `extra` flags; `key_env` is $SNUGKV_API_KEY (None: unset)."""
     command = [
         sys.executable, "-m", "snugkv", "serve", "--dp", "2", "--model", str(model), "--device", "cpu",
         "--port", "0", "--router-policy", policy, "--max-running-requests", "8", *extra,
     ]  # fmt: skip
-    env = {**os.environ, "SNUGKV_API_KEY": API_KEY}
+    env = {name: value for name, value in os.environ.items() if name != "SNUGKV_API_KEY"}
+    if key_env is not None:
+        env["SNUGKV_API_KEY"] = key_env
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
             command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
@@ -108,7 +115,8 @@ def start_fleet(model: Path, log_path: Path, policy: str, *extra: str) -> Fleet:
         if announced:
             replicas = sorted((int(index), int(pid), url) for index, pid, url in REPLICA.findall(text))
             urls, pids = [url for _, _, url in replicas], [pid for _, pid, _ in replicas]
-            return Fleet(process, log_path, announced.group(1), urls, pids)
+            key = extra[extra.index("--api-key") + 1] if "--api-key" in extra else key_env
+            return Fleet(process, log_path, announced.group(1), urls, pids, key)
         if process.poll() is not None:
             raise AssertionError(f"the fleet exited with {process.returncode}:\n{text[-5000:]}")
         time.sleep(0.2)
@@ -163,6 +171,27 @@ def test_the_router_answers_every_request_from_both_replicas_with_the_key(fleet:
     with pytest.raises(openai.AuthenticationError):  # smg checks the key (its /v1/models is open)
         wrong_key.completions.create(model=MODEL, prompt="hi", max_tokens=2)
     assert [card.id for card in client.models.list()] == [MODEL]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key_flags", [[], ["--api-key", "flag-key"]], ids=["no-key", "api-key-flag"])
+def test_dp_2_starts_without_a_key_and_with_one_on_the_command_line(
+    fleet_model: Path, tmp_path: Path, key_flags: list[str]
+) -> None:
+    running = start_fleet(fleet_model, tmp_path / "fleet.log", "round_robin", *key_flags, key_env=None)
+    try:
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+        keyless = httpx.post(f"{running.url}/v1/completions", json=body, timeout=60)
+        if running.api_key is None:  # open, as one `snugkv serve` without a key is
+            assert keyless.status_code == 200, keyless.text
+            assert httpx.get(f"{running.replica_urls[0]}/v1/models", timeout=10).status_code == 200
+        else:
+            assert keyless.status_code == 401, keyless.text
+            reply = running.client(timeout=60).completions.create(**body)  # type: ignore[call-overload]
+            assert reply.choices[0].finish_reason == "length"
+            assert httpx.get(f"{running.replica_urls[0]}/v1/models", timeout=10).status_code == 401
+    finally:
+        assert running.stop() == 0, running.log()[-3000:]
 
 
 # -- cache-aware routing against round robin --------------------------------------------------------

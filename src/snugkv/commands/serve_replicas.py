@@ -128,7 +128,8 @@ def serve_replicas(
             graceful_shutdown_s=GRACEFUL_SHUTDOWN_S,
         ),
         max_restarts=args.replica_restarts,
-        secret_env={api_key_env: api_key or ""},
+        # No key: nothing in the environment (an empty one is a key a replica refuses).
+        secret_env={api_key_env: api_key} if api_key else {},
     )
     return Fleet(spec).run()
 
