@@ -173,6 +173,19 @@ def test_the_router_answers_every_request_from_both_replicas_with_the_key(fleet:
     assert [card.id for card in client.models.list()] == [MODEL]
 
 
+def test_the_router_refuses_a_token_id_prompt_naming_prompt_and_takes_it_as_text(fleet: Fleet) -> None:
+    """smg 1.13 reads a completion's prompt as text or a list of texts only, with no option for token
+    ids, so a token-id prompt is its 400; `serve --dp --help` and docs/SCALE.md say to send text."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 2}
+    refused = httpx.post(f"{fleet.url}/v1/completions", json=body, headers=headers, timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt", refused.text
+    direct = httpx.post(f"{fleet.replica_urls[0]}/v1/completions", json=body, headers=headers, timeout=60)
+    assert direct.status_code == 200, direct.text  # a replica alone takes token ids
+    as_text = fleet.client(timeout=60).completions.create(model=MODEL, prompt="hi", max_tokens=2)
+    assert as_text.choices[0].finish_reason == "length", as_text
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("key_flags", [[], ["--api-key", "flag-key"]], ids=["no-key", "api-key-flag"])
 def test_dp_2_starts_without_a_key_and_with_one_on_the_command_line(

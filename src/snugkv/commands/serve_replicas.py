@@ -34,7 +34,8 @@ def add_replica_arguments(parser: argparse.ArgumentParser) -> None:
         type=_replica_count,
         default=1,
         help="replicas: N `snugkv serve` processes (each with its own --tp GPUs) behind the smg router, "
-        "which listens on --host/--port (default: 1, no router)",
+        "which listens on --host/--port and takes text prompts only (it refuses token-id prompts with a 400 "
+        "naming prompt: send text, or serve without --dp) (default: 1, no router)",
     )
     group.add_argument(
         "--router-policy",
