@@ -8,10 +8,11 @@ is instant and a CPU machine never imports CUDA-only code.
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import logging
 import sys
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from snugkv.version import __version__
 
@@ -41,6 +42,32 @@ class CommandLineParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"error: {message} (see '{self.prog} --help')\n")
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> Any:
+        """As argparse's, but a flag no parser knows is named by the command it was given to, with
+        the closest flag that command has (argparse names it on the top-level parser)."""
+        argv = sys.argv[1:] if args is None else list(args)
+        parsed, unknown = self.parse_known_args(argv, namespace)
+        if unknown:
+            command = self._command_parser(argv)
+            flags = [flag for flag in unknown if flag.startswith("-")]
+            if not flags:
+                command.error(f"unrecognized arguments: {' '.join(unknown)}")
+            flag = flags[0].split("=", 1)[0]
+            known = [option for action in command._actions for option in action.option_strings]
+            closest = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
+            hint = f"; did you mean {closest[0]}?" if closest else ""
+            command.error(f"'{command.prog}' has no flag {flag}{hint}")
+        return parsed
+
+    def _command_parser(self, argv: list[str]) -> argparse.ArgumentParser:
+        """The (sub)command's parser that `argv` names, at any depth (`bench http`)."""
+        parser: argparse.ArgumentParser = self
+        for token in argv:
+            below = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+            if below and token in below[0].choices:
+                parser = below[0].choices[token]
+        return parser
 
 
 def build_parser() -> argparse.ArgumentParser:

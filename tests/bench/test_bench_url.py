@@ -17,6 +17,7 @@ import pytest
 from snugkv.bench.serving import workload
 from snugkv.cli import main
 from snugkv.distributed.launch import free_port
+from snugkv.models.default_model import DEFAULT_SERVED_NAME
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STEP_MS = "20"  # a step of the pretend device; the run's time is mostly the device's
@@ -30,6 +31,7 @@ def stub_server(tmp_path_factory: pytest.TempPathFactory):
     log = tmp_path_factory.mktemp("stub") / "server.log"
     command = [sys.executable, "-m", "snugkv.bench.stub_device", "--port", str(port), "--step-ms", STEP_MS]
     command += ["--tokenizer", "default", "--no-engine-process", *SERVER_SHAPE]
+    command += ["--served-model-name", DEFAULT_SERVED_NAME]  # as `snugkv serve` names the default model
     with open(log, "wb") as out:
         process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -129,3 +131,24 @@ def test_an_unknown_prompt_kind_is_refused_with_the_kinds_to_pick_from(
     with pytest.raises(SystemExit):
         main(["bench", "http", "--url", "http://127.0.0.1:1", "--prompts", "tokens"])
     assert "name prompt kinds from text, ids" in capsys.readouterr().err
+
+
+def test_the_default_model_needs_no_tokenizer_flag(
+    stub_server: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["bench", "http", "--url", stub_server, "--requests", "4", "--low", "8", "--high", "16"]
+    assert main([*args, "--workloads", "offline", "--out", str(tmp_path)]) == 0, capsys.readouterr()
+    assert _rows(tmp_path)[1]["errors"] == 0
+
+
+def test_a_model_name_that_names_no_tokenizer_here_is_one_whole_line_saying_what_to_pass(
+    stub_server: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["bench", "http", "--url", stub_server, "--model", "my-finetune", "--out", str(tmp_path)]
+    assert main(args) == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error == (
+        "error: cannot load the tokenizer of the model 'my-finetune' (no model directory or Hub id here); "
+        "pass --tokenizer with a model directory, a .gguf file or a Hub id ('default' for the embedded "
+        "SmolLM2's)"
+    )

@@ -1,9 +1,11 @@
-"""`snugkv chat` in a real process, as a person uses it: Ctrl-C while an answer streams stops that
-answer and the chat goes on; /quit ends it with exit code 0."""
+"""`snugkv chat` in a real process, as a person uses it (stdin a terminal): Ctrl-C while an answer
+streams stops that answer and the chat goes on; /quit ends it with exit code 0. With stdin a pipe,
+each line is a turn and each answer a line of its own, with no prompts."""
 
 from __future__ import annotations
 
 import os
+import pty
 import select
 import signal
 import subprocess
@@ -40,17 +42,36 @@ def stop_the_answer(process: subprocess.Popen) -> None:
 @pytest.mark.slow
 def test_ctrl_c_stops_the_answer_and_the_chat_goes_on():
     command = [sys.executable, "-m", "snugkv", "chat", "--max-tokens", "2000", "--ignore-eos"]
+    terminal, stdin = pty.openpty()
     process = subprocess.Popen(
-        command, cwd=REPO_ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
+        command, cwd=REPO_ROOT, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
     )
+    os.close(stdin)
     try:
-        process.stdin.write(b"Count from one to a thousand.\n")
-        process.stdin.flush()
+        os.write(terminal, b"Count from one to a thousand.\n")
         stop_the_answer(process)
-        process.stdin.write(b"Say hi.\n/quit\n")
-        process.stdin.flush()
+        os.write(terminal, b"Say hi.\n/quit\n")
         stop_the_answer(process)  # the chat went on: a second answer (with --ignore-eos, 2000 tokens)
         assert process.wait(timeout=60) == 0
     finally:
         if process.poll() is None:
             process.kill()
+        os.close(terminal)
+
+
+@pytest.mark.slow
+def test_with_stdin_a_pipe_each_line_is_a_turn_and_each_answer_a_line_without_prompts():
+    command = [sys.executable, "-m", "snugkv", "chat", "--max-tokens", "6", "--ignore-eos"]
+    done = subprocess.run(
+        command,
+        cwd=REPO_ROOT,
+        input="Say hi.\n/reset\nSay bye.\n",
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    answers = done.stdout.split("\n")
+    assert len(answers) == 3 and answers[2] == "", done.stdout  # two answers, each ending its line
+    assert all(answer.strip() and "you>" not in answer and "model>" not in answer for answer in answers[:2])
+    assert "/reset starts over" not in done.stderr  # the help for a person at a terminal

@@ -119,3 +119,35 @@ def test_the_snugkv_command_prints_no_traceback_for_a_bad_flag():
     )
     assert done.returncode == 2
     assert done.stderr.startswith("error: argument --port:") and len(done.stderr.splitlines()) == 1
+
+
+def test_a_mistyped_flag_names_the_commands_help_and_the_closest_flag_and_runs_nothing():
+    """As a user types it: the value after the mistyped flag is not taken as the prompt."""
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "src")}
+    done = subprocess.run(
+        [sys.executable, "-m", "snugkv", "generate", "--max-tokenz", "5", "hello"],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        env=env,
+        timeout=60,
+        check=False,
+    )
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == (
+        "error: 'snugkv generate' has no flag --max-tokenz; did you mean --max-tokens? "
+        "(see 'snugkv generate --help')\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["serve", "--max-running-requsts", "4"], "'snugkv serve' has no flag --max-running-requsts; did you mean --max-running-requests? (see 'snugkv serve --help')"),
+        (["bench", "http", "--requestz=3"], "'snugkv bench http' has no flag --requestz; did you mean --requests? (see 'snugkv bench http --help')"),
+        (["generate", "--no-such-thing", "hi"], "'snugkv generate' has no flag --no-such-thing (see 'snugkv generate --help')"),
+        (["generate", "hi", "there"], "unrecognized arguments: there (see 'snugkv generate --help')"),
+    ],
+)  # fmt: skip
+def test_an_unknown_flag_is_named_with_its_commands_help(capsys, argv, says):
+    assert run_cli(capsys, *argv) == f"error: {says}"

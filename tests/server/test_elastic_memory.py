@@ -240,11 +240,28 @@ def test_a_request_in_flight_waits_through_a_sleep_and_finishes(
 
 @pytest.mark.parametrize(
     ("path", "params", "says"),
-    [("/sleep", {"level": 3}, "level must be 1"), ("/sleep", {"level": "x"}, "level must be 1 or 2"),
+    [("/sleep", {"level": 3}, "level must be 1"), ("/sleep", {"level": "x"}, "level must be 1"),
      ("/wake_up", {"tags": "gpu"}, "unknown tag(s) gpu")],
 )  # fmt: skip
 def test_bad_sleep_and_wake_requests_get_a_400(
     http: httpx.Client, path: str, params: dict, says: str
 ) -> None:
     assert says in openai_error(http.post(path, params=params), 400)
+    assert http.get("/is_sleeping").json()["is_sleeping"] is False
+
+
+@pytest.mark.parametrize(
+    ("path", "request_fields", "shown"),
+    [("/sleep", {"params": {"level": 7}}, "'7'"), ("/sleep", {"params": {"level": "x"}}, "'x'"),
+     ("/release_memory_occupation", {"json": {"level": 0}}, "0")],
+)  # fmt: skip
+def test_a_sleep_level_other_than_1_or_2_is_an_invalid_parameter_naming_level(
+    http: httpx.Client, path: str, request_fields: dict, shown: str
+) -> None:
+    error = http.post(path, **request_fields).json()["error"]
+    assert (error["param"], error["code"]) == ("level", "invalid_parameter"), error
+    assert (
+        error["message"]
+        == f"level must be 1 (weights kept in host memory) or 2 (weights dropped), got {shown}."
+    )
     assert http.get("/is_sleeping").json()["is_sleeping"] is False

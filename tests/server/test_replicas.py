@@ -73,12 +73,14 @@ class Fleet:
     url: str
     replica_urls: list[str]
     replica_pids: list[int]
+    api_key: str | None = API_KEY
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
     def client(self, **options: object) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=API_KEY, max_retries=0, **options)  # type: ignore[arg-type]
+        key = self.api_key or "unused"  # the openai client wants one; a fleet without a key ignores it
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, **options)  # type: ignore[arg-type]
 
     def stop(self) -> int:
         if self.process.poll() is None:
@@ -91,12 +93,17 @@ class Fleet:
         return self.process.returncode
 
 
-def start_fleet(model: Path, log_path: Path, policy: str, *extra: str) -> Fleet:
+def start_fleet(
+    model: Path, log_path: Path, policy: str, *extra: str, key_env: str | None = API_KEY
+) -> Fleet:
+    """`serve --dp 2` with `extra` flags; `key_env` is $SNUGKV_API_KEY (None: unset)."""
     command = [
         sys.executable, "-m", "snugkv", "serve", "--dp", "2", "--model", str(model), "--device", "cpu",
         "--port", "0", "--router-policy", policy, "--max-running-requests", "8", *extra,
     ]  # fmt: skip
-    env = {**os.environ, "SNUGKV_API_KEY": API_KEY}
+    env = {name: value for name, value in os.environ.items() if name != "SNUGKV_API_KEY"}
+    if key_env is not None:
+        env["SNUGKV_API_KEY"] = key_env
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
             command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
@@ -108,7 +115,8 @@ def start_fleet(model: Path, log_path: Path, policy: str, *extra: str) -> Fleet:
         if announced:
             replicas = sorted((int(index), int(pid), url) for index, pid, url in REPLICA.findall(text))
             urls, pids = [url for _, _, url in replicas], [pid for _, pid, _ in replicas]
-            return Fleet(process, log_path, announced.group(1), urls, pids)
+            key = extra[extra.index("--api-key") + 1] if "--api-key" in extra else key_env
+            return Fleet(process, log_path, announced.group(1), urls, pids, key)
         if process.poll() is not None:
             raise AssertionError(f"the fleet exited with {process.returncode}:\n{text[-5000:]}")
         time.sleep(0.2)
@@ -163,6 +171,40 @@ def test_the_router_answers_every_request_from_both_replicas_with_the_key(fleet:
     with pytest.raises(openai.AuthenticationError):  # smg checks the key (its /v1/models is open)
         wrong_key.completions.create(model=MODEL, prompt="hi", max_tokens=2)
     assert [card.id for card in client.models.list()] == [MODEL]
+
+
+def test_the_router_refuses_a_token_id_prompt_naming_prompt_and_takes_it_as_text(fleet: Fleet) -> None:
+    """smg 1.13 reads a completion's prompt as text or a list of texts only, with no option for token
+    ids, so a token-id prompt is its 400; `serve --dp --help` and docs/SCALE.md say to send text."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 2}
+    refused = httpx.post(f"{fleet.url}/v1/completions", json=body, headers=headers, timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt", refused.text
+    direct = httpx.post(f"{fleet.replica_urls[0]}/v1/completions", json=body, headers=headers, timeout=60)
+    assert direct.status_code == 200, direct.text  # a replica alone takes token ids
+    as_text = fleet.client(timeout=60).completions.create(model=MODEL, prompt="hi", max_tokens=2)
+    assert as_text.choices[0].finish_reason == "length", as_text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key_flags", [[], ["--api-key", "flag-key"]], ids=["no-key", "api-key-flag"])
+def test_dp_2_starts_without_a_key_and_with_one_on_the_command_line(
+    fleet_model: Path, tmp_path: Path, key_flags: list[str]
+) -> None:
+    running = start_fleet(fleet_model, tmp_path / "fleet.log", "round_robin", *key_flags, key_env=None)
+    try:
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+        keyless = httpx.post(f"{running.url}/v1/completions", json=body, timeout=60)
+        if running.api_key is None:  # open, as one `snugkv serve` without a key is
+            assert keyless.status_code == 200, keyless.text
+            assert httpx.get(f"{running.replica_urls[0]}/v1/models", timeout=10).status_code == 200
+        else:
+            assert keyless.status_code == 401, keyless.text
+            reply = running.client(timeout=60).completions.create(**body)  # type: ignore[call-overload]
+            assert reply.choices[0].finish_reason == "length"
+            assert httpx.get(f"{running.replica_urls[0]}/v1/models", timeout=10).status_code == 401
+    finally:
+        assert running.stop() == 0, running.log()[-3000:]
 
 
 # -- cache-aware routing against round robin --------------------------------------------------------
@@ -287,24 +329,44 @@ def test_a_killed_replica_fails_only_its_streams_in_flight_and_comes_back(fleet:
     assert reply.choices[0].finish_reason == "length"
 
 
-def test_sigterm_lets_the_router_finish_a_stream_then_stops_every_process(fleet: Fleet) -> None:
+def test_sigterm_stops_the_fleet_within_one_servers_graceful_time_with_streams_in_flight(
+    fleet: Fleet,
+) -> None:
+    """A short stream finishes; long ones (about 8 s of this tiny model's steps at the context's
+    end, on a CPU) are cut with "abort", and every process is gone within GRACEFUL_SHUTDOWN_S."""
+    from snugkv.server.launch import GRACEFUL_SHUTDOWN_S
+
     client = fleet.client(timeout=60)
-    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 150, "stream": True}
-    stream = client.completions.create(**body, extra_body={"ignore_eos": True})  # type: ignore[call-overload]
-    first = next(iter(stream))
+    streams = [
+        client.completions.create(  # type: ignore[call-overload]
+            model=MODEL,
+            prompt="Once upon a time",
+            max_tokens=max_tokens,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        for max_tokens in (150, 1900, 1900)
+    ]
+    firsts = [next(iter(stream)) for stream in streams]
     children = [
         int(pid)
         for pid in Path(f"/proc/{fleet.process.pid}/task/{fleet.process.pid}/children").read_text().split()
     ]
+    signalled = time.monotonic()
     fleet.process.send_signal(signal.SIGTERM)
-    rest = list(stream)
-    assert rest[-1].choices[0].finish_reason == "length", rest[-1]  # the router drained it
-    assert len(first.choices) == 1
+    with ThreadPoolExecutor(len(streams)) as pool:
+        rests = list(pool.map(list, streams))
     assert fleet.process.wait(timeout=120) == 0, fleet.log()[-3000:]
+    stopped_s = time.monotonic() - signalled
+    reasons = [rest[-1].choices[0].finish_reason for rest in rests]
+    assert reasons == ["length", "abort", "abort"], reasons  # the short one drained, the long ones cut
+    assert all(len(first.choices) == 1 for first in firsts)
+    assert stopped_s <= GRACEFUL_SHUTDOWN_S, stopped_s
     assert len(children) == 3  # two replicas and the router
     assert not [pid for pid in children if Path(f"/proc/{pid}").exists()], children
     log = fleet.log()
-    assert log.index("SIGTERM: stopping the router") < log.rindex("Stopped the router and 2 replicas"), log[
-        -3000:
-    ]
+    after_signal = log[log.index("SIGTERM: stopping the router and the replicas") :]
+    assert "Stopped the router and 2 replicas" in after_signal, log[-3000:]
+    assert "health check failed" not in after_signal, after_signal[-3000:]  # told to stop, they did
+    assert "\x1b[" not in log, log[-3000:]  # smg's colours, in a file
     assert "Traceback" not in log, log[-5000:]

@@ -5,15 +5,33 @@ graceful-shutdown time; one still running near its end is cut and says so (finis
 from __future__ import annotations
 
 import json
+import re
 import signal
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
+from snugkv.server.launch import GRACEFUL_SHUTDOWN_S
 from tests.server.conftest import start_server
 from tests.server.serve_for_tests import SHUTDOWN_COMPLETE
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+class _Url:
+    """A server at `url` without a key, as `_stream` asks for its client."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def client(self, timeout: float) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=timeout)
 
 
 def _stream(server: Any, body: dict[str, Any], chunks: list[dict[str, Any]], first: threading.Event) -> None:
@@ -64,3 +82,34 @@ def test_sigterm_lets_a_short_request_finish_and_cuts_a_long_one_as_abort(tmp_pa
         pass
     else:
         raise AssertionError("the server still answered after it stopped")
+
+
+@pytest.mark.slow
+def test_snugkv_serve_stops_within_its_graceful_time_with_a_stream_in_flight(tmp_path: Path) -> None:
+    """`snugkv serve` as users start it (the engine in its own process): from SIGTERM to exit, the
+    cut stream and the engine's release included, within GRACEFUL_SHUTDOWN_S."""
+    log_path = tmp_path / "serve.log"
+    command = [sys.executable, "-m", "snugkv", "serve", "--device", "cpu", "--port", "0"]
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 180
+        while not (serving := re.search(r"snugkv is serving on (\S+)", log_path.read_text())):
+            assert process.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.2)
+        body = {"prompt": "Count on:", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+        chunks: list[dict[str, Any]] = []
+        first = threading.Event()
+        stream = threading.Thread(target=_stream, args=(_Url(serving.group(1)), body, chunks, first))
+        stream.start()
+        assert first.wait(timeout=60)
+        signalled = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0, log_path.read_text()
+        stopped_s = time.monotonic() - signalled
+        stream.join(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert chunks[-1] == {"done": True} and chunks[-2]["choices"][0]["finish_reason"] == "abort", chunks[-2:]
+    assert stopped_s <= GRACEFUL_SHUTDOWN_S, (stopped_s, log_path.read_text()[-2000:])

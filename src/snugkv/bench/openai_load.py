@@ -17,7 +17,8 @@ nothing here starts or stops it, and only the OpenAI routes are used (`/v1/model
   per prompt kind (a server whose KV cache holds less than the demand queues and preempts).
 
 Prompts are text by default (routers route on text and some refuse token ids): random words of the
-prompt tokenizer (`--tokenizer`, else the server's model name read as a model path or Hub id), so a
+prompt tokenizer (`--tokenizer`, else the server's model: the embedded SmolLM2 when it is served under
+its own name, as by `serve` without --model, else its name read as a model path or Hub id), so a
 prompt of N tokens is about N tokens for the server too (its own count, from `usage`, is in the
 table). `--prompts ids,text` sends the offline and stress loads as token ids too (the same tokens'
 ids, no tokenizer work in the server), one measured pass per kind, each row naming its `prompts`.
@@ -107,21 +108,35 @@ def resolve_target(url: str, model: str | None, api_key: str | None) -> Target:
 
 def prompt_tokenizer(name: str | None, served_model: str) -> Any:
     """The tokenizer prompts are measured with: `name` ("default": the embedded SmolLM2's), else
-    the served model's name read as a model path or Hub id."""
-    from snugkv.models.loader import resolve_model_source
+    the served model's: the embedded one when the server calls it by its name (as `serve` without
+    --model does), or its name read as a model path or Hub id."""
+    from snugkv.models.default_model import DEFAULT_SERVED_NAME
+    from snugkv.models.loader import ModelLoadError, resolve_model_source
     from snugkv.models.tokenizer import load_tokenizer
 
-    wanted = name or served_model
+    wanted = name or ("default" if served_model == DEFAULT_SERVED_NAME else served_model)
+    what_to_pass = "a model directory, a .gguf file or a Hub id ('default' for the embedded SmolLM2's)"
     try:
         return load_tokenizer(resolve_model_source(None if wanted == "default" else wanted))
-    except Exception as exc:  # any loader's refusal: the fix is the same flag
+    except ModelLoadError as exc:
+        if name is None:
+            raise LoadTargetError(
+                f"cannot load the tokenizer of the model {served_model!r} (no model directory or Hub id "
+                f"here); pass --tokenizer with {what_to_pass}"
+            ) from exc
+        raise LoadTargetError(f"--tokenizer {name!r} is no model here; pass {what_to_pass}") from exc
+    except Exception as exc:  # any other loader's refusal (a download, a broken file): the same flag
         raise LoadTargetError(
-            f"cannot load a tokenizer for {wanted!r} ({type(exc).__name__}: {str(exc)[:200]}); pass "
-            "--tokenizer (a model directory, a Hub id, or 'default' for SmolLM2's)"
+            f"cannot load a tokenizer for {wanted!r} ({type(exc).__name__}: {_one_line(exc)}); pass "
+            f"--tokenizer: {what_to_pass}"
         ) from exc
 
 
 Prompt = str | list[int]  # text, or token ids
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
 
 
 class PromptText:

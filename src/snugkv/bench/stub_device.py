@@ -140,6 +140,7 @@ def main() -> None:
         default=False,
         help="the engine in a process of its own",
     )
+    parser.add_argument("--served-model-name", default="stub", help="the model's name in the API")
     add_stub_arguments(parser)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -161,9 +162,13 @@ def main() -> None:
             engine = stub_engine(Path(directory), args)
             tokenizer = stub_tokenizer(args.tokenizer)
             core = EngineCore.around(engine, tokenizer=tokenizer)
-            async_engine = EngineThread(core, model_name="stub", metrics=metrics)
+            async_engine = EngineThread(core, model_name=args.served_model_name, metrics=metrics)
         app = create_app(
-            async_engine, api_key=None, max_body_bytes=1 << 24, served_model_name="stub", metrics=metrics
+            async_engine,
+            api_key=None,
+            max_body_bytes=1 << 24,
+            served_model_name=args.served_model_name,
+            metrics=metrics,
         )
         serve(app, host="127.0.0.1", port=args.port, on_shutdown=async_engine.stop, log_level="warning")
 

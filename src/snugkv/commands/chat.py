@@ -2,7 +2,8 @@
 
 The conversation is kept and re-sent each turn through the chat template; the prefix cache
 makes earlier turns cost nothing to re-read. Commands: /reset starts over, /quit (or Ctrl-D) ends.
-Ctrl-C while an answer streams stops that answer; at the prompt it ends the chat.
+Ctrl-C while an answer streams stops that answer; at the prompt it ends the chat. With stdin not a
+terminal (`echo hi | snugkv chat`) each line is a turn and each answer one line: no prompts.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def _chat_rank(tp: Any, args: argparse.Namespace) -> int:
         prompt_ids = tp.broadcast_object_from_first(prompt_ids, wait_for_user=True)
         if prompt_ids is None:
             break
-        if conversation:
+        if conversation and conversation.interactive:
             sys.stdout.write("model> ")
         interrupt = _CtrlC() if conversation else None
         try:
@@ -108,15 +109,18 @@ class _Conversation:
         self.start = [{"role": "system", "content": system}] if system else []
         self.messages = list(self.start)
         self.pieces: list[str] = []
-        print("snugkv chat: /reset starts over, /quit ends, Ctrl-C stops an answer.", file=sys.stderr)
+        self.interactive = sys.stdin.isatty()  # else turns come from a pipe or a file: no prompts
+        if self.interactive:
+            print("snugkv chat: /reset starts over, /quit ends, Ctrl-C stops an answer.", file=sys.stderr)
 
     def next_prompt(self, tokenizer: Any) -> list[int] | None:
         """The next turn's prompt ids, or None when the user ends the chat."""
         while True:
             try:
-                line = input("you> ")
+                line = input("you> " if self.interactive else "")
             except (EOFError, KeyboardInterrupt):
-                print(file=sys.stderr)
+                if self.interactive:
+                    print(file=sys.stderr)  # ends the prompt's line
                 return None
             if line.strip() in ("/quit", "/exit"):
                 return None

@@ -34,7 +34,8 @@ def add_replica_arguments(parser: argparse.ArgumentParser) -> None:
         type=_replica_count,
         default=1,
         help="replicas: N `snugkv serve` processes (each with its own --tp GPUs) behind the smg router, "
-        "which listens on --host/--port (default: 1, no router)",
+        "which listens on --host/--port and takes text prompts only (it refuses token-id prompts with a 400 "
+        "naming prompt: send text, or serve without --dp) (default: 1, no router)",
     )
     group.add_argument(
         "--router-policy",
@@ -128,7 +129,8 @@ def serve_replicas(
             graceful_shutdown_s=GRACEFUL_SHUTDOWN_S,
         ),
         max_restarts=args.replica_restarts,
-        secret_env={api_key_env: api_key or ""},
+        # No key: nothing in the environment (an empty one is a key a replica refuses).
+        secret_env={api_key_env: api_key} if api_key else {},
     )
     return Fleet(spec).run()
 

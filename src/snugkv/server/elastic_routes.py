@@ -127,10 +127,14 @@ def install_elastic_routes(app: FastAPI, client: EngineClient) -> None:
 
 
 def _level(value: object) -> int:
-    try:
-        return int(str(value))
-    except ValueError:
-        raise APIError(400, f"level must be 1 or 2, got {value!r}.", param="level") from None
+    if str(value).strip() not in ("1", "2"):
+        raise APIError(
+            400,
+            f"level must be 1 (weights kept in host memory) or 2 (weights dropped), got {value!r}.",
+            param="level",
+            code="invalid_parameter",
+        )
+    return int(str(value))
 
 
 def _query_tags(request: Request) -> tuple[str, ...]:

@@ -2,11 +2,11 @@
 
 `serve` binds the socket itself (so a busy port fails with a clear message before anything
 starts, and port 0 picks a free one), announces the address, runs uvicorn, and on Ctrl-C or
-SIGTERM stops taking connections and lets in-flight requests finish for at most
-`graceful_shutdown_s`; what is still running `CUT_MARGIN_S` before that deadline is cut by
-`on_stop_requested` (the engine ends it with finish_reason "abort", so the client sees a cut answer
-and not a normal finish), and a second Ctrl-C cuts at once. Then `on_shutdown` runs (where the
-engine releases its pools), however serving ends.
+SIGTERM stops within `graceful_shutdown_s`, the release of the engine included: it stops taking
+connections and lets in-flight requests finish; what is still running `RELEASE_RESERVE_S +
+CUT_MARGIN_S` before the end is cut by `on_stop_requested` (the engine ends it with finish_reason
+"abort", so the client sees a cut answer and not a normal finish), and a second Ctrl-C cuts at
+once. Then `on_shutdown` runs (where the engine releases its pools), however serving ends.
 """
 
 from __future__ import annotations
@@ -28,10 +28,13 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
-GRACEFUL_SHUTDOWN_S = 10
-# Requests still running this long before the graceful deadline are cut, so that their last
-# output ("abort") reaches the client before uvicorn cancels what is left.
-CUT_MARGIN_S = 1.5
+GRACEFUL_SHUTDOWN_S = 10  # from the stop signal to the end of `serve`, the engine's release included
+# Kept at the end of the graceful time for `on_shutdown` (the engine releasing its memory, about
+# 0.7 s on a CPU) and the process's exit; requests are cut before it.
+RELEASE_RESERVE_S = 3.0
+# Requests are cut this long before uvicorn's own deadline, so that their last output ("abort")
+# reaches the client before uvicorn cancels what is left.
+CUT_MARGIN_S = 1.0
 
 
 def serve(
@@ -49,14 +52,15 @@ def serve(
     """Serve `app` on host:port (or on `sock`, already bound there) until interrupted;
     `on_listening(url)` runs once the socket is bound."""
     try:
+        drain_s = max(graceful_shutdown_s - RELEASE_RESERVE_S, CUT_MARGIN_S)
         config = uvicorn.Config(
             app,
             http=HttpProtocol,
             log_level=log_level,
-            timeout_graceful_shutdown=graceful_shutdown_s,
+            timeout_graceful_shutdown=round(drain_s),
             lifespan="off",
         )
-        server = _Server(config, on_stop_requested, cut_after_s=max(graceful_shutdown_s - CUT_MARGIN_S, 0.0))
+        server = _Server(config, on_stop_requested, cut_after_s=drain_s - CUT_MARGIN_S)
         if sock is None:
             sock = bind_socket(host, port)
         else:

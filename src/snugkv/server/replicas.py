@@ -4,7 +4,7 @@ Each replica is an ordinary `snugkv serve` process (its own engine, scheduler an
 after capture as always; `--kv-elastic` replicas share a GPU as separate servers do) on a loopback
 port of its own, so only the router reaches it. The router (`router.py`: smg) listens on the
 address clients use. This process starts them, copies their output to its stderr with a
-`[replica N]` / `[router]` prefix, and:
+`[replica N]` / `[router]` prefix (colour codes left out unless stderr is a terminal), and:
 
 - starts the router once every replica answers `/health` (it then registers them at once, with no
   failed probes in the log), and announces `snugkv is serving on URL` when it counts them healthy;
@@ -13,8 +13,9 @@ address clients use. This process starts them, copies their output to its stderr
   `max_restarts` times, then left down while the others go on); its in-flight requests fail
   (a stream ends with an error event; smg retries a non-streamed one on another replica);
   the router, which has no rotation of its own, is restarted the same way;
-- Ctrl-C or SIGTERM stops the router first (it finishes what it forwarded, takes nothing new),
-  then the replicas, which drain their own in-flight requests, each within its graceful shutdown.
+- Ctrl-C or SIGTERM stops the router and the replicas at once: the router takes nothing new and
+  passes on the ends of what it forwarded; each replica drains its in-flight requests (and cuts
+  what is left, with finish_reason "abort") within its graceful shutdown, as one server does.
 
 Children run in sessions of their own, so a terminal's Ctrl-C reaches only this process (which
 stops them in that order), and get SIGTERM from Linux if this process dies (PR_SET_PDEATHSIG).
@@ -53,6 +54,10 @@ STOP_TIMEOUT_S = GRACEFUL_SHUTDOWN_S + 50.0  # a replica's drain, then releasing
 
 # A replica's access-log lines for the router's probes (every 2 s per replica): not copied.
 _PROBE_LINE = re.compile(rb'"GET /(?:ready|health|v1/loads|metrics)\S* HTTP/1\.1" 200')
+# The router's failed probes of replicas that are stopping, as they are told to: not copied then.
+_FAILED_PROBE_LINE = re.compile(rb"health check failed for http://127\.0\.0\.1:\d+/ready")
+# Terminal colour codes: smg colours its log lines whatever its output is (no flag turns it off).
+_ANSI_ESCAPE = re.compile(rb"\x1b\[[0-9;]*m")
 
 try:
     _LIBC: ctypes.CDLL | None = ctypes.CDLL(None, use_errno=True)
@@ -98,10 +103,13 @@ class FleetSpec:
 class _Child:
     """One process of the fleet: how to start it again, its restarts, and a thread copying its output."""
 
-    def __init__(self, name: str, command: list[str], env: dict[str, str]) -> None:
+    def __init__(
+        self, name: str, command: list[str], env: dict[str, str], stopping: threading.Event | None = None
+    ) -> None:
         self.name = name
         self.command = command
         self.env = env
+        self.stopping = stopping  # set: the fleet is stopping (its replicas' probes fail, as they should)
         self.restarts = 0
         self.process: subprocess.Popen[bytes] | None = None
         self.given_up = False
@@ -123,10 +131,13 @@ class _Child:
     def _copy_output(self, process: subprocess.Popen[bytes]) -> None:
         assert process.stdout is not None
         prefix = f"[{self.name}] ".encode()
+        plain = not sys.stderr.isatty()  # a log file or a pipe gets no colour codes
         for line in process.stdout:
             if _PROBE_LINE.search(line):
                 continue
-            sys.stderr.buffer.write(prefix + line)
+            if self.stopping is not None and self.stopping.is_set() and _FAILED_PROBE_LINE.search(line):
+                continue
+            sys.stderr.buffer.write(prefix + (_ANSI_ESCAPE.sub(b"", line) if plain else line))
             sys.stderr.buffer.flush()
 
     @property
@@ -173,8 +184,9 @@ class Fleet:
             for replica in spec.replicas
         ]
         worker_urls = [replica.url for replica in spec.replicas]
-        self.router = _Child("router", router_command(spec.router_binary, worker_urls, spec.router), base)
         self.stopping = threading.Event()
+        command = router_command(spec.router_binary, worker_urls, spec.router)
+        self.router = _Child("router", command, base, self.stopping)
         self.announced = False
         self._started_s = 0.0
         self._router_started_s = 0.0
@@ -293,12 +305,13 @@ class Fleet:
 
     # -- stopping -----------------------------------------------------------------------
     def stop(self) -> None:
-        """The router first (what it forwarded finishes), then every replica drains at once."""
+        """The router and every replica at once: the router takes nothing new and passes on the
+        ends of what it forwarded, which the replicas drain (cutting what is left) as one server
+        does, so the fleet stops within one server's graceful time, not the router's and then theirs."""
         self.stopping.set()
-        self.router.terminate()
-        self.router.wait(time.monotonic() + self.spec.router.graceful_shutdown_s + 10.0)
-        for child in self.replicas:
+        for child in [self.router, *self.replicas]:
             child.terminate()
+        self.router.wait(time.monotonic() + self.spec.router.graceful_shutdown_s + 10.0)
         deadline = time.monotonic() + STOP_TIMEOUT_S
         for child in self.replicas:
             child.wait(deadline)
@@ -311,7 +324,7 @@ def _signals_set(event: threading.Event) -> Iterator[None]:
     """Ctrl-C and SIGTERM set `event` (the watch loop then stops the fleet in order)."""
 
     def handler(signum: int, frame: object) -> None:
-        logger.info("%s: stopping the router, then the replicas", signal.Signals(signum).name)
+        logger.info("%s: stopping the router and the replicas", signal.Signals(signum).name)
         event.set()
 
     previous: dict[int, Callable[..., object] | int | None] = {
