@@ -7,8 +7,12 @@ Three figures, each the median of several runs:
 - `encode`: one text prompt of `--prompt-tokens` tokens (random whole tokens of the vocabulary,
   decoded and encoded back, as `bench http --url` sends them) turned into ids, as the server does
   for a text prompt;
-- `detokenize`: one decode step's incremental detokenization for `--streams` streams (each stream
-  one new token, a window of a few tokens decoded, as `scheduler.detokenizer` does), per step.
+- `outputs`: one decode step's outputs for `--streams` streams without stop strings (each one new
+  token) on the thread that drives the device (`OutputBuilder.emit`): with the text made there
+  (the thread driver, and the engine process before its server detokenized), and with the text
+  left downstream (the engine process now: token ids only);
+- `server text`: the same step's text made by the engine process's server instead
+  (`StreamTexts.fill`: one batched decode, on the server's pipe reader, not the engine's thread).
 
 `--tokenizer` is a model directory or Hub id, or `default` (the embedded SmolLM2's 49k BPE); a
 128k-vocab one is what the 8B shape serves with (`.peer/models/llama-3-8b`).
@@ -26,9 +30,11 @@ import time
 from typing import Any
 
 from snugkv.bench.report import emit
+from snugkv.core.outputs import GenerateOutput
 from snugkv.core.sampling import SamplingParams
 from snugkv.core.tokenizer import Tokenizer
-from snugkv.scheduler.detokenizer import detokenize
+from snugkv.driver.server_text import StreamTexts
+from snugkv.scheduler.outputs import OutputBuilder
 from snugkv.scheduler.request import Request
 
 _LOAD_SCRIPT = """
@@ -92,24 +98,57 @@ def decode_streams(tokenizer: Tokenizer, streams: int, history: int, rng: random
     return requests
 
 
-def detokenize_figures(tokenizer: Tokenizer, streams: int, steps: int) -> dict[str, Any]:
-    """The scheduler's way: one `detokenize` per request per step, on the thread that steps."""
-    rng = random.Random(1)
-    requests = decode_streams(tokenizer, streams, 64, rng)
-    tokens = [[rng.randrange(1000, tokenizer.vocab_size) for _ in requests] for _ in range(steps)]
-    times = []
-    for step_tokens in tokens:
-        for request, token in zip(requests, step_tokens):
-            request.output_ids.append(token)
-        started = time.perf_counter()
-        for request in requests:
-            detokenize(tokenizer, request)
-        times.append(time.perf_counter() - started)
+def _step_figures(case: str, times: list[float], streams: int) -> dict[str, Any]:
     return {
-        "case": f"detokenize one step of {streams} streams, per request",
+        "case": case,
         "ms": statistics.median(times) * 1e3,
         "us_per_stream": statistics.median(times) * 1e6 / streams,
     }
+
+
+def outputs_figures(
+    tokenizer: Tokenizer, streams: int, steps: int, *, text_downstream: bool
+) -> dict[str, Any]:
+    """A step's `emit` of every stream, on the thread that steps (what the device waits behind)."""
+    rng = random.Random(1)
+    requests = decode_streams(tokenizer, streams, 64, rng)
+    builder = OutputBuilder(tokenizer, on_output=lambda request, output: None)
+    builder.text_downstream = text_downstream
+    times = []
+    for _ in range(steps):
+        for request in requests:
+            request.output_ids.append(rng.randrange(1000, tokenizer.vocab_size))
+        started = time.perf_counter()
+        for request in requests:
+            builder.emit(request)
+        times.append(time.perf_counter() - started)
+    where = "left to the server (token ids only)" if text_downstream else "made here"
+    return _step_figures(
+        f"outputs of one step of {streams} streams, engine thread, text {where}", times, streams
+    )
+
+
+def server_text_figures(tokenizer: Tokenizer, streams: int, steps: int) -> dict[str, Any]:
+    """The same step's text made by the engine process's server: one `StreamTexts.fill`."""
+    rng = random.Random(1)
+    texts = StreamTexts(tokenizer)
+    for index in range(streams):
+        texts.open(f"s{index}")
+        texts.fill(
+            [GenerateOutput(f"s{index}", [rng.randrange(1000, tokenizer.vocab_size) for _ in range(5)], "")]
+        )
+    times = []
+    for _ in range(steps):
+        outputs = [
+            GenerateOutput(f"s{index}", [rng.randrange(1000, tokenizer.vocab_size)], "")
+            for index in range(streams)
+        ]
+        started = time.perf_counter()
+        texts.fill(outputs)
+        times.append(time.perf_counter() - started)
+    return _step_figures(
+        f"text of one step of {streams} streams, server's pipe reader, batched", times, streams
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -120,7 +159,9 @@ def run(args: argparse.Namespace) -> int:
     rows = [
         load_figures(args.tokenizer, args.load_repeats),
         encode_figures(tokenizer, args.prompt_tokens, args.repeats),
-        detokenize_figures(tokenizer, args.streams, args.steps),
+        outputs_figures(tokenizer, args.streams, args.steps, text_downstream=False),
+        outputs_figures(tokenizer, args.streams, args.steps, text_downstream=True),
+        server_text_figures(tokenizer, args.streams, args.steps),
     ]
     emit("text", rows, args.out, extra={"tokenizer": args.tokenizer, "vocab": tokenizer.vocab_size})
     return 0
