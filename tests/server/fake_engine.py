@@ -67,6 +67,11 @@ class ByteTokenizer:
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return bytes(i - 3 for i in token_ids if i >= 3).decode("utf-8", errors="replace")
 
+    def decode_batch(
+        self, sequences: Sequence[Sequence[int]], *, skip_special_tokens: bool = True
+    ) -> list[str]:
+        return [self.decode(ids, skip_special_tokens=skip_special_tokens) for ids in sequences]
+
     def encode_chat(
         self, messages: Sequence[dict[str, str]] | str, *, add_generation_prompt: bool = True
     ) -> list[int]:

@@ -29,6 +29,7 @@ BENCHMARKS = {
     "fuzz": "snugkv.bench.fuzz",
     "soak": "snugkv.bench.soak",
     "cpu-decode": "snugkv.bench.cpu_decode",
+    "text": "snugkv.bench.text",
 }
 # One line each for `snugkv bench --help`, without importing the modules (their docstrings say more).
 SUMMARIES = {
@@ -48,6 +49,7 @@ SUMMARIES = {
     "fuzz": "every route of a server against its OpenAPI schema (schemathesis): no 5xx",
     "soak": "a real server under mixed load, resizes, sleep/wake and a memory hog for M minutes: nothing leaks",
     "cpu-decode": "greedy decode on CPU, snugkv against transformers' generate on the same weights",
+    "text": "tokenizer load, prompt encoding and per-step detokenizing with a real tokenizer (CPU)",
 }
 
 

@@ -30,6 +30,12 @@ class Tokenizer(Protocol):
 
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str: ...
 
+    def decode_batch(
+        self, sequences: Sequence[Sequence[int]], *, skip_special_tokens: bool = True
+    ) -> list[str]:
+        """`decode` of each sequence (one call: the server detokenizes a turn's streams at once)."""
+        ...
+
     def encode_chat(
         self, messages: Sequence[dict[str, str]] | str, *, add_generation_prompt: bool = True
     ) -> list[int]:

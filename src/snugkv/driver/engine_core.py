@@ -77,16 +77,27 @@ RETRY_AFTER_S = 5.0  # what a 503 for a request that waited for memory in vain t
 
 
 def load_tokenizer_or_none(
-    source: ModelSource, eos_token_ids: tuple[int, ...] = (), *, warn: bool = False
+    source: ModelSource, eos_token_ids: tuple[int, ...] = (), *, warn: bool = False, whose: str = "the"
 ) -> tuple[Tokenizer | None, str | None]:
     """The model's tokenizer, or None and why there is none (a bare config with random weights:
-    prompts are then token ids); `warn` logs the reason."""
+    prompts are then token ids); `warn` logs the load (with its seconds) or the reason; `whose`
+    names the copy in that line ("the engine's", "the server's")."""
+    started = time.perf_counter()
     try:
-        return load_tokenizer(source, eos_token_ids), None
+        tokenizer = load_tokenizer(source, eos_token_ids)
     except TokenizerUnavailable as exc:
         if warn:
             logger.warning("%s", exc)
         return None, str(exc)
+    if warn:
+        logger.info(
+            "Loaded %s tokenizer (vocab %d) from %s in %.2f s",
+            whose,
+            tokenizer.vocab_size,
+            source.path.name,
+            time.perf_counter() - started,
+        )
+    return tokenizer, None
 
 
 class EngineCore:
@@ -148,6 +159,7 @@ class EngineCore:
                     tokenizer_source or engine.loaded.source,
                     engine.config.eos_token_ids,
                     warn=engine.tp.is_first_rank,
+                    whose="the engine's",
                 )
             core = cls.around(engine, tokenizer=tokenizer, enable_prefix_cache=enable_prefix_cache)
         except BaseException:
@@ -189,6 +201,13 @@ class EngineCore:
             overlap=not args.disable_overlap_schedule if overlap is None else overlap,
         )
         return cls(engine, scheduler, tokenizer)
+
+    def leave_text_downstream(self) -> None:
+        """From now on a request without stop strings gets its token ids only, no text: whoever
+        receives the outputs detokenizes them (the engine process's server), so the thread that
+        steps does not. A request with stop strings is still detokenized here (its text decides
+        when it ends)."""
+        self.scheduler.outputs.text_downstream = True
 
     def deliver_outputs_to(self, on_output: OutputCallback | None) -> None:
         """Where the scheduler sends each request's outputs from now on (the driver's callback)."""

@@ -6,11 +6,16 @@ parses requests and writes chunks, the scheduler cannot queue the next step and 
 Here the engine core and its `EngineThread` (the scheduler thread) run in a child process started with
 `spawn`; the server's process keeps the tokenizer and talks to it over a pipe:
 
-- server -> engine: a request (`GenerateInput`), an abort, "abort all", a call of one of the
-  engine thread's methods (`CALLS`: the elastic, sleep and info routes), "stop";
-- engine -> server: "ready" (or the start-up error itself, re-raised in the server's process, so a
-  bad model file is the same one-line error as without this flag), one message per turn with every
-  output the turn produced, the replies to calls.
+- server -> engine: "text downstream" (the server holds the tokenizer and detokenizes), a request
+  (`GenerateInput`), an abort, "abort all", a call of one of the engine thread's methods (`CALLS`:
+  the elastic, sleep and info routes), "stop";
+- engine -> server: the model's source (so the server loads its tokenizer while the engine starts),
+  "ready" (or the start-up error itself, re-raised in the server's process, so a bad model file is
+  the same one-line error as without this flag), one message per turn with every output the turn
+  produced, the replies to calls.
+
+Text (`server_text`): the server detokenizes every stream without stop strings, on its reader
+thread, one batched decode per turn; the engine's scheduler thread sends their token ids only.
 
 A reader thread in the server's process unpickles each message and hands a turn's outputs to the
 event loop in one `Mailbox` post, as the scheduler thread does in one process. The engine process
@@ -40,7 +45,7 @@ from typing import Any
 from snugkv.core.gc_pauses import freeze_startup_objects
 from snugkv.core.outputs import GenerateInput, GenerateOutput
 from snugkv.core.reports import EngineInfo, KvInfo, KvResizeReply, MetricsSnapshot, SleepReply, SleepState
-from snugkv.driver.engine_core import EngineCore, load_tokenizer_or_none
+from snugkv.driver.engine_core import EngineCore
 from snugkv.driver.engine_start import LogSettings, StartedEngine, ignore_stop_signals, spawn
 from snugkv.driver.engine_thread import (
     EngineThread,
@@ -51,8 +56,9 @@ from snugkv.driver.engine_thread import (
     loop_mailbox,
     stream_until_finished,
 )
+from snugkv.driver.server_text import StreamTexts, TokenizerLoad
 from snugkv.engine import Engine, EngineArgs
-from snugkv.models.loader import ModelSource
+from snugkv.models.loader import ModelSource, resolve_model_source
 from snugkv.scheduler.launched import StepRecord
 
 logger = logging.getLogger(__name__)
@@ -116,8 +122,9 @@ class EngineProcess:
         self._stopping = False
         self.died: str | None = None  # why the engine process ended unasked, if it did
         self._on_exit = on_exit
+        tokenizer_load = TokenizerLoad()
         try:
-            ready = self._wait_until_ready()
+            ready = self._wait_until_ready(tokenizer_load)
         except BaseException:
             self._terminate()
             raise
@@ -125,27 +132,37 @@ class EngineProcess:
         self.max_context_tokens: int = ready["context_length"]
         self.model_name: str = self.source.path.stem
         self.pid: int | None = self._process.pid
-        self.tokenizer, _ = load_tokenizer_or_none(
-            ready["tokenizer_source"], ready["eos_token_ids"]
-        )  # the server's copy
+        try:
+            self.tokenizer = tokenizer_load.result(ready["tokenizer_source"], ready["eos_token_ids"])
+        except BaseException:
+            self._terminate()
+            raise
+        self._texts = StreamTexts(self.tokenizer) if self.tokenizer is not None else None
+        if self._texts is not None:  # before any request: the engine sends their ids only from now on
+            self._send(("text_downstream",))
         freeze_startup_objects()  # this process's start-up objects out of later collections (gc_pauses)
         self._reader = threading.Thread(target=self._read, name="snugkv-engine-reader", daemon=True)
         self._reader.start()
 
-    def _wait_until_ready(self) -> dict[str, Any]:
-        while not self._conn.poll(0.5):
-            if not self._process.is_alive():
-                raise EngineProcessError(
-                    f"the engine process exited with code {self._process.exitcode} before it was "
-                    "ready; its log above says why"
-                )
-        try:
-            kind, payload = self._conn.recv()
-        except (EOFError, OSError) as exc:
-            raise EngineProcessError("the engine process closed its pipe before it was ready") from exc
-        if kind == "failed":
-            raise payload
-        return dict(payload)
+    def _wait_until_ready(self, tokenizer_load: TokenizerLoad) -> dict[str, Any]:
+        """The "ready" payload; the source the engine names first starts `tokenizer_load`."""
+        while True:
+            while not self._conn.poll(0.5):
+                if not self._process.is_alive():
+                    raise EngineProcessError(
+                        f"the engine process exited with code {self._process.exitcode} before it was "
+                        "ready; its log above says why"
+                    )
+            try:
+                kind, payload = self._conn.recv()
+            except (EOFError, OSError) as exc:
+                raise EngineProcessError("the engine process closed its pipe before it was ready") from exc
+            if kind == "failed":
+                raise payload
+            if kind == "tokenizer_source":
+                tokenizer_load.start(payload)
+                continue
+            return dict(payload)
 
     # -- EngineClient ---------------------------------------------------------------------
     async def generate(self, request: GenerateInput) -> AsyncGenerator[GenerateOutput, None]:
@@ -166,11 +183,15 @@ class EngineProcess:
             if request.rid in self._streams:  # as the engine answers a reused id, without the round trip
                 return id_in_use_output(request)
             self._streams[request.rid] = (loop_mailbox(self._mailboxes), outputs)
+            if self._texts is not None and not request.sampling.stop:  # stop strings: the engine's
+                self._texts.open(request.rid)
         try:
             self._send(("generate", request))
         except EngineProcessError as exc:
             with self._streams_lock:
                 self._streams.pop(request.rid, None)
+            if self._texts is not None:
+                self._texts.close(request.rid)
             return error_output(request.rid, prompt_tokens, str(exc))
         return None
 
@@ -281,7 +302,11 @@ class EngineProcess:
             while True:
                 message = pickle.loads(self._conn.recv_bytes())
                 if message[0] == "outputs":
-                    self._deliver([expand(item) for item in message[1]])
+                    outputs = [expand(item) for item in message[1]]
+                    if self._texts is not None:
+                        for rid in self._texts.fill(outputs):  # its tokens broke the tokenizer
+                            self._send_quietly(("abort", rid))
+                    self._deliver(outputs)
                 elif message[0] == "reply":
                     _, call_id, ok, value = message
                     with self._streams_lock:
@@ -323,6 +348,8 @@ class EngineProcess:
             self._gone = self._gone or message
             streams, self._streams = self._streams, {}
             calls, self._calls = self._calls, {}
+        if self._texts is not None:
+            self._texts.clear()
         for future in calls.values():
             if not future.done():
                 future.set_exception(EngineProcessError(message))
@@ -438,6 +465,8 @@ class _EngineSide:
                     self.engine_thread.abort(message[1])
                 elif kind == "abort_all":
                     self.engine_thread.abort_all()
+                elif kind == "text_downstream":  # before any request: the server detokenizes
+                    self.engine_thread.core.leave_text_downstream()
                 elif kind == "call":
                     asyncio.run_coroutine_threadsafe(self._answer(*message[1:]), loop)
                 elif kind == "stop":
@@ -475,10 +504,24 @@ def send_start_failure(conn: Connection, exc: Exception) -> None:
     conn.close()
 
 
+def _name_tokenizer_source(conn: Connection, spec: EngineSpec) -> None:
+    """Tell the server where the tokenizer is before the engine starts, so it loads its copy
+    meanwhile. Quietly nothing when the source cannot be resolved: the engine's start then fails
+    with that error itself, or the server loads its copy after "ready"."""
+    args = spec.engine_args
+    try:
+        source = spec.tokenizer_source or resolve_model_source(args.model, args.load_format, args.revision)
+    except Exception:
+        logger.debug("the model's source is not known before the engine starts", exc_info=True)
+        return
+    conn.send(("tokenizer_source", source))
+
+
 def engine_main(conn: Connection, spec: EngineSpec) -> None:
     """The engine process: build the engine, say "ready" (or send the error), serve the pipe."""
     ignore_stop_signals()
     spec.log.configure()  # a no-op when `commands/engine_spawn` configured it already
+    _name_tokenizer_source(conn, spec)
     try:  # built on the thread that will run its steps (EngineThread.build says why)
         engine_thread = EngineThread.build(
             lambda: EngineCore.build(

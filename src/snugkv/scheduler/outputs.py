@@ -1,8 +1,11 @@
 """What leaves the scheduler: per-token log-probabilities and the incremental `GenerateOutput`s.
 
 Text is detokenized incrementally and held back while a stop string could still be forming;
-each output carries only what was added since the previous one. The builder never changes a
-request's slots or its place in the queues.
+each output carries only what was added since the previous one. With `text_downstream` set (the
+engine process: its server detokenizes), a request without stop strings gets no text here, only
+its token ids: the text of such streams is made on the receiving side, off the thread that drives
+the device (`detokenizer.detokenize_many`). The builder never changes a request's slots or its
+place in the queues.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ class OutputBuilder:
     def __init__(self, tokenizer: Tokenizer | None = None, on_output: OutputCallback | None = None) -> None:
         self.tokenizer = tokenizer
         self.on_output = on_output
+        self.text_downstream = False  # requests without stop strings leave without text
 
     def log_prob_rows(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor | None:
         """Log-probabilities `[rows, vocab]` of the rows whose request asked for them, computed
@@ -84,6 +88,8 @@ class OutputBuilder:
         if sampling.stop and not finished:
             holdback = max(len(s) for s in sampling.stop) - 1
             visible = len(text) - holdback
+        elif self.text_downstream and not sampling.stop:
+            visible = 0
         else:
             # The last text, unless a stop string cut it already or the request failed (its tokens
             # may be what broke the tokenizer: the error must still reach the client).
