@@ -213,7 +213,7 @@ def start_plan(cohort: Sequence[EngineEntry], entries: Sequence[EngineEntry], *,
     )
     weights = {e.pid: max(e.weight, 1e-9) for e in cohort}
     given = {e.pid: float(e.min_kv_bytes) for e in cohort}
-    budget = free - reserve - sum(given.values())
+    budget = free + sum(e.kv_bytes for e in arrived) - reserve - sum(given.values())
     if budget > 0:
         caps = {e.pid: float(e.max_kv_bytes) if e.max_kv_bytes > 0 else float("inf") for e in cohort}
         _fill(given, caps, budget, weights)

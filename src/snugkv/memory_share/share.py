@@ -243,13 +243,15 @@ class MemoryShare:
         torch.cuda.empty_cache()
 
     def agree_start_kv(
-        self, free_bytes: int, headroom_bytes: int, bytes_per_token: int, max_kv_bytes: int
+        self, free_bytes: int, kv_bytes: int, headroom_bytes: int, bytes_per_token: int, max_kv_bytes: int
     ) -> int | None:
-        """At this engine's start-up sizing point (graphs captured, `free_bytes` measured): the KV
-        bytes it may commit, agreed with the engines starting together with it, or None when it
-        starts alone (it sizes from all free memory, as before). Waits for the others to reach
-        their sizing points, `ShareOptions.start_together_s` at most (`memory_share.start`)."""
+        """At this engine's start-up sizing point (graphs captured, `free_bytes` measured, `kv_bytes`
+        backed already): the KV bytes in all it may back, agreed with the engines starting together
+        with it, or None when it starts alone (it sizes from all free memory, as before). Waits for
+        the others to reach their sizing points, `ShareOptions.start_together_s` at most
+        (`memory_share.start`)."""
         figures = {
+            "kv_bytes": kv_bytes,
             "headroom_bytes": headroom_bytes,
             "bytes_per_token": bytes_per_token,
             "min_kv_bytes": self.options.min_tokens * bytes_per_token,
