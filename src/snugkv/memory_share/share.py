@@ -65,6 +65,7 @@ from snugkv.memory_share.record import (
     STARTING,
     EngineEntry,
     ShareRecord,
+    StartPlan,
     device_key,
 )
 from snugkv.memory_share.start import arrived, registered, sizing_in_progress, wait_for_start_plan
@@ -164,7 +165,7 @@ class MemoryShare:
         while True:
             busy = False
 
-            def make(entries: list[EngineEntry], plan: Any) -> EngineEntry:
+            def make(entries: list[EngineEntry], plan: StartPlan | None) -> EngineEntry:
                 nonlocal busy
                 if what == "start":
                     entry = registered(self.entry, entries, plan)
