@@ -79,9 +79,6 @@ logger = logging.getLogger(__name__)
 # context (~0.5 GiB on the H200) and read the device before it asks: on the H200 a second engine
 # beside a tiny model (whose headroom is small) ran out of memory creating its context.
 START_ROOM_BYTES = GIB
-# A shrink that cuts through an extension copies its kept part to fresh memory first; on a full
-# device there is none, so only whole extensions above the cut are freed: keep them small.
-ELASTIC_CHUNK_MIB = 16
 
 
 class MemoryShareError(RuntimeError):
