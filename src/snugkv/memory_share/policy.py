@@ -26,6 +26,16 @@ The step (`decide`). Each engine computes its own target and changes only its ow
   grow with its new size: a reader that sees the memory gone also sees who took it), and the
   others make no move but an urgent one until it is done.
 
+The start split (`start_cohort`, `start_plan`). Engines that start together (registered and
+loading at once, none of them sized yet) split what is free at their sizing point among them
+before any commits: free memory as the last of them to arrive measured it (every cohort's weights
+and graphs loaded by then; the starters' holds of the running engines' headroom added back), less
+the running (and already sized) engines' headroom, the start room, the asks of engines outside the
+cohort, each member's own headroom, and, for a member that has not arrived (the wait for it ran
+out), what it still loads (its ask less its minimum KV). Every member gets its minimum, the rest is
+split by weight up to each maximum: what `plan_targets` gives them once they run, so no rebalance
+follows.
+
 The wake (`wake_kv_bytes`). A sleeping engine that wakes asks like a starting one; the KV part of
 its ask is its size before it slept, bounded by the target the split would give it were it running
 now (so the others keep their minimums and their weighted shares of demand), and never below its
@@ -38,7 +48,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from snugkv.memory.vmm import MIB
-from snugkv.memory_share.record import RUNNING, STARTING, EngineEntry
+from snugkv.memory_share.record import LOADING, RUNNING, SIZED, SIZING, STARTING, EngineEntry, StartPlan
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,3 +186,41 @@ def wake_kv_bytes(
     others = [e for e in entries if e.pid != me.pid]
     target = plan_targets([*others, woken], free_bytes, policy).get(me.pid, me.min_kv_bytes)
     return max(me.min_kv_bytes, min(previous_bytes, target))
+
+
+def start_cohort(me: int, entries: Sequence[EngineEntry]) -> list[EngineEntry]:
+    """The engines starting together with engine `me` (it included): every starter loading or at its
+    sizing point (a wake's ask, a late starter, a sized one are not)."""
+    cohort = [e for e in entries if e.state == STARTING and e.start_phase in (LOADING, SIZING)]
+    return sorted(cohort, key=lambda e: e.pid) if any(e.pid == me for e in cohort) else []
+
+
+def start_plan(cohort: Sequence[EngineEntry], entries: Sequence[EngineEntry], *, now: float) -> StartPlan:
+    """The KV bytes each member of `cohort` (some at their sizing point) commits (see the module
+    docstring); `entries` is the whole record, the cohort included."""
+    members = {e.pid for e in cohort}
+    arrived = [e for e in cohort if e.start_phase == SIZING]
+    pending = [e for e in cohort if e.start_phase != SIZING]
+    others = [e for e in entries if e.pid not in members]
+    kept = [e for e in others if e.state == RUNNING or (e.state == STARTING and e.start_phase == SIZED)]
+    asks = [e for e in others if e.state == STARTING and e.start_phase != SIZED]
+    free = min(e.sizing_free_bytes for e in arrived)
+    reserve = (
+        sum(e.headroom_bytes for e in [*kept, *arrived])
+        + max((e.start_room_bytes for e in [*kept, *arrived]), default=0)
+        + sum(e.need_bytes for e in asks)
+        + sum(max(e.need_bytes - e.min_kv_bytes, 0) for e in pending)
+    )
+    weights = {e.pid: max(e.weight, 1e-9) for e in cohort}
+    given = {e.pid: float(e.min_kv_bytes) for e in cohort}
+    budget = free + sum(e.kv_bytes for e in arrived) - reserve - sum(given.values())
+    if budget > 0:
+        caps = {e.pid: float(e.max_kv_bytes) if e.max_kv_bytes > 0 else float("inf") for e in cohort}
+        _fill(given, caps, budget, weights)
+    return StartPlan(
+        grants={pid: int(value) for pid, value in given.items()},
+        free_bytes=free,
+        reserve_bytes=reserve,
+        pending=tuple(e.pid for e in pending),
+        made_at=now,
+    )

@@ -6,8 +6,12 @@ server, no shared memory segment, nothing to clean up by hand. Each engine owns 
 by its pid, and rewrites only that entry: its state (starting, running, sleeping), its KV cache
 now (bytes and tokens), its demand (tokens in use plus waiting, in bytes), its minimum and maximum,
 its activation headroom, its weight (`--memory-share`), what it asks the others to free while it
-starts, and a heartbeat. An entry whose process is gone (its pid no longer runs, or runs another
+starts, where it is in its start-up (`start_phase`), and a heartbeat. An entry whose process is gone (its pid no longer runs, or runs another
 program: the pid's start time is kept) is stale and is cleared by whoever reads the record next.
+
+Engines that start together also keep one record-wide document beside the entries: the start plan
+(`StartPlan`), the KV bytes each of them commits at its sizing point, written once by whichever of
+them finds the cohort ready (`memory_share.start` says when) and read by the others.
 
 Devices are keyed so that every process names a GPU alike whatever its CUDA_VISIBLE_DEVICES: by
 the GPU's UUID, or `host` for the host backend's shared simulated device. What an engine does with
@@ -20,6 +24,7 @@ import logging
 import os
 import re
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -31,6 +36,11 @@ from snugkv.memory.host_device import is_alive, locked_json, process_start_ticks
 logger = logging.getLogger(__name__)
 
 STARTING, RUNNING, SLEEPING = "starting", "running", "sleeping"
+# Where a starting engine is in its start-up (`EngineEntry.start_phase`; "" outside one, and for a
+# wake's ask): registered and loading (the engines loading together form a cohort); registered while
+# another engine was sizing, so waiting for it to run (not part of its cohort); at its sizing point
+# with free memory measured, waiting for the cohort's plan; sized (its KV committed or committing).
+LOADING, LATE, SIZING, SIZED = "loading", "late", "sizing", "sized"
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +64,9 @@ class EngineEntry:
     start_room_bytes: int = 0  # kept free so that a new engine can make its CUDA context and ask
     need_bytes: int = 0  # while starting: what it asks the others to leave free
     granted: bool = False  # while starting: the ask was met; it loads (the others give no more)
+    start_phase: str = ""  # LOADING, LATE, SIZING, SIZED while it starts; "" otherwise
+    sizing_free_bytes: int = 0  # at its sizing point: device free memory, the starters' holds added back
+    held_bytes: int = 0  # while starting: what it holds allocated for the running engines' headroom
     resized_at: float = 0.0  # wall clock of its last resize (the others wait a moment after one)
     resizing: bool = False  # a resize is in flight (the others hold still until it is published)
     heartbeat: float = 0.0
@@ -73,6 +86,38 @@ class EngineEntry:
 
     def beat(self, **changes: Any) -> EngineEntry:
         return replace(self, heartbeat=time.time(), **changes)
+
+
+@dataclass(frozen=True, slots=True)
+class StartPlan:
+    """What the engines that started together commit at their sizing points: KV bytes by pid, and
+    the figures the split was made from (for the log and for people)."""
+
+    grants: dict[int, int]
+    free_bytes: int
+    reserve_bytes: int
+    pending: tuple[int, ...] = ()  # members not at their sizing point yet when it was made
+    made_at: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "grants": {str(pid): value for pid, value in self.grants.items()}}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StartPlan:
+        return cls(
+            grants={int(pid): int(value) for pid, value in data["grants"].items()},
+            free_bytes=int(data["free_bytes"]),
+            reserve_bytes=int(data["reserve_bytes"]),
+            pending=tuple(int(pid) for pid in data.get("pending", ())),
+            made_at=float(data.get("made_at", 0.0)),
+        )
+
+    def still_needed(self, entries: Sequence[EngineEntry]) -> bool:
+        """Whether a member has still to commit its grant (is still loading or at its sizing point)."""
+        return any(
+            e.pid in self.grants and e.state == STARTING and e.start_phase in (LOADING, SIZING)
+            for e in entries
+        )
 
 
 def device_key(device: torch.device) -> str:
@@ -100,6 +145,55 @@ class ShareRecord:
             engines = self._live(data)
             engines[str(entry.pid)] = entry.to_dict()
             return [EngineEntry.from_dict(value) for value in engines.values()]
+
+    def publish_with(
+        self, make: Callable[[list[EngineEntry], StartPlan | None], EngineEntry]
+    ) -> tuple[EngineEntry, list[EngineEntry]]:
+        """Write the entry `make` returns from every live entry and the live start plan, both read
+        under the same lock (a choice no other engine can slip between); returns it and every live
+        entry, it included."""
+        with locked_json(self.path) as data:
+            engines = self._live(data)
+            before = [EngineEntry.from_dict(value) for value in engines.values()]
+            entry = make(before, self._live_plan(data, before))
+            engines[str(entry.pid)] = entry.to_dict()
+            return entry, [EngineEntry.from_dict(value) for value in engines.values()]
+
+    def agree_start(
+        self, entry: EngineEntry, plan_for: Callable[[list[EngineEntry], StartPlan | None], StartPlan | None]
+    ) -> tuple[list[EngineEntry], StartPlan | None]:
+        """Publish `entry`; then, under the same lock, the live start plan if it covers `entry`, else
+        the one `plan_for(entries, live plan)` makes (stored for the others), else None."""
+        with locked_json(self.path) as data:
+            engines = self._live(data)
+            engines[str(entry.pid)] = entry.to_dict()
+            entries = [EngineEntry.from_dict(value) for value in engines.values()]
+            plan = self._live_plan(data, entries)
+            if plan is not None and entry.pid in plan.grants:
+                return entries, plan
+            made = plan_for(entries, plan)
+            if made is not None:
+                data["start_plan"] = made.to_dict()
+            return entries, made
+
+    def start_plan(self) -> StartPlan | None:
+        """The live start plan, if any (for people: `snugkv memory --gpu`, `GET /kv/engines`)."""
+        with locked_json(self.path) as data:
+            return self._live_plan(
+                data, [EngineEntry.from_dict(value) for value in self._live(data).values()]
+            )
+
+    @staticmethod
+    def _live_plan(data: dict[str, Any], entries: Sequence[EngineEntry]) -> StartPlan | None:
+        """The stored start plan while a member still needs it; a spent one is dropped."""
+        stored = data.get("start_plan")
+        if stored is None:
+            return None
+        plan = StartPlan.from_dict(stored)
+        if plan.still_needed(entries):
+            return plan
+        del data["start_plan"]
+        return None
 
     def remove(self, pid: int) -> None:
         with locked_json(self.path) as data:

@@ -7,9 +7,12 @@ The protocol, through the per-device record (`memory_share.record`, a locked JSO
    `starting` entry's `need_bytes`. Running engines see the ask on their next turn and shrink by
    the deficit (`policy.decide`, urgent). The starter waits until free memory covers its ask
    plus the others' headroom, or fails with a message naming who holds what.
-2. Start. While it sizes (post-capture takes all free memory), it holds the other engines'
-   activation headroom with an allocation of its own, released as soon as its KV cache is sized.
-   Then its entry turns `running` with the real figures (refined from the estimate).
+2. Start. Engines that start together (loading at once) agree at their sizing points on what each
+   commits (`memory_share.start`: the free memory split by weight, their weights and graphs loaded,
+   every headroom kept), so none takes all and none retries. One that starts alone sizes from all
+   free memory, holding the other engines' activation headroom with an allocation of its own,
+   released as soon as its KV cache is sized; one that registers while others are sizing waits
+   until they run, then asks. Then its entry turns `running` with the real figures.
 3. Share. Every `interval_s` each engine reads its own state between scheduler steps (`GET /kv`'s
    query), publishes its entry (KV bytes, demand, minimum, maximum, headroom, heartbeat), reads
    everyone's, computes its own target with the pure policy and resizes itself through its engine
@@ -54,7 +57,18 @@ from snugkv.memory_share.policy import (
     pool_bytes,
     reserve_bytes,
 )
-from snugkv.memory_share.record import RUNNING, SLEEPING, STARTING, EngineEntry, ShareRecord, device_key
+from snugkv.memory_share.record import (
+    LATE,
+    RUNNING,
+    SIZED,
+    SLEEPING,
+    STARTING,
+    EngineEntry,
+    ShareRecord,
+    StartPlan,
+    device_key,
+)
+from snugkv.memory_share.start import arrived, registered, sizing_in_progress, wait_for_start_plan
 from snugkv.models.loader import resolve_device
 from snugkv.sizing.measure import cached_unused_bytes, shared_device_free_bytes
 from snugkv.sizing.resize import KvResizeError
@@ -65,9 +79,6 @@ logger = logging.getLogger(__name__)
 # context (~0.5 GiB on the H200) and read the device before it asks: on the H200 a second engine
 # beside a tiny model (whose headroom is small) ran out of memory creating its context.
 START_ROOM_BYTES = GIB
-# A shrink that cuts through an extension copies its kept part to fresh memory first; on a full
-# device there is none, so only whole extensions above the cut are freed: keep them small.
-ELASTIC_CHUNK_MIB = 16
 
 
 class MemoryShareError(RuntimeError):
@@ -80,6 +91,7 @@ class ShareOptions:
     min_tokens: int = 4096  # --kv-min-tokens: the KV cache an engine asks for at start and keeps
     interval_s: float = 0.5
     start_timeout_s: float = 120.0
+    start_together_s: float = 30.0  # at its sizing point, the longest an engine waits for its cohort
     wake_timeout_s: float = 60.0
     policy: SharePolicy = field(default_factory=SharePolicy)
 
@@ -113,6 +125,8 @@ class MemoryShare:
         self.client: EngineClient | None = None  # set by `attach`
         self.resizes: list[dict[str, Any]] = []
         self.waited_s = 0.0
+        self.start_split: dict[str, Any] | None = None  # the start plan it committed by, if any
+        self._held: torch.Tensor | None = None  # the running engines' headroom, held while it sizes
         self._last_resize = 0.0
         self._last_free: int | None = None  # device free bytes at the last turn
         self.awake_kv_bytes = 0  # its KV cache at the last turn it was awake (a wake asks for it back)
@@ -140,21 +154,34 @@ class MemoryShare:
 
     def _wait_for_memory(self, what: str = "start") -> None:
         """Publish this engine's ask (`self.entry`, state starting) and wait until free memory covers
-        it; `what` (start, wake) names the wait, its time limit, and what a failed one leaves."""
+        it; `what` (start, wake) names the wait, its time limit, and what a failed one leaves. An ask
+        made while other engines are sizing their start (a late starter, a wake) waits until they
+        run: their sizing counts on the free memory it would take."""
         timeout_s = self.options.wake_timeout_s if what == "wake" else self.options.start_timeout_s
         started = time.monotonic()
         while True:
-            entries = self.record.publish(self.entry.beat())
+            busy = False
+
+            def make(entries: list[EngineEntry], plan: StartPlan | None) -> EngineEntry:
+                nonlocal busy
+                if what == "start":
+                    entry = registered(self.entry, entries, plan)
+                    busy = entry.start_phase == LATE
+                    return entry
+                busy = sizing_in_progress(self.entry.pid, entries, plan)
+                return self.entry.beat()
+
+            self.entry, entries = self.record.publish_with(make)
             others = [e for e in entries if e.pid != self.entry.pid and e.state == RUNNING]
             device_free = shared_device_free_bytes(self.device)
             free = None if device_free is None else effective_free_bytes(entries, device_free)
-            if free is None or not others:  # nobody to ask: what is free is what it gets
+            self.waited_s = time.monotonic() - started
+            if not busy and (free is None or not others):  # nobody to ask: what is free is what it gets
                 self.entry = self.entry.beat(granted=True)
                 self.record.publish(self.entry)
                 return
-            spare = free - reserve_bytes(entries)
-            self.waited_s = time.monotonic() - started
-            if spare >= -self.options.policy.hysteresis_min_bytes:  # the band the others stop within
+            spare = None if free is None else free - reserve_bytes(entries)
+            if not busy and spare is not None and spare >= -self.options.policy.hysteresis_min_bytes:
                 self.entry = self.entry.beat(granted=True)
                 self.record.publish(self.entry)
                 logger.info(
@@ -168,6 +195,14 @@ class MemoryShare:
                 return
             if self.waited_s > timeout_s:
                 self._withdraw_ask(what)
+                if busy or free is None or spare is None:
+                    sizing = [e for e in entries if e.pid != self.entry.pid and e.state == STARTING]
+                    names = ", ".join(f"pid {e.pid} ({e.name})" for e in sizing) or "none left"
+                    raise MemoryShareError(
+                        f"could not ask for {self.entry.need_bytes / GIB:.2f} GiB to {what} in {timeout_s:g} s: "
+                        f"other engines were sizing their start all that time ({names}); "
+                        "stop one that is stuck, or start this one again"
+                    )
                 held = ", ".join(f"pid {e.pid} ({e.name}) {e.kv_bytes / GIB:.2f} GiB KV" for e in others)
                 raise MemoryShareError(
                     f"could not get {self.entry.need_bytes / GIB:.2f} GiB to {what} in "
@@ -180,18 +215,75 @@ class MemoryShare:
     @contextlib.contextmanager
     def holding_others_headroom(self) -> Iterator[None]:
         """While this engine sizes its KV cache from all free memory, keep the other engines'
-        activation headroom allocated (on CUDA; on the host backend headroom is 0)."""
+        activation headroom allocated (on CUDA; on the host backend headroom is 0). The hold is
+        published (engines sizing together count it once) and ends early when a start plan is
+        agreed (`agree_start_kv`: the plan keeps that headroom free itself)."""
         others = [e for e in self.record.entries() if e.pid != self.entry.pid and e.state == RUNNING]
         headroom = sum(e.headroom_bytes for e in others)
         if self.device.type != "cuda" or headroom == 0:
             yield
             return
-        held = torch.empty(headroom, dtype=torch.uint8, device=self.device)
+        self._held = torch.empty(headroom, dtype=torch.uint8, device=self.device)
+        self.entry = self.entry.beat(held_bytes=headroom)
+        self.record.publish(self.entry)
         try:
             yield
         finally:
-            del held
-            torch.cuda.empty_cache()
+            self._release_hold()
+
+    def _release_hold(self) -> None:
+        """Drop the headroom hold; unpublished first, so that no reader counts it free twice."""
+        if self._held is None:
+            return
+        self.entry = self.entry.beat(held_bytes=0)
+        self.record.publish(self.entry)
+        self._held = None
+        torch.cuda.empty_cache()
+
+    def agree_start_kv(
+        self, free_bytes: int, kv_bytes: int, headroom_bytes: int, bytes_per_token: int, max_kv_bytes: int
+    ) -> int | None:
+        """At this engine's start-up sizing point (graphs captured, `free_bytes` measured, `kv_bytes`
+        backed already): the KV bytes in all it may back, agreed with the engines starting together
+        with it, or None when it starts alone (it sizes from all free memory, as before). Waits for
+        the others to reach their sizing points, `ShareOptions.start_together_s` at most
+        (`memory_share.start`)."""
+        figures = {
+            "kv_bytes": kv_bytes,
+            "headroom_bytes": headroom_bytes,
+            "bytes_per_token": bytes_per_token,
+            "min_kv_bytes": self.options.min_tokens * bytes_per_token,
+            "max_kv_bytes": max_kv_bytes,
+            "start_room_bytes": START_ROOM_BYTES if self.device.type == "cuda" else 0,
+        }
+        self.entry, _ = self.record.publish_with(
+            lambda entries, _plan: arrived(self.entry, entries, free_bytes=free_bytes, **figures)
+        )
+        plan, waited_s = wait_for_start_plan(
+            self.record, self.entry, wait_limit_s=self.options.start_together_s
+        )
+        if plan is None:
+            self.entry = self.entry.beat(start_phase=SIZED)
+            self.record.publish(self.entry)
+            return None
+        grant = plan.grants[self.entry.pid]
+        self.entry = self.entry.beat(
+            start_phase=SIZED, kv_bytes=grant, kv_tokens=grant // max(bytes_per_token, 1)
+        )
+        self.record.publish(self.entry)  # published before it commits, as a grow is
+        self._release_hold()
+        self.start_split = {**plan.to_dict(), "waited_s": round(waited_s, 3)}
+        logger.info(
+            "Memory share: %d engines starting together split %.2f GiB free (%.2f GiB kept: headroom, asks, "
+            "the start room%s): %.2f GiB of KV for this one, after %.2f s at its sizing point",
+            len(plan.grants),
+            plan.free_bytes / GIB,
+            plan.reserve_bytes / GIB,
+            f", {len(plan.pending)} not sized yet" if plan.pending else "",
+            grant / GIB,
+            waited_s,
+        )
+        return grant
 
     def started(self, engine: Engine) -> None:
         """The engine is sized: publish its real KV cache and drop the ask at once (the tokenizer and
@@ -205,6 +297,8 @@ class MemoryShare:
             max_kv_bytes=pool.bytes_for_tokens(engine.kv.limits().max_tokens),
             headroom_bytes=engine.headroom_bytes,
             need_bytes=0,
+            start_phase="",
+            sizing_free_bytes=0,
         )
         self.record.publish(self.entry)
 
@@ -339,7 +433,13 @@ class MemoryShare:
         with self._turn_lock:
             self._asking.set()
         self.entry = self.entry.beat(
-            state=STARTING, kv_bytes=0, kv_tokens=0, need_bytes=need_bytes, granted=False, resizing=False
+            state=STARTING,
+            kv_bytes=0,
+            kv_tokens=0,
+            need_bytes=need_bytes,
+            granted=False,
+            resizing=False,
+            start_phase="",  # a wake joins no start cohort
         )
         try:
             self._wait_for_memory("wake")
@@ -375,6 +475,7 @@ class MemoryShare:
             "device": self.record.path.name,
             "this_pid": self.entry.pid,
             "waited_for_memory_s": round(self.waited_s, 3),
+            "start_split": self.start_split,
             "resizes": self.resizes,
             **share_table(self.record.entries(), free, self.options.policy),
         }
