@@ -221,3 +221,31 @@ def test_a_sleeping_engine_asks_for_its_memory_back_when_it_wakes(
 def running(server: Server) -> list[dict] | None:
     engines = server.engines()["engines"]
     return engines if all(e["state"] == "running" for e in engines) else None
+
+
+SIZED = re.compile(r"Post-capture KV sizing: max_total_num_tokens=(\d+)")
+
+
+def test_two_engines_started_at_the_same_moment_split_the_device_within_ten_percent(
+    tmp_path: Path, env: dict[str, str], servers: list[Server]
+) -> None:
+    """Started together, they agree on their shares at their sizing points (no first-come takes all,
+    no commit retry): each one's start-up size is within 10% of even, before any rebalance."""
+    pair = [start(tmp_path, name, env) for name in ("left", "right")]
+    servers.extend(pair)
+    for server in pair:
+        wait_serving(server)
+    sized = []
+    for server in pair:
+        match = SIZED.search(server.log())
+        assert match, server.log()
+        sized.append(int(match.group(1)))
+        assert "Traceback" not in server.log(), server.log()
+    mean = sum(sized) / 2
+    assert all(abs(tokens - mean) <= 0.10 * mean for tokens in sized), sized
+    per_token = pair[0].kv()["bytes_per_token"]
+    assert sum(sized) * per_token >= 0.6 * DEVICE_GIB * (1 << 30), sized  # the device is used, not idle
+    for server, name in zip(pair, ("left", "right"), strict=True):
+        assert "retrying with fewer tokens" not in server.log(), server.log()
+        body = {"model": name, "prompt": "Hi", "max_tokens": 4}
+        assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 200

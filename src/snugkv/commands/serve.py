@@ -34,6 +34,7 @@ if TYPE_CHECKING:  # the commands import what they run lazily: `snugkv --help` l
     from snugkv.driver.engine_start import StartedEngine
     from snugkv.driver.engine_thread import EngineThread
     from snugkv.engine import Engine
+    from snugkv.engine.kv_sizing import StartGate
     from snugkv.memory_share.share import MemoryShare
     from snugkv.server.metrics import ServerMetrics
 
@@ -151,10 +152,11 @@ def build_engine_thread(
     metrics: ServerMetrics | None = None,
     tp: TensorParallel | None = None,
     after_engine: Callable[[Engine], None] | None = None,
+    start_gate: StartGate | None = None,
 ) -> tuple[EngineThread, str]:
     """The engine core for `args` (rank 0 of `tp`) on a scheduler thread in this process; returns
     (engine thread, served model name). `after_engine(engine)` runs as soon as the engine is sized
-    (before the tokenizer loads)."""
+    (before the tokenizer loads); `start_gate` bounds its KV cache at the sizing point."""
     from snugkv.driver.engine_core import EngineCore
     from snugkv.driver.engine_thread import EngineThread
 
@@ -164,6 +166,7 @@ def build_engine_thread(
             tp=tp,
             enable_prefix_cache=not args.disable_prefix_cache,
             after_engine=after_engine,
+            start_gate=start_gate,
         ),
         model_name=lambda core: (
             args.served_model_name or _model_name(args.model, core.engine.loaded.source.path)
@@ -365,7 +368,10 @@ def _serve_rank(
         else:
             with share.holding_others_headroom() if share is not None else contextlib.nullcontext():
                 after = share.started if share is not None else None
-                engine_thread, name = build_engine_thread(args, metrics, tp, after_engine=after)
+                gate = share.agree_start_kv if share is not None else None
+                engine_thread, name = build_engine_thread(
+                    args, metrics, tp, after_engine=after, start_gate=gate
+                )
             client = engine_thread
     except BaseException:
         if share is not None:

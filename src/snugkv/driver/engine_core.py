@@ -64,6 +64,7 @@ from snugkv.driver.commands import (
     WakeUp,
 )
 from snugkv.engine import Engine, EngineArgs
+from snugkv.engine.kv_sizing import StartGate
 from snugkv.models.loader import ModelSource
 from snugkv.models.tokenizer import Tokenizer, TokenizerUnavailable, load_tokenizer
 from snugkv.scheduler import elastic
@@ -140,14 +141,16 @@ class EngineCore:
         tokenizer: Tokenizer | None = None,
         after_engine: Callable[[Engine], None] | None = None,
         turns_wait_on_user: bool = False,
+        start_gate: StartGate | None = None,
     ) -> EngineCore:
         """Start the engine for `args` (this rank of `tp`), load the tokenizer of its model (or of
         `tokenizer_source`) and set the scheduler up over it. `after_engine(engine)` runs as soon as
         the engine is sized, before the tokenizer loads (a memory share publishes its size then; a
         benchmark installs its stub device). `tokenizer`: the one the caller loaded already for
         this model (read again, it would cost a command's start-up some 0.1-0.3 s); it gets the
-        model's EOS ids. `turns_wait_on_user`: see the module's docstring."""
-        engine = Engine(args, tp=tp)
+        model's EOS ids. `turns_wait_on_user`: see the module's docstring. `start_gate`: the KV
+        bytes agreed with engines starting together (`KvSizing`)."""
+        engine = Engine(args, tp=tp, start_gate=start_gate)
         try:
             if after_engine is not None:
                 after_engine(engine)

@@ -103,6 +103,13 @@ class KvCaps:
     max_running_requests: int  # --max-running-requests, before a small pool lowers it
 
 
+StartGate = Callable[[int, int, int, int, int], "int | None"]
+"""What engines that start together on one device agree at each one's start-up sizing point
+(`MemoryShare.agree_start_kv`): given (free bytes measured, KV bytes backed already, headroom, bytes
+per token, the most KV bytes), the KV bytes this engine may back in all, or None (it starts alone:
+all free memory less its headroom)."""
+
+
 class KvSizing:
     """The pool of `runner`, its caps and the activation headroom kept free beside it.
 
@@ -124,6 +131,7 @@ class KvSizing:
         workspace_bytes: int,
         held_besides_kv: Callable[[], int],
         device_type: str,
+        start_gate: StartGate | None = None,
     ) -> None:
         self.runner = runner
         self.pool: KVPool = runner.kv_pool
@@ -135,6 +143,7 @@ class KvSizing:
         self.workspace_bytes = workspace_bytes
         self._held_besides_kv = held_besides_kv
         self._device_type = device_type
+        self._start_gate = start_gate
         self.events: deque[KvResize] = deque(maxlen=EVENT_HISTORY)
         self.event_count = 0  # every change so far (`events` keeps the last EVENT_HISTORY)
         self.pressure_shrinks = 0  # changes recorded as "pressure" / "pressure-grow"
@@ -185,15 +194,19 @@ class KvSizing:
     def measure(self) -> FreeMemory:
         return measure_free(self.memory, self.group, workspace_bytes=self.workspace_bytes)
 
-    def size(self, free: FreeMemory, *, keep_free_bytes: int = 0) -> int:
-        """The most tokens that fit `free` less the headroom and `keep_free_bytes`, under the caps,
-        agreed as the MIN over ranks (what the pool backs already counts as usable)."""
+    def size(self, free: FreeMemory, *, keep_free_bytes: int = 0, kv_cap_bytes: int | None = None) -> int:
+        """The most tokens that fit `free` less the headroom and `keep_free_bytes`, under the caps
+        (and `kv_cap_bytes` of KV in all, when given), agreed as the MIN over ranks (what the pool
+        backs already counts as usable)."""
+        cap = self.cap_bytes()
+        if kv_cap_bytes is not None:
+            cap = kv_cap_bytes if cap is None else min(cap, kv_cap_bytes)
         tokens = tokens_for_budget(
             self.pool,
             free.min_bytes - keep_free_bytes,
             self.headroom_bytes,
             self.caps.max_total_tokens,
-            self.cap_bytes(),
+            cap,
         )
         return agree_min(tokens, self.group)
 
@@ -219,13 +232,24 @@ class KvSizing:
     def size_after_capture(self) -> StartupSizing:
         """The post-capture step: with the graphs captured and the activation peak measured,
         measure free memory, size the KV cache to it, commit (with retry), resize the allocators
-        and re-cap the request limit."""
+        and re-cap the request limit. With a start gate, the KV bytes are those agreed with the
+        engines starting together (it waits for them to reach this point)."""
         measured = time.perf_counter()
         free = self.measure()
         measure_ms = (time.perf_counter() - measured) * 1e3
         self.check_cap_leaves_room()
+        grant: int | None = None
+        agreeing = time.perf_counter()
+        if self._start_gate is not None:
+            grant = self._start_gate(
+                free.min_bytes,
+                self.pool.committed_bytes,
+                self.headroom_bytes,
+                int(self.pool.bytes_per_token),
+                self.pool.bytes_for_tokens(self.largest_tokens()),
+            )
         committing = time.perf_counter()
-        tokens = self.size(free)
+        tokens = self.size(free, kv_cap_bytes=grant)
         if tokens <= 0:
             raise SizingError(no_kv_memory_message(free, self.headroom_bytes))
         tokens, retries = finalize_with_retry(self.pool, tokens, self.group)
@@ -242,6 +266,7 @@ class KvSizing:
             sizing_ms=(time.perf_counter() - measured) * 1e3,
             timings={
                 "sizing_measure_ms": measure_ms,
+                "sizing_agree_ms": (committing - agreeing) * 1e3,
                 "sizing_commit_ms": (resized - committing) * 1e3,
                 "sizing_resize_ms": resize_ms,
             },

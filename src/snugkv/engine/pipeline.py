@@ -35,7 +35,7 @@ from snugkv.core.reports import KvCacheView, KvResize, MemoryLedger, SleepState,
 from snugkv.core.sampling import MAX_LOGPROBS, PROMPT_LOGITS_PER_STEP, SamplingParams
 from snugkv.distributed.group import TensorParallel, use_tensor_parallel
 from snugkv.engine.args import EngineArgs
-from snugkv.engine.kv_sizing import KvCaps, KvSizing, StartupSizing
+from snugkv.engine.kv_sizing import KvCaps, KvSizing, StartGate, StartupSizing
 from snugkv.engine.sleep import EngineSleep
 from snugkv.layers.logprobs import score_tokens
 from snugkv.memory.host_device import SharedHostDevice
@@ -82,8 +82,14 @@ class Engine:
     kv: KvSizing  # the KV cache's size: pool, caps, headroom
 
     def __init__(
-        self, args: EngineArgs, group: dist.ProcessGroup | None = None, tp: TensorParallel | None = None
+        self,
+        args: EngineArgs,
+        group: dist.ProcessGroup | None = None,
+        tp: TensorParallel | None = None,
+        start_gate: StartGate | None = None,
     ) -> None:
+        """`start_gate`: what bounds the KV cache at the start-up sizing point (`KvSizing`), None
+        for all the free memory less the headroom."""
         started = time.perf_counter()
         # The start-up's phases in seconds (the report's `timings`); the first is how long this
         # process ran before the engine started (its imports; in an engine process, its spawn too).
@@ -145,6 +151,7 @@ class Engine:
         self.baseline_free_bytes = baseline_free
         self._graph_driver_bytes = 0  # set once the graphs are captured
         self._activation_peak_bytes = 0  # measured before the KV cache is sized
+        self._start_gate = start_gate
         # 2.-7. Reserve, capture, measure, size, commit (`KvSizing.size_after_capture`).
         sized = self._start_post_capture() if self.mode is SizingMode.POST_CAPTURE else self._start_static()
         self.runner = self.kv.runner
@@ -431,6 +438,7 @@ class Engine:
             workspace_bytes=self._activation_peak_bytes,
             held_besides_kv=lambda: self._engine_device_bytes(pool) - pool.committed_bytes,
             device_type=self.device.type,
+            start_gate=self._start_gate,
         )
 
     @staticmethod
