@@ -196,6 +196,12 @@ for s in $STEPS; do
           2>&1 | tee "$OUT/seed-capped.log" | grep -v "^Capturing" || status=1
       fi
       ;;
+    pressure-bench)  # snugkv bench pressure: a default server of the 8B shape, a separate process taking its
+      # memory with plain cuMemAlloc (all but 64 MiB at once; 256 MiB steps to 40 GiB; at start-up). Needs .whl.
+      step "bench pressure"
+      timeout "${BENCH_TIMEOUT_pressure:-480}" python3 -m snugkv bench pressure --out "$OUT/bench-pressure" \
+        ${ARGS_pressure_bench:-} 2>&1 | tee "$OUT/bench_pressure.log" || status=1
+      ;;
     pressure)  # another process takes memory below the headroom while an 8B shape serves (scripts/pressure_check.py)
       step "pressure"
       timeout "${BENCH_TIMEOUT:-400}" python3 scripts/pressure_check.py --out "$OUT/pressure" ${ARGS_pressure:-} \

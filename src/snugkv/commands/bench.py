@@ -28,6 +28,7 @@ BENCHMARKS = {
     "structured": "snugkv.bench.structured",
     "fuzz": "snugkv.bench.fuzz",
     "soak": "snugkv.bench.soak",
+    "pressure": "snugkv.bench.pressure",
     "cpu-decode": "snugkv.bench.cpu_decode",
     "text": "snugkv.bench.text",
 }
@@ -48,6 +49,7 @@ SUMMARIES = {
     "structured": "decode throughput with a quarter of the batch held to a JSON schema (GPU)",
     "fuzz": "every route of a server against its OpenAPI schema (schemathesis): no 5xx",
     "soak": "a real server under mixed load, resizes, sleep/wake and a memory hog for M minutes: nothing leaks",
+    "pressure": "a default server keeps serving while another process takes its memory with plain CUDA calls",
     "cpu-decode": "greedy decode on CPU, snugkv against transformers' generate on the same weights",
     "text": "tokenizer load, prompt encoding and per-step detokenizing with a real tokenizer (CPU)",
 }

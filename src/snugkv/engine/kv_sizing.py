@@ -41,7 +41,7 @@ import torch.distributed as dist
 from snugkv.core.reports import KvCacheView, KvResize
 from snugkv.memory.kv_pool import KVPool
 from snugkv.memory.moves import KvMoves
-from snugkv.memory.vmm import GIB, CommitError, VirtualMemory
+from snugkv.memory.vmm import GIB, MIB, CommitError, VirtualMemory
 from snugkv.memory.vmm_plain import PlainMemory
 from snugkv.runner import kv_resize
 from snugkv.runner.model_runner import ModelRunner
@@ -59,8 +59,8 @@ from snugkv.sizing.resize import KvResizeError, ResizeLimits, cap_tokens, check_
 logger = logging.getLogger(__name__)
 
 EVENT_HISTORY = 32  # resizes, sleeps and wakes kept for GET /kv (newest last)
-PRESSURE_HYSTERESIS = 0.05  # a pressure grow needs this share of the reserve more to fit (at least 4 pages)
-PRESSURE_HYSTERESIS_MAX_BYTES = GIB  # and at most this much KV (a 120 GiB reserve would make it 6 GiB)
+PRESSURE_HYSTERESIS = 0.005  # a pressure grow needs this share of the reserve more to fit (at least 4 pages)
+PRESSURE_HYSTERESIS_MAX_BYTES = 512 * MIB  # and at most this much KV: back within 0.5% of the start size
 
 
 @dataclass(frozen=True, slots=True)
