@@ -217,7 +217,10 @@ async def _scenario(
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
         before = await _kv(client)
         start_tokens = start_tokens or before["max_total_num_tokens"]
-        seen_events = {json.dumps(event, sort_keys=True) for event in before["events"]}
+        # the start scenario's moves began before the load (between the sizing and the first request)
+        seen_events = (
+            set() if tenant is not None else {json.dumps(e, sort_keys=True) for e in before["events"]}
+        )
         load = Load(url, model, args.output_tokens)
         samples = Samples(url)
         sampling = asyncio.Event()
@@ -233,7 +236,14 @@ async def _scenario(
         taking = time.monotonic()
         answers: list[dict[str, Any]] = []
         if tenant is None:
-            tenant = CoTenant(args.hog_device, env)
+            try:
+                tenant = CoTenant(args.hog_device, env)
+            except RuntimeError:  # e.g. no room left for its CUDA context: the load stops first
+                load.stop.set()
+                await asyncio.gather(*clients)
+                sampling.set()
+                await sampler
+                raise
             if name == "grow":
                 step = int(args.step_mib * MIB)
                 answers.append(
@@ -250,6 +260,7 @@ async def _scenario(
         held_end = time.monotonic()
         await asyncio.to_thread(tenant.exit)
         back_s = await _wait_back(client, start_tokens, args.back_timeout_s)
+        held_end = time.monotonic()  # the lowest is looked for until the cache is back
         load.stop.set()  # each client ends after its request in flight
         await asyncio.gather(*clients)
         sampling.set()
