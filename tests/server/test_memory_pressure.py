@@ -102,7 +102,9 @@ def test_a_full_device_queues_a_long_prompt_into_a_503_then_serves_it_once_memor
             assert reasons.count("pressure") >= 2 and reasons[-1] == "pressure-grow"
             metrics = http.get("/metrics").text
             assert f"snugkv_kv_pressure_shrinks_total {reasons.count('pressure')}.0" in metrics
-            assert "snugkv_kv_pressure_grows_total 1.0" in metrics  # one grow, from the least to all
+            # grown back to all (a grow needs only 0.5% of the reserve more free: one or a few steps)
+            assert reasons.count("pressure-grow") >= 1
+            assert f"snugkv_kv_pressure_grows_total {reasons.count('pressure-grow')}.0" in metrics
             assert "snugkv_oom_retries_total 0.0" in metrics
             assert http.get("/server_info").json()["slot_accounting_when_idle"].get("ok", True)
     finally:
