@@ -212,6 +212,7 @@ async def _scenario(
 ) -> dict[str, Any]:  # fmt: skip
     """Run the load and the other process's part of `name`; `tenant` is one already holding
     memory (the start scenario's), `start_tokens` the size to come back to (default: now)."""
+    tenant_given = tenant is not None
     limits = httpx.Limits(max_connections=args.long + args.short + 8)
     async with httpx.AsyncClient(base_url=url, timeout=600.0, limits=limits) as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
@@ -270,6 +271,13 @@ async def _scenario(
         (0.0, before["max_total_num_tokens"], before["committed_bytes"], 0)
     ]
     moves = [event for event in after["events"] if json.dumps(event, sort_keys=True) not in seen_events]
+    # every move is an event, so the lowest is also looked for in them (a sample may fall between
+    # a shrink and the next grow); the start scenario's cache was already moving at `before`
+    lowest_tokens = min([row[1] for row in during] + [event["to_tokens"] for event in moves])
+    lowest_committed = min([row[2] for row in during] + [event["to_committed_bytes"] for event in moves])
+    start_committed = (
+        moves[0]["from_committed_bytes"] if tenant_given and moves else before["committed_bytes"]
+    )
     headroom = int(after["headroom_bytes"])
     shrinks = [event for event in moves if event["reason"] == "pressure"]
     # what each pressure shrink needed (the headroom less the free memory it measured) and released
@@ -281,10 +289,10 @@ async def _scenario(
         **load.outcomes,
         "in_flight_when_taken": in_flight,
         "kv_tokens_start": start_tokens,
-        "kv_tokens_min": min(row[1] for row in during),
+        "kv_tokens_min": lowest_tokens,
         "kv_tokens_after": after["max_total_num_tokens"],
-        "committed_gib_start": round(before["committed_bytes"] / GIB, 3),
-        "committed_gib_min": round(min(row[2] for row in during) / GIB, 3),
+        "committed_gib_start": round(start_committed / GIB, 3),
+        "committed_gib_min": round(lowest_committed / GIB, 3),
         "committed_gib_after": round(after["committed_bytes"] / GIB, 3),
         "taken_gib": round(held / GIB, 3) if answers else None,
         "taken_failed_allocations": sum(answer["failed_allocations"] for answer in answers),
