@@ -41,7 +41,7 @@ def test_get_kv_answers_the_cache_and_the_requests_in_one_flat_object() -> None:
         "committed_bytes", "reserved_bytes", "reserved_tokens", "bytes_per_token", "chunk_bytes",
         "granularity_bytes", "min_tokens", "max_tokens", "max_tokens_bytes", "max_total_tokens",
         "max_device_memory_gib", "cap_tokens", "device_free_bytes", "headroom_bytes",
-        "tokens_fitting_free_memory", "max_running_requests", "resizable", "sleeping_tags", "events",
+        "guest_room_bytes", "tokens_fitting_free_memory", "max_running_requests", "resizable", "sleeping_tags", "events",
         "held_by_requests_tokens", "demand_tokens", "cached_tokens", "evictable_cached_tokens",
         "min_tokens_without_failing_a_request", "largest_request", "num_running_requests", "num_queued_requests",
     }  # fmt: skip

@@ -161,6 +161,7 @@ def test_a_sliding_window_pool_rounded_down_to_nothing_is_refused_at_start_up(tm
         ({"max_total_tokens": 7, "page_size": 4}, "(8 tokens at --page-size 4)"),
         ({"host_kv_gib": 0}, "--host-kv-gib must be positive"),
         ({"max_running_requests": 0}, "--max-running-requests must be at least 1"),
+        ({"guest_room_mib": -1}, "--guest-room-mib must be 0 or more, got -1"),
     ],
 )
 def test_engine_flags_out_of_range_are_refused_naming_the_flag(tiny_dir, overrides, words):
@@ -192,3 +193,10 @@ def test_memory_command_prints_the_plan_the_ledger_and_json(tiny_dir, capsys, tm
     out = capsys.readouterr().out
     assert "kv sizing: post-capture, max_total_num_tokens=256" in out and "Memory ledger" in out
     assert plot.stat().st_size > 0
+
+
+def test_a_guest_room_that_leaves_no_kv_memory_says_to_lower_it(tiny_dir):
+    from snugkv.sizing.post_capture import SizingError
+
+    with pytest.raises(SizingError, match=r"guest room for other processes.*a smaller --guest-room-mib"):
+        start(tiny_dir, host_kv_gib=0.01, guest_room_mib=64)

@@ -213,6 +213,51 @@ def test_a_pressure_grow_never_takes_back_the_room_an_explicit_resize_made(
         engine.close()
 
 
+def test_the_guest_room_is_left_free_and_another_process_starting_in_it_moves_nothing(
+    device: None, model_dir: str, hog: Hog
+) -> None:
+    """The H200 pressure run at d04a0ce: the KV cache sized to all but the headroom left the
+    driver no room for another process's CUDA context. With a guest room, sizing leaves it free; a
+    process that takes part of it moves nothing (the headroom is untouched), one that takes all
+    shrinks the cache, and its end grows it back to the size that keeps the room."""
+    guest = 2 * MIB
+    engine = start(model_dir, guest_room_mib=2)
+    try:
+        core = EngineCore.around(engine)
+        pool = engine.pool
+        startup_tokens = pool.committed_tokens
+        assert engine.kv.guest_room_bytes == guest and engine.report.ledger.guest_room_bytes == guest
+        free = engine.memory.mem_get_info()[0]
+        assert HEADROOM_MIB * MIB + guest <= free < HEADROOM_MIB * MIB + guest + PAGE * pool.bytes_per_token
+        undisturbed = run(core)
+        seen: dict[str, int] = {}
+
+        def disturb(turn: int) -> None:
+            if turn == 4:  # a newcomer's context and first allocation, inside the room
+                hog.take(guest * 3 // 4)
+            if turn == 8:
+                seen["moves_in_room"] = engine.kv_event_count
+            if turn == 10:
+                hog.take(-1)  # then everything: now the headroom is touched
+            if turn == 14:
+                hog.end()
+
+        assert run(core, disturb) == undisturbed
+        assert seen["moves_in_room"] == 0
+        reasons = [event.reason for event in engine.kv_events]
+        assert reasons[0] == "pressure" and reasons[-1] == "pressure-grow", reasons
+        assert pool.committed_tokens == startup_tokens
+        assert engine.memory.mem_get_info()[0] >= HEADROOM_MIB * MIB + guest
+    finally:
+        engine.close()
+    plain = start(model_dir)  # no room asked: sizing takes it too (the CPU default)
+    try:
+        assert plain.kv.guest_room_bytes == 0
+        assert plain.pool.committed_bytes >= pool.committed_bytes + guest - PAGE * pool.bytes_per_token
+    finally:
+        plain.close()
+
+
 def test_no_kv_pressure_keeps_the_size(device: None, model_dir: str, hog: Hog) -> None:
     engine = start(model_dir, no_kv_pressure=True)
     try:

@@ -173,6 +173,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="safety margin on top of the measured activation peak",
     )
     group.add_argument(
+        "--guest-room-mib",
+        type=int,
+        default=None,
+        help="device memory every KV sizing leaves free for another process to start on the GPU (its CUDA "
+        "context and first allocations); memory pressure shrinks the cache only when the activation "
+        "headroom is touched, not this (default: 1024 on a GPU, 0 on CPU and under --kv-elastic, whose "
+        "memory share keeps such room once for all its engines)",
+    )
+    group.add_argument(
         "--host-kv-gib",
         type=float,
         default=None,

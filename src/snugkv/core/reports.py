@@ -44,6 +44,7 @@ class MemoryLedger:
     weights_in_device_memory: bool = True  # False on CPU (general RAM) and while the weights sleep
     graph_executables_bytes: int = 0  # driver memory taken while capturing, outside torch's allocator
     workspace_bytes: int = 0  # torch's cached blocks no tensor uses now: the activation workspace, held
+    guest_room_bytes: int = 0  # left free beside the headroom for another process to start
 
     @property
     def used_bytes(self) -> int:
@@ -86,6 +87,7 @@ class MemoryLedger:
             *beside,
             ("activation peak, measured", self.activation_peak_bytes),
             ("headroom target (peak + margin; the workspace counts toward it)", self.headroom_bytes),
+            ("guest room (kept free for another process to start)", self.guest_room_bytes),
             ("KV virtual address space reserved", self.kv_reserved_va_bytes),
         ]
 
@@ -214,11 +216,12 @@ class KvCacheView:
     cap_tokens: int | None  # what --max-device-memory leaves the KV cache
     device_free_bytes: int
     headroom_bytes: int
-    tokens_fitting_free_memory: int
+    tokens_fitting_free_memory: int  # the headroom and the guest room kept free
     max_running_requests: int
     resizable: bool
     sleeping_tags: frozenset[str]
     events: tuple[KvResize, ...]  # the last changes, oldest first
+    guest_room_bytes: int = 0  # left free for another process to start (--guest-room-mib)
 
     @property
     def used_tokens(self) -> int:

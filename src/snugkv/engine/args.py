@@ -8,8 +8,10 @@ import torch
 
 from snugkv.attention.registry import attention_backend_names
 from snugkv.memory.layout import KV_DTYPES, KVLayout, parse_kv_dtype
+from snugkv.memory.vmm import MIB
 from snugkv.models.loader import DTYPE_NAMES, LOAD_FORMATS
 from snugkv.models.quantization import QUANTIZATION_CHOICES
+from snugkv.sizing.measure import GUEST_ROOM_BYTES
 from snugkv.sizing.modes import SizingMode
 
 
@@ -41,6 +43,9 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     mem_fraction_static: float | None = None
     headroom_margin_mib: int = 256  # stated safety margin on top of the measured activation peak
+    # device memory every sizing leaves free to the driver for another process to start (its CUDA
+    # context and first allocations); None: `GUEST_ROOM_BYTES` on a GPU, 0 on the host backend
+    guest_room_mib: int | None = None
     host_kv_gib: float | None = (
         None  # CPU: RAM the KV cache may take (default: 25% of free RAM, at most 1 GiB)
     )
@@ -103,6 +108,8 @@ class EngineArgs:
             raise InvalidEngineArgs(
                 f"--headroom-margin-mib must be 0 or more, got {self.headroom_margin_mib}"
             )
+        if self.guest_room_mib is not None and self.guest_room_mib < 0:
+            raise InvalidEngineArgs(f"--guest-room-mib must be 0 or more, got {self.guest_room_mib}")
         if not 0 < self.swa_full_tokens_ratio <= 1:
             raise InvalidEngineArgs(
                 f"--swa-full-tokens-ratio must be in (0, 1], got {self.swa_full_tokens_ratio}"
@@ -182,6 +189,9 @@ class EngineArgs:
             cuda_graph_max_bs=self.cuda_graph_max_bs or (256 if gpu else 0),
             prefill_graph_max_tokens=prefill_graphs,
             disable_cuda_graph=self.disable_cuda_graph or not gpu,
+            guest_room_mib=self.guest_room_mib
+            if self.guest_room_mib is not None
+            else (GUEST_ROOM_BYTES // MIB if gpu else 0),
         )
 
 

@@ -3,7 +3,8 @@ the free memory measured now at start-up, on a resize and on wake alike.
 
 The steps every sizing takes, each a method:
     measure   free device memory now, the MIN over ranks (`sizing.measure`, the one reader)
-    size      the most tokens whose backing fits `free - headroom` (less what a caller keeps free),
+    size      the most tokens whose backing fits `free - headroom - guest room` (less what a caller
+              keeps free),
               under the caps: the address space reserved at start-up, `--max-total-tokens` and what
               `--max-device-memory` leaves the KV cache; agreed as the MIN over ranks
     commit    back that many tokens (5% fewer per failed attempt, every rank alike) and let the
@@ -16,12 +17,18 @@ pipeline's steps 5 to 7 after the graphs are captured), a resize that leaves `fr
 (`tokens_leaving_free`), a wake (`back_after_sleep`) and memory pressure (`pressure_move`) all
 take it.
 
+The guest room: every sizing also leaves `guest_room_bytes` free to the driver (beyond the
+headroom, whose workspace part is held in torch's cache where no other process can take it), so
+that another process can start on the device: create its CUDA context and ask for memory, which
+the engine then yields.
+
 Memory pressure: start-up measured what was free then; another process may take device memory
 later, and the activation headroom the engine keeps free beside its KV cache would go with it (the
 next large step runs out of memory). `pressure_move` measures again (between steps, when the engine
 core asks) and answers a shrink to what fits now, less a slack, when free memory fell below the
-headroom, or a grow to what start-up sizing would give now when at least `pressure_hysteresis_tokens`
-more fit (so a shrink is not followed by a grow by the same few pages, back and forth).
+headroom (the guest room is there to be taken: using it moves nothing), or a grow to what start-up
+sizing would give now (guest room kept) when at least `pressure_hysteresis_tokens` more fit (so a
+shrink is not followed by a grow by the same few pages, back and forth).
 
 This object never loads, captures or schedules: which requests give way to a shrink is the
 scheduler's (`scheduler.elastic`), the graphs and weights are the engine's. It keeps the history
@@ -130,6 +137,7 @@ class KvSizing:
         headroom_bytes: int,
         workspace_bytes: int,
         held_besides_kv: Callable[[], int],
+        guest_room_bytes: int = 0,
         device_type: str,
         start_gate: StartGate | None = None,
     ) -> None:
@@ -141,6 +149,7 @@ class KvSizing:
         self.caps = caps
         self.headroom_bytes = headroom_bytes
         self.workspace_bytes = workspace_bytes
+        self.guest_room_bytes = guest_room_bytes
         self._held_besides_kv = held_besides_kv
         self._device_type = device_type
         self._start_gate = start_gate
@@ -194,16 +203,24 @@ class KvSizing:
     def measure(self) -> FreeMemory:
         return measure_free(self.memory, self.group, workspace_bytes=self.workspace_bytes)
 
-    def size(self, free: FreeMemory, *, keep_free_bytes: int = 0, kv_cap_bytes: int | None = None) -> int:
-        """The most tokens that fit `free` less the headroom and `keep_free_bytes`, under the caps
-        (and `kv_cap_bytes` of KV in all, when given), agreed as the MIN over ranks (what the pool
-        backs already counts as usable)."""
+    def size(
+        self,
+        free: FreeMemory,
+        *,
+        keep_free_bytes: int = 0,
+        kv_cap_bytes: int | None = None,
+        guest_room: bool = True,
+    ) -> int:
+        """The most tokens that fit `free` less the headroom, the guest room (unless `guest_room` is
+        False: what a pressure shrink asks) and `keep_free_bytes`, under the caps (and `kv_cap_bytes`
+        of KV in all, when given), agreed as the MIN over ranks (what the pool backs already counts
+        as usable)."""
         cap = self.cap_bytes()
         if kv_cap_bytes is not None:
             cap = kv_cap_bytes if cap is None else min(cap, kv_cap_bytes)
         tokens = tokens_for_budget(
             self.pool,
-            free.min_bytes - keep_free_bytes,
+            free.min_bytes - keep_free_bytes - (self.guest_room_bytes if guest_room else 0),
             self.headroom_bytes,
             self.caps.max_total_tokens,
             cap,
@@ -251,7 +268,7 @@ class KvSizing:
         committing = time.perf_counter()
         tokens = self.size(free, kv_cap_bytes=grant)
         if tokens <= 0:
-            raise SizingError(no_kv_memory_message(free, self.headroom_bytes))
+            raise SizingError(no_kv_memory_message(free, self.headroom_bytes, self.guest_room_bytes))
         tokens, retries = finalize_with_retry(self.pool, tokens, self.group)
         resized = time.perf_counter()
         self.runner.allocator.resize(tokens)
@@ -331,20 +348,21 @@ class KvSizing:
         next grow is not a step away) or may grow back (to what start-up sizing gives now, at most
         the size the last explicit resize set, when at least the hysteresis more fits); None: it
         stays. Every rank answers alike."""
-        fit = self.size_from_free()  # every 0.25 s: no sync, no emptied cache
+        free = self.measure()  # every 0.25 s: no sync, no emptied cache
         committed = self.pool.committed_tokens
         limits = self.limits()
         hysteresis = self.pressure_hysteresis_tokens()
         page = self.page_size
-        if fit.tokens < committed:
+        fitting = self.size(free, guest_room=False)  # the headroom touched: the guest room is gone
+        if fitting < committed:
             slack = hysteresis // 2 // page * page
-            tokens = max(limits.min_tokens, min(fit.tokens - slack, limits.max_tokens))
-            return PressureMove(tokens, "pressure", fit.free) if tokens < committed else None
-        tokens = min(fit.tokens, limits.max_tokens)
+            tokens = max(limits.min_tokens, min(fitting - slack, limits.max_tokens))
+            return PressureMove(tokens, "pressure", free) if tokens < committed else None
+        tokens = min(self.size(free), limits.max_tokens)
         if self.resize_ceiling_tokens is not None:
             tokens = min(tokens, self.resize_ceiling_tokens)
         if tokens - committed >= hysteresis:
-            return PressureMove(tokens, "pressure-grow", fit.free)
+            return PressureMove(tokens, "pressure-grow", free)
         return None
 
     def resize(
@@ -469,10 +487,11 @@ class KvSizing:
             device_free_bytes=free,
             headroom_bytes=self.headroom_bytes,
             tokens_fitting_free_memory=tokens_for_budget(
-                pool, free, self.headroom_bytes, self.caps.max_total_tokens, kv_cap
+                pool, free - self.guest_room_bytes, self.headroom_bytes, self.caps.max_total_tokens, kv_cap
             ),
             max_running_requests=max_running_requests,
             resizable=self.resizable,
             sleeping_tags=sleeping_tags,
             events=tuple(self.events),
+            guest_room_bytes=self.guest_room_bytes,
         )

@@ -207,6 +207,7 @@ class Engine:
             graph_executables_bytes=self._graph_driver_bytes,
             activation_peak_bytes=self._activation_peak_bytes,
             headroom_bytes=self.headroom_bytes,
+            guest_room_bytes=self.kv.guest_room_bytes,
         )
 
     def _log(self, message: str, *args: Any) -> None:
@@ -411,10 +412,11 @@ class Engine:
         free_after = self.memory.mem_get_info()[0]
         self._log(
             "Post-capture KV sizing: max_total_num_tokens=%d, committed=%.2f GiB, headroom=%.2f GiB, "
-            "free after=%.2f GiB, took=%.1f ms%s",
+            "guest room=%.2f GiB, free after=%.2f GiB, took=%.1f ms%s",
             sized.max_total_num_tokens,
             pool.committed_bytes / GIB,
             headroom / GIB,
+            self.kv.guest_room_bytes / GIB,
             free_after / GIB,
             sized.sizing_ms,
             self._per_rank_text(sized.per_rank_free_bytes),
@@ -423,6 +425,8 @@ class Engine:
 
     def _kv_sizing(self, runner: ModelRunner, headroom_bytes: int) -> KvSizing:
         pool = runner.kv_pool
+        post_capture = self.mode is SizingMode.POST_CAPTURE  # the static modes leave no room
+        guest_room = (self.args.guest_room_mib or 0) * MIB if post_capture else 0
         return KvSizing(
             runner,
             mode=self.mode,
@@ -437,6 +441,7 @@ class Engine:
             headroom_bytes=headroom_bytes,
             workspace_bytes=self._activation_peak_bytes,
             held_besides_kv=lambda: self._engine_device_bytes(pool) - pool.committed_bytes,
+            guest_room_bytes=guest_room,
             device_type=self.device.type,
             start_gate=self._start_gate,
         )

@@ -70,15 +70,16 @@ from snugkv.memory_share.record import (
 )
 from snugkv.memory_share.start import arrived, registered, sizing_in_progress, wait_for_start_plan
 from snugkv.models.loader import resolve_device
-from snugkv.sizing.measure import cached_unused_bytes, shared_device_free_bytes
+from snugkv.sizing.measure import GUEST_ROOM_BYTES, cached_unused_bytes, shared_device_free_bytes
 from snugkv.sizing.resize import KvResizeError
 
 logger = logging.getLogger(__name__)
 
-# Free memory every running engine leaves on a GPU, so that a new engine can create its CUDA
+# Free memory the running engines leave on a GPU, so that a new engine can create its CUDA
 # context (~0.5 GiB on the H200) and read the device before it asks: on the H200 a second engine
-# beside a tiny model (whose headroom is small) ran out of memory creating its context.
-START_ROOM_BYTES = GIB
+# beside a tiny model (whose headroom is small) ran out of memory creating its context. The share
+# keeps it once for all its engines (each engine's own guest room is 0 under --kv-elastic).
+START_ROOM_BYTES = GUEST_ROOM_BYTES
 
 
 class MemoryShareError(RuntimeError):

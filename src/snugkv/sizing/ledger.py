@@ -33,6 +33,7 @@ def measure_ledger(
     graph_executables_bytes: int,
     activation_peak_bytes: int,
     headroom_bytes: int,
+    guest_room_bytes: int = 0,
 ) -> MemoryLedger:
     """The ledger as the device reports it now.
 
@@ -69,4 +70,5 @@ def measure_ledger(
         headroom_bytes=headroom_bytes,
         weights_in_device_memory=device.type == "cuda" and weights_resident,
         workspace_bytes=workspace,
+        guest_room_bytes=guest_room_bytes,
     )

@@ -21,9 +21,16 @@ import torch
 import torch.distributed as dist
 
 from snugkv.memory.host_device import SharedHostDevice
-from snugkv.memory.vmm import VirtualMemory
+from snugkv.memory.vmm import GIB, VirtualMemory
 
 logger = logging.getLogger(__name__)
+
+# Free memory an engine on a GPU leaves to the driver beside its activation headroom, so that
+# another process can start there: create its CUDA context (0.60 GiB with torch on the H200,
+# docs/bench/elastic.md) and make its first allocations. With only the headroom's 256 MiB margin
+# left, a co-tenant's first driver call (cuDevicePrimaryCtxRetain) failed with out-of-memory beside
+# a default engine (docs/bench/pressure.md), so it could never take memory for the engine to yield.
+GUEST_ROOM_BYTES = GIB
 
 
 @dataclass(frozen=True, slots=True)

@@ -99,12 +99,18 @@ def size_post_capture(
     return SizingResult(tokens, pool.committed_bytes, headroom_bytes, free, took_ms, retries)
 
 
-def no_kv_memory_message(free: FreeMemory, headroom_bytes: int) -> str:
+def no_kv_memory_message(free: FreeMemory, headroom_bytes: int, guest_room_bytes: int = 0) -> str:
     """Why start-up found no room for any KV cache, and what to change."""
+    guest = (
+        f" and {guest_room_bytes / GIB:.2f} GiB as guest room for other processes (--guest-room-mib)"
+        if guest_room_bytes
+        else ""
+    )
     return (
         f"no memory left for the KV cache: {free.min_bytes / GIB:.2f} GiB free after graph capture, "
-        f"{headroom_bytes / GIB:.2f} GiB kept as activation headroom. Use a smaller model, fewer or "
-        "smaller CUDA graphs (--cuda-graph-max-bs), or a smaller --chunked-prefill-size"
+        f"{headroom_bytes / GIB:.2f} GiB kept as activation headroom{guest}. Use a smaller model, fewer or "
+        "smaller CUDA graphs (--cuda-graph-max-bs), a smaller --chunked-prefill-size"
+        + (" or a smaller --guest-room-mib" if guest_room_bytes else "")
     )
 
 
