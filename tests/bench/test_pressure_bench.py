@@ -23,7 +23,11 @@ def test_every_scenario_serves_every_request_and_the_cache_shrinks_and_comes_bac
     assert list(rows) == ["all-but", "grow", "start"]
     for name, row in rows.items():
         assert row["complete"] > 0 and row["5xx"] == row["truncated"] == row["client-error"] == 0, row
-        assert row["server_alive"] and row["taken_gib"] > 0 and row["taken_failed_allocations"] == 0, row
+        assert row["server_alive"] and row["taken_gib"] > 0, row
+        if name == "grow":  # a step refused before the engine yields is tried again at the next tick
+            assert row["taken_gib"] >= 0.0625 - 1e-3, row  # (how many were: a timing, not checked here)
+        else:  # one allocation of what the driver said was free
+            assert row["taken_failed_allocations"] == 0, row
         assert row["shrinks"] >= 1 and row["kv_tokens_min"] < row["kv_tokens_start"], (name, row)
         assert row["committed_gib_min"] < row["committed_gib_start"], row
         assert row["min_released_over_needed"] >= 0.9, row

@@ -199,4 +199,4 @@ def test_a_guest_room_that_leaves_no_kv_memory_says_to_lower_it(tiny_dir):
     from snugkv.sizing.post_capture import SizingError
 
     with pytest.raises(SizingError, match=r"guest room for other processes.*a smaller --guest-room-mib"):
-        start(tiny_dir, host_kv_gib=0.01, guest_room_mib=64)
+        start(tiny_dir, host_kv_gib=0.01, guest_room_mib=64)  # no headroom on the host: all of it beyond

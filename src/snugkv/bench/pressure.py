@@ -236,9 +236,13 @@ async def _scenario(
         in_flight = load.first_tokens
         taking = time.monotonic()
         answers: list[dict[str, Any]] = []
+        context_bytes: int | None = None
         if tenant is None:
             try:
+                free_before = (await _kv(client))["device_free_bytes"]
                 tenant = CoTenant(args.hog_device, env)
+                # what its CUDA context took (its own reading after creating it; load meanwhile aside)
+                context_bytes = free_before - int(tenant.ready["free_bytes"])
             except RuntimeError:  # e.g. no room left for its CUDA context: the load stops first
                 load.stop.set()
                 await asyncio.gather(*clients)
@@ -294,6 +298,9 @@ async def _scenario(
         "committed_gib_start": round(start_committed / GIB, 3),
         "committed_gib_min": round(lowest_committed / GIB, 3),
         "committed_gib_after": round(after["committed_bytes"] / GIB, 3),
+        "guest_room_mib": round(before.get("guest_room_bytes", 0) / MIB),
+        "driver_free_mib_start": round(before["device_free_bytes"] / MIB),
+        "tenant_context_mib": None if context_bytes is None else round(context_bytes / MIB),
         "taken_gib": round(held / GIB, 3) if answers else None,
         "taken_failed_allocations": sum(answer["failed_allocations"] for answer in answers),
         "take_ms": answers[0]["ms"] if answers else None,

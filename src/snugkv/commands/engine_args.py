@@ -176,10 +176,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--guest-room-mib",
         type=int,
         default=None,
-        help="device memory every KV sizing leaves free for another process to start on the GPU (its CUDA "
-        "context and first allocations); memory pressure shrinks the cache only when the activation "
-        "headroom is touched, not this (default: 1024 on a GPU, 0 on CPU and under --kv-elastic, whose "
-        "memory share keeps such room once for all its engines)",
+        help="device memory every KV sizing leaves free at least, for another process to start on the GPU "
+        "(its CUDA context and first allocations; the headroom's margin counts toward it); memory pressure "
+        "shrinks the cache only when the activation headroom is touched (default: 768 on a GPU, 0 on CPU "
+        "and under --kv-elastic, whose memory share keeps such room once for all its engines)",
     )
     group.add_argument(
         "--host-kv-gib",

@@ -3,8 +3,8 @@ the free memory measured now at start-up, on a resize and on wake alike.
 
 The steps every sizing takes, each a method:
     measure   free device memory now, the MIN over ranks (`sizing.measure`, the one reader)
-    size      the most tokens whose backing fits `free - headroom - guest room` (less what a caller
-              keeps free),
+    size      the most tokens whose backing fits `free - headroom` and leaves the guest room to the
+              driver (less what a caller keeps free),
               under the caps: the address space reserved at start-up, `--max-total-tokens` and what
               `--max-device-memory` leaves the KV cache; agreed as the MIN over ranks
     commit    back that many tokens (5% fewer per failed attempt, every rank alike) and let the
@@ -17,16 +17,18 @@ pipeline's steps 5 to 7 after the graphs are captured), a resize that leaves `fr
 (`tokens_leaving_free`), a wake (`back_after_sleep`) and memory pressure (`pressure_move`) all
 take it.
 
-The guest room: every sizing also leaves `guest_room_bytes` free to the driver (beyond the
-headroom, whose workspace part is held in torch's cache where no other process can take it), so
-that another process can start on the device: create its CUDA context and ask for memory, which
-the engine then yields.
+The guest room: every sizing also leaves at least `guest_room_bytes` free to the driver, so that
+another process can start on the device (create its CUDA context and ask for memory, which the
+engine then yields). The headroom's workspace part is held in torch's cache, where no other process
+can take it; the rest of the headroom (the margin) is free at the driver and counts toward the room,
+so sizing keeps `guest_extra_bytes` more than the headroom.
 
 Memory pressure: start-up measured what was free then; another process may take device memory
 later, and the activation headroom the engine keeps free beside its KV cache would go with it (the
 next large step runs out of memory). `pressure_move` measures again (between steps, when the engine
 core asks) and answers a shrink to what fits now, less a slack, when free memory fell below the
-headroom (the guest room is there to be taken: using it moves nothing), or a grow to what start-up
+headroom (the guest room is there to be taken: using its part beyond the headroom moves nothing),
+or a grow to what start-up
 sizing would give now (guest room kept) when at least `pressure_hysteresis_tokens` more fit (so a
 shrink is not followed by a grow by the same few pages, back and forth).
 
@@ -150,6 +152,8 @@ class KvSizing:
         self.headroom_bytes = headroom_bytes
         self.workspace_bytes = workspace_bytes
         self.guest_room_bytes = guest_room_bytes
+        # what the driver keeps of the headroom (its margin) counts toward the room
+        self.guest_extra_bytes = max(0, guest_room_bytes - max(0, headroom_bytes - workspace_bytes))
         self._held_besides_kv = held_besides_kv
         self._device_type = device_type
         self._start_gate = start_gate
@@ -211,8 +215,8 @@ class KvSizing:
         kv_cap_bytes: int | None = None,
         guest_room: bool = True,
     ) -> int:
-        """The most tokens that fit `free` less the headroom, the guest room (unless `guest_room` is
-        False: what a pressure shrink asks) and `keep_free_bytes`, under the caps (and `kv_cap_bytes`
+        """The most tokens that fit `free` less the headroom, the guest room's part beyond it (unless
+        `guest_room` is False: what a pressure shrink asks) and `keep_free_bytes`, under the caps (and `kv_cap_bytes`
         of KV in all, when given), agreed as the MIN over ranks (what the pool backs already counts
         as usable)."""
         cap = self.cap_bytes()
@@ -220,7 +224,7 @@ class KvSizing:
             cap = kv_cap_bytes if cap is None else min(cap, kv_cap_bytes)
         tokens = tokens_for_budget(
             self.pool,
-            free.min_bytes - keep_free_bytes - (self.guest_room_bytes if guest_room else 0),
+            free.min_bytes - keep_free_bytes - (self.guest_extra_bytes if guest_room else 0),
             self.headroom_bytes,
             self.caps.max_total_tokens,
             cap,
@@ -268,7 +272,7 @@ class KvSizing:
         committing = time.perf_counter()
         tokens = self.size(free, kv_cap_bytes=grant)
         if tokens <= 0:
-            raise SizingError(no_kv_memory_message(free, self.headroom_bytes, self.guest_room_bytes))
+            raise SizingError(no_kv_memory_message(free, self.headroom_bytes, self.guest_extra_bytes))
         tokens, retries = finalize_with_retry(self.pool, tokens, self.group)
         resized = time.perf_counter()
         self.runner.allocator.resize(tokens)
@@ -487,7 +491,7 @@ class KvSizing:
             device_free_bytes=free,
             headroom_bytes=self.headroom_bytes,
             tokens_fitting_free_memory=tokens_for_budget(
-                pool, free - self.guest_room_bytes, self.headroom_bytes, self.caps.max_total_tokens, kv_cap
+                pool, free - self.guest_extra_bytes, self.headroom_bytes, self.caps.max_total_tokens, kv_cap
             ),
             max_running_requests=max_running_requests,
             resizable=self.resizable,

@@ -21,16 +21,18 @@ import torch
 import torch.distributed as dist
 
 from snugkv.memory.host_device import SharedHostDevice
-from snugkv.memory.vmm import GIB, VirtualMemory
+from snugkv.memory.vmm import MIB, VirtualMemory
 
 logger = logging.getLogger(__name__)
 
-# Free memory an engine on a GPU leaves to the driver beside its activation headroom, so that
-# another process can start there: create its CUDA context (0.60 GiB with torch on the H200,
-# docs/bench/elastic.md) and make its first allocations. With only the headroom's 256 MiB margin
-# left, a co-tenant's first driver call (cuDevicePrimaryCtxRetain) failed with out-of-memory beside
-# a default engine (docs/bench/pressure.md), so it could never take memory for the engine to yield.
-GUEST_ROOM_BYTES = GIB
+# Free memory an engine on a GPU leaves to the driver at least (the headroom's margin counts toward
+# it), so that another process can start there: create its CUDA context (0.60 GiB with torch on the
+# H200, docs/bench/elastic.md; a bare driver context is smaller) and make its first allocations.
+# With only the headroom's 256 MiB margin left, a co-tenant's first driver call
+# (cuDevicePrimaryCtxRetain) failed with out-of-memory beside a default engine
+# (docs/bench/pressure.md), so it could never take memory for the engine to yield. Each MiB beyond
+# the margin is KV the engine does not hold (512 MiB: 4,096 tokens of the Llama-3-8B shape).
+GUEST_ROOM_BYTES = 768 * MIB
 
 
 @dataclass(frozen=True, slots=True)

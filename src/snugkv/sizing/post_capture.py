@@ -102,7 +102,7 @@ def size_post_capture(
 def no_kv_memory_message(free: FreeMemory, headroom_bytes: int, guest_room_bytes: int = 0) -> str:
     """Why start-up found no room for any KV cache, and what to change."""
     guest = (
-        f" and {guest_room_bytes / GIB:.2f} GiB as guest room for other processes (--guest-room-mib)"
+        f" and {guest_room_bytes / GIB:.2f} GiB more as guest room for other processes (--guest-room-mib)"
         if guest_room_bytes
         else ""
     )
