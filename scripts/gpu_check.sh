@@ -56,14 +56,15 @@ for s in $STEPS; do
       timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -m cuda -p no:cacheprovider --ignore=tests/server ${PYTEST_ARGS:-tests} \
         2>&1 | tee "$OUT/cuda_tests.txt" | tail -25 || status=1
       ;;
-    core)  # the CUDA tests of what every driver builds on: the engine process, the elastic engine, the
+    core)  # the CUDA tests of what every driver builds on: the engine process, the elastic engine (and
+      # serving every kind of request with all other memory taken: needs .whl), the
       # LLM API, several engines on one GPU, graphs, the CUDA VMM arena, overlapped scheduling. One
       # process: these tests read the GPU's free memory, which parallel workers would move (at
       # fa2df20 with 4 xdist workers two VMM tests failed that pass alone)
       step "core cuda tests"
       workers=${CORE_TEST_WORKERS:+-n $CORE_TEST_WORKERS}
       timeout "${CORE_TESTS_TIMEOUT:-150}" python3 -m pytest -q -m cuda -p no:cacheprovider $workers \
-        tests/driver/test_engine_process.py tests/engine/test_elastic_cuda.py tests/llm/test_llm.py \
+        tests/driver/test_engine_process.py tests/engine/test_elastic_cuda.py tests/engine/test_no_allocation_cuda.py tests/llm/test_llm.py \
         tests/memory_share/test_multi_engine_cuda.py tests/memory/test_cuda_vmm.py tests/runner/test_cuda_graph.py \
         tests/scheduler/test_overlap.py 2>&1 | tee "$OUT/core_cuda_tests.txt" | tail -15 || status=1
       ;;
