@@ -15,7 +15,8 @@ import pytest
 from snugkv.core.outputs import GenerateInput, GenerateOutput, TokenLogprob
 from snugkv.core.sampling import SamplingParams
 from snugkv.driver.engine_core import EngineCore
-from snugkv.driver.engine_process import EngineProcess, EngineProcessError, EngineSpec, compact, expand
+from snugkv.driver.engine_process import EngineProcess, EngineProcessError, EngineSpec
+from snugkv.driver.wire import compact, expand
 from snugkv.driver.engine_thread import EngineThread
 from snugkv.engine import Engine, EngineArgs
 from snugkv.sizing.resize import KvResizeError
