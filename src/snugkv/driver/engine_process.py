@@ -453,7 +453,8 @@ class _EngineSide:
         try:
             if not isinstance(ask.call, wire.Call):
                 raise EngineProcessError(
-                    f"the engine process has no call {ask.call!r}; a call is one of snugkv.driver.wire's"
+                    f"the engine process has no call {ask.call!r}; "
+                    "send one of snugkv.driver.wire's Call messages"
                 )
             reply = wire.CallAnswered(ask.call_id, await ask.call.answer(self.engine_thread))
         except Exception as exc:
