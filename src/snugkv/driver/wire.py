@@ -28,7 +28,8 @@ is what the engine process runs for it; `EngineProcess.call` sends any of them.
     WakeEngine -> SleepReply
 
 Errors cross as themselves (`crossing`): a `KvResizeError` keeps its status and parameter, a bad
-model file is the same one-line error in the server's process. Values and the engine side of each
+model file is the same one-line error in the server's process; one that does not pickle becomes an
+`EngineProcessError` naming its type, as does a call the engine process does not know. Values and the engine side of each
 call only: nothing here reads or writes the pipe, and nothing here runs in the server's process
 beyond building and reading messages.
 """
