@@ -15,8 +15,9 @@ import pytest
 from snugkv.core.outputs import GenerateInput, GenerateOutput, TokenLogprob
 from snugkv.core.sampling import SamplingParams
 from snugkv.driver.engine_core import EngineCore
-from snugkv.driver.engine_process import EngineProcess, EngineProcessError, EngineSpec, compact, expand
+from snugkv.driver.engine_process import EngineProcess, EngineProcessError, EngineSpec
 from snugkv.driver.engine_thread import EngineThread
+from snugkv.driver.wire import compact, expand
 from snugkv.engine import Engine, EngineArgs
 from snugkv.sizing.resize import KvResizeError
 from tests.models.hf_tiny import save_tiny_hf_model

@@ -6,13 +6,16 @@ parses requests and writes chunks, the scheduler cannot queue the next step and 
 Here the engine core and its `EngineThread` (the scheduler thread) run in a child process started with
 `spawn`; the server's process keeps the tokenizer and talks to it over a pipe:
 
-- server -> engine: "text downstream" (the server holds the tokenizer and detokenizes), a request
-  (`GenerateInput`), an abort, "abort all", a call of one of the engine thread's methods (`CALLS`:
-  the elastic, sleep and info routes), "stop";
+- server -> engine: "leave the text downstream" (the server holds the tokenizer and detokenizes), a
+  request (`GenerateInput`), an abort, "abort every request", a `Call` of the engine thread's (the
+  elastic, sleep and info routes), "stop";
 - engine -> server: the model's source (so the server loads its tokenizer while the engine starts),
-  "ready" (or the start-up error itself, re-raised in the server's process, so a bad model file is
+  `Ready` (or the start-up error itself, re-raised in the server's process, so a bad model file is
   the same one-line error as without this flag), one message per turn with every output the turn
   produced, the replies to calls.
+
+Every message is a typed value of `wire`, which lists them; a call is declared there once and sent
+with `EngineProcess.call` (the `EngineClient` methods are one line each).
 
 Text (`server_text`): the server detokenizes every stream without stop strings, on its reader
 thread, one batched decode per turn; the engine's scheduler thread sends their token ids only.
@@ -20,7 +23,7 @@ thread, one batched decode per turn; the engine's scheduler thread sends their t
 A reader thread in the server's process unpickles each message and hands a turn's outputs to the
 event loop in one `Mailbox` post, as the scheduler thread does in one process. The engine process
 ignores SIGINT and SIGTERM: the server owns shutdown (it finishes in-flight requests, then sends
-"stop"); it exits by itself when the server's end of the pipe closes. If it dies, every open
+`StopEngine`); it exits by itself when the server's end of the pipe closes. If it dies, every open
 request ends with an error, /health answers 503 and `on_exit` is called.
 """
 
@@ -30,7 +33,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
-import inspect
 import itertools
 import logging
 import multiprocessing
@@ -40,11 +42,12 @@ import threading
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, TypeVar
 
 from snugkv.core.gc_pauses import freeze_startup_objects
 from snugkv.core.outputs import GenerateInput, GenerateOutput
 from snugkv.core.reports import EngineInfo, KvInfo, KvResizeReply, MetricsSnapshot, SleepReply, SleepState
+from snugkv.driver import wire
 from snugkv.driver.engine_core import EngineCore
 from snugkv.driver.engine_start import LogSettings, StartedEngine, ignore_stop_signals, spawn
 from snugkv.driver.engine_thread import (
@@ -57,33 +60,18 @@ from snugkv.driver.engine_thread import (
     stream_until_finished,
 )
 from snugkv.driver.server_text import StreamTexts, TokenizerLoad
+from snugkv.driver.wire import EngineProcessError
 from snugkv.engine import Engine, EngineArgs
 from snugkv.models.loader import ModelSource, resolve_model_source
 from snugkv.scheduler.launched import StepRecord
 
 logger = logging.getLogger(__name__)
 
-# The engine thread's methods the server may call across the process boundary.
-CALLS = frozenset(
-    {
-        "check_health",
-        "is_sleeping",
-        "kv_info",
-        "metrics_snapshot",
-        "recent_steps",
-        "resize_kv",
-        "server_info",
-        "sleep",
-        "sleep_state",
-        "wake_up",
-    }
-)
+ReplyT = TypeVar("ReplyT")
+
 SYNC_CALL_TIMEOUT_S = 30.0  # a synchronous read (server_info, ...) waits at most this for the engine
+HEALTH_CALL_TIMEOUT_S = 5.0  # /health answers 503 sooner than a read gives up
 STOP_TIMEOUT_S = 120.0  # the engine finishes its step and releases its memory in this time, or is killed
-
-
-class EngineProcessError(RuntimeError):
-    """The engine process is gone or did not answer; the message says what happened."""
 
 
 @dataclass(frozen=True)
@@ -128,24 +116,24 @@ class EngineProcess:
         except BaseException:
             self._terminate()
             raise
-        self.source = ready["source"]  # the model's files (`ModelSource`)
-        self.max_context_tokens: int = ready["context_length"]
+        self.source = ready.source
+        self.max_context_tokens = ready.max_context_tokens
         self.model_name: str = self.source.path.stem
         self.pid: int | None = self._process.pid
         try:
-            self.tokenizer = tokenizer_load.result(ready["tokenizer_source"], ready["eos_token_ids"])
+            self.tokenizer = tokenizer_load.result(ready.tokenizer_source, ready.eos_token_ids)
         except BaseException:
             self._terminate()
             raise
         self._texts = StreamTexts(self.tokenizer) if self.tokenizer is not None else None
         if self._texts is not None:  # before any request: the engine sends their ids only from now on
-            self._send(("text_downstream",))
+            self._send(wire.LeaveTextDownstream())
         freeze_startup_objects()  # this process's start-up objects out of later collections (gc_pauses)
         self._reader = threading.Thread(target=self._read, name="snugkv-engine-reader", daemon=True)
         self._reader.start()
 
-    def _wait_until_ready(self, tokenizer_load: TokenizerLoad) -> dict[str, Any]:
-        """The "ready" payload; the source the engine names first starts `tokenizer_load`."""
+    def _wait_until_ready(self, tokenizer_load: TokenizerLoad) -> wire.Ready:
+        """The engine's `Ready`; the tokenizer source it names first starts `tokenizer_load`."""
         while True:
             while not self._conn.poll(0.5):
                 if not self._process.is_alive():
@@ -154,15 +142,20 @@ class EngineProcess:
                         "ready; its log above says why"
                     )
             try:
-                kind, payload = self._conn.recv()
+                message = self._conn.recv()
             except (EOFError, OSError) as exc:
                 raise EngineProcessError("the engine process closed its pipe before it was ready") from exc
-            if kind == "failed":
-                raise payload
-            if kind == "tokenizer_source":
-                tokenizer_load.start(payload)
-                continue
-            return dict(payload)
+            match message:
+                case wire.Ready():
+                    return message
+                case wire.StartFailed(error):
+                    raise error
+                case wire.TokenizerSource(source):
+                    tokenizer_load.start(source)
+                case _:
+                    raise EngineProcessError(
+                        f"the engine process sent {type(message).__name__} before it was ready"
+                    )
 
     # -- EngineClient ---------------------------------------------------------------------
     async def generate(self, request: GenerateInput) -> AsyncGenerator[GenerateOutput, None]:
@@ -186,7 +179,7 @@ class EngineProcess:
             if self._texts is not None and not request.sampling.stop:  # stop strings: the engine's
                 self._texts.open(request.rid)
         try:
-            self._send(("generate", request))
+            self._send(wire.Generate(request))
         except EngineProcessError as exc:
             with self._streams_lock:
                 self._streams.pop(request.rid, None)
@@ -196,93 +189,95 @@ class EngineProcess:
         return None
 
     def abort(self, rid: str) -> None:
-        self._send_quietly(("abort", rid))
+        self._send_quietly(wire.AbortRequest(rid))
 
     def abort_all(self) -> None:
         """End every request in flight with finish_reason "abort" (the server is stopping)."""
-        self._send_quietly(("abort_all",))
+        self._send_quietly(wire.AbortEveryRequest())
 
     def check_health(self) -> bool:
         if self._gone is not None or not self._process.is_alive():
             return False
         try:
-            return bool(self._call_sync("check_health", {}, timeout_s=5.0))
+            return self.call_blocking(wire.ReadHealth(), timeout_s=HEALTH_CALL_TIMEOUT_S)
         except EngineProcessError:
             return False
 
     # -- what the server's routes read or change, run by the engine's own EngineThread -------
     def server_info(self) -> EngineInfo:
-        info: EngineInfo = self._call_sync("server_info", {})
+        info = self.call_blocking(wire.ReadServerInfo())
         return dataclasses.replace(info, model=self.model_name, engine_process_pid=self.pid)
 
     def metrics_snapshot(self) -> MetricsSnapshot:
-        snapshot: MetricsSnapshot = self._call_sync("metrics_snapshot", {})
-        return snapshot
+        return self.call_blocking(wire.ReadMetrics())
 
     def recent_steps(self) -> list[StepRecord]:
-        steps: list[StepRecord] = self._call_sync("recent_steps", {})
-        return steps
+        return self.call_blocking(wire.ReadRecentSteps())
 
     def is_sleeping(self) -> bool:
-        return bool(self._call_sync("is_sleeping", {}))
+        return self.call_blocking(wire.ReadSleeping())
 
     def sleep_state(self) -> SleepState:
-        state: SleepState = self._call_sync("sleep_state", {})
-        return state
+        return self.call_blocking(wire.ReadSleepState())
 
     async def resize_kv(
         self, *, max_total_num_tokens: int | None = None, free_gib: float | None = None
     ) -> KvResizeReply:
-        kwargs = {"max_total_num_tokens": max_total_num_tokens, "free_gib": free_gib}
-        result: KvResizeReply = await self._call("resize_kv", kwargs)
-        return result
+        return await self.call(wire.ResizeKvCache(max_total_num_tokens, free_gib))
 
     async def kv_info(self) -> KvInfo:
-        result: KvInfo = await self._call("kv_info", {})
-        return result
+        return await self.call(wire.ReadKvInfo())
 
     async def sleep(self, *, level: int = 1, tags: tuple[str, ...] = ()) -> SleepReply:
-        result: SleepReply = await self._call("sleep", {"level": level, "tags": tuple(tags)})
-        return result
+        return await self.call(wire.SleepEngine(level, tuple(tags)))
 
     async def wake_up(self, *, tags: tuple[str, ...] = ()) -> SleepReply:
-        result: SleepReply = await self._call("wake_up", {"tags": tuple(tags)})
-        return result
+        return await self.call(wire.WakeEngine(tuple(tags)))
 
     # -- calls ------------------------------------------------------------------------------
-    def _start_call(self, method: str, kwargs: dict[str, Any]) -> concurrent.futures.Future[Any]:
-        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    async def call(self, call: wire.Call[ReplyT]) -> ReplyT:
+        """`call` answered by the engine process (its error raised here as itself)."""
+        return await asyncio.wrap_future(self._start_call(call))
+
+    def call_blocking(self, call: wire.Call[ReplyT], *, timeout_s: float = SYNC_CALL_TIMEOUT_S) -> ReplyT:
+        """`call` for the routes that read the engine synchronously, blocking the caller: the
+        engine answers from its own event loop, between its scheduler's Python work, in well under
+        a step; `EngineProcessError` after `timeout_s`."""
+        future = self._start_call(call)
+        try:
+            return future.result(timeout=timeout_s)
+        except concurrent.futures.TimeoutError as exc:
+            raise EngineProcessError(
+                f"the engine process did not answer {type(call).__name__} in {timeout_s:.0f} s"
+            ) from exc
+
+    def _start_call(self, call: wire.Call[ReplyT]) -> concurrent.futures.Future[ReplyT]:
+        future: concurrent.futures.Future[ReplyT] = concurrent.futures.Future()
         call_id = next(self._call_ids)
         with self._streams_lock:
             if self._gone is not None:
                 raise EngineProcessError(self._gone)
             self._calls[call_id] = future
         try:
-            self._send(("call", call_id, method, kwargs))
+            self._send(wire.Ask(call_id, call))
         except EngineProcessError:
             with self._streams_lock:
                 self._calls.pop(call_id, None)
             raise
         return future
 
-    async def _call(self, method: str, kwargs: dict[str, Any]) -> Any:
-        return await asyncio.wrap_future(self._start_call(method, kwargs))
-
-    def _call_sync(
-        self, method: str, kwargs: dict[str, Any], *, timeout_s: float = SYNC_CALL_TIMEOUT_S
-    ) -> Any:
-        """A call that blocks its caller (the routes that read the engine synchronously): the engine
-        answers from its own event loop, between its scheduler's Python work, in well under a step."""
-        future = self._start_call(method, kwargs)
-        try:
-            return future.result(timeout=timeout_s)
-        except concurrent.futures.TimeoutError as exc:
-            raise EngineProcessError(
-                f"the engine process did not answer {method} in {timeout_s:.0f} s"
-            ) from exc
+    def _settle_call(self, call_id: int, *, value: Any = None, error: BaseException | None = None) -> None:
+        with self._streams_lock:
+            future = self._calls.pop(call_id, None)
+        if future is None or future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(value)
 
     # -- the pipe ---------------------------------------------------------------------------
-    def _send(self, message: tuple[Any, ...]) -> None:
+    def _send(self, message: wire.ServerMessage) -> None:
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         with self._send_lock:
             if self._gone is not None:
@@ -292,7 +287,7 @@ class EngineProcess:
             except (OSError, ValueError) as exc:
                 raise EngineProcessError(f"the engine process is gone ({exc})") from exc
 
-    def _send_quietly(self, message: tuple[Any, ...]) -> None:
+    def _send_quietly(self, message: wire.ServerMessage) -> None:
         with contextlib.suppress(EngineProcessError):  # nothing runs there any more: nothing to abort
             self._send(message)
 
@@ -300,22 +295,22 @@ class EngineProcess:
         """The reader thread: every message of the engine process, until its pipe closes."""
         try:
             while True:
-                message = pickle.loads(self._conn.recv_bytes())
-                if message[0] == "outputs":
-                    outputs = [expand(item) for item in message[1]]
-                    if self._texts is not None:
-                        for rid in self._texts.fill(outputs):  # its tokens broke the tokenizer
-                            self._send_quietly(("abort", rid))
-                    self._deliver(outputs)
-                elif message[0] == "reply":
-                    _, call_id, ok, value = message
-                    with self._streams_lock:
-                        future = self._calls.pop(call_id, None)
-                    if future is not None and not future.done():
-                        if ok:
-                            future.set_result(value)
-                        else:
-                            future.set_exception(value)
+                message: wire.EngineMessage = pickle.loads(self._conn.recv_bytes())
+                match message:
+                    case wire.TurnOutputs():
+                        outputs = message.expanded()
+                        if self._texts is not None:
+                            for rid in self._texts.fill(outputs):  # its tokens broke the tokenizer
+                                self._send_quietly(wire.AbortRequest(rid))
+                        self._deliver(outputs)
+                    case wire.CallAnswered(call_id, value):
+                        self._settle_call(call_id, value=value)
+                    case wire.CallFailed(call_id, error):
+                        self._settle_call(call_id, error=error)
+                    case _:
+                        logger.error(
+                            "the engine process sent a message the server does not know: %r", message
+                        )
         except (EOFError, OSError):
             pass
         except Exception:
@@ -361,7 +356,7 @@ class EngineProcess:
         """Ask the engine to stop (its step finishes, its memory is released); kill it if it
         does not within `STOP_TIMEOUT_S`."""
         self._stopping = True
-        self._send_quietly(("stop",))
+        self._send_quietly(wire.StopEngine())
         # The sentinel, not `is_alive`: the reader thread may reap the process meanwhile, and then
         # `is_alive` here cannot tell (waitpid fails) and says alive.
         if not multiprocessing.connection.wait([self._process.sentinel], STOP_TIMEOUT_S):
@@ -391,42 +386,16 @@ def _post(routed: list[tuple[Mailbox, OutputStream, GenerateOutput]]) -> None:
 class _PipeOutbox:
     """The engine's side of the outputs: a turn's outputs go to the server in one message."""
 
-    def __init__(self, send: Callable[[tuple[Any, ...]], None]) -> None:
+    def __init__(self, send: Callable[[wire.EngineMessage], None]) -> None:
         self._send = send
 
     def post(self, items: list[tuple[Any, GenerateOutput]]) -> None:
-        self._send(("outputs", [compact(output) for _, output in items]))
-
-
-def compact(output: GenerateOutput) -> GenerateOutput | tuple[Any, ...]:
-    """A plain output (tokens and text, no logprobs or error) as a tuple: pickled in ~1/5 of the
-    time of the dataclass (47 against 267 us for a step of 130 outputs on a CI CPU), on the
-    scheduler thread of the engine process. `expand` turns it back."""
-    if (
-        output.logprobs or output.prompt_logprobs is not None or output.error is not None or output.rejected
-    ):  # retry_after_s comes with an error
-        return output
-    return (
-        output.rid,
-        output.token_ids,
-        output.text,
-        output.finished,
-        output.finish_reason,
-        output.prompt_tokens,
-        output.completion_tokens,
-        output.cached_tokens,
-    )
-
-
-def expand(item: GenerateOutput | tuple[Any, ...]) -> GenerateOutput:
-    if isinstance(item, tuple):
-        return GenerateOutput(*item)  # the fields in `compact`'s order
-    return item
+        self._send(wire.TurnOutputs.of([output for _, output in items]))
 
 
 class _EngineSide:
     """The engine process's end of the pipe: a reader thread applying the server's messages, and an
-    event loop (the main thread) running the calls."""
+    event loop (the main thread) answering the calls."""
 
     def __init__(self, conn: Connection, engine_thread: EngineThread) -> None:
         self.conn = conn
@@ -435,7 +404,7 @@ class _EngineSide:
         self._lock = threading.Lock()
         self._closed = False
 
-    def send(self, message: tuple[Any, ...]) -> None:
+    def send(self, message: wire.EngineMessage) -> None:
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         with self._lock:
             if self._closed:
@@ -457,68 +426,63 @@ class _EngineSide:
     def _read(self, loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
         try:
             while True:
-                message = pickle.loads(self.conn.recv_bytes())
-                kind = message[0]
-                if kind == "generate":
-                    self.engine_thread.submit(message[1], self.outbox, None)
-                elif kind == "abort":
-                    self.engine_thread.abort(message[1])
-                elif kind == "abort_all":
-                    self.engine_thread.abort_all()
-                elif kind == "text_downstream":  # before any request: the server detokenizes
-                    self.engine_thread.core.leave_text_downstream()
-                elif kind == "call":
-                    asyncio.run_coroutine_threadsafe(self._answer(*message[1:]), loop)
-                elif kind == "stop":
-                    break
+                message: wire.ServerMessage = pickle.loads(self.conn.recv_bytes())
+                match message:
+                    case wire.Generate(request):
+                        self.engine_thread.submit(request, self.outbox, None)
+                    case wire.AbortRequest(rid):
+                        self.engine_thread.abort(rid)
+                    case wire.AbortEveryRequest():
+                        self.engine_thread.abort_all()
+                    case wire.LeaveTextDownstream():  # before any request: the server detokenizes
+                        self.engine_thread.core.leave_text_downstream()
+                    case wire.Ask():
+                        asyncio.run_coroutine_threadsafe(self._answer(message), loop)
+                    case wire.StopEngine():
+                        break
+                    case _:
+                        logger.error(
+                            "the server sent a message the engine process does not know: %r", message
+                        )
         except (EOFError, OSError):  # the server's process is gone
             pass
         loop.call_soon_threadsafe(stop.set)
 
-    async def _answer(self, call_id: int, method: str, kwargs: dict[str, Any]) -> None:
+    async def _answer(self, ask: wire.Ask) -> None:
+        reply: wire.CallAnswered | wire.CallFailed
         try:
-            if method not in CALLS:
-                raise EngineProcessError(f"the engine process has no call {method!r}")
-            value = getattr(self.engine_thread, method)(**kwargs)
-            if inspect.isawaitable(value):
-                value = await value
-            reply: tuple[Any, ...] = ("reply", call_id, True, value)
+            if not isinstance(ask.call, wire.Call):
+                raise EngineProcessError(
+                    f"the engine process has no call {ask.call!r}; "
+                    "send one of snugkv.driver.wire's Call messages"
+                )
+            reply = wire.CallAnswered(ask.call_id, await ask.call.answer(self.engine_thread))
         except Exception as exc:
-            reply = ("reply", call_id, False, _picklable(exc))
+            reply = wire.CallFailed(ask.call_id, wire.crossing(exc))
         self.send(reply)
 
 
-def _picklable(exc: BaseException) -> BaseException:
-    """`exc` if it survives pickling (it is raised as itself on the other side), else a RuntimeError
-    with its message."""
-    try:
-        pickle.loads(pickle.dumps(exc))
-    except Exception:
-        return EngineProcessError(f"{type(exc).__name__}: {exc}")
-    return exc
-
-
 def send_start_failure(conn: Connection, exc: Exception) -> None:
-    """Instead of "ready": the start-up error, for `EngineProcess` to raise as itself; closes the pipe."""
-    conn.send(("failed", _picklable(exc)))
+    """Instead of `Ready`: the start-up error, for `EngineProcess` to raise as itself; closes the pipe."""
+    conn.send(wire.StartFailed(wire.crossing(exc)))
     conn.close()
 
 
 def _name_tokenizer_source(conn: Connection, spec: EngineSpec) -> None:
     """Tell the server where the tokenizer is before the engine starts, so it loads its copy
     meanwhile. Quietly nothing when the source cannot be resolved: the engine's start then fails
-    with that error itself, or the server loads its copy after "ready"."""
+    with that error itself, or the server loads its copy after `Ready`."""
     args = spec.engine_args
     try:
         source = spec.tokenizer_source or resolve_model_source(args.model, args.load_format, args.revision)
     except Exception:
         logger.debug("the model's source is not known before the engine starts", exc_info=True)
         return
-    conn.send(("tokenizer_source", source))
+    conn.send(wire.TokenizerSource(source))
 
 
 def engine_main(conn: Connection, spec: EngineSpec) -> None:
-    """The engine process: build the engine, say "ready" (or send the error), serve the pipe."""
+    """The engine process: build the engine, say `Ready` (or send the error), serve the pipe."""
     ignore_stop_signals()
     spec.log.configure()  # a no-op when `commands/engine_spawn` configured it already
     _name_tokenizer_source(conn, spec)
@@ -540,14 +504,11 @@ def engine_main(conn: Connection, spec: EngineSpec) -> None:
     side = _EngineSide(conn, engine_thread)
     try:
         side.send(
-            (
-                "ready",
-                {
-                    "source": engine.loaded.source,
-                    "context_length": engine.context_length,
-                    "eos_token_ids": engine.config.eos_token_ids,
-                    "tokenizer_source": spec.tokenizer_source or engine.loaded.source,
-                },
+            wire.Ready(
+                source=engine.loaded.source,
+                max_context_tokens=engine.context_length,
+                eos_token_ids=engine.config.eos_token_ids,
+                tokenizer_source=spec.tokenizer_source or engine.loaded.source,
             )
         )
         asyncio.run(side.serve())

@@ -2,7 +2,8 @@
 `EngineProcess` spawns through it, and `snugkv serve` (commands/engine_spawn.py) spawns its engine
 process from its flags before it imports torch or the HTTP stack itself, so that the engine's
 imports, load and capture run while the server process imports what it serves with
-(docs/bench/startup.md). `EngineProcess` then takes the `StartedEngine` over and waits for "ready".
+(docs/bench/startup.md). `EngineProcess` then takes the `StartedEngine` over and waits for its
+`Ready` (`wire`).
 """
 
 from __future__ import annotations
@@ -70,6 +71,6 @@ def spawn(target: Callable[..., None], *args: Any) -> StartedEngine:
 
 
 def ignore_stop_signals() -> None:
-    """The server owns shutdown: it sends "stop" (and Ctrl-C in a terminal reaches both processes)."""
+    """The server owns shutdown: it sends `StopEngine` (and Ctrl-C in a terminal reaches both processes)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
