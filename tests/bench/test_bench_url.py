@@ -87,9 +87,13 @@ def test_the_three_workloads_count_every_token_and_see_the_shared_system_prompts
     assert "chat 6 users x 2 turns" in capsys.readouterr().out
 
 
-def test_offline_figures_match_the_built_in_path_within_noise(
+@pytest.mark.slow  # starts the built-in path's own server beside the stub one: ~20 s on 2 cores
+def test_offline_figures_are_counted_and_clocked_as_the_built_in_path_counts_them(
     stub_server: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """Correctness, not speed (two passes on a shared CPU may differ by any factor; the speed
+    belongs in the benchmark): the same tokens, each rate its tokens over its own seconds, and
+    each pass at least as long as the pretend device's steps for the longest answer."""
     url_dir, built_in_dir = tmp_path / "url", tmp_path / "built-in"
     url_args = ["bench", "http", "--url", stub_server, *LOAD, "--workloads", "offline"]
     assert main([*url_args, "--out", str(url_dir)]) == 0, capsys.readouterr()
@@ -98,13 +102,10 @@ def test_offline_figures_match_the_built_in_path_within_noise(
     through_url = _rows(url_dir)[1]
     reference = next(row for row in _rows(built_in_dir) if row["path"] == "HTTP, httpx client, streamed")
     assert through_url["output_tokens"] == reference["output_tokens"]
-    ratio = through_url["output_tok_per_s"] / reference["output_tok_per_s"]
-    print(
-        f"output tok/s: --url {through_url['output_tok_per_s']:.0f}, built-in {reference['output_tok_per_s']:.0f}"
-    )
-    # One pass each on a shared CPU spreads by up to ~30%; this catches a generator that measures
-    # something else (a wrong token count or clock), not a few percent.
-    assert 0.5 < ratio < 2.0, (through_url, reference)
+    longest_answer = max(out for _, out in workload(24, seed=0, vocab=500, low=16, high=48))
+    for row in (through_url, reference):
+        assert row["output_tok_per_s"] == pytest.approx(row["output_tokens"] / row["seconds"]), row
+        assert row["seconds"] >= longest_answer * int(STEP_MS) / 1000, row  # one step a token at least
 
 
 def test_token_id_and_text_prompts_each_get_a_measured_pass_and_the_stress_load_its_fixed_lengths(

@@ -97,6 +97,7 @@ def _serving_url(process: subprocess.Popen[bytes], log_path: Path, timeout_s: fl
     raise AssertionError(f"node 0 did not serve:\n{log_path.read_text()}")
 
 
+@pytest.mark.slow  # two server processes meeting over gloo: end to end
 def test_two_nodes_of_one_rank_each_serve_the_tokens_of_tp_1_and_transformers(tiny_model, tmp_path):
     path, model, tokenizer = tiny_model
     port = free_port()
@@ -134,6 +135,7 @@ def test_two_nodes_of_one_rank_each_serve_the_tokens_of_tp_1_and_transformers(ti
         assert "Traceback" not in log.read_text(), log.read_text()
 
 
+@pytest.mark.slow  # torchrun and two ranks: end to end
 def test_torchrun_starts_both_ranks_and_its_rank_0_serves_the_same_tokens(tiny_model, tmp_path):
     path, model, tokenizer = tiny_model
     log_path = tmp_path / "torchrun.log"

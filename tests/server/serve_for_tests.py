@@ -99,6 +99,7 @@ def main() -> None:
     parser.add_argument("--kv-chunk-mib", type=float, default=None, help="real engine only")
     parser.add_argument("--max-device-memory", type=float, default=None, help="real engine only (GiB)")
     parser.add_argument("--queue-timeout", type=float, default=None, help="real engine only (seconds)")
+    parser.add_argument("--graceful-shutdown-s", type=int, default=5, help="from the stop signal to the exit")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
@@ -123,7 +124,7 @@ def main() -> None:
         on_shutdown=on_shutdown,
         on_stop_requested=engine.abort_all,
         log_level="warning",
-        graceful_shutdown_s=5,
+        graceful_shutdown_s=args.graceful_shutdown_s,
     )
 
 

@@ -18,7 +18,9 @@ from tests.server.conftest import ENGINE, ServerProcess, start_server
 from tests.server.expect import wait_for
 
 pytest.importorskip("schemathesis")
-pytestmark = pytest.mark.skipif(ENGINE != "real", reason="fuzzes the real engine")
+# A server process of its own and ~20 s of schemathesis: end to end, so `make test` runs it and
+# `make test-fast` leaves it out.
+pytestmark = [pytest.mark.skipif(ENGINE != "real", reason="fuzzes the real engine"), pytest.mark.slow]
 
 EXAMPLES_PER_ROUTE_AND_MODE = 10
 

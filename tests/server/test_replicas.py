@@ -38,6 +38,9 @@ import pytest
 from tests.models.hf_tiny import tiny_hf_config, tiny_hf_model
 
 pytest.importorskip("smg", reason="the router: pip install 'snugkv[router]'")
+# Router and replica processes: end to end (the fleet's flags and commands are unit-tested in
+# tests/commands/test_serve_replicas.py, which `make test-fast` runs).
+pytestmark = pytest.mark.slow
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 API_KEY = "snugkv-fleet-key"
@@ -186,7 +189,6 @@ def test_the_router_refuses_a_token_id_prompt_naming_prompt_and_takes_it_as_text
     assert as_text.choices[0].finish_reason == "length", as_text
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("key_flags", [[], ["--api-key", "flag-key"]], ids=["no-key", "api-key-flag"])
 def test_dp_2_starts_without_a_key_and_with_one_on_the_command_line(
     fleet_model: Path, tmp_path: Path, key_flags: list[str]
@@ -245,7 +247,6 @@ def hit_rate(fleet: Fleet, sessions: list[tuple[str, str, str]], concurrency: in
     return cached / prompt
 
 
-@pytest.mark.slow
 def test_cache_aware_routing_doubles_the_hit_rate_of_round_robin_when_the_fleet_cache_is_the_limit(
     fleet_model: Path, tmp_path: Path
 ) -> None:
