@@ -38,22 +38,18 @@ def _free_bytes(engine: Any) -> int:
 
 def _greedy_tokens(engine: Any, count: int = 4, new_tokens: int = 16) -> list[list[int]]:
     from snugkv.core.sampling import SamplingParams
+    from snugkv.driver.commands import Add
     from snugkv.driver.engine_core import EngineCore
 
     outputs: dict[str, list[int]] = {}
-    scheduler = EngineCore.around(
-        engine, on_output=lambda r, o: outputs.setdefault(o.rid, []).extend(o.token_ids)
-    ).scheduler
+    core = EngineCore.around(engine, on_output=lambda r, o: outputs.setdefault(o.rid, []).extend(o.token_ids))
     generator = torch.Generator().manual_seed(PROMPTS_SEED)
     vocab = engine.config.vocab_size
-    for index in range(count):
-        prompt = torch.randint(10, vocab, (64 + 37 * index,), generator=generator).tolist()
-        scheduler.add_request(
-            f"p{index}", prompt, SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-        )
-    while scheduler.has_work:
-        scheduler.step()
-    scheduler.cache.reset()
+    greedy = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    prompts = [torch.randint(10, vocab, (64 + 37 * i,), generator=generator).tolist() for i in range(count)]
+    core.submit(Add(f"p{index}", prompt, greedy) for index, prompt in enumerate(prompts))
+    core.run()
+    core.scheduler.cache.reset()
     return [outputs[f"p{index}"] for index in range(count)]
 
 

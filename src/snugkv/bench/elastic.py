@@ -171,17 +171,16 @@ def resize_rows(
 
 
 def _greedy_tokens(engine: Any) -> list[list[int]]:
+    from snugkv.driver.commands import Add
     from snugkv.driver.engine_core import EngineCore
 
     outputs: dict[str, list[int]] = {}
-    scheduler = EngineCore.around(
-        engine, on_output=lambda r, o: outputs.setdefault(o.rid, []).extend(o.token_ids)
-    ).scheduler
-    for index in range(4):
-        scheduler.add_request(str(index), [(index * 31 + j) % 5000 + 100 for j in range(64)], GREEDY)
-    while scheduler.has_work:
-        scheduler.step()
-    scheduler.cache.reset()
+    core = EngineCore.around(engine, on_output=lambda r, o: outputs.setdefault(o.rid, []).extend(o.token_ids))
+    core.submit(
+        Add(str(index), [(index * 31 + j) % 5000 + 100 for j in range(64)], GREEDY) for index in range(4)
+    )
+    core.run()
+    core.scheduler.cache.reset()
     return [outputs[str(index)] for index in range(4)]
 
 
@@ -236,23 +235,26 @@ def _serve(engine: Any, requests: int, prompt: int, output: int, resize_every: i
     """Generated tokens per second of `requests` greedy requests (half stop at a quarter of
     `output`); with `resize_every`, the KV cache shrinks to just above what the running requests
     hold (evicting the cache, moving live KV) and grows back, each every `resize_every` steps."""
+    from snugkv.driver.commands import Add
     from snugkv.driver.engine_core import EngineCore
     from snugkv.scheduler import elastic
 
     outputs: dict[str, list[int]] = {}
-    scheduler = EngineCore.around(
-        engine, on_output=lambda r, o: outputs.setdefault(o.rid, []).extend(o.token_ids)
-    ).scheduler
+    core = EngineCore.around(engine, on_output=lambda r, o: outputs.setdefault(o.rid, []).extend(o.token_ids))
+    scheduler = core.scheduler
+    adds = []
     for index in range(requests):  # every other request stops early: holes below the live pages
         new_tokens = output if index % 2 else output // 4
         sampling = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
-        scheduler.add_request(str(index), [(index * 17 + j) % 30000 + 100 for j in range(prompt)], sampling)
+        adds.append(Add(str(index), [(index * 17 + j) % 30000 + 100 for j in range(prompt)], sampling))
+    core.submit(adds)
     full, page = engine.pool.committed_tokens, engine.pool.page_size
     pauses: list[float] = []
-    moved = steps = 0
-    _sync()
-    started = time.perf_counter()
-    while scheduler.has_work:
+    moved = 0
+
+    def shrink_or_grow(steps: int) -> bool:
+        """Every `resize_every` steps, once every request was admitted: the resize the run times."""
+        nonlocal moved
         if resize_every and steps and steps % resize_every == 0 and not scheduler.waiting:
             shrunk = engine.pool.committed_tokens < full
             room = 4 * page * len(scheduler.running)
@@ -264,8 +266,11 @@ def _serve(engine: Any, requests: int, prompt: int, output: int, resize_every: i
             _sync()
             pauses.append((time.perf_counter() - began) * 1e3)
             moved += result.moved_pages
-        scheduler.step()
-        steps += 1
+        return False  # every request was submitted before the run
+
+    _sync()
+    started = time.perf_counter()
+    core.run(intake=shrink_or_grow)
     _sync()
     seconds = time.perf_counter() - started
     if engine.pool.committed_tokens != full:

@@ -1,9 +1,9 @@
 """`snugkv bench host`: the scheduler's host work per step at a full batch, with the model stubbed.
 
 Runs on a CPU (or a GPU). The model's forward is replaced by a stub that returns a fixed logits
-tensor, so what is timed is everything the host does around the GPU: choosing the batch, taking
-slots, building the forward batch, launching the sampler, moving each request on (stop checks,
-outputs), freeing what finished. Two cases: `steady` keeps every request decoding (none finishes
+tensor, so what is timed is everything the host does around the GPU in the engine core's run loop
+(`EngineCore.run`): choosing the batch, taking slots, building the forward batch, launching the
+sampler, moving each request on (stop checks, outputs), freeing what finished. Two cases: `steady` keeps every request decoding (none finishes
 while timed); `drain` runs requests of mixed output lengths to the end (finishes, releases,
 prefix-cache inserts). Prints steps/s and microseconds per request per step, from the process's
 CPU time (what the host spends, whatever else shares the machine; the wall time is printed too).
@@ -50,45 +50,46 @@ def _engine(args: argparse.Namespace, directory: Path) -> Any:
     return engine
 
 
-def _scheduler(engine: Any, overlap: bool) -> Any:
+def _core(engine: Any, overlap: bool) -> Any:
     from snugkv.driver.engine_core import EngineCore
 
     finished: dict[str, float] = {}
-    scheduler = EngineCore.around(
-        engine, on_output=lambda r, o: finished.__setitem__(o.rid, time.monotonic()) if o.finished else None
-    ).scheduler
-    scheduler.overlap = overlap
-    return scheduler
+    return EngineCore.around(
+        engine,
+        on_output=lambda r, o: finished.__setitem__(o.rid, time.monotonic()) if o.finished else None,
+        overlap=overlap,
+    )
 
 
-def _add(scheduler: Any, count: int, prompt_len: int, max_new: list[int], seed: int) -> None:
+def _add(core: Any, count: int, prompt_len: int, max_new: list[int], seed: int) -> None:
+    from snugkv.driver.commands import Add
+
     rng = random.Random(seed)
-    for index in range(count):
-        prompt = [rng.randrange(10, 500) for _ in range(prompt_len)]
-        scheduler.add_request(
-            f"h{seed}-{index}", prompt, SamplingParams(max_new_tokens=max_new[index], ignore_eos=True)
-        )
+    prompts = [[rng.randrange(10, 500) for _ in range(prompt_len)] for _ in range(count)]
+    core.submit(
+        Add(f"h{seed}-{index}", prompt, SamplingParams(max_new_tokens=max_new[index], ignore_eos=True))
+        for index, prompt in enumerate(prompts)
+    )
 
 
 def steady(engine: Any, args: argparse.Namespace, overlap: bool) -> dict[str, Any]:
-    scheduler = _scheduler(engine, overlap)
-    _add(scheduler, args.batch, args.prompt, [args.steps * 3] * args.batch, seed=0)
-    while scheduler.waiting:  # prefill
-        scheduler.step()
-    for _ in range(args.warmup):
-        scheduler.step()
+    from snugkv.driver.commands import AbortAll
+
+    core = _core(engine, overlap)
+    scheduler = core.scheduler
+    _add(core, args.batch, args.prompt, [args.steps * 3] * args.batch, seed=0)
+    core.run(until=lambda steps: not scheduler.waiting)  # prefill: every request admitted
+    core.run(until=lambda steps: steps == args.warmup)
     best = best_wall = float("inf")
+    window = args.steps // args.repeats
     for _ in range(args.repeats):
         start, start_wall = time.process_time(), time.perf_counter()
-        for _ in range(args.steps // args.repeats):
-            scheduler.step()
-        best = min(best, (time.process_time() - start) / (args.steps // args.repeats))
-        best_wall = min(best_wall, (time.perf_counter() - start_wall) / (args.steps // args.repeats))
+        core.run(until=lambda steps: steps == window)
+        best = min(best, (time.process_time() - start) / window)
+        best_wall = min(best_wall, (time.perf_counter() - start_wall) / window)
     batch = len(scheduler.running)
-    for rid in list(scheduler.requests):
-        scheduler.abort(rid)
-    while scheduler.has_work:
-        scheduler.step()
+    core.apply(AbortAll())
+    core.run()
     scheduler.check_slot_accounting()
     scheduler.cache.reset()
     return {
@@ -101,16 +102,14 @@ def steady(engine: Any, args: argparse.Namespace, overlap: bool) -> dict[str, An
 
 
 def drain(engine: Any, args: argparse.Namespace, overlap: bool) -> dict[str, Any]:
-    scheduler = _scheduler(engine, overlap)
+    core = _core(engine, overlap)
+    scheduler = core.scheduler
     rng = random.Random(1)
     max_new = [rng.randint(args.steps // 4, args.steps) for _ in range(args.batch)]
-    _add(scheduler, args.batch, args.prompt, max_new, seed=1)
-    while scheduler.waiting:
-        scheduler.step()
-    steps, start, start_wall = 0, time.process_time(), time.perf_counter()
-    while scheduler.has_work:
-        scheduler.step()
-        steps += 1
+    _add(core, args.batch, args.prompt, max_new, seed=1)
+    core.run(until=lambda steps: not scheduler.waiting)
+    start, start_wall = time.process_time(), time.perf_counter()
+    steps = core.run()
     elapsed, wall = time.process_time() - start, time.perf_counter() - start_wall
     scheduler.check_slot_accounting()
     scheduler.cache.reset()

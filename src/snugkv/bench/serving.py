@@ -69,34 +69,39 @@ def run_scheduler(
     overlap: bool = True,
     tokenizer: Any = None,
 ) -> dict[str, Any]:
+    from snugkv.driver.commands import Add
     from snugkv.driver.engine_core import EngineCore
 
     finished: dict[str, float] = {}
-    scheduler = EngineCore.around(
+    core = EngineCore.around(
         engine,
         tokenizer=tokenizer,
         on_output=lambda r, o: finished.__setitem__(o.rid, time.monotonic()) if o.finished else None,
         overlap=overlap,
-    ).scheduler
+    )
+    scheduler = core.scheduler
     tracked = []
     gc_before = GC_PAUSES.as_dict()
     start = time.monotonic()
     scheduler.times.reset()
     pending = list(enumerate(requests))
-    while pending or scheduler.has_work:
+
+    def arrive(steps: int) -> bool:
+        """Submit the requests whose arrival time passed (all at once offline); with nothing to
+        run, wait a millisecond. Says whether any is still to come."""
         now = time.monotonic()
         while pending and (arrivals is None or start + arrivals[pending[0][0]] <= now):
             index, (prompt, output) = pending.pop(0)
-            request = scheduler.add_request(
-                f"q{index}", prompt, SamplingParams(max_new_tokens=output, temperature=0.0, ignore_eos=True)
-            )
+            sampling = SamplingParams(max_new_tokens=output, temperature=0.0, ignore_eos=True)
+            (request,) = core.submit([Add(f"q{index}", prompt, sampling)])
             if arrivals is not None:
                 request.arrival_s = start + arrivals[index]
             tracked.append(request)
-        if scheduler.has_work:
-            scheduler.step()
-        else:
+        if not core.has_work:
             time.sleep(0.001)
+        return bool(pending)
+
+    core.run(intake=arrive)
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
     elapsed = time.monotonic() - start

@@ -55,12 +55,13 @@ def measure(
 ) -> dict[str, Any]:
     """One batch of `batch` requests, every `constrained_every`-th constrained (0: none), all at once;
     the finished requests are appended to `finished` when given."""
+    from snugkv.driver.commands import Add
     from snugkv.driver.engine_core import EngineCore
 
     rng = random.Random(seed)
     vocab = min(engine.config.vocab_size, tokenizer.vocab_size)
-    scheduler = EngineCore.around(engine, tokenizer=tokenizer, max_running_requests=max(batch, 1)).scheduler
-    requests = []
+    core = EngineCore.around(engine, tokenizer=tokenizer, max_running_requests=max(batch, 1))
+    adds = []
     for index in range(batch):
         constrained = constrained_every > 0 and index % constrained_every == 0
         sampling = SamplingParams(
@@ -69,15 +70,15 @@ def measure(
             structured=CONSTRAINT if constrained else None,
         )
         prompt = [rng.randrange(10, vocab) for _ in range(input_len)]
-        requests.append(scheduler.add_request(f"s{index}", prompt, sampling))
+        adds.append(Add(f"s{index}", prompt, sampling))
+    requests = core.submit(adds)
     start = time.perf_counter()
-    while scheduler.has_work:
-        scheduler.step()
+    core.run()
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
-    scheduler.check_slot_accounting()
-    scheduler.cache.reset()
+    core.scheduler.check_slot_accounting()
+    core.scheduler.cache.reset()
     failed = [r.rid for r in requests if r.finish_reason != "length"]
     if failed:
         raise RuntimeError(

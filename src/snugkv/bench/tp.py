@@ -172,6 +172,7 @@ def _bench_rank(tp: Any, spec: dict[str, Any], result_path: str) -> None:
 
     from snugkv.bench.decode import time_cuda
     from snugkv.core.sampling import SamplingParams
+    from snugkv.driver.commands import Add
     from snugkv.driver.engine_core import EngineCore
     from snugkv.engine import Engine, EngineArgs
 
@@ -214,12 +215,11 @@ def _bench_rank(tp: Any, spec: dict[str, Any], result_path: str) -> None:
     runner = engine.runner
     prompts = fixed_prompts(engine.config.vocab_size)
     greedy = SamplingParams(max_new_tokens=spec["new_tokens"], ignore_eos=True)
-    scheduler = EngineCore.around(engine).scheduler  # every rank adds the same requests: they batch alike
-    requests = [scheduler.add_request(str(i), prompt, greedy) for i, prompt in enumerate(prompts)]
-    while scheduler.has_work:
-        scheduler.step()
+    core = EngineCore.around(engine)  # every rank submits the same requests: they batch alike
+    requests = core.submit(Add(str(i), prompt, greedy) for i, prompt in enumerate(prompts))
+    core.run()
     tokens = [request.output_ids for request in requests]
-    scheduler.cache.reset()  # the runner's slots are all free again for the measurements below
+    core.scheduler.cache.reset()  # the runner's slots are all free again for the measurements below
     result["generation"] = {"prompt_lengths": list(PROMPT_LENGTHS), "tokens": tokens}
     if spec.get("reference"):
         result["generation"]["teacher_forced_top1"] = _teacher_forced_top1(runner, prompts, spec["reference"])

@@ -105,16 +105,17 @@ class Session:
 
         self._on_text = on_text
         core, rid = self.core, f"cli-{time.monotonic_ns()}"
-        core.apply(Add(rid, prompt_ids, sampling))
-        request = core.scheduler.requests[rid]
-        while core.has_work:
-            if stop_requested is not None:
-                stop = bool(stop_requested()) if self.tp.is_first_rank else False
-                if self.tp.any_rank(stop):
-                    core.apply(Abort(rid))
-            # The scheduler's own step, not `core.step`: a failure here ends the command on every
-            # rank (the launch), so the ranks need not agree on it with one more collective a step.
-            core.scheduler.step()
+        (request,) = core.submit([Add(rid, prompt_ids, sampling)])
+
+        def stop_if_asked(steps: int) -> bool:
+            stop = bool(stop_requested()) if self.tp.is_first_rank else False
+            if self.tp.any_rank(stop):
+                core.apply(Abort(rid))
+            return False  # no other request comes
+
+        # `run`, not turns of `core.step`: a failure here ends the command on every rank (the
+        # launch), so the ranks need not agree on it with one more collective a step.
+        core.run(intake=None if stop_requested is None else stop_if_asked)
         return request
 
     def close(self) -> None:

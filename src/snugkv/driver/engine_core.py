@@ -1,13 +1,16 @@
 """The engine core: one rank's engine, its tokenizer and the scheduler over them, and the three
-things every driver does with them: share a turn of commands, apply each, step.
+things every driver does with them: share a turn of commands, apply each, step; or, for a caller
+that holds the core alone, `submit` requests and `run` until they are done.
 
 `EngineCore.build(args)` is the one place that assembles them (the engine's start-up pipeline, the
 model's tokenizer, a scheduler set up from the engine's flags and sizing); `EngineCore.around`
 wraps an engine already built (a benchmark's stub device, a test's engine). Every driver wraps a
 core and adds only how commands reach it and where outputs go: the thread behind the server
 (`engine_thread`), the engine process (`engine_process`), the helper ranks of `--tp N`
-(`follower`), the Python API (`snugkv.llm`) and the interactive commands (`snugkv generate`,
-`chat`).
+(`follower`) and the Python API (`snugkv.llm`) take turns; the interactive commands (`snugkv
+generate`, `chat`) and the benchmarks that run requests in process `submit` them and `run`, the
+synchronous loop that takes no turns. Every step of every driver is the core's (`step` and `run`
+share it), so a change to what a step does lands here.
 
 Tensor parallelism: rank 0 hears clients. At each turn it sends that turn's commands to the other
 ranks (`share`, over the CPU group), and every rank applies the same commands, in the same order,
@@ -28,14 +31,15 @@ that cannot resize (plain memory, profiled sizing) or run with `--no-kv-pressure
 A request queued for memory the KV cache does not hold now (`Scheduler.waits_for_memory`) is ended
 by an `ExpireWait` that rank 0 adds once it waited `--queue-timeout` (a 503 with Retry-After).
 
-The core never blocks on I/O, never owns a thread, and never decides when to take a turn.
+The core never blocks on I/O, never owns a thread, and never decides when to take a turn (`run`
+takes none: it applies and steps on this rank only, and leaves when the work is done).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from snugkv.core.gc_pauses import GC_PAUSES
 from snugkv.core.reports import (
@@ -69,6 +73,7 @@ from snugkv.models.loader import ModelSource
 from snugkv.models.tokenizer import Tokenizer, TokenizerUnavailable, load_tokenizer
 from snugkv.scheduler import elastic
 from snugkv.scheduler.outputs import OutputCallback
+from snugkv.scheduler.request import Request
 from snugkv.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -103,7 +108,8 @@ def load_tokenizer_or_none(
 
 class EngineCore:
     """One rank's engine, tokenizer and scheduler. Build it with `build` (or `around` an engine
-    already started); a driver then takes turns: `share`, `apply` each command, `step`."""
+    already started); a driver then takes turns (`share`, `apply` each command, `step`), or
+    `submit`s requests and `run`s until they are done."""
 
     def __init__(
         self,
@@ -277,7 +283,7 @@ class EngineCore:
         raises `InvalidRequest` and the elastic commands `KvResizeError` on every rank alike."""
         scheduler = self.scheduler
         if isinstance(command, Add):
-            scheduler.add_request(command.rid, command.input_ids, command.sampling)
+            self.submit((command,))
         elif isinstance(command, Abort):
             scheduler.abort(command.rid)
         elif isinstance(command, AbortAll):
@@ -330,7 +336,7 @@ class EngineCore:
         scheduler = self.scheduler
         error: Exception | None = None
         try:
-            scheduler.step()
+            self._step_scheduler()
         except Exception as exc:  # one bad step must not take the engine down
             error = exc
         if not self.tp.any_rank(error is not None):
@@ -341,6 +347,52 @@ class EngineCore:
         if self.tp.enabled:
             scheduler.cache.reset()
         return error
+
+    def _step_scheduler(self) -> None:
+        """The one place a step runs, for `step` and `run` alike."""
+        self.scheduler.step()
+
+    # -- a run of its own (a command, a benchmark) ------------------------------------------
+    def submit(self, adds: Iterable[Add]) -> list[Request]:
+        """Queue requests on this rank's scheduler now, as a turn's `Add`s are; returns them in
+        order. Raises `InvalidRequest` at the first that cannot run (those before it stay queued)."""
+        scheduler = self.scheduler
+        return [scheduler.add_request(add.rid, add.input_ids, add.sampling) for add in adds]
+
+    def run(
+        self,
+        *,
+        intake: Callable[[int], bool] | None = None,
+        until: Callable[[int], bool] | None = None,
+    ) -> int:
+        """Step until the scheduler has no work and `intake` expects no more; returns the steps run.
+        Outputs leave through the scheduler's callback and accumulate on the `Request`s `submit`
+        returned.
+
+        The synchronous loop of a caller that holds the core alone (`snugkv generate` and `chat`,
+        the benchmarks that run requests in process). It takes no turn: nothing is shared (with
+        tensor parallelism every rank runs the same program and submits the same requests itself),
+        no memory check or expiry is added, and a failed step raises here, on the rank where it
+        failed (with `--tp` that ends the launch), instead of being agreed on as in `step`: the
+        loop adds no collective to a step.
+
+        `intake(steps)` runs before each step (`steps`: how many ran so far) and, while it expects
+        more, while the scheduler is idle too; it may submit, abort, resize or wait, and returns
+        whether more requests may still come. `until(steps)` ends the run before the next step,
+        work or not (a benchmark's window of steps).
+        """
+        scheduler = self.scheduler
+        steps, more = 0, intake is not None
+        while more or scheduler.has_work:
+            if until is not None and until(steps):
+                break
+            if intake is not None:
+                more = intake(steps)
+                if not scheduler.has_work:
+                    continue
+            self._step_scheduler()
+            steps += 1
+        return steps
 
     # -- what drivers report (this rank's view; no collective) --------------------------------
     def kv_info(self) -> KvInfo:
