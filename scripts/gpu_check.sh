@@ -4,6 +4,7 @@
 #   tp on two GPUs (nvidia-h200-x2): STEPS="env tests tp" BENCH_ARGS="--dtype float32" bash scripts/gpu_check.sh
 #   (the tp server test needs the server's wheels: scripts/fetch_device_wheels.sh, carry .whl)
 #   one bench's own flags: ARGS_decode="--max-batch 64" (BENCH_ARGS goes to every bench)
+#   bench pressure on the MoE and FP8 shapes: STEPS="env pressure-shapes" (PRESSURE_SHAPES="qwen3-30b-a3b:all-but,start")
 #   memory pressure only: STEPS="env pressure" (ARGS_pressure="--chunk-mib 16" for small extensions)
 #   MoE only: STEPS="env moe" (MOE_MODEL=mixtral-8x7b for another shape; the tuned table lands in $OUT/work/moe)
 #   parts of a step: MOE_PARTS="decode" (of "tests tune decode prefill"), FP8_TESTS=0, FP8_SHAPES=llama-3-8b
@@ -202,6 +203,19 @@ for s in $STEPS; do
       step "bench pressure"
       timeout "${BENCH_TIMEOUT_pressure:-480}" python3 -m snugkv bench pressure --out "$OUT/bench-pressure" \
         ${ARGS_pressure_bench:-} 2>&1 | tee "$OUT/bench_pressure.log" || status=1
+      ;;
+    pressure-shapes)  # bench pressure on more shapes (issue 36's coverage: MoE buffers, FP8 weights);
+      # PRESSURE_SHAPES: SHAPE:SCENARIOS items, a -fp8 suffix serves the shape with --quantization fp8
+      for spec in ${PRESSURE_SHAPES:-qwen3-30b-a3b:all-but,start llama-3-8b-fp8:all-but}; do
+        if [ -n "${DEADLINE_S:-}" ] && [ "$SECONDS" -ge "$DEADLINE_S" ]; then echo "=== pressure $spec skipped (past DEADLINE_S)"; continue; fi
+        shape=${spec%%:*} scenarios=${spec#*:} serve_args=""
+        model=${shape%-fp8}
+        if [ "$model" != "$shape" ]; then serve_args="--quantization fp8"; fi
+        step "bench pressure $shape ($scenarios)"
+        timeout "${BENCH_TIMEOUT_pressure:-480}" python3 -m snugkv bench pressure --model "$model" --scenarios "$scenarios" \
+          --serve-args "$serve_args" --out "$OUT/bench-pressure-$shape" 2>&1 | tee "$OUT/bench_pressure-$shape.log" || status=1
+        pack
+      done
       ;;
     pressure)  # another process takes memory below the headroom while an 8B shape serves (scripts/pressure_check.py)
       step "pressure"

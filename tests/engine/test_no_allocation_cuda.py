@@ -39,7 +39,8 @@ SCHEMA = StructuredOutput(
 
 class EveryFreeByte:
     """Allocations of everything the driver has free on the current device, with plain driver
-    calls on torch's (primary) context: one large block, then ever smaller ones down to 2 MiB."""
+    calls on torch's (primary) context: one large block, then ever smaller ones down to 64 KiB
+    (the driver keeps a little for itself: on an H100 2.19 MiB stayed free after the 2 MiB ones)."""
 
     def __init__(self) -> None:
         from cuda.bindings import driver
@@ -47,7 +48,7 @@ class EveryFreeByte:
         self.driver = driver
         self.blocks: list[Any] = []
         size = 1 << 30
-        while size >= 2 << 20:
+        while size >= 64 << 10:
             free = int(torch.cuda.mem_get_info()[0])
             want = free // size * size
             if want and self._alloc(want):
@@ -157,7 +158,7 @@ def test_every_kind_of_request_is_served_with_every_other_byte_of_the_device_tak
             stats["num_alloc_retries"],
             stats["num_ooms"],
         )
-        assert taken.left_bytes < 2 << 20, taken.left_bytes
+        assert taken.left_bytes < 4 << 20, taken.left_bytes  # less than one of torch's 20 MiB blocks
         served = serve_each_kind(core, vocab)
         after = torch.cuda.memory_stats()
         for name, request in served.items():

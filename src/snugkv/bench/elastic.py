@@ -11,8 +11,8 @@ is measured four ways:
 - serving: generated tokens per second of a batch of 256 requests run steadily, and the same batch
   with the KV cache shrunk (moving live KV) and grown back every few steps; every request must
   finish, with the outputs of the steady run.
-The arena's chunk size can be swept (`--chunk-mib 256 1024`): it trades driver handles on a grow
-against copy work and transient memory on a shrink (see snugkv.memory.arena).
+The arena's chunk size is the engine's own unless swept (`--chunk-mib auto 256 1024`): it trades
+driver handles on a grow against how finely a shrink can give memory back (see snugkv.memory.arena).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _start(model: str, chunk_mib: int) -> Any:
+def _start(model: str, chunk_mib: float | None) -> Any:
     from snugkv.engine import Engine, EngineArgs
 
     return Engine(
@@ -117,7 +117,11 @@ def _release_all(engine: Any) -> None:
 
 
 def resize_rows(
-    engine: Any, bandwidth: float, chunk_mib: int, move_gib: float, deltas_gib: tuple[float, ...] = DELTAS_GIB
+    engine: Any,
+    bandwidth: float,
+    chunk_mib: float,
+    move_gib: float,
+    deltas_gib: tuple[float, ...] = DELTAS_GIB,
 ) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     full = engine.pool.committed_tokens
@@ -316,10 +320,11 @@ def run(args: argparse.Namespace) -> int:
     extra: dict[str, Any] = {"model": args.model, "copy_bandwidth_gb_per_s": bandwidth / 1e9}
     for index, chunk_mib in enumerate(args.chunk_mib):
         engine = _start(args.model, chunk_mib)
+        chosen_mib = engine.pool.arena.chunk_bytes / 2**20  # auto: the one the engine chose
         extra.setdefault("max_total_num_tokens", engine.report.max_total_num_tokens)
         extra.setdefault("kv_committed_gib", engine.pool.committed_bytes / GIB)
         extra.setdefault("startup_timings", engine.report.timings)
-        rows += resize_rows(engine, bandwidth, chunk_mib, args.move_gib, tuple(args.deltas_gib))
+        rows += resize_rows(engine, bandwidth, chosen_mib, args.move_gib, tuple(args.deltas_gib))
         emit("elastic", rows, args.out, extra=extra)  # each part is kept as soon as it is measured
         if index == 0:  # sleep and serving do not depend on the chunk size
             rows += sleep_rows(engine)
@@ -336,7 +341,13 @@ def run(args: argparse.Namespace) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", type=benchmark_model, default="llama-3-8b")
-    parser.add_argument("--chunk-mib", type=int, nargs="+", default=[256], help="arena chunk sizes to sweep")
+    parser.add_argument(
+        "--chunk-mib",
+        type=lambda text: None if text == "auto" else float(text),
+        nargs="+",
+        default=[None],
+        help="arena chunk sizes to sweep, MiB or auto (default: auto, the engine's own choice)",
+    )
     parser.add_argument("--deltas-gib", type=float, nargs="+", default=list(DELTAS_GIB), help="resize steps")
     parser.add_argument("--move-gib", type=float, default=4.0, help="live KV a loaded shrink moves")
     parser.add_argument("--requests", type=int, default=256, help="the batch a resize must not lose one of")

@@ -48,6 +48,7 @@ from snugkv.memory.vmm_plain import PlainMemory
 from snugkv.models.loader import LoadedModel, load_model, resolve_device
 from snugkv.runner.cuda_graph import default_cuda_graph_batch_sizes, release_cublas_workspaces
 from snugkv.runner.kv_cache import make_kv_pool
+from snugkv.runner.kv_resize import load_shrink_kernels
 from snugkv.runner.model_runner import ModelRunner
 from snugkv.runner.piecewise_graphs import default_token_buckets
 from snugkv.sizing.ledger import measure_ledger
@@ -375,6 +376,7 @@ class Engine:
         else:  # graph decode: its logits live in the graph pool; sampling them runs eagerly
             logits = torch.randn(batch, self.config.vocab_size, device=self.device)
         runner.sample_on_device(logits, [penalised] * batch, None, [0] * batch)  # row 0: the padding row
+        load_shrink_kernels(runner)
 
     # -- post-capture -------------------------------------------------------------------
     def _start_post_capture(self) -> StartupSizing:

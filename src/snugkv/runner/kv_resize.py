@@ -14,7 +14,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from snugkv.memory.moves import KvMoves
+import torch
+
+from snugkv.memory.moves import KvMoves, PageMoves
 from snugkv.runner.model_runner import ModelRunner
 
 
@@ -62,6 +64,19 @@ def shrink(
     allocator.resize(num_tokens)
     runner.kv_pool.finalize_backing(num_tokens)
     return MoveStats(plan.full.num_pages, plan.window.num_pages, copied)
+
+
+def load_shrink_kernels(runner: ModelRunner) -> None:
+    """Run a shrink's copy and remap on the dummy page (page 0 onto itself) once, at start-up.
+
+    A pressure shrink runs when another process has taken the driver's free memory; the first
+    launch of a kernel loads its module (CUDA loads modules lazily), which needs device memory
+    then. Loaded here, before the KV cache is sized, they cost nothing later.
+    """
+    still = PageMoves(torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64))
+    runner.kv_pool.move_pages(KvMoves(full=still, window=still))
+    table = runner.req_to_token_pool.req_to_token
+    still.remap_slots(torch.zeros(1, dtype=table.dtype, device=table.device), runner.kv_pool.page_size)
 
 
 def release(runner: ModelRunner) -> int:
