@@ -204,6 +204,10 @@ for s in $STEPS; do
       timeout "${BENCH_TIMEOUT_pressure:-480}" python3 -m snugkv bench pressure --out "$OUT/bench-pressure" \
         ${ARGS_pressure_bench:-} 2>&1 | tee "$OUT/bench_pressure.log" || status=1
       ;;
+    vmm-probe)  # what a shrink's decommit costs per chunk, and whether fewer driver calls do it
+      step "vmm unmap probe"
+      timeout 120 python3 scripts/vmm_unmap_probe.py 2>&1 | tee "$OUT/vmm_unmap_probe.txt" || status=1
+      ;;
     pressure-shapes)  # bench pressure on more shapes (issue 36's coverage: MoE buffers, FP8 weights);
       # PRESSURE_SHAPES: SHAPE:SCENARIOS items, a -fp8 suffix serves the shape with --quantization fp8
       for spec in ${PRESSURE_SHAPES:-qwen3-30b-a3b:all-but,start llama-3-8b-fp8:all-but}; do

@@ -99,6 +99,24 @@ def requests(vocab: int) -> dict[str, tuple[list[int], SamplingParams]]:
     return kinds
 
 
+def new_segments(snapshot: dict[str, Any]) -> list[str]:
+    """Each `cudaMalloc` torch's allocator made while history was recorded (a segment_alloc, after
+    a failed one the cached blocks it gave back first), with its size and the snugkv and torch
+    Python frames that asked: what a step created while serving."""
+    found = []
+    for trace in snapshot["device_traces"]:
+        for event in trace:
+            if event["action"] not in ("segment_alloc", "segment_free", "oom"):
+                continue
+            frames = [
+                f"{frame['filename'].rsplit('/', 2)[-1]}:{frame['line']} {frame['name']}"
+                for frame in event.get("frames", [])
+                if "snugkv" in frame["filename"] or "/torch/" in frame["filename"]
+            ][:8]
+            found.append(f"{event['action']} {event['size'] / 2**20:.2f} MiB at {' < '.join(frames)}")
+    return found
+
+
 def serve_each_kind(core: Any, vocab: int) -> dict[str, Any]:
     """Every kind, one batch after another (the prefix hit after the request it hits)."""
     scheduler = core.scheduler
@@ -159,8 +177,14 @@ def test_every_kind_of_request_is_served_with_every_other_byte_of_the_device_tak
             stats["num_ooms"],
         )
         assert taken.left_bytes < 4 << 20, taken.left_bytes  # less than one of torch's 20 MiB blocks
-        served = serve_each_kind(core, vocab)
+        torch.cuda.memory._record_memory_history(max_entries=100_000, stacks="python")
+        try:
+            served = serve_each_kind(core, vocab)
+            segments = new_segments(torch.cuda.memory._snapshot())
+        finally:
+            torch.cuda.memory._record_memory_history(enabled=None)
         after = torch.cuda.memory_stats()
+        print("\n".join(["new device allocations while serving:", *segments]) if segments else "none")
         for name, request in served.items():
             assert request.error is None and request.finish_reason in ("length", "stop"), (
                 name,
@@ -170,6 +194,7 @@ def test_every_kind_of_request_is_served_with_every_other_byte_of_the_device_tak
             assert served[name].output_ids == free_run[name].output_ids, name
         assert served["prefix-hit"].cached_tokens > 0
         assert len(served["logprobs"].logprobs) == 8 and len(served["prompt-logprobs"].prompt_logprobs) == 6
+        assert not segments, segments
         assert after["num_ooms"] == ooms and after["num_alloc_retries"] == retries
         assert after["reserved_bytes.all.current"] == reserved, "torch's allocator asked the driver for more"
     finally:

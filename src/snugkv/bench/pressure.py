@@ -214,6 +214,7 @@ async def _scenario(
     memory (the start scenario's), `start_tokens` the size to come back to (default: now)."""
     tenant_given = tenant is not None
     limits = httpx.Limits(max_connections=args.long + args.short + 8)
+    _progress(f"scenario {name}: the load starts")
     async with httpx.AsyncClient(base_url=url, timeout=600.0, limits=limits) as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
         before = await _kv(client)
@@ -354,11 +355,18 @@ def _start(args: argparse.Namespace, env: dict[str, str], log_path: Path, log: I
     return Server(process, f"http://127.0.0.1:{port}", log_path)
 
 
+def _progress(message: str) -> None:
+    """One line to stderr as the run goes (a run cut by a timeout still shows how far it got)."""
+    print(f"[bench pressure {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
 def _wait(server: Server, until: Any, what: str, timeout_s: float = 600.0) -> Any:
-    deadline = time.monotonic() + timeout_s
+    started = time.monotonic()
+    deadline = started + timeout_s
     while time.monotonic() < deadline:
         value = until()
         if value:
+            _progress(f"the server reached {what} in {time.monotonic() - started:.1f} s")
             return value
         if server.process.poll() is not None:
             raise RuntimeError(f"the server exited with {server.process.returncode} before {what}")
@@ -431,13 +439,14 @@ def run(args: argparse.Namespace) -> int:
     if args.model is None and args.hog_device == "cuda":
         args.model = "llama-3-8b"
     with tempfile.TemporaryDirectory(prefix="snugkv-pressure-") as directory:
-        runtime = Path(directory)
+        runtime = Path(args.out) if args.out else Path(directory)  # a cut run keeps the server logs
+        runtime.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "TQDM_DISABLE": "1"}
         env.pop("SNUGKV_API_KEY", None)
         if args.hog_device == "cpu":  # one simulated device the server and the co-tenant share
             env[HOST_DEVICE_ENV] = str(args.cpu_device_gib)
             env.setdefault(HOST_HEADROOM_ENV, str(CPU_HEADROOM_MIB))
-            env[RUNTIME_DIR_ENV] = str(runtime / "run")
+            env[RUNTIME_DIR_ENV] = str(Path(directory) / "run")
         try:
             rows, logs = _run_all(args, env, runtime)
         except Exception:
