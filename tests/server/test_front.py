@@ -288,6 +288,20 @@ def test_no_ready_replica_is_a_503_that_says_so(fleet: Fleet) -> None:
     assert text.json()["served_by"] == "router"
 
 
+def test_a_body_over_the_limit_is_a_413_a_client_reads_after_sending_it_all(fleet: Fleet) -> None:
+    """The front refuses on the declared length, then drops the rest: closing at once would reset the
+    connection under a client still sending, which would see that instead of the 413."""
+    port = int(fleet.url.rsplit(":", 1)[1])
+    body = b'{"prompt": "' + b"x" * (32 << 20) + b'"}'  # over the default 4 MiB, and the socket buffers
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+        )
+        head, answer = _read_answer(sock, bytearray())
+    assert head.startswith(b"HTTP/1.1 413"), head
+    assert "over this server's limit of 4194304 bytes" in json.loads(answer)["error"]["message"]
+
+
 def test_a_stopping_front_takes_no_new_connection_and_lets_a_stream_in_flight_end(fleet: Fleet) -> None:
     with (
         httpx.Client(base_url=fleet.url, timeout=10) as client,

@@ -216,6 +216,7 @@ class Front:
         except Refusal as refusal:
             if not client.gone:
                 client.transport.write(refusal.response())
+                await client.linger()
         except (ConnectionError, TimeoutError):
             pass
         finally:

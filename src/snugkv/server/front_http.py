@@ -16,6 +16,7 @@ This module never decides where a request goes (the front does) and never reads 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from snugkv.server.errors import INVALID_REQUEST, error_body
 
 MAX_HEAD_BYTES = 64 * 1024
+LINGER_S = 2.0
 # Set anew toward upstream (the rest of a request's headers go as they came).
 _REQUEST_HOP_HEADERS = frozenset(
     {b"connection", b"keep-alive", b"expect", b"transfer-encoding", b"content-length"}
@@ -135,6 +137,7 @@ class ClientConnection(asyncio.Protocol):
         self.gone = False  # EOF or reset: nothing more comes, nothing more can be sent
         self.idle = False  # waiting for a request's first byte: a stopping front may close it
         self.paused = False  # its write buffer is full: the upstream is not read meanwhile
+        self.draining = False  # refused: what it still sends is dropped
         self.upstream: UpstreamConnection | None = None
         self.transport: asyncio.Transport
         self._waiter: asyncio.Future[None] | None = None
@@ -152,7 +155,8 @@ class ClientConnection(asyncio.Protocol):
         self._on_open(self)
 
     def data_received(self, data: bytes) -> None:
-        self.buffer += data
+        if not self.draining:
+            self.buffer += data
         self._wake()
 
     def eof_received(self) -> bool:
@@ -181,6 +185,19 @@ class ClientConnection(asyncio.Protocol):
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
+
+    async def linger(self) -> None:
+        """After a refusal: half-close and drop what the client still sends (the rest of a body too
+        large) until it closes or LINGER_S pass. Closing while it sends would make the kernel reset
+        the connection, and the client would see that instead of the refusal."""
+        self.draining = True
+        self.buffer.clear()
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        with contextlib.suppress(TimeoutError, ConnectionError):
+            async with asyncio.timeout(LINGER_S):
+                while True:
+                    await self._more()
 
     # -- reading a request ----------------------------------------------------------------
     async def _more(self) -> None:
