@@ -269,10 +269,11 @@ def test_a_stream_passes_each_event_as_it_comes(fleet: Fleet) -> None:
 
 
 def test_a_client_that_leaves_mid_stream_closes_the_upstream_connection(fleet: Fleet) -> None:
-    with httpx.Client(base_url=fleet.url, timeout=10) as client:
-        with client.stream("GET", "/forever") as stream:
-            next(stream.iter_lines())
-        assert not fleet.router.disconnected.is_set()
+    with httpx.Client(base_url=fleet.url, timeout=10) as client, client.stream("GET", "/forever") as stream:
+        lines = stream.iter_lines()  # kept: a dropped iterator closes the response
+        next(lines)
+        time.sleep(0.3)
+        assert not fleet.router.disconnected.is_set()  # a stream going on
     assert fleet.router.disconnected.wait(5), "the router's stream went on after its client left"
 
 
