@@ -63,11 +63,14 @@ def test_replicas_get_their_own_gpus_or_share_them_with_kv_elastic(monkeypatch: 
 
 
 def test_the_router_command_keeps_to_loopback_and_checks_readiness() -> None:
-    options = RouterOptions(host="127.0.0.1", port=30000, metrics_port=29000, api_key="k")
+    options = RouterOptions(
+        host="127.0.0.1", port=30000, metrics_port=29000, api_key="k", metrics_host="10.0.0.5"
+    )
     command = router_command("/env/bin/smg", ["http://127.0.0.1:1", "http://127.0.0.1:2"], options)
     assert command[:2] == ["/env/bin/smg", "launch"]
     pairs = dict(itertools.pairwise(command))
-    assert pairs["--host"] == pairs["--prometheus-host"] == "127.0.0.1"
+    assert pairs["--host"] == "127.0.0.1"  # only the front reaches it
+    assert pairs["--prometheus-host"] == "10.0.0.5"  # --host: its metrics are read from elsewhere
     assert pairs["--policy"] == "cache_aware" and pairs["--health-check-endpoint"] == "/ready"
     assert pairs["--api-key"] == "k"
     assert command[command.index("--worker-urls") + 1 : command.index("--policy")] == [

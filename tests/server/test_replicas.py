@@ -176,17 +176,62 @@ def test_the_router_answers_every_request_from_both_replicas_with_the_key(fleet:
     assert [card.id for card in client.models.list()] == [MODEL]
 
 
-def test_the_router_refuses_a_token_id_prompt_naming_prompt_and_takes_it_as_text(fleet: Fleet) -> None:
-    """smg 1.13 reads a completion's prompt as text or a list of texts only, with no option for token
-    ids, so a token-id prompt is its 400; `serve --dp --help` and docs/SCALE.md say to send text."""
+def _choices(answer: httpx.Response) -> list[tuple[int, str, str]]:
+    assert answer.status_code == 200, answer.text
+    return [(choice["index"], choice["text"], choice["finish_reason"]) for choice in answer.json()["choices"]]
+
+
+@pytest.mark.parametrize(
+    "prompt", [[504, 3128, 314, 253], [[504, 3128], [314, 253, 7]]], ids=["single", "batched"]
+)
+def test_a_token_id_prompt_gets_a_single_servers_tokens_through_the_front(
+    fleet: Fleet, prompt: list[object]
+) -> None:
+    """smg 1.13 reads a prompt as text only: before the front, a token-id prompt was its 400 naming
+    `prompt`. The front sends it straight to a replica, and the answer is the one a replica alone
+    gives; a text prompt still goes through smg, which marks its answers with an x-request-id."""
     headers = {"Authorization": f"Bearer {API_KEY}"}
-    body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 2}
-    refused = httpx.post(f"{fleet.url}/v1/completions", json=body, headers=headers, timeout=60)
-    assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt", refused.text
-    direct = httpx.post(f"{fleet.replica_urls[0]}/v1/completions", json=body, headers=headers, timeout=60)
-    assert direct.status_code == 200, direct.text  # a replica alone takes token ids
-    as_text = fleet.client(timeout=60).completions.create(model=MODEL, prompt="hi", max_tokens=2)
-    assert as_text.choices[0].finish_reason == "length", as_text
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    through = httpx.post(f"{fleet.url}/v1/completions", json=body, headers=headers, timeout=60)
+    alone = httpx.post(f"{fleet.replica_urls[0]}/v1/completions", json=body, headers=headers, timeout=60)
+    assert _choices(through) == _choices(alone)
+    assert len(through.json()["choices"]) == (2 if isinstance(prompt[0], list) else 1)
+    assert "x-request-id" not in through.headers  # a replica's answer, not smg's
+    assert httpx.post(f"{fleet.url}/v1/completions", json=body, timeout=60).status_code == 401  # its key
+    as_text = httpx.post(
+        f"{fleet.url}/v1/completions", json={**body, "prompt": "hi"}, headers=headers, timeout=60
+    )
+    assert as_text.status_code == 200 and "x-request-id" in as_text.headers, as_text.text
+
+
+def test_streams_pass_through_the_front_to_a_replica_and_to_the_router(fleet: Fleet) -> None:
+    client = fleet.client(timeout=60)
+    options = {"model": MODEL, "max_tokens": 8, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    token_ids = [504, 3128, 314, 253]
+    whole = client.completions.create(prompt=token_ids, **options)  # type: ignore[call-overload]
+    chunks = list(client.completions.create(prompt=token_ids, stream=True, **options))  # type: ignore[call-overload]
+    assert len(chunks) > 1 and chunks[-1].choices[0].finish_reason == "length"  # events, not one answer
+    assert "".join(chunk.choices[0].text for chunk in chunks if chunk.choices) == whole.choices[0].text
+    chat = client.chat.completions.create(
+        messages=[{"role": "user", "content": "hi"}],
+        stream=True,
+        **options,  # type: ignore[call-overload]
+    )
+    assert [chunk.choices[0].finish_reason for chunk in chat if chunk.choices][-1] == "length"
+
+
+def test_a_client_that_leaves_a_token_id_stream_ends_the_request_on_its_replica(fleet: Fleet) -> None:
+    client = fleet.client(timeout=60)
+    stream = client.completions.create(  # type: ignore[call-overload]
+        model=MODEL, prompt=[504, 3128], max_tokens=1900, stream=True, extra_body={"ignore_eos": True}
+    )
+    next(iter(stream))
+    assert sum(in_flight_requests(url) for url in fleet.replica_urls) == 1
+    stream.close()
+    deadline = time.monotonic() + 10
+    while sum(in_flight_requests(url) for url in fleet.replica_urls):
+        assert time.monotonic() < deadline, "the replica went on with a request whose client left"
+        time.sleep(0.1)
 
 
 @pytest.mark.parametrize("key_flags", [[], ["--api-key", "flag-key"]], ids=["no-key", "api-key-flag"])

@@ -2,7 +2,8 @@
 
 Every replica gets the `serve` flags it was given except those of the fleet (`--dp`, the router's,
 `--host`, `--port`, `--api-key`): each listens on 127.0.0.1 on a free port, the key reaches it
-through its environment, and the router takes `--host`/`--port`. On GPUs each replica sees its own
+through its environment, and the front (`server.front`) takes `--host`/`--port`, with the router
+on a loopback port behind it. On GPUs each replica sees its own
 `--tp` GPUs (`CUDA_VISIBLE_DEVICES`), or with `--kv-elastic` replicas may share them; on a CPU the
 cores are split between the replicas. `server.replicas` runs the fleet.
 """
@@ -33,9 +34,9 @@ def add_replica_arguments(parser: argparse.ArgumentParser) -> None:
         dest="dp_size",
         type=_replica_count,
         default=1,
-        help="replicas: N `snugkv serve` processes (each with its own --tp GPUs) behind the smg router, "
-        "which listens on --host/--port and takes text prompts only (it refuses token-id prompts with a 400 "
-        "naming prompt: send text, or serve without --dp) (default: 1, no router)",
+        help="replicas: N `snugkv serve` processes (each with its own --tp GPUs) behind the smg router; "
+        "--host/--port pass every request to the router, except a completion whose prompt is token ids "
+        "(which smg cannot read), sent straight to the least loaded replica (default: 1, no router)",
     )
     group.add_argument(
         "--router-policy",
@@ -91,9 +92,8 @@ def serve_replicas(
     except ValueError as exc:
         logger.error("%s", exc)
         return 2
-    # The router's port is checked now, so a taken one fails before any replica loads a model.
-    with bind_socket(args.host, args.port, listen=False) as probe:
-        router_port = probe.getsockname()[1]
+    # The front's port is held now, so a taken one fails before any replica loads a model.
+    sock = bind_socket(args.host, args.port, listen=False)
     metrics_port = args.router_metrics_port or free_port()
     flags = replica_flags(args, serve_parser)
     head = [
@@ -117,13 +117,16 @@ def serve_replicas(
     from snugkv.server.launch import GRACEFUL_SHUTDOWN_S
 
     spec = FleetSpec(
+        host=args.host,
+        port=sock.getsockname()[1],
         replicas=replicas,
         router_binary=binary,
         router_version=router_version(binary),
         router=RouterOptions(
-            host=args.host,
-            port=router_port,
+            host="127.0.0.1",
+            port=free_port(),
             metrics_port=metrics_port,
+            metrics_host=args.host,
             policy=args.router_policy,
             api_key=api_key or None,
             graceful_shutdown_s=GRACEFUL_SHUTDOWN_S,
@@ -131,8 +134,9 @@ def serve_replicas(
         max_restarts=args.replica_restarts,
         # No key: nothing in the environment (an empty one is a key a replica refuses).
         secret_env={api_key_env: api_key} if api_key else {},
+        max_body_bytes=args.max_body_bytes,
     )
-    return Fleet(spec).run()
+    return Fleet(spec, sock).run()
 
 
 def _fleet_problem(args: argparse.Namespace) -> str | None:

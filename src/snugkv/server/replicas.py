@@ -2,24 +2,28 @@
 
 Each replica is an ordinary `snugkv serve` process (its own engine, scheduler and KV cache, sized
 after capture as always; `--kv-elastic` replicas share a GPU as separate servers do) on a loopback
-port of its own, so only the router reaches it. The router (`router.py`: smg) listens on the
-address clients use. This process starts them, copies their output to its stderr with a
-`[replica N]` / `[router]` prefix (colour codes left out unless stderr is a terminal), and:
+port of its own, and so is the router (`router.py`: smg). The front (`front.py`), in this process,
+listens on the address clients use: it passes every request to the router, and a completion whose
+prompt is token ids (which smg refuses) to a replica. This process starts them, copies their
+output to its stderr with a `[replica N]` / `[router]` prefix (colour codes left out unless stderr
+is a terminal), and:
 
 - starts the router once every replica answers `/health` (it then registers them at once, with no
-  failed probes in the log), and announces `snugkv is serving on URL` when it counts them healthy;
+  failed probes in the log); when the router counts them healthy, the front starts listening and
+  `snugkv is serving on URL` is announced;
 - a replica that exits before that fails the whole start (the others would fail the same way);
 - a replica that dies later is reported in one line and started again on its port (at most
   `max_restarts` times, then left down while the others go on); its in-flight requests fail
   (a stream ends with an error event; smg retries a non-streamed one on another replica);
   the router, which has no rotation of its own, is restarted the same way;
-- Ctrl-C or SIGTERM stops the router and the replicas at once: the router takes nothing new and
-  passes on the ends of what it forwarded; each replica drains its in-flight requests (and cuts
-  what is left, with finish_reason "abort") within its graceful shutdown, as one server does.
+- Ctrl-C or SIGTERM stops the front taking connections, then the router and the replicas at once:
+  the router takes nothing new and passes on the ends of what it forwarded, and the front the ends
+  of what it passed on; each replica drains its in-flight requests (and cuts what is left, with
+  finish_reason "abort") within its graceful shutdown, as one server does.
 
 Children run in sessions of their own, so a terminal's Ctrl-C reaches only this process (which
 stops them in that order), and get SIGTERM from Linux if this process dies (PR_SET_PDEATHSIG).
-This module never looks inside a request.
+This module never looks inside a request (the front alone does, for a completion's prompt).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import logging
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -39,6 +44,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from snugkv.server.front import Front, FrontOptions
 from snugkv.server.launch import GRACEFUL_SHUTDOWN_S
 from snugkv.server.router import RouterOptions, healthy_workers, router_command
 
@@ -87,17 +93,24 @@ class ReplicaSpec:
 
 @dataclass(frozen=True, slots=True)
 class FleetSpec:
+    host: str  # the front's address, where clients connect
+    port: int
     replicas: list[ReplicaSpec]
     router_binary: str
     router_version: str
     router: RouterOptions
     max_restarts: int = 3
     secret_env: dict[str, str] = field(default_factory=dict)  # the API key, kept out of `ps`
+    max_body_bytes: int = 4 << 20
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
 
     @property
     def router_url(self) -> str:
-        host = f"[{self.router.host}]" if ":" in self.router.host else self.router.host
-        return f"http://{host}:{self.router.port}"
+        return f"http://{self.router.host}:{self.router.port}"
 
 
 class _Child:
@@ -174,9 +187,10 @@ def describe_exit(code: int) -> str:
 
 
 class Fleet:
-    """The replicas and the router of one `serve --dp` (see the module docstring)."""
+    """The replicas, the router and the front of one `serve --dp` (see the module docstring)."""
 
-    def __init__(self, spec: FleetSpec) -> None:
+    def __init__(self, spec: FleetSpec, sock: socket.socket) -> None:
+        """`sock`: bound to the spec's host and port, not listening (the front listens on it)."""
         self.spec = spec
         base = {**os.environ, "TQDM_DISABLE": "1", **spec.secret_env}
         self.replicas = [
@@ -187,6 +201,13 @@ class Fleet:
         self.stopping = threading.Event()
         command = router_command(spec.router_binary, worker_urls, spec.router)
         self.router = _Child("router", command, base, self.stopping)
+        front_options = FrontOptions(
+            router_port=spec.router.port,
+            replica_ports=tuple(replica.port for replica in spec.replicas),
+            api_key=spec.router.api_key,
+            max_body_bytes=spec.max_body_bytes,
+        )
+        self.front = Front(sock, front_options)
         self.announced = False
         self._started_s = 0.0
         self._router_started_s = 0.0
@@ -230,10 +251,11 @@ class Fleet:
                 logger.error("The router cannot be restarted; stopping")
                 return 1
             if not self.announced and self.router.process is not None and self._router_ready():
+                self.front.start()
                 self.announced = True
                 logger.info(
                     "snugkv is serving on %s (Ctrl-C to stop): %d replicas behind %s, policy %s, ready in %.1f s",
-                    self.spec.router_url,
+                    self.spec.url,
                     len(self.replicas),
                     self.spec.router_version or "smg",
                     self.spec.router.policy,
@@ -275,7 +297,7 @@ class Fleet:
             self.router.pid,
             self.spec.router_url,
             self.spec.router.policy,
-            self.spec.router.host,
+            self.spec.router.metrics_host,
             self.spec.router.metrics_port,
         )
 
@@ -305,16 +327,20 @@ class Fleet:
 
     # -- stopping -----------------------------------------------------------------------
     def stop(self) -> None:
-        """The router and every replica at once: the router takes nothing new and passes on the
-        ends of what it forwarded, which the replicas drain (cutting what is left) as one server
-        does, so the fleet stops within one server's graceful time, not the router's and then theirs."""
+        """The front stops taking connections, then the router and every replica stop at once: the
+        router takes nothing new and passes on the ends of what it forwarded, which the replicas
+        drain (cutting what is left) as one server does, so the fleet stops within one server's
+        graceful time, not the router's and then theirs. The front passes those ends on too, and
+        what it still holds once they are gone is cut."""
         self.stopping.set()
+        self.front.stop_taking_connections()
         for child in [self.router, *self.replicas]:
             child.terminate()
         self.router.wait(time.monotonic() + self.spec.router.graceful_shutdown_s + 10.0)
         deadline = time.monotonic() + STOP_TIMEOUT_S
         for child in self.replicas:
             child.wait(deadline)
+        self.front.close()
         if self.announced:
             logger.info("Stopped the router and %d replicas", len(self.replicas))
 

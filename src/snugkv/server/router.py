@@ -15,6 +15,7 @@ Flags chosen here, and why:
   after 5 s, not 60, once its restart is done;
 - `--disable-tokenizer-autoload`: smg routes on request text; it fetches nothing at start;
 - `--shutdown-grace-period-secs` as snugkv's own graceful shutdown, so a stop drains in step;
+- `--host 127.0.0.1`: the front (`front.py`) takes --host/--port and passes requests on to smg;
 - `--prometheus-host` as `--host`: smg's default binds every interface.
 """
 
@@ -69,9 +70,10 @@ def router_version(binary: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class RouterOptions:
-    host: str
+    host: str  # where smg listens: loopback under `serve --dp`, where only the front reaches it
     port: int
     metrics_port: int
+    metrics_host: str = "127.0.0.1"  # --host: its Prometheus metrics are read from other machines
     policy: str = "cache_aware"
     api_key: str | None = None
     graceful_shutdown_s: int = 10
@@ -93,7 +95,7 @@ def router_command(binary: str, worker_urls: list[str], options: RouterOptions) 
         "--worker-startup-check-interval", "1",
         "--cb-timeout-duration-secs", str(CIRCUIT_BREAKER_RETRY_S),
         "--shutdown-grace-period-secs", str(options.graceful_shutdown_s),
-        "--prometheus-host", options.host, "--prometheus-port", str(options.metrics_port),
+        "--prometheus-host", options.metrics_host, "--prometheus-port", str(options.metrics_port),
         "--log-level", options.log_level,
     ]  # fmt: skip
     if options.api_key:
