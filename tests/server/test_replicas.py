@@ -61,7 +61,7 @@ def fleet_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
         vocab_size=len(tokenizer.hf),
         bos_token_id=tokenizer.hf.bos_token_id,
         eos_token_id=tokenizer.hf.eos_token_id,
-        max_position_embeddings=2048,
+        max_position_embeddings=8192,  # the long streams outlast the shutdown cut on a fast machine
     )
     path = tmp_path_factory.mktemp("fleet") / MODEL
     tiny_hf_model("llama", seed=5, config=config).save_pretrained(path)
@@ -378,8 +378,9 @@ def test_a_killed_replica_fails_only_its_streams_in_flight_and_comes_back(fleet:
 def test_sigterm_stops_the_fleet_within_one_servers_graceful_time_with_streams_in_flight(
     fleet: Fleet,
 ) -> None:
-    """A short stream finishes; long ones (about 8 s of this tiny model's steps at the context's
-    end, on a CPU) are cut with "abort", and every process is gone within GRACEFUL_SHUTDOWN_S."""
+    """A short stream finishes; long ones (8,000 tokens: well past the cut even on a fast, idle
+    machine, where 1,900 finished first) are cut with "abort", and every process is gone within
+    GRACEFUL_SHUTDOWN_S."""
     from snugkv.server.launch import GRACEFUL_SHUTDOWN_S
 
     client = fleet.client(timeout=60)
@@ -391,7 +392,7 @@ def test_sigterm_stops_the_fleet_within_one_servers_graceful_time_with_streams_i
             stream=True,
             extra_body={"ignore_eos": True},
         )
-        for max_tokens in (150, 1900, 1900)
+        for max_tokens in (150, 8000, 8000)
     ]
     firsts = [next(iter(stream)) for stream in streams]
     children = [
