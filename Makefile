@@ -24,9 +24,11 @@ test: setup
 	$(PY) -m pytest -q --durations=15
 
 # The inner loop: the suite without the end-to-end tests marked `slow` (server processes, tp ranks,
-# the LLM against transformers); CI runs `make test`, the whole suite.
+# the LLM against transformers), over TEST_WORKERS pytest-xdist workers; CI runs `make test`, the
+# whole suite, in one process (its end-to-end tests time servers, which parallel workers would slow).
+TEST_WORKERS ?= 2
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS)
 
 lint: setup
 	$(VENV)/bin/ruff check src tests
