@@ -33,6 +33,7 @@ from snugkv.core.gc_pauses import freeze_startup_objects, thaw
 from snugkv.core.process_clock import process_age_s
 from snugkv.core.reports import KvCacheView, KvResize, MemoryLedger, SleepState, StartupReport
 from snugkv.core.sampling import MAX_LOGPROBS, PROMPT_LOGITS_PER_STEP, SamplingParams
+from snugkv.core.structured_output import TokenBitmask
 from snugkv.distributed.group import TensorParallel, use_tensor_parallel
 from snugkv.engine.args import EngineArgs
 from snugkv.engine.kv_sizing import KvCaps, KvSizing, StartGate, StartupSizing
@@ -71,6 +72,7 @@ from snugkv.sizing.modes import (
 )
 from snugkv.sizing.post_capture import SizingError
 from snugkv.sizing.resize import KvResizeError
+from snugkv.structured.bitmask import bitmask_words
 
 logger = logging.getLogger(__name__)
 
@@ -344,7 +346,8 @@ class Engine:
     def _largest_eager_step(self, runner: ModelRunner) -> None:
         """The biggest eager work the engine will run: the largest prefill chunk (scoring the most
         prompt positions a step scores), decode beyond the graphs, and the sampler with every stage
-        over the largest batch, on the dummy slot only.
+        (penalties and a grammar's token mask included) over the largest batch, on the dummy slot
+        only; then a shrink's kernels, loaded on the dummy page.
 
         Row 0 of the table is the padding row (all zeros), so every token reads and writes
         slot 0: this runs before any KV beyond the dummy page is backed.
@@ -375,7 +378,15 @@ class Engine:
             logits = runner.forward(rows, torch.zeros(batch, dtype=torch.int64, device=self.device))
         else:  # graph decode: its logits live in the graph pool; sampling them runs eagerly
             logits = torch.randn(batch, self.config.vocab_size, device=self.device)
-        runner.sample_on_device(logits, [penalised] * batch, None, [0] * batch)  # row 0: the padding row
+        # Every row constrained by a grammar (all tokens allowed): the mask's unpacked bits and the
+        # masked copy of the logits are as large as the logits, part of the peak of a structured batch.
+        every_row = torch.arange(batch, dtype=torch.int64, device=self.device)
+        allow_all = torch.full(
+            (batch, bitmask_words(self.config.vocab_size)), -1, dtype=torch.int32, device=self.device
+        )
+        runner.sample_on_device(
+            logits, [penalised] * batch, None, [0] * batch, token_bitmask=TokenBitmask(every_row, allow_all)
+        )  # row 0: the padding row
         load_shrink_kernels(runner)
 
     # -- post-capture -------------------------------------------------------------------
