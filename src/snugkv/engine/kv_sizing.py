@@ -26,7 +26,7 @@ so sizing keeps `guest_extra_bytes` more than the headroom.
 Memory pressure: start-up measured what was free then; another process may take device memory
 later, and the activation headroom the engine keeps free beside its KV cache would go with it (the
 next large step runs out of memory). `pressure_move` measures again (between steps, when the
-engine core asks) and answers a shrink to what fits now, less a slack,
+driver's memory check asks: `driver.pressure`) and answers a shrink to what fits now, less a slack,
 when free memory fell below the headroom (the guest room is there to be taken: using its part
 beyond the headroom moves nothing), or a grow to what start-up sizing would give now (guest room
 kept) when at least `pressure_hysteresis_tokens` more fit (so a shrink is not followed by a grow by
@@ -36,8 +36,10 @@ A resize goes to a `KvTarget` (`target`: a count checked against the limits once
 scheduler makes room for it), and the pool's committed size is read through `committed_tokens`.
 
 This object never loads, captures or schedules: which requests give way to a shrink is the
-scheduler's (`scheduler.elastic`), the graphs and weights are the engine's. It keeps the history
-of changes (`events`); the engine's report records each with a fresh ledger.
+scheduler's (`scheduler.elastic`), whether memory pressure moves the cache now is the driver's
+(`driver.pressure`: `pressure_move` only measures and says how far), the graphs and weights are
+the engine's. It keeps the history of changes (`events`); the engine's report records each with a
+fresh ledger.
 """
 
 from __future__ import annotations
