@@ -4,9 +4,9 @@ Start-up measured what was free then; another process may take device memory lat
 activation headroom the engine keeps beside its KV cache would go with it. Every `MEMORY_CHECK_S`
 rank 0 adds a `CheckMemory` command to the turn (`EngineCore.share`); every rank applies it here,
 at the same point of the same turn, on the same state, so every rank takes the same decision. A
-move asks each layer once for its part, in one direction; no layer calls another, and the one call
-back is the prefix cache's slot rewrite, which the shrink runs between copying the pages and
-decommitting them (`on_move`):
+move asks each layer once for its part and every call goes down from here: the scheduler and the
+engine never call each other for it, and the one hook back up is the prefix cache's slot rewrite,
+which the shrink runs between copying the pages and decommitting them (`on_move`):
 
     watch       the engine: may its KV cache move now (`Engine.watches_pressure`: it can resize,
                 and `--no-kv-pressure` was not given)

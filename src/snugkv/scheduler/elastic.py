@@ -13,7 +13,7 @@ same commands, so every rank evicts, retracts and moves alike.
 An explicit resize (`resize_kv`: `POST /kv/resize`, `LLM.resize_kv`, the memory share) runs here:
 the engine checks the size, a size below `smallest_size` is refused naming the request, room is
 made, the engine resizes. Memory pressure is decided on the driver's turn (`driver.pressure`),
-which asks this module only for `smallest_size` and `make_room`, and never calls back.
+which asks this module only for `smallest_size` and `make_room`.
 
 Sleep retracts every request in flight (they wait in the queue; nothing is lost), empties the
 prefix cache and pauses the scheduler; wake sizes the KV cache again and lets the queue run.
