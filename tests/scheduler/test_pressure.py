@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -17,11 +18,13 @@ import torch
 from snugkv.core.outputs import GenerateOutput
 from snugkv.core.sampling import InvalidRequest, SamplingParams
 from snugkv.driver import engine_core
+from snugkv.driver.commands import CheckMemory
 from snugkv.driver.engine_core import EngineCore
 from snugkv.engine import Engine, EngineArgs
 from snugkv.memory.vmm import MIB, CommitError
 from snugkv.scheduler import elastic
 from snugkv.scheduler.scheduler import MAX_OOM_STREAK, OOM_RETRY_AFTER_S
+from snugkv.sizing.resize import ResizeLimits
 from tests.models.hf_tiny import save_tiny_hf_model
 
 PAGE = 4
@@ -257,6 +260,55 @@ def test_the_guest_room_is_left_free_and_another_process_starting_in_it_moves_no
         assert plain.pool.committed_bytes >= pool.committed_bytes + guest - PAGE * pool.bytes_per_token
     finally:
         plain.close()
+
+
+def test_a_pressure_move_settles_checks_and_makes_room_once(
+    device: None, model_dir: str, hog: Hog, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 36: a move used to go scheduler -> engine -> scheduler -> engine, checking whether the
+    cache may move three times, its limits and the smallest size twice (the latter before the step
+    in flight was read). One function of the driver's turn now asks each layer once."""
+    engine = start(model_dir)
+    try:
+        core = EngineCore.around(engine)
+        scheduler = core.scheduler
+        sampling = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
+        for index, prompt in enumerate(prompts(3)):
+            scheduler.add_request(str(index), prompt, sampling)
+        for _ in range(4):  # the prompts prefilled, a decode step in flight
+            assert core.step() is None
+        calls: Counter[str] = Counter()
+
+        def counted(owner: object, name: str) -> None:
+            call = getattr(owner, name)
+
+            def counting(*args: object, **kwargs: object) -> object:
+                calls[name] += 1
+                return call(*args, **kwargs)
+
+            monkeypatch.setattr(owner, name, counting)
+
+        counted(engine, "_resize_refusal")  # watches_pressure and check_resizable
+        counted(ResizeLimits, "check")
+        counted(scheduler, "finish_in_flight")
+        counted(elastic, "smallest_size")
+        counted(elastic, "make_room")
+        hog.take(-1)  # everything free: the cache shrinks to what the live requests need
+        change = core.apply(CheckMemory())
+        assert change is not None and change.reason == "pressure"
+        assert engine.pool.committed_tokens == change.to_tokens < change.from_tokens
+        assert calls == {
+            "_resize_refusal": 1,
+            "check": 1,
+            "finish_in_flight": 1,
+            "smallest_size": 1,
+            "make_room": 1,
+        }, calls
+        hog.end()
+        turn_until(core, lambda: not core.has_work)
+        scheduler.check_slot_accounting()
+    finally:
+        engine.close()
 
 
 def test_no_kv_pressure_keeps_the_size(device: None, model_dir: str, hog: Hog) -> None:

@@ -68,8 +68,8 @@ class ResetPrefixCache:
 @dataclass(frozen=True, slots=True)
 class CheckMemory:
     """Measure free device memory (MIN over ranks) and shrink or grow the KV cache under memory
-    pressure; rank 0's clock adds it to a turn (`EngineCore.share`), so every rank measures and
-    decides at the same point."""
+    pressure (`driver.pressure`); rank 0's clock adds it to a turn (`EngineCore.share`), so every
+    rank measures and decides at the same point."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,7 +26,7 @@ the identity and nothing crosses a process boundary.
 Memory pressure: on rank 0, `share` adds a `CheckMemory` command to a turn every
 `MEMORY_CHECK_S` (and at the first turn after a step ran out of memory), so every rank measures
 free memory at the same point of the same turn and takes the same decision
-(`scheduler.elastic.relieve_pressure`: shrink by the deficit, grow back with hysteresis). Engines
+(`driver.pressure.relieve_pressure`: shrink by the deficit, grow back with hysteresis). Engines
 that cannot resize (plain memory, profiled sizing) or run with `--no-kv-pressure` never get one.
 A request queued for memory the KV cache does not hold now (`Scheduler.waits_for_memory`) is ended
 by an `ExpireWait` that rank 0 adds once it waited `--queue-timeout` (a 503 with Retry-After).
@@ -67,6 +67,7 @@ from snugkv.driver.commands import (
     Turn,
     WakeUp,
 )
+from snugkv.driver.pressure import relieve_pressure
 from snugkv.engine import Engine, EngineArgs
 from snugkv.engine.kv_sizing import StartGate
 from snugkv.models.loader import ModelSource
@@ -249,7 +250,7 @@ class EngineCore:
 
     def _memory_check_due(self) -> bool:
         """Rank 0's clock: a memory check every `MEMORY_CHECK_S`, or now after a step ran out."""
-        if not elastic.watches_pressure(self.engine):
+        if not self.engine.watches_pressure:
             return False
         now = time.monotonic()
         retried = self.scheduler.oom_retries != self._oom_retries_seen
@@ -311,11 +312,11 @@ class EngineCore:
         return None
 
     def _relieve_pressure(self) -> KvResize | None:
-        """A memory check; a move that breaks for another reason than a refusal (which it logs and
-        retries at the next check) ends the requests it held, as a failed step does, instead of the
-        driver's loop."""
+        """A memory check (`driver.pressure`); a move that breaks for another reason than a refusal
+        (which it logs and retries at the next check) ends the requests it held, as a failed step
+        does, instead of the driver's loop."""
         try:
-            return elastic.relieve_pressure(self.scheduler, self.engine)
+            return relieve_pressure(self.scheduler, self.engine)
         except Exception as exc:
             logger.exception("a memory-pressure move failed; ended the requests in flight")
             self.scheduler.fail_all(
@@ -410,7 +411,7 @@ class EngineCore:
         engine = self.engine
         return MetricsSnapshot(
             stats=self.scheduler.stats(),
-            kv_max_total_num_tokens=engine.pool.committed_tokens,
+            kv_max_total_num_tokens=engine.kv.committed_tokens,
             kv_committed_bytes=engine.pool.committed_bytes,
             kv_resizes=engine.kv_event_count,
             sleep_level=engine.sleep_level if engine.is_sleeping else 0,

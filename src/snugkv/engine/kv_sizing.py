@@ -25,16 +25,21 @@ so sizing keeps `guest_extra_bytes` more than the headroom.
 
 Memory pressure: start-up measured what was free then; another process may take device memory
 later, and the activation headroom the engine keeps free beside its KV cache would go with it (the
-next large step runs out of memory). `pressure_move` measures again (between steps, when the engine
-core asks) and answers a shrink to what fits now, less a slack, when free memory fell below the
-headroom (the guest room is there to be taken: using its part beyond the headroom moves nothing),
-or a grow to what start-up
-sizing would give now (guest room kept) when at least `pressure_hysteresis_tokens` more fit (so a
-shrink is not followed by a grow by the same few pages, back and forth).
+next large step runs out of memory). `pressure_move` measures again (between steps, when the
+driver's memory check asks: `driver.pressure`) and answers a shrink to what fits now, less a slack,
+when free memory fell below the headroom (the guest room is there to be taken: using its part
+beyond the headroom moves nothing), or a grow to what start-up sizing would give now (guest room
+kept) when at least `pressure_hysteresis_tokens` more fit (so a shrink is not followed by a grow by
+the same few pages, back and forth).
+
+A resize goes to a `KvTarget` (`target`: a count checked against the limits once, before the
+scheduler makes room for it), and the pool's committed size is read through `committed_tokens`.
 
 This object never loads, captures or schedules: which requests give way to a shrink is the
-scheduler's (`scheduler.elastic`), the graphs and weights are the engine's. It keeps the history
-of changes (`events`); the engine's report records each with a fresh ledger.
+scheduler's (`scheduler.elastic`), whether memory pressure moves the cache now is the driver's
+(`driver.pressure`: `pressure_move` only measures and says how far), the graphs and weights are
+the engine's. It keeps the history of changes (`events`); the engine's report records each with a
+fresh ledger.
 """
 
 from __future__ import annotations
@@ -88,6 +93,20 @@ class PressureMove:
     tokens: int
     reason: str
     free: FreeMemory
+
+    @property
+    def shrinks(self) -> bool:
+        return self.reason == "pressure"
+
+
+@dataclass(frozen=True, slots=True)
+class KvTarget:
+    """A size the KV cache may be resized to now: `tokens`, whole pages within the limits
+    (`KvSizing.target` checked them once). The caller checked that the engine can resize before it
+    made one (`Engine.check_resizable`, `Engine.watches_pressure`) and takes it to
+    `Engine.resize_kv` within the same turn, so the resize checks nothing again."""
+
+    tokens: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +191,12 @@ class KvSizing:
         return self.caps.page_size
 
     @property
+    def committed_tokens(self) -> int:
+        """The tokens the pool backs now (what the allocator hands out): the one reading of the
+        cache's size for the layers above."""
+        return self.pool.committed_tokens
+
+    @property
     def resizable(self) -> bool:
         """Sized with virtual memory whose backing can come and go (post-capture)."""
         return self.mode is SizingMode.POST_CAPTURE and not isinstance(self.memory, PlainMemory)
@@ -202,6 +227,11 @@ class KvSizing:
             cap_tokens=cap_tokens(self.pool, self.cap_bytes()),
             max_device_memory_gib=self.caps.max_device_memory_gib,
         )
+
+    def target(self, tokens: object, param: str = "max_total_num_tokens") -> KvTarget:
+        """`tokens` rounded down to whole pages as a size a resize may go to now, or `KvResizeError`
+        naming the limit it breaks (`param`: the request field that asked)."""
+        return KvTarget(self.limits().check(tokens, param))
 
     # -- the steps --------------------------------------------------------------------------
     def measure(self) -> FreeMemory:
@@ -353,7 +383,7 @@ class KvSizing:
         the size the last explicit resize set, when at least the hysteresis more fits); None: it
         stays. Every rank answers alike."""
         free = self.measure()  # every 0.25 s: no sync, no emptied cache
-        committed = self.pool.committed_tokens
+        committed = self.committed_tokens
         limits = self.limits()
         hysteresis = self.pressure_hysteresis_tokens()
         page = self.page_size
@@ -371,7 +401,7 @@ class KvSizing:
 
     def resize(
         self,
-        tokens: int,
+        target: KvTarget,
         *,
         on_move: Callable[[KvMoves], None] | None = None,
         evicted_tokens: int = 0,
@@ -379,12 +409,13 @@ class KvSizing:
         reason: str = "resize",
         free_bytes: int | None = None,
     ) -> KvResize:
-        """Grow or shrink to `tokens` (a count `limits().check` passed). A grow commits more of
-        every buffer, on every rank or none; a shrink moves the pages in use above the bound below
-        it (`on_move` lets the prefix cache follow) and decommits the rest, and is refused when
-        they do not fit. The allocators and the request limit follow; graphs stay valid."""
+        """Grow or shrink to `target`. A grow commits more of every buffer, on every rank or none;
+        a shrink moves the pages in use above the bound below it (`on_move` lets the prefix cache
+        follow) and decommits the rest, and is refused when they do not fit. The allocators and the
+        request limit follow; graphs stay valid."""
         started = time.perf_counter()
-        old_tokens, old_bytes = self.pool.committed_tokens, self.pool.committed_bytes
+        tokens = target.tokens
+        old_tokens, old_bytes = self.committed_tokens, self.pool.committed_bytes
         moved = kv_resize.MoveStats()
         if tokens > old_tokens:  # from the driver's free memory: the sizing kept the workspace apart
             self._grow(old_tokens, tokens)

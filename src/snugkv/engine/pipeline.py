@@ -36,7 +36,7 @@ from snugkv.core.sampling import MAX_LOGPROBS, PROMPT_LOGITS_PER_STEP, SamplingP
 from snugkv.core.structured_output import TokenBitmask
 from snugkv.distributed.group import TensorParallel, use_tensor_parallel
 from snugkv.engine.args import EngineArgs
-from snugkv.engine.kv_sizing import KvCaps, KvSizing, StartGate, StartupSizing
+from snugkv.engine.kv_sizing import KvCaps, KvSizing, KvTarget, StartGate, StartupSizing
 from snugkv.engine.sleep import EngineSleep
 from snugkv.layers.logprobs import score_tokens
 from snugkv.memory.host_device import SharedHostDevice
@@ -546,25 +546,39 @@ class Engine:
         return measure_peak_bytes(self.device, lambda: self._largest_eager_step(runner))
 
     # -- run time: the KV cache's size, sleep and wake (the scheduler's thread, between steps) ----
-    def check_resizable(self) -> KvSizing:
-        """The KV sizing object, or `KvResizeError` saying why the KV cache cannot change size now."""
+    def _resize_refusal(self) -> KvResizeError | None:
+        """Why the KV cache cannot change size now (closed, sized without virtual memory, asleep),
+        or None: the one definition behind `check_resizable` and `watches_pressure`."""
         if self.runner is None:
-            raise KvResizeError("the engine is closed", status=409)
+            return KvResizeError("the engine is closed", status=409)
         if not self.kv.resizable:
-            raise KvResizeError(
+            return KvResizeError(
                 f"this engine sized its KV cache with --kv-sizing {self.mode}, whose memory cannot be given "
                 "back; start it with --kv-sizing post-capture to resize at run time",
                 status=409,
             )
         if self.sleeper.is_sleeping:
-            raise KvResizeError(
+            return KvResizeError(
                 "the engine is asleep (its KV cache is released); wake it first (POST /wake_up)", status=409
             )
+        return None
+
+    def check_resizable(self) -> KvSizing:
+        """The KV sizing object, or `KvResizeError` saying why the KV cache cannot change size now."""
+        refusal = self._resize_refusal()
+        if refusal is not None:
+            raise refusal
         return self.kv
+
+    @property
+    def watches_pressure(self) -> bool:
+        """Whether memory pressure may resize the KV cache now: it can resize (`check_resizable`)
+        and `--no-kv-pressure` was not given. The same answer on every rank."""
+        return not self.args.no_kv_pressure and self._resize_refusal() is None
 
     def resize_kv(
         self,
-        max_total_num_tokens: int,
+        target: int | KvTarget,
         *,
         on_move: Callable[[KvMoves], None] | None = None,
         evicted_tokens: int = 0,
@@ -572,18 +586,22 @@ class Engine:
         reason: str = "resize",
         free_bytes: int | None = None,
     ) -> KvResize:
-        """Grow or shrink the KV cache to `max_total_num_tokens` (rounded down to whole pages);
-        `reason` is what the record says moved it ("resize", "pressure", "pressure-grow"), with the
-        free memory a pressure move was sized from (`free_bytes`).
+        """Grow or shrink the KV cache to `target` tokens; `reason` is what the record says moved
+        it ("resize", "pressure", "pressure-grow"), with the free memory a pressure move was sized
+        from (`free_bytes`).
 
-        Shrinking moves the pages in use above the new bound below it (`on_move` lets the prefix
-        cache follow); they must fit (the scheduler's elastic module evicts and retracts first;
-        `evicted_tokens`/`retracted_requests` are what it freed, for the record). Raises
-        `KvResizeError` naming the limit when the count is out of bounds or the engine cannot.
+        A plain count is checked here: `KvResizeError` when the engine cannot resize now or the
+        count breaks a limit (named), else it is rounded down to whole pages. A `KvTarget` was
+        checked when it was made (`KvSizing.target`), by a caller that checked the engine first and
+        then made room for it (the scheduler's resize, the driver's pressure move): nothing is
+        checked twice. Shrinking moves the pages in use above the new bound below it (`on_move`
+        lets the prefix cache follow); they must fit (`evicted_tokens`/`retracted_requests` are
+        what the scheduler freed for them, for the record).
         """
-        kv = self.check_resizable()
-        change = kv.resize(
-            kv.limits().check(max_total_num_tokens),
+        if not isinstance(target, KvTarget):
+            target = self.check_resizable().target(target)
+        change = self.kv.resize(
+            target,
             on_move=on_move,
             evicted_tokens=evicted_tokens,
             retracted_requests=retracted_requests,

@@ -1,32 +1,32 @@
-"""Elastic memory on the scheduler thread: resizing the KV cache, sleeping and waking, between steps.
+"""Elastic memory on the scheduler thread: who gives way when the KV cache shrinks, and sleeping
+and waking, between steps.
 
-A shrink never fails a request. The new size must hold the largest live request (its tokens plus
-one page), else it is refused naming that bound. Then the prefix cache gives up its unlocked
-entries above the new bound; if what stays in use still does not fit below it, more cache entries
-go (least recently used first), and only when the cache has nothing left to give are requests
-retracted, newest first (their KV goes to the cache, they wait and are recomputed). Finally the
-engine moves the live pages below the bound (the cache follows through `remap_slots`) and
-decommits the rest. A grow only commits. Every rank runs this on the same commands, so every rank
-evicts, retracts and moves alike.
+A shrink never fails a request. The smallest size that fails none holds the largest live request
+(its tokens plus one page: `smallest_size`). To make room for a smaller size (`make_room`) the
+prefix cache gives up its unlocked entries above the new bound; if what stays in use still does not
+fit below it, more cache entries go (least recently used first), and only when the cache has
+nothing left to give are requests retracted, newest first (their KV goes to the cache, they wait
+and are recomputed). Then the engine moves the live pages below the bound (the cache follows
+through `remap_slots`) and decommits the rest. A grow only commits. Every rank runs this on the
+same commands, so every rank evicts, retracts and moves alike.
 
-Memory pressure (`relieve_pressure`, on every post-capture engine unless `--no-kv-pressure`): the
-engine core has every rank measure free memory at the same turn (a `CheckMemory` command); when
-another process took so much that the activation headroom is no longer free, the cache shrinks by
-the deficit through the same resize as `POST /kv/resize` (cache entries, then moves, then the
-newest requests retracted, never a request failed); when memory comes back it grows again up to
-what start-up sizing would give now. The sizing object says how far (`KvSizing.pressure_move`).
+An explicit resize (`resize_kv`: `POST /kv/resize`, `LLM.resize_kv`, the memory share) runs here:
+the engine checks the size, a size below `smallest_size` is refused naming the request, room is
+made, the engine resizes. Memory pressure is decided on the driver's turn (`driver.pressure`),
+which asks this module only for `smallest_size` and `make_room`.
 
 Sleep retracts every request in flight (they wait in the queue; nothing is lost), empties the
 prefix cache and pauses the scheduler; wake sizes the KV cache again and lets the queue run.
 
 This module holds the policy of who gives way; the memory itself moves in
 snugkv.runner.kv_resize and the token counts are the engine's KV sizing object's
-(snugkv.engine.kv_sizing).
+(snugkv.engine.kv_sizing: its committed size is read through `KvSizing.committed_tokens`, never
+its pool).
 """
 
 from __future__ import annotations
 
-import logging
+from dataclasses import dataclass
 
 from snugkv.core.reports import KvInfo, KvResize, LargestRequest
 from snugkv.engine import Engine
@@ -34,13 +34,12 @@ from snugkv.scheduler.request import Request
 from snugkv.scheduler.scheduler import Scheduler
 from snugkv.sizing.resize import KvResizeError
 
-logger = logging.getLogger(__name__)
-
 
 def smallest_size(scheduler: Scheduler) -> tuple[int, Request | None]:
     """The fewest tokens the cache can shrink to without failing a live request: the largest one's
     tokens plus a page (room for its next token), at least two pages; and that request. A queued
-    request the cache does not hold now anyway (it waits for memory) does not count."""
+    request the cache does not hold now anyway (it waits for memory) does not count. Exact once the
+    step in flight is settled (`Scheduler.finish_in_flight`: its tokens count then)."""
     page = scheduler.page_size
     live = [*(r for r in scheduler.waiting if not scheduler.waits_for_memory(r)), *scheduler.running]
     largest = max(live, key=lambda r: r.num_tokens, default=None)
@@ -49,91 +48,19 @@ def smallest_size(scheduler: Scheduler) -> tuple[int, Request | None]:
     return max(2 * page, -(-largest.num_tokens // page) * page + page), largest
 
 
-def resize_kv(
-    scheduler: Scheduler,
-    engine: Engine,
-    *,
-    max_total_num_tokens: int | None = None,
-    free_gib: float | None = None,
-    reason: str = "resize",
-    free_bytes: int | None = None,
-) -> KvResize:
-    """Resize `engine`'s KV cache, which `scheduler` runs on, to `max_total_num_tokens`, or to what
-    leaves `free_gib` of device memory free; `reason` names who asked, for the record."""
-    kv = engine.check_resizable()  # asleep or sized without virtual memory: refused before any value
-    scheduler.finish_in_flight()  # a launched step's slots and tokens are settled before pages move
-    if (max_total_num_tokens is None) == (free_gib is None):
-        raise KvResizeError("give exactly one of max_total_num_tokens and free_gib")
-    if free_gib is not None:
-        tokens = kv.tokens_leaving_free(free_gib)
-        param = "free_gib"
-    else:
-        tokens = kv.limits().check(max_total_num_tokens)
-        param = "max_total_num_tokens"
-    evicted = retracted = 0
-    if tokens < kv.pool.committed_tokens:
-        minimum, largest = smallest_size(scheduler)
-        if tokens < minimum and largest is not None:
-            raise KvResizeError(
-                f"{param} asks for {tokens} KV tokens, but request {largest.rid} holds {largest.num_tokens} "
-                f"and needs a page more: the cache can shrink to {minimum} tokens now without failing a "
-                "request; ask for at least that, or wait for it to finish",
-                param=param,
-            )
-        evicted, retracted = _make_room(scheduler, tokens)
-    result = engine.resize_kv(
-        tokens,
-        on_move=lambda moves: scheduler.cache.remap_slots(moves.full),
-        evicted_tokens=evicted,
-        retracted_requests=retracted,
-        reason=reason,
-        free_bytes=free_bytes,
-    )
-    scheduler.max_running_requests = result.max_running_requests
-    return result
+@dataclass(frozen=True, slots=True)
+class RoomMade:
+    """What the scheduler gave up so that what is in use fits a smaller KV cache (for the record)."""
+
+    evicted_tokens: int = 0
+    retracted_requests: int = 0
 
 
-def watches_pressure(engine: Engine) -> bool:
-    """Whether memory pressure may resize this engine's KV cache now: post-capture sizing over
-    virtual memory, `--no-kv-pressure` not given, awake. The same answer on every rank."""
-    return (
-        not engine.args.no_kv_pressure
-        and engine.kv.resizable
-        and not engine.is_sleeping
-        and engine.runner is not None
-    )
-
-
-def relieve_pressure(scheduler: Scheduler, engine: Engine) -> KvResize | None:
-    """Measure free memory (every rank, the MIN) and shrink or grow the KV cache as
-    `KvSizing.pressure_move` says; a shrink never goes below what the largest live request needs.
-    Returns the change (recorded as a "pressure" / "pressure-grow" event), or None."""
-    if not watches_pressure(engine):
-        return None
-    kv = engine.kv
-    move = kv.pressure_move()  # the step in flight runs on (a move settles it first, in resize_kv)
-    if move is None:
-        return None
-    tokens = move.tokens
-    if move.reason == "pressure":
-        tokens = max(tokens, smallest_size(scheduler)[0])
-        if tokens >= kv.pool.committed_tokens:  # the live requests hold all of it: nothing gives way
-            return None
-    if tokens == kv.pool.committed_tokens:
-        return None
-    try:
-        change = resize_kv(
-            scheduler, engine, max_total_num_tokens=tokens, reason=move.reason, free_bytes=move.free.min_bytes
-        )
-    except KvResizeError as exc:  # memory went between the measure and the commit: the next check retries
-        logger.warning("KV %s to %d tokens refused: %s", move.reason, tokens, exc)
-        return None
-    return change
-
-
-def _make_room(scheduler: Scheduler, tokens: int) -> tuple[int, int]:
+def make_room(scheduler: Scheduler, tokens: int) -> RoomMade:
     """Free pages until what is in use fits below `tokens`: cache entries above the bound, then
-    any unlocked cache entries, then retract requests newest first. Returns (evicted, retracted)."""
+    any unlocked cache entries, then retract requests newest first. The step in flight must be
+    settled first (`Scheduler.finish_in_flight`), and `tokens` must hold the largest live request
+    (`smallest_size`): then it always fits."""
     allocator, cache, page = scheduler.runner.allocator, scheduler.cache, scheduler.page_size
     evicted = cache.evict_at_or_above(tokens + page)  # slot tokens + page is the first past the new end
     retracted = 0
@@ -147,7 +74,48 @@ def _make_room(scheduler: Scheduler, tokens: int) -> tuple[int, int]:
             raise RuntimeError(f"KV shrink to {tokens} tokens: nothing left to evict or retract")
         scheduler.retract(max(admitted, key=lambda r: r.seq))  # the newest
         retracted += 1
-    return evicted, retracted
+    return RoomMade(evicted, retracted)
+
+
+def resize_kv(
+    scheduler: Scheduler,
+    engine: Engine,
+    *,
+    max_total_num_tokens: int | None = None,
+    free_gib: float | None = None,
+) -> KvResize:
+    """Resize `engine`'s KV cache, which `scheduler` runs on, to `max_total_num_tokens`, or to what
+    leaves `free_gib` of device memory free (`POST /kv/resize`, `LLM.resize_kv`, the memory share).
+    A shrink below what the largest live request needs is refused, naming it."""
+    kv = engine.check_resizable()  # asleep or sized without virtual memory: refused before any value
+    scheduler.finish_in_flight()  # a launched step's slots and tokens are settled before pages move
+    if (max_total_num_tokens is None) == (free_gib is None):
+        raise KvResizeError("give exactly one of max_total_num_tokens and free_gib")
+    if free_gib is not None:
+        target = kv.target(kv.tokens_leaving_free(free_gib))
+        param = "free_gib"
+    else:
+        target = kv.target(max_total_num_tokens)
+        param = "max_total_num_tokens"
+    tokens, room = target.tokens, RoomMade()
+    if tokens < kv.committed_tokens:
+        minimum, largest = smallest_size(scheduler)
+        if tokens < minimum and largest is not None:
+            raise KvResizeError(
+                f"{param} asks for {tokens} KV tokens, but request {largest.rid} holds {largest.num_tokens} "
+                f"and needs a page more: the cache can shrink to {minimum} tokens now without failing a "
+                "request; ask for at least that, or wait for it to finish",
+                param=param,
+            )
+        room = make_room(scheduler, tokens)
+    result = engine.resize_kv(
+        target,
+        on_move=lambda moves: scheduler.cache.remap_slots(moves.full),
+        evicted_tokens=room.evicted_tokens,
+        retracted_requests=room.retracted_requests,
+    )
+    scheduler.max_running_requests = result.max_running_requests
+    return result
 
 
 def demand_tokens(scheduler: Scheduler) -> int:
