@@ -182,3 +182,17 @@ def test_a_cap_too_small_for_any_kv_says_what_to_raise_it_to(model_dir):
 
     with pytest.raises(SizingError, match="raise it to at least"):
         start(model_dir, max_device_memory_gib=4096 / GIB)  # less than one OS page per buffer
+
+
+def test_the_request_cap_follows_every_resize_and_a_cores_own_lower_limit_stays(model_dir):
+    """One owner of max_running_requests (the KV sizing's recap); the scheduler reads it."""
+    engine = start(model_dir)
+    scheduler = EngineCore.around(engine).scheduler
+    capped = EngineCore.around(engine, max_running_requests=2).scheduler
+    elastic.resize_kv(scheduler, engine, max_total_num_tokens=5 * PAGE)  # 5 pages: at most 5 requests
+    assert scheduler.max_running_requests == engine.report.max_running_requests == 5
+    assert capped.max_running_requests == 2
+    elastic.resize_kv(capped, engine, max_total_num_tokens=1024)  # through the capped core's scheduler
+    assert scheduler.max_running_requests == engine.report.max_running_requests == 8
+    assert capped.max_running_requests == 2  # a resize used to overwrite a core's own limit
+    engine.close()

@@ -205,6 +205,7 @@ class EngineCore:
             tokenizer=tokenizer,
             eos_token_ids=engine.config.eos_token_ids,
             max_running_requests=max_running_requests or engine.report.max_running_requests,
+            request_cap=lambda: engine.report.max_running_requests,
             chunked_prefill_size=chunked_prefill_size,
             enable_prefix_cache=enable_prefix_cache,
             on_output=on_output,

@@ -71,5 +71,4 @@ def relieve_pressure(scheduler: Scheduler, engine: Engine) -> KvResize | None:
     except KvResizeError as exc:  # memory went between the measure and the commit: the next check retries
         logger.warning("KV %s to %d tokens refused: %s", move.reason, tokens, exc)
         return None
-    scheduler.max_running_requests = change.max_running_requests
-    return change
+    return change  # the scheduler's request cap reads the engine's re-capped limit

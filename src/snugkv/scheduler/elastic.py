@@ -114,8 +114,7 @@ def resize_kv(
         evicted_tokens=room.evicted_tokens,
         retracted_requests=room.retracted_requests,
     )
-    scheduler.max_running_requests = result.max_running_requests
-    return result
+    return result  # the scheduler's request cap reads the engine's re-capped limit
 
 
 def demand_tokens(scheduler: Scheduler) -> int:
@@ -165,7 +164,6 @@ def wake_up(scheduler: Scheduler, engine: Engine, *, tags: tuple[str, ...] = ())
     scheduler.finish_in_flight()
     result = engine.wake_up(tags)
     if not engine.is_sleeping:
-        scheduler.max_running_requests = result.max_running_requests
         capacity = scheduler.runner.allocator.capacity_tokens
         could_hold = capacity if scheduler.could_hold_tokens is None else scheduler.could_hold_tokens
         for request in [r for r in scheduler.waiting if r.num_tokens + scheduler.page_size > could_hold]:

@@ -58,7 +58,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from snugkv.core.forward import FUTURE_TOKEN, BatchRow
 from snugkv.core.reports import SchedulerStats
@@ -100,12 +100,17 @@ class Scheduler:
         enable_prefix_cache: bool = True,
         on_output: OutputCallback | None = None,
         overlap: bool = True,
+        request_cap: Callable[[], int] | None = None,
     ) -> None:
+        """`max_running_requests` is this scheduler's own limit; `request_cap` reads the engine's
+        limit for the KV cache's size now (its one owner: the KV sizing's recap, which every resize,
+        pressure move and wake updates), and the lower of the two holds."""
         self.runner = runner
         self.overlap = overlap
         self.eos_token_ids = frozenset(eos_token_ids)
         runner.sampler.eos_token_ids = tuple(sorted(self.eos_token_ids))  # what min_tokens holds back
-        self.max_running_requests = max_running_requests
+        self.request_limit = max_running_requests
+        self._request_cap = request_cap
         self.chunked_prefill_size = chunked_prefill_size
         self.page_size = runner.allocator.page_size
         self.context_length = runner.max_context_len
@@ -129,6 +134,13 @@ class Scheduler:
         self._steps_since_oom = 0
         # What the KV cache could grow to (an engine that can resize); None: its size is fixed.
         self.could_hold_tokens: int | None = None
+
+    @property
+    def max_running_requests(self) -> int:
+        """The most requests a step runs: the lower of this scheduler's limit and the engine's cap."""
+        if self._request_cap is None:
+            return self.request_limit
+        return min(self.request_limit, self._request_cap())
 
     # -- intake -----------------------------------------------------------------------
     def add_request(self, rid: str, prompt_ids: list[int], sampling: SamplingParams) -> Request:
