@@ -202,6 +202,20 @@ def test_a_greedy_row_keeps_the_drafted_tokens_that_are_the_argmax_then_emits_th
     assert everything.token_lists() == [best] and int(everything.accepted_lens[0]) == 3
 
 
+def test_a_greedy_row_beside_sampled_rows_is_still_exact():
+    logits = torch.randn(9, 10, generator=torch.Generator().manual_seed(4))
+    best = logits[3:6].argmax(dim=-1).tolist()
+    for seed in range(20):
+        torch.manual_seed(seed)
+        result = verify(
+            logits,
+            [[1, 2], [best[0], (best[1] + 1) % 10], [3, 4]],
+            [SamplingParams(temperature=1.0), SamplingParams(), SamplingParams(temperature=0.5, top_p=0.9)],
+            sampler=Sampler(),
+        )
+        assert result.token_lists()[1] == best[:2]
+
+
 def test_a_bitmask_over_positions_holds_the_greedy_choice_to_the_grammar():
     logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(2))
     best = logits.argmax(dim=-1).tolist()

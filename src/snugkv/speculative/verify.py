@@ -110,15 +110,21 @@ def target_probabilities(
 ) -> torch.Tensor:
     """Float32 `[N, vocab]` probabilities of each position's target distribution, from logits after
     stages 1-4: the sampler's weights renormalised, and the point mass on the argmax for greedy rows."""
-    greedy_tokens = torch.argmax(processed_logits, dim=-1, keepdim=True)
-    point_masses = torch.zeros(processed_logits.shape, dtype=torch.float32, device=processed_logits.device)
-    point_masses.scatter_(1, greedy_tokens, 1.0)
-    if all(p.greedy for p in params):
-        return point_masses
+    greedy_rows = [row for row, p in enumerate(params) if p.greedy]
+    if len(greedy_rows) == len(params):
+        return _point_masses(processed_logits)
     weights = sampler.weights(processed_logits, params)
     probs = weights / weights.sum(dim=-1, keepdim=True)
-    greedy = to_device([p.greedy for p in params], torch.bool, processed_logits.device)
-    return torch.where(greedy[:, None], point_masses, probs)
+    if greedy_rows:
+        index = to_device(greedy_rows, torch.int64, processed_logits.device)
+        probs[index] = _point_masses(processed_logits[index])
+    return probs
+
+
+def _point_masses(logits: torch.Tensor) -> torch.Tensor:
+    """Float32 one-hot rows on each row's argmax (the greedy draw's token)."""
+    masses = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+    return masses.scatter_(1, torch.argmax(logits, dim=-1, keepdim=True), 1.0)
 
 
 def rejection_sample(
