@@ -168,7 +168,7 @@ def test_greedy_speculation_emits_what_plain_decoding_emits(case: str):
     speculative: list[list[int]] = [[] for _ in prompts]
     accepted = 0
     for step in range(steps):
-        drafts = [proposer.propose(step % 5) for proposer in proposers]  # k from 0 to 4, mixed
+        drafts = [proposer.propose((step + row) % 5) for row, proposer in enumerate(proposers)]  # k: 0-4
         last = [(p + o)[-1] for p, o in zip(prompts, speculative)]
         logits = model.logits([token for row, draft in zip(last, drafts) for token in (row, *draft)])
         result = verify(
