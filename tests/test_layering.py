@@ -24,6 +24,7 @@ FLOORS: dict[str, int] = {
     "layers": 2,
     "attention": 2,
     "models": 3,
+    "speculative": 3,  # proposers and verification: above the sampler, below the runner
     "runner": 4,
     "engine": 5,
     "scheduler": 6,

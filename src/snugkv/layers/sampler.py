@@ -11,6 +11,8 @@ where no row does pays for none of them, and the logits are not even copied):
    -inf (only the listed rows; a bias or penalty can never bring such a token back);
 5. temperature; 6. `min_p`, top-k and top-p filters; 7. the draw (greedy rows: the argmax of the
    processed logits).
+Stages 5-6 (`Sampler.weights`) and the draw (`exponential_race`) are also what speculative
+verification (`snugkv.speculative.verify`) reads a row's distribution and its corrections from.
 
 Sampled rows use the exponential race: `argmax(probs / E)` with `E ~ Exp(1)` i.i.d. per token
 draws exactly from `probs`, needs no normalisation after top-k/top-p masking and no host sync.
@@ -113,6 +115,15 @@ class Sampler:
         generators: Sequence[torch.Generator | None] | None,
         greedy_tokens: torch.Tensor,
     ) -> torch.Tensor:
+        sampled = exponential_race(self.weights(logits, params), generators)
+        greedy = to_device([p.greedy for p in params], torch.bool, logits.device)
+        return torch.where(greedy, greedy_tokens, sampled)
+
+    def weights(self, logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+        """Float32 `[B, vocab]` weights proportional to each row's sampling distribution: the
+        softmax of the tempered logits after `min_p` and top-k, with what top-p drops set to 0
+        (stages 5-6). Not renormalised after top-p (the race needs no normalisation); divide by
+        the row's sum for probabilities. Greedy rows are computed at temperature 1 (unused)."""
         device, vocab = logits.device, logits.shape[-1]
         temperatures = to_device(
             [p.temperature if not p.greedy else 1.0 for p in params], torch.float32, device
@@ -126,15 +137,23 @@ class Sampler:
         probs = torch.softmax(scaled, dim=-1)
         if any(p.top_p < 1 for p in params):
             probs = _top_p_filter(probs, to_device([p.top_p for p in params], torch.float32, device))
-        noise = torch.empty_like(probs).exponential_()
-        for row, generator in enumerate(generators or ()):
-            if generator is not None:
-                noise[row] = torch.empty(vocab, device=device).exponential_(generator=generator)
-        # A draw of exactly 0 would make a masked token 0/0 = NaN, which argmax picks.
-        noise.clamp_min_(torch.finfo(noise.dtype).tiny)
-        sampled = torch.argmax(probs / noise, dim=-1)
-        greedy = to_device([p.greedy for p in params], torch.bool, device)
-        return torch.where(greedy, greedy_tokens, sampled)
+        return probs
+
+
+def exponential_race(
+    weights: torch.Tensor, generators: Sequence[torch.Generator | None] | None = None
+) -> torch.Tensor:
+    """One token per row of `weights` `[B, vocab]` (non-negative, each row with some mass), drawn
+    with probability proportional to its weight: `argmax(weights / E)`, `E ~ Exp(1)`; row `i`'s
+    noise comes from `generators[i]` where it has one."""
+    vocab, device = weights.shape[-1], weights.device
+    noise = torch.empty_like(weights).exponential_()
+    for row, generator in enumerate(generators or ()):
+        if generator is not None:
+            noise[row] = torch.empty(vocab, device=device).exponential_(generator=generator)
+    # A draw of exactly 0 would make a masked token 0/0 = NaN, which argmax picks.
+    noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+    return torch.argmax(weights / noise, dim=-1)
 
 
 def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
