@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from snugkv.core.outputs import GenerateInput, GenerateOutput
-from snugkv.core.sampling import SamplingParams
+from snugkv.core.sampling import InvalidRequest, SamplingParams
 from snugkv.driver import wire
 from snugkv.driver.engine_process import EngineProcess, EngineProcessError, EngineSpec
 from snugkv.engine import EngineArgs
@@ -41,6 +41,7 @@ MESSAGES: list[Any] = [
     ),
     wire.CallAnswered(3, True),
     wire.CallFailed(3, KvResizeError("too small", status=409, param="max_total_num_tokens")),
+    wire.CallFailed(4, InvalidRequest("top_p must be in (0, 1], got 2", param="top_p")),
 ]
 
 

@@ -141,7 +141,7 @@ def test_penalties_without_a_token_history_are_an_error_not_ignored():
         ({"frequency_penalty": -3.0}, "frequency_penalty must be between -2 and 2"),
         ({"repetition_penalty": 0.0}, "repetition_penalty must be in (0, 100]"),
         ({"min_p": 1.5}, "min_p must be between 0 and 1"),
-        ({"min_tokens": 5, "max_new_tokens": 3}, "min_tokens=5 exceeds max_tokens=3"),
+        ({"min_tokens": 5, "max_new_tokens": 3}, "min_tokens=5 exceeds max_new_tokens=3"),
         ({"logit_bias": ((3, 101.0),)}, "between -100 and 100"),
     ],
 )

@@ -27,7 +27,16 @@ MIN_SAMPLING_TEMPERATURE = 1e-5
 
 
 class InvalidRequest(ValueError):
-    """A request the engine cannot run; the message is shown to the client as is."""
+    """A request the engine cannot run; the message is shown to the client as is.
+
+    `param` is the one parameter the refusal is about, under the name the caller wrote where that
+    is known (otherwise the OpenAI API's name), or None when it is about the request as a whole.
+    It is an attribute, not an argument, so pickling (the engine-process pipe) keeps it.
+    """
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -61,6 +70,10 @@ class SamplingParams:
     and `skip_special_tokens`, `spaces_between_special_tokens`, `include_stop_str_in_output`,
     `detokenize` and `best_of` at the values this engine implements (others are refused by
     name). Unlike vLLM, the default is greedy (`temperature=0`) with 128 new tokens.
+
+    Every refusal is an `InvalidRequest` whose `param` names the one argument it is about; the
+    token limit goes by the name it was passed under (`max_tokens_name`: `max_new_tokens` or
+    `max_tokens`, or what a caller such as the server says its client wrote).
     """
 
     max_new_tokens: int = 128
@@ -82,6 +95,8 @@ class SamplingParams:
     structured: StructuredOutput | None = None  # what the output must match (snugkv.structured)
     extra: dict[str, object] = field(default_factory=dict, compare=False)
     n: int = 1  # completions per prompt (vLLM's name); one engine request each
+    # How the caller spelled the token limit, so a refusal names it as they wrote it.
+    max_tokens_name: str = field(default="max_tokens", compare=False, repr=False)
 
     def __init__(
         self,
@@ -112,13 +127,17 @@ class SamplingParams:
         spaces_between_special_tokens: bool = True,
         include_stop_str_in_output: bool = False,
         detokenize: bool = True,
+        max_tokens_name: str | None = None,
     ) -> None:
         if max_tokens is not None and max_new_tokens is not None and max_tokens != max_new_tokens:
             raise InvalidRequest(
                 f"max_tokens={max_tokens} and max_new_tokens={max_new_tokens} are one limit under two "
-                "names (max_tokens is vLLM's); pass one of them"
+                "names (max_tokens is vLLM's); pass one of them",
+                param="max_tokens",
             )
         limit = max_new_tokens if max_new_tokens is not None else max_tokens
+        if max_tokens_name is None:
+            max_tokens_name = "max_new_tokens" if max_new_tokens is not None else "max_tokens"
         for name, value, implemented in (
             ("skip_special_tokens", skip_special_tokens, True),
             ("spaces_between_special_tokens", spaces_between_special_tokens, True),
@@ -126,10 +145,13 @@ class SamplingParams:
             ("detokenize", detokenize, True),
         ):
             if value != implemented:
-                raise InvalidRequest(f"{name}={value!r} is not supported; leave it at {implemented}")
+                raise InvalidRequest(
+                    f"{name}={value!r} is not supported; leave it at {implemented}", param=name
+                )
         if best_of is not None and best_of != n:
             raise InvalidRequest(
-                f"best_of={best_of} is not supported; leave it out (n={n} gives n completions)"
+                f"best_of={best_of} is not supported; leave it out (n={n} gives n completions)",
+                param="best_of",
             )
         values: dict[str, object] = {
             "max_new_tokens": DEFAULT_MAX_NEW_TOKENS if limit is None else limit,
@@ -153,6 +175,7 @@ class SamplingParams:
             "structured": structured,
             "extra": dict(extra or {}),
             "n": n,
+            "max_tokens_name": max_tokens_name,
         }
         for name, field_value in values.items():
             object.__setattr__(self, name, field_value)
@@ -190,58 +213,76 @@ class SamplingParams:
         return torch.Generator(device=device).manual_seed(self.seed)
 
     def validate(self, max_context_tokens: int | None = None) -> None:
+        limit_name = self.max_tokens_name
         if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
-            raise InvalidRequest(f"n must be a positive integer (completions per prompt), got {self.n!r}")
+            raise InvalidRequest(
+                f"n must be a positive integer (completions per prompt), got {self.n!r}", param="n"
+            )
         scoring = self.prompt_logprobs is not None
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < (0 if scoring else 1):
             raise InvalidRequest(
-                f"max_tokens must be a positive integer, got {self.max_new_tokens!r} (max_new_tokens); "
-                "0 is allowed only when scoring the prompt (echo with logprobs, or prompt_logprobs)"
+                f"{limit_name} must be a positive integer, got {self.max_new_tokens!r}; 0 is allowed "
+                "only when scoring the prompt (echo with logprobs, or prompt_logprobs)",
+                param=limit_name,
             )
         if max_context_tokens is not None and self.max_new_tokens > max_context_tokens:
             raise InvalidRequest(
-                f"max_tokens={self.max_new_tokens} exceeds the model's context of {max_context_tokens} tokens; "
-                "ask for fewer tokens"
+                f"{limit_name}={self.max_new_tokens} exceeds the model's context of {max_context_tokens} "
+                "tokens; ask for fewer tokens",
+                param=limit_name,
             )
         if not 0.0 <= self.temperature <= 100.0:
-            raise InvalidRequest(f"temperature must be between 0 and 100, got {self.temperature}")
+            raise InvalidRequest(
+                f"temperature must be between 0 and 100, got {self.temperature}", param="temperature"
+            )
         if not 0.0 < self.top_p <= 1.0:
-            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
+            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}", param="top_p")
         if not 0 <= self.top_k <= MAX_TOP_K:
-            raise InvalidRequest(f"top_k must be 0 (disabled) or a positive integer, got {self.top_k}")
+            raise InvalidRequest(
+                f"top_k must be 0 (disabled) or a positive integer, got {self.top_k}", param="top_k"
+            )
         if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise InvalidRequest(f"seed must be a non-negative 64-bit integer, got {self.seed}")
+            raise InvalidRequest(f"seed must be a non-negative 64-bit integer, got {self.seed}", param="seed")
         if len(self.stop) > 16 or any(not isinstance(s, str) or not s for s in self.stop):
-            raise InvalidRequest("stop must be at most 16 non-empty strings")
+            raise InvalidRequest("stop must be at most 16 non-empty strings", param="stop")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise InvalidRequest(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
+            raise InvalidRequest(
+                f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}", param="logprobs"
+            )
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
             raise InvalidRequest(
-                f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.prompt_logprobs}"
+                f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.prompt_logprobs}",
+                param="prompt_logprobs",
             )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not -MAX_PENALTY <= value <= MAX_PENALTY:
                 raise InvalidRequest(
-                    f"{name} must be between -{MAX_PENALTY:g} and {MAX_PENALTY:g}, got {value}"
+                    f"{name} must be between -{MAX_PENALTY:g} and {MAX_PENALTY:g}, got {value}",
+                    param=name,
                 )
         if not 0.0 < self.repetition_penalty <= 100.0:
             raise InvalidRequest(
-                f"repetition_penalty must be in (0, 100] (1 means none), got {self.repetition_penalty}"
+                f"repetition_penalty must be in (0, 100] (1 means none), got {self.repetition_penalty}",
+                param="repetition_penalty",
             )
         if not 0.0 <= self.min_p <= 1.0:
-            raise InvalidRequest(f"min_p must be between 0 and 1, got {self.min_p}")
+            raise InvalidRequest(f"min_p must be between 0 and 1, got {self.min_p}", param="min_p")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            raise InvalidRequest(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}")
+            raise InvalidRequest(
+                f"min_tokens must be a non-negative integer, got {self.min_tokens!r}", param="min_tokens"
+            )
         if self.min_tokens > self.max_new_tokens:
             raise InvalidRequest(
-                f"min_tokens={self.min_tokens} exceeds max_tokens={self.max_new_tokens}; lower min_tokens"
+                f"min_tokens={self.min_tokens} exceeds {limit_name}={self.max_new_tokens}; lower min_tokens",
+                param="min_tokens",
             )
         for token_id, bias in self.logit_bias:
             if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
                 raise InvalidRequest(
                     f"logit_bias for token {token_id} is {bias}; a bias must be between "
-                    f"-{MAX_LOGIT_BIAS:g} and {MAX_LOGIT_BIAS:g}"
+                    f"-{MAX_LOGIT_BIAS:g} and {MAX_LOGIT_BIAS:g}",
+                    param="logit_bias",
                 )
 
     def check_token_ids(self, vocab_size: int) -> None:
@@ -250,5 +291,6 @@ class SamplingParams:
             if not 0 <= token_id < vocab_size:
                 raise InvalidRequest(
                     f"logit_bias names token {token_id}, which is not a token of this model; "
-                    f"ids must be 0 to {vocab_size - 1}"
+                    f"ids must be 0 to {vocab_size - 1}",
+                    param="logit_bias",
                 )

@@ -212,6 +212,7 @@ def _per_prompt(
     params = list(sampling_params)
     if len(params) != count or not all(isinstance(p, SamplingParams) for p in params):
         raise InvalidRequest(
-            f"got {len(params)} sampling params for {count} prompts; pass one SamplingParams, or one per prompt"
+            f"got {len(params)} sampling params for {count} prompts; pass one SamplingParams, or one per prompt",
+            param="sampling_params",
         )
     return params

@@ -124,7 +124,7 @@ class Runtime:
         if not tokenizer.has_chat_template:
             raise TokenizerUnavailable("this model has no chat template; use generate with the raw prompt")
         if not conversation:
-            raise InvalidRequest(f"{name}messages is empty; send at least one message")
+            raise InvalidRequest(f"{name}messages is empty; send at least one message", param="messages")
         try:
             messages = [dict(message) for message in conversation]
             return tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt)
@@ -146,7 +146,7 @@ class Runtime:
             try:
                 self.scheduler.check_request(prompt.ids, prompt.sampling)
             except InvalidRequest as exc:
-                raise InvalidRequest(f"{name}{exc}") from None
+                raise InvalidRequest(f"{name}{exc}", param=exc.param) from None
 
     # -- running ------------------------------------------------------------------------
     def run(self, prompts: list[Prompt], *, use_tqdm: bool, what: str) -> list[RequestOutput]:

@@ -162,13 +162,14 @@ class Scheduler:
         """Raise `InvalidRequest`, saying what to change, if this prompt cannot run here; changes
         nothing (a batch can be checked whole before any of it is queued)."""
         if not prompt_ids:
-            raise InvalidRequest("the prompt is empty; send at least one token")
+            raise InvalidRequest("the prompt is empty; send at least one token", param="prompt")
         sampling.validate(self.context_length)
         sampling.check_token_ids(self.runner.model.config.vocab_size)
         if len(prompt_ids) + 1 > self.context_length:
             raise InvalidRequest(
                 f"the prompt has {len(prompt_ids)} tokens but the context holds {self.context_length} "
-                "(prompt plus at least one new token); shorten the prompt"
+                "(prompt plus at least one new token); shorten the prompt",
+                param="prompt",
             )
         capacity = self.runner.allocator.capacity_tokens
         if len(prompt_ids) + self.page_size > capacity and not self.paused:  # asleep: wake checks it
@@ -176,12 +177,14 @@ class Scheduler:
             if could_hold is None:
                 raise InvalidRequest(
                     f"the prompt needs {len(prompt_ids)} KV slots but the whole KV cache holds {capacity}; "
-                    "shorten the prompt"
+                    "shorten the prompt",
+                    param="prompt",
                 )
             if len(prompt_ids) + self.page_size > could_hold:  # it waits for memory when it fits this
                 raise InvalidRequest(
                     f"the prompt needs {len(prompt_ids)} KV slots but the KV cache can hold at most {could_hold} "
-                    f"(its reserved address space and caps; it holds {capacity} now); shorten the prompt"
+                    f"(its reserved address space and caps; it holds {capacity} now); shorten the prompt",
+                    param="prompt",
                 )
         if sampling.structured is not None:
             self._grammar_cache().get(sampling.structured)  # compiled once; a bad spec is refused here

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
-import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -343,11 +342,15 @@ def _sampling(
     prompt_logprobs: int | None = None,
     tokenizer: Tokenizer | None = None,
 ) -> SamplingParams:
-    """Sampling values checked against the engine's rules; `max_tokens=None` is settled later."""
+    """Sampling values checked against the engine's rules; `max_tokens=None` is settled later.
+    A refusal names the field the client wrote (chat's `max_completion_tokens` or `max_tokens`)."""
+    max_tokens_name = "max_tokens"
+    if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
+        max_tokens_name = "max_completion_tokens"
     if max_tokens is not None and max_tokens > limit.tokens:
         raise bad_request(
-            f"max_tokens={max_tokens} exceeds {limit.what} of {limit.tokens} tokens; ask for fewer tokens.",
-            param="max_tokens",
+            f"{max_tokens_name}={max_tokens} exceeds {limit.what} of {limit.tokens} tokens; ask for fewer tokens.",
+            param=max_tokens_name,
         )
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     top_k = body.top_k if body.top_k is not None else 0
@@ -369,13 +372,11 @@ def _sampling(
             logit_bias=_logit_bias(body, tokenizer),
             min_p=body.min_p or 0.0,
             min_tokens=body.min_tokens or 0,
+            max_tokens_name=max_tokens_name,
         )
         sampling.validate(limit.tokens)
     except InvalidRequest as exc:
-        message = str(exc)
-        field = re.match(r"[a-z_]+", message)
-        param = field.group(0) if field and field.group(0) in type(body).model_fields else None
-        raise bad_request(f"{message}.", param=param) from None
+        raise bad_request(f"{exc}.", param=exc.param) from None
     return sampling
 
 

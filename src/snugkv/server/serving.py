@@ -103,7 +103,7 @@ class FanOut:
                     raise APIError(500, f"The engine ended {rid} without finishing it.", type=SERVER_ERROR)
                 continue
             if isinstance(item, InvalidRequest):
-                raise APIError(400, str(item))
+                raise APIError(400, str(item), param=item.param)
             if isinstance(item, BaseException):
                 logger.error("The engine failed on %s", rid, exc_info=item)
                 raise APIError(500, f"The engine failed on this request ({item}).", type=SERVER_ERROR)

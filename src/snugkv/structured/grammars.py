@@ -64,7 +64,9 @@ def _error(output: StructuredOutput, exc: Exception) -> InvalidRequest:
 def _choices(output: StructuredOutput) -> list[str]:
     choices = json.loads(output.spec)
     if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
-        raise InvalidRequest("guided_choice must be a non-empty list of non-empty strings")
+        raise InvalidRequest(
+            "guided_choice must be a non-empty list of non-empty strings", param="guided_choice"
+        )
     return choices
 
 
