@@ -66,3 +66,20 @@ def test_a_prompt_over_the_context_is_about_the_prompt_or_the_messages(client: h
     openai_error(client.post(COMPLETIONS, json={"prompt": prompt, "max_tokens": 4}), 400, param="prompt")
     chat = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 4}
     openai_error(client.post(CHAT, json=chat), 400, param="messages")
+
+
+def test_chat_without_a_token_limit_takes_min_tokens_and_answers_at_least_that_many(
+    client: httpx.Client,
+) -> None:
+    """Chat's limit defaults to the room left in the context; min_tokens alone is no refusal (it
+    was checked against a placeholder limit of 1: "min_tokens=5 exceeds max_tokens=1")."""
+    body = {"messages": HI, "min_tokens": 5, "temperature": 0}
+    response = client.post(CHAT, json=body)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] >= 5
+
+
+def test_chat_min_tokens_beyond_the_room_left_names_min_tokens(client: httpx.Client) -> None:
+    context = client.get("/v1/models").json()["data"][0]["max_model_len"]
+    body = {"messages": HI, "min_tokens": context}
+    openai_error(client.post(CHAT, json=body), 400, param="min_tokens")

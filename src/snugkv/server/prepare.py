@@ -263,7 +263,14 @@ def prepare_chat(
                 param="messages",
                 code="context_length_exceeded",
             )
-        sampling = dataclasses.replace(sampling, max_new_tokens=limit.tokens - len(ids))
+        room = limit.tokens - len(ids)
+        if sampling.min_tokens > room:
+            raise bad_request(
+                f"min_tokens={sampling.min_tokens} is more than the {room} tokens the messages leave in "
+                f"{limit.what} of {limit.tokens} tokens; ask for fewer or shorten the messages.",
+                param="min_tokens",
+            )
+        sampling = dataclasses.replace(sampling, max_new_tokens=room)
     _check_fits(len(ids), sampling.max_new_tokens, limit, what="The messages", param="messages")
     prepared = _fan_out("chatcmpl", body, served_model_name, [ids], sampling, logprobs=body.logprobs)
     return dataclasses.replace(prepared, tools=tools, prompt_logprobs=body.prompt_logprobs)
@@ -356,7 +363,8 @@ def _sampling(
     top_k = body.top_k if body.top_k is not None else 0
     try:
         sampling = SamplingParams(
-            max_new_tokens=max_tokens if max_tokens is not None else 1,
+            # no limit given (chat): a placeholder until the room is known, never below min_tokens
+            max_new_tokens=max_tokens if max_tokens is not None else max(1, body.min_tokens or 0),
             temperature=body.temperature if body.temperature is not None else 1.0,
             top_p=body.top_p if body.top_p is not None else 1.0,
             top_k=0 if top_k == -1 else top_k,  # -1 disables top-k in vLLM's dialect
