@@ -1,0 +1,198 @@
+"""The engine's building blocks, shared by every start-up phase: the loaded model, its memory
+backend and the resolved flags; it makes KV pools and model runners, the KV sizing object over a
+runner, and counts the engine's own device memory (the graphs' driver memory, the activation
+peak, the ledger).
+
+`EngineBlocks` holds what the phases measured (`graph_driver_bytes`, `activation_peak_bytes`) so
+that the ledger and `--max-device-memory` count them; it never decides the KV cache's size (the
+post-capture and static phases do, snugkv.engine.post_capture_start and static_start) nor captures
+a graph itself (snugkv.engine.capture).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from snugkv.core.reports import MemoryLedger
+from snugkv.distributed.group import TensorParallel
+from snugkv.engine.args import EngineArgs
+from snugkv.engine.kv_sizing import KvCaps, KvSizing, StartGate
+from snugkv.memory.kv_pool import KVPool, KVPoolSpec, PoolMode
+from snugkv.memory.vmm import GIB, MIB, CommitError, VirtualMemory
+from snugkv.memory.vmm_plain import PlainMemory
+from snugkv.models.loader import LoadedModel
+from snugkv.runner.cuda_graph import default_cuda_graph_batch_sizes
+from snugkv.runner.kv_cache import make_kv_pool
+from snugkv.runner.model_runner import ModelRunner
+from snugkv.runner.piecewise_graphs import default_token_buckets
+from snugkv.sizing.ledger import measure_ledger
+from snugkv.sizing.measure import engine_device_bytes
+from snugkv.sizing.modes import SizingMode
+from snugkv.sizing.post_capture import SizingError
+
+
+class EngineBlocks:
+    """One rank's loaded model and memory backend, and what the start-up phases build from them.
+    `log`: the engine's rank-0 info log (one sizing line per engine, not one per rank)."""
+
+    def __init__(
+        self,
+        *,
+        args: EngineArgs,
+        mode: SizingMode,
+        device: torch.device,
+        tp: TensorParallel,
+        group: dist.ProcessGroup | None,
+        loaded: LoadedModel,
+        kv_dtype: torch.dtype | str,  # a name (--kv-dtype) or the weights' dtype
+        context_length: int,
+        memory: VirtualMemory,
+        baseline_free_bytes: int,
+        baseline_reserved_bytes: int,
+        start_gate: StartGate | None,
+        log: Callable[..., None],
+    ) -> None:
+        self.args = args
+        self.mode = mode
+        self.device = device
+        self.tp = tp
+        self.group = group
+        self.loaded = loaded
+        self.config = loaded.config
+        self.kv_dtype = kv_dtype
+        self.context_length = context_length
+        self.memory = memory
+        self.baseline_free_bytes = baseline_free_bytes
+        self.baseline_reserved_bytes = baseline_reserved_bytes
+        self.start_gate = start_gate
+        self.log = log
+        self.graph_driver_bytes = 0  # set once the graphs are captured
+        self.activation_peak_bytes = 0  # measured before the KV cache is sized
+
+    # -- the resolved flags -------------------------------------------------------------
+    @property
+    def page_size(self) -> int:
+        assert self.args.page_size is not None  # filled by EngineArgs.resolved
+        return self.args.page_size
+
+    @property
+    def max_running_requests(self) -> int:
+        assert self.args.max_running_requests is not None  # filled by EngineArgs.resolved
+        return self.args.max_running_requests
+
+    @property
+    def chunked_prefill_size(self) -> int:
+        assert self.args.chunked_prefill_size is not None  # filled by EngineArgs.resolved
+        return self.args.chunked_prefill_size
+
+    @property
+    def attention_backend(self) -> str:
+        assert self.args.attention_backend is not None  # filled by EngineArgs.resolved
+        return self.args.attention_backend
+
+    def graph_batch_sizes(self) -> list[int]:
+        if self.args.disable_cuda_graph or not self.args.cuda_graph_max_bs:
+            return []
+        largest = min(self.args.cuda_graph_max_bs, self.max_running_requests)
+        return default_cuda_graph_batch_sizes(largest)
+
+    def prefill_graph_buckets(self) -> list[int]:
+        if self.args.disable_cuda_graph or not self.args.prefill_graph_max_tokens:
+            return []
+        return default_token_buckets(min(self.args.prefill_graph_max_tokens, self.context_length))
+
+    # -- pools, runners, the KV sizing object -------------------------------------------
+    def pool(self, mode: PoolMode, reserved_tokens: int) -> KVPool:
+        spec = KVPoolSpec.of(
+            dtype=self.kv_dtype,
+            page_size=self.page_size,
+            layout=self.args.kv_layout,
+            device=self.device,
+            mode=mode,
+            memory=self.memory,
+            chunk_bytes=None if self.args.kv_chunk_mib is None else round(self.args.kv_chunk_mib * MIB),
+        )
+        return make_kv_pool(
+            self.config,
+            spec,
+            reserved_tokens=reserved_tokens,
+            swa_full_tokens_ratio=self.args.swa_full_tokens_ratio,
+            num_kv_heads=self.loaded.model.num_kv_heads_per_rank,  # tp: this rank's
+        )
+
+    def build_runner(self, pool: KVPool) -> ModelRunner:
+        try:
+            return ModelRunner.build(
+                self.loaded.model,
+                pool,
+                max_requests=self.max_running_requests,
+                max_context_len=self.context_length,
+                attention_backend=self.attention_backend,
+                tp=self.tp,
+            )
+        except CommitError as exc:
+            raise SizingError(
+                f"could not back even the KV cache's first page ({exc}); free some memory"
+                + (" or raise --host-kv-gib" if self.device.type == "cpu" else "")
+            ) from exc
+
+    def kv_sizing(self, runner: ModelRunner, headroom_bytes: int) -> KvSizing:
+        pool = runner.kv_pool
+        post_capture = self.mode is SizingMode.POST_CAPTURE  # the static modes leave no room
+        guest_room = (self.args.guest_room_mib or 0) * MIB if post_capture else 0
+        return KvSizing(
+            runner,
+            mode=self.mode,
+            memory=self.memory,
+            group=self.group,
+            caps=KvCaps(
+                page_size=self.page_size,
+                max_total_tokens=self.args.max_total_tokens,
+                max_device_memory_gib=self.args.max_device_memory_gib,
+                max_running_requests=self.max_running_requests,
+            ),
+            headroom_bytes=headroom_bytes,
+            workspace_bytes=self.activation_peak_bytes,
+            held_besides_kv=lambda: self.engine_device_bytes(pool) - pool.committed_bytes,
+            guest_room_bytes=guest_room,
+            device_type=self.device.type,
+            start_gate=self.start_gate,
+        )
+
+    # -- the engine's own memory ---------------------------------------------------------
+    def engine_device_bytes(self, pool: KVPool | None) -> int:
+        """What `--max-device-memory` counts: the engine's own device memory (weights, graphs,
+        buffers, KV), not the CUDA context nor other processes."""
+        outside_torch = self.graph_driver_bytes
+        if pool is not None and not isinstance(self.memory, PlainMemory):
+            outside_torch += pool.committed_bytes
+        if self.loaded.weights is not None:
+            outside_torch += self.loaded.weights.committed_bytes
+        return engine_device_bytes(self.memory, outside_torch, self.baseline_reserved_bytes)
+
+    def measure_ledger(self, kv: KvSizing) -> MemoryLedger:
+        return measure_ledger(
+            self.device,
+            self.memory,
+            baseline_free_bytes=self.baseline_free_bytes,
+            weights_bytes=sum(p.numel() * p.element_size() for p in self.loaded.model.parameters()),
+            kv_committed_bytes=kv.pool.committed_bytes,
+            kv_reserved_va_bytes=kv.pool.arena.reserved_bytes,
+            kv_in_torch_allocator=isinstance(self.memory, PlainMemory),
+            weights_in_torch_allocator=self.loaded.weights is None,
+            weights_resident=self.loaded.weights is None or self.loaded.weights.resident,
+            graph_executables_bytes=self.graph_driver_bytes,
+            activation_peak_bytes=self.activation_peak_bytes,
+            headroom_bytes=kv.headroom_bytes,
+            guest_room_bytes=kv.guest_room_bytes,
+        )
+
+
+def per_rank_text(per_rank: tuple[int, ...]) -> str:
+    """The sizing line's tail under tp: the free memory each rank measured."""
+    if len(per_rank) <= 1:
+        return ""
+    return ", free per rank=[" + ", ".join(f"{value / GIB:.2f}" for value in per_rank) + "] GiB"

@@ -1,0 +1,102 @@
+"""Graph capture and the largest eager step: the decode and piecewise prefill graphs captured
+against the KV pool's fixed addresses (with the driver memory they take outside torch's
+allocator counted), and the biggest eager work the engine will run, measured for the activation
+headroom, with a shrink's kernels loaded on the dummy page.
+
+Both run before any KV beyond the dummy page is backed; this module never sizes the KV cache.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import torch
+
+from snugkv.core.forward import BatchRow
+from snugkv.core.sampling import MAX_LOGPROBS, PROMPT_LOGITS_PER_STEP, SamplingParams
+from snugkv.core.structured_output import TokenBitmask
+from snugkv.engine.blocks import EngineBlocks
+from snugkv.layers.logprobs import score_tokens
+from snugkv.runner.kv_resize import load_shrink_kernels
+from snugkv.runner.model_runner import ModelRunner
+from snugkv.sizing.measure import measure_capture, measure_peak_bytes
+from snugkv.structured.bitmask import bitmask_words
+
+
+def capture_graphs(blocks: EngineBlocks, runner: ModelRunner) -> dict[str, float]:
+    """Capture the decode graphs and the piecewise prefill graphs; counts the driver memory
+    they took outside torch's allocator (the ledger's own item) and returns the seconds each
+    kind took (`capture_decode_s`, `capture_piecewise_s`; `capture_s`: both and the measuring
+    around them)."""
+    sizes, buckets = blocks.graph_batch_sizes(), blocks.prefill_graph_buckets()
+    timings = {"capture_decode_s": 0.0, "capture_piecewise_s": 0.0, "capture_s": 0.0}
+    if not sizes and not buckets:
+        blocks.graph_driver_bytes = 0
+        return timings
+
+    def capture() -> None:
+        decode = time.perf_counter()
+        if sizes:
+            runner.capture_cuda_graphs(sizes)
+        piecewise = time.perf_counter()
+        if buckets:
+            runner.capture_piecewise_graphs(buckets)
+        timings["capture_decode_s"] = piecewise - decode
+        timings["capture_piecewise_s"] = time.perf_counter() - piecewise
+
+    started = time.perf_counter()
+    blocks.graph_driver_bytes = measure_capture(blocks.device, capture).driver_bytes
+    timings["capture_s"] = time.perf_counter() - started
+    return timings
+
+
+def measure_activation_peak(blocks: EngineBlocks, runner: ModelRunner) -> int:
+    """The activation peak of the largest eager step (0 on CPU), kept for the ledger."""
+    peak = measure_peak_bytes(blocks.device, lambda: largest_eager_step(blocks, runner))
+    blocks.activation_peak_bytes = peak
+    return peak
+
+
+def largest_eager_step(blocks: EngineBlocks, runner: ModelRunner) -> None:
+    """The biggest eager work the engine will run: the largest prefill chunk (scoring the most
+    prompt positions a step scores), decode beyond the graphs, and the sampler with every stage
+    (penalties and a grammar's token mask included) over the largest batch, on the dummy slot
+    only; then a shrink's kernels, loaded on the dummy page.
+
+    Row 0 of the table is the padding row (all zeros), so every token reads and writes
+    slot 0: this runs before any KV beyond the dummy page is backed.
+    """
+    device, vocab_size = blocks.device, blocks.config.vocab_size
+    # Sampling with every stage on: penalties also make the runner's per-row token history,
+    # which then stays (allocated before the KV cache is sized, so the sizing counts it).
+    sampling = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, min_p=0.05)
+    penalised = replace(sampling, repetition_penalty=1.1, min_tokens=1)
+    if device.type != "cuda":
+        # The host backend keeps no activation headroom (measure_peak_bytes is 0 there): only
+        # what the step leaves behind is made, not its forward (seconds of every CPU start).
+        runner.sample_on_device(torch.zeros(1, vocab_size), [penalised], None, [0])
+        return
+    chunk = min(blocks.chunked_prefill_size, blocks.context_length)
+    scored = min(chunk, PROMPT_LOGITS_PER_STEP)  # a prompt being scored: logits for each position
+    rows = [BatchRow(0, 0, [0] * scored, prompt_logits=True)]
+    if chunk > scored:
+        rows.append(BatchRow(0, 0, [0] * (chunk - scored)))
+    logits = runner.forward(rows, torch.zeros(chunk, dtype=torch.int64, device=device))
+    score_tokens(logits, torch.zeros(logits.shape[0], dtype=torch.int64, device=device), MAX_LOGPROBS)
+    runner.sample(logits[-1:], [sampling])
+    sizes = blocks.graph_batch_sizes()
+    batch = blocks.max_running_requests
+    if not sizes or batch > max(sizes):
+        rows = [BatchRow(0, 1, [0])] * batch
+        logits = runner.forward(rows, torch.zeros(batch, dtype=torch.int64, device=device))
+    else:  # graph decode: its logits live in the graph pool; sampling them runs eagerly
+        logits = torch.randn(batch, vocab_size, device=device)
+    # Every row constrained by a grammar (all tokens allowed): the mask's unpacked bits and the
+    # masked copy of the logits are as large as the logits, part of the peak of a structured batch.
+    every_row = torch.arange(batch, dtype=torch.int64, device=device)
+    allow_all = torch.full((batch, bitmask_words(vocab_size)), -1, dtype=torch.int32, device=device)
+    runner.sample_on_device(
+        logits, [penalised] * batch, None, [0] * batch, token_bitmask=TokenBitmask(every_row, allow_all)
+    )  # row 0: the padding row
+    load_shrink_kernels(runner)
