@@ -98,6 +98,7 @@ def test_a_request_the_engine_cannot_run_gets_an_error_output_not_an_exception(e
     outputs = asyncio.run(collect(engine_thread, "long", too_long, 4))
     assert len(outputs) == 1 and outputs[0].finish_reason == "error"
     assert "context holds" in outputs[0].error and outputs[0].rejected  # the server makes it a 400
+    assert outputs[0].error_param == "prompt"  # ... about the prompt
 
 
 def test_a_request_id_in_use_is_refused_and_the_running_request_keeps_its_stream(engine_thread):

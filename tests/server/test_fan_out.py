@@ -55,6 +55,7 @@ class RejectingEngine(FakeEngine):
             finish_reason="error",
             error="the prompt needs 100 KV slots but the whole KV cache holds 64; shorten the prompt",
             rejected=self.rejected,
+            error_param="prompt" if self.rejected else None,
         )
 
 
@@ -66,6 +67,7 @@ def test_a_refusal_in_the_stream_is_a_400_and_a_failure_a_500(rejected: bool, st
             with pytest.raises(APIError, match="KV cache holds 64") as raised:
                 await asyncio.wait_for(anext(fan_out), timeout=5)
             assert raised.value.status_code == status
+            assert raised.value.param == ("prompt" if rejected else None)
         finally:
             fan_out.close()
 

@@ -87,5 +87,6 @@ class GenerateOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     error: str | None = None
     rejected: bool = False  # the engine refused the request as it is (a 400: `error` says what to change)
+    error_param: str | None = None  # the request field a rejection is about (the 400's `param`)
     # the request waited for KV memory the engine could not get in time: a 503 with this Retry-After
     retry_after_s: float | None = None

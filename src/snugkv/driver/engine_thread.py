@@ -102,8 +102,11 @@ async def stream_until_finished(
             abort()
 
 
-def error_output(rid: str, prompt_tokens: int, message: str, *, rejected: bool = False) -> GenerateOutput:
-    """The one output of a request that ends with `message` (`rejected`: the request as it is, a 400)."""
+def error_output(
+    rid: str, prompt_tokens: int, message: str, *, rejected: bool = False, param: str | None = None
+) -> GenerateOutput:
+    """The one output of a request that ends with `message` (`rejected`: the request as it is, a
+    400 about field `param` where it names one)."""
     return GenerateOutput(
         rid=rid,
         token_ids=[],
@@ -113,6 +116,7 @@ def error_output(rid: str, prompt_tokens: int, message: str, *, rejected: bool =
         prompt_tokens=prompt_tokens,
         error=message,
         rejected=rejected,
+        error_param=param,
     )
 
 
@@ -517,8 +521,13 @@ class EngineThread:
             if not isinstance(exc, InvalidRequest):
                 logger.exception("adding request %s failed", command.rid)
             mailbox, outputs = self._streams.pop(command.rid)
+            rejected = isinstance(exc, InvalidRequest)
             failed = error_output(
-                command.rid, len(command.input_ids), str(exc), rejected=isinstance(exc, InvalidRequest)
+                command.rid,
+                len(command.input_ids),
+                str(exc),
+                rejected=rejected,
+                param=exc.param if isinstance(exc, InvalidRequest) else None,
             )
             self._send(mailbox, outputs, failed)
 

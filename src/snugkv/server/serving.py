@@ -110,7 +110,7 @@ class FanOut:
             output = cast(GenerateOutput, item)
             self._record(index, output)
             if output.error is not None and output.rejected:
-                raise APIError(400, output.error)
+                raise APIError(400, output.error, param=output.error_param)
             if output.error is not None and output.retry_after_s is not None:  # waited for KV memory in vain
                 raise APIError(
                     503,
