@@ -332,7 +332,15 @@ class KVPool:
 
 
 class MHAKVPool(KVPool):
-    """Separate K and V buffers per layer (multi-head and grouped-query attention)."""
+    """K and V of a layer in one buffer (multi-head and grouped-query attention).
+
+    A slot of layer `l`'s buffer holds its K heads then its V heads (`[2 * Hkv, D]`; page-major
+    `[pages, 2 * Hkv, P, D]`); `get_kv_buffer` hands out the two halves as strided views, which the
+    kernels address by their strides. One buffer per layer instead of two halves the extensions a
+    resize maps or unmaps (a driver mapping costs ~35 us to unmap whatever its size:
+    docs/bench/elastic.md), so a shrink of 10 GiB takes half the driver calls, and a move copies a
+    slot's K and V in one row. Where V's head dim differs from K's, the layer keeps two buffers.
+    """
 
     def __init__(
         self,
@@ -351,25 +359,34 @@ class MHAKVPool(KVPool):
         self.head_dim = head_dim
         self.v_head_dim = v_head_dim or head_dim
         self.layer_ids = list(range(num_layers))
+        self.fused = self.v_head_dim == head_dim
+        heads = num_kv_heads
+        if self.fused:
+            layouts = [
+                BufferLayout(
+                    f"layer{layer}.kv", self.dtype, (2 * heads, head_dim), self.page_size, self.layout
+                )
+                for layer in self.layer_ids
+            ]
+            views = self._place({DEFAULT_GROUP: layouts})
+            self.kv_buffers = [views[f"layer{layer}.kv"] for layer in self.layer_ids]
+            self.k_buffers = {layer: self.kv_buffers[layer][:, :heads] for layer in self.layer_ids}
+            self.v_buffers = {layer: self.kv_buffers[layer][:, heads:] for layer in self.layer_ids}
+            return
         layouts = []
         for layer in self.layer_ids:
             layouts.append(
-                BufferLayout(
-                    f"layer{layer}.k", self.dtype, (num_kv_heads, head_dim), self.page_size, self.layout
-                )
+                BufferLayout(f"layer{layer}.k", self.dtype, (heads, head_dim), self.page_size, self.layout)
             )
             layouts.append(
                 BufferLayout(
-                    f"layer{layer}.v",
-                    self.dtype,
-                    (num_kv_heads, self.v_head_dim),
-                    self.page_size,
-                    self.layout,
+                    f"layer{layer}.v", self.dtype, (heads, self.v_head_dim), self.page_size, self.layout
                 )
             )
         views = self._place({DEFAULT_GROUP: layouts})
         self.k_buffers = {layer: views[f"layer{layer}.k"] for layer in self.layer_ids}
         self.v_buffers = {layer: views[f"layer{layer}.v"] for layer in self.layer_ids}
+        self.kv_buffers = [*self.k_buffers.values(), *self.v_buffers.values()]
 
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_buffers[layer_id], self.v_buffers[layer_id]
@@ -381,8 +398,9 @@ class MHAKVPool(KVPool):
         self._store(self.v_buffers[layer_id], loc, v)
 
     def _kv_tensors(self, group: str) -> list[torch.Tensor]:
-        return [*self.k_buffers.values(), *self.v_buffers.values()]
+        return list(self.kv_buffers)  # whole rows: a move copies a slot's K and V at once
 
     def _drop_views(self) -> None:
         self.k_buffers.clear()
         self.v_buffers.clear()
+        self.kv_buffers.clear()
