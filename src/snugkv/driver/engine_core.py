@@ -210,6 +210,7 @@ class EngineCore:
             enable_prefix_cache=enable_prefix_cache,
             on_output=on_output,
             overlap=not args.disable_overlap_schedule if overlap is None else overlap,
+            host_tier=engine.host_tier,
         )
         return cls(engine, scheduler, tokenizer)
 
