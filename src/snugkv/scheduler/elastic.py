@@ -159,7 +159,8 @@ def sleep(scheduler: Scheduler, engine: Engine, *, level: int = 1, tags: tuple[s
             scheduler.retract(request)
         if level == 1:  # the cached prefixes wait in the host tier (as far as it holds them)
             scheduler.cache.spill_all()
-        scheduler.cache.reset()  # level 2 may bring new weights: their old KV is no prefix of anything
+        else:  # level 2 may come back with new weights: the old KV is no prefix of anything then
+            scheduler.cache.reset()
     result = engine.sleep(level, tags)
     scheduler.paused = engine.is_sleeping
     return result
