@@ -341,6 +341,7 @@ class HostTierStats:
     pinned: bool  # page-locked host memory (on a GPU); CPU tests use plain memory
     device_hit_tokens: int  # prompt tokens the prefix cache served from the device
     host_hit_tokens: int  # ... and from the host tier (loaded back before the prefill)
+    host_hit_rate: float  # host_hit_tokens over the prompt tokens looked up, 0..1
     spilled_tokens: int  # left the device into the host tier
     dropped_tokens: int  # left the device with no copy kept (the host tier had no room)
     bytes_to_host: int

@@ -497,6 +497,7 @@ class RadixCache:
             pinned=tier.pinned,
             device_hit_tokens=self.hit_tokens,
             host_hit_tokens=self.host_hit_tokens,
+            host_hit_rate=self.host_hit_tokens / self.query_tokens if self.query_tokens else 0.0,
             spilled_tokens=self.spilled_tokens,
             dropped_tokens=self.dropped_tokens,
             bytes_to_host=traffic.bytes_to_host,
