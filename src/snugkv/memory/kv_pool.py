@@ -289,6 +289,21 @@ class KVPool:
                     copied += self._copy_pages(buffer, page_moves)
         return copied
 
+    def page_views(self) -> list[torch.Tensor]:
+        """Every KV buffer as `[pool pages, page bytes]` uint8 rows (row p: the bytes of page p's
+        slots), for moving whole pages to and from another tier (snugkv.memory.host_tier). Views,
+        never copies; a pool of one token group only (a sliding-window pool raises `ValueError`)."""
+        if set(self._buffers) != {DEFAULT_GROUP}:
+            raise ValueError(
+                f"{type(self).__name__} keeps {len(self._buffers)} token groups; page views need one"
+            )
+        views = []
+        for buffer in self._kv_tensors(DEFAULT_GROUP):
+            raw = buffer.view(torch.uint8)
+            pages = raw.shape[0] if self.layout is KVLayout.PAGE_MAJOR else raw.shape[0] // self.page_size
+            views.append(raw.view(pages, -1))
+        return views
+
     def _moves_by_group(self, moves: KvMoves) -> dict[str, PageMoves]:
         return {DEFAULT_GROUP: moves.full}
 
