@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import re
 import subprocess
 import sys
@@ -22,7 +21,10 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, cast
+
+from snugkv.bench.harness import save
 
 # Routes that change the engine's memory, in the order they are fuzzed, after all the others.
 STATE_CHANGING_ROUTES = (
@@ -173,20 +175,13 @@ def run(args: argparse.Namespace) -> int:
     for error in report.server_errors:
         print(f"\n{error.status} on {error.route}: {error.body}\n  {error.curl}")
     if args.out:
-        from pathlib import Path
-
-        Path(args.out).mkdir(parents=True, exist_ok=True)
+        raw = {
+            "statuses": {route: dict(counts) for route, counts in report.statuses.items()},
+            "server_errors": [vars(error) for error in report.server_errors],
+            "after": report.after,
+        }
+        save(Path(args.out) / "fuzz.json", raw)
         (Path(args.out) / "fuzz.md").write_text(report.table() + "\n")
-        (Path(args.out) / "fuzz.json").write_text(
-            json.dumps(
-                {
-                    "statuses": {r: dict(c) for r, c in report.statuses.items()},
-                    "server_errors": [vars(e) for e in report.server_errors],
-                    "after": report.after,
-                },
-                indent=2,
-            )
-        )
     return 1 if report.server_errors or report.after != 200 else 0
 
 

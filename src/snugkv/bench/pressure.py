@@ -44,7 +44,7 @@ from typing import IO, Any
 
 import httpx
 
-from snugkv.bench.report import emit, format_table
+from snugkv.bench.harness import emit, format_table
 from snugkv.bench.serving_http import _free_port, stop_server
 from snugkv.memory.host_device import HOST_DEVICE_ENV, HOST_HEADROOM_ENV, RUNTIME_DIR_ENV
 from snugkv.memory.vmm import GIB, MIB

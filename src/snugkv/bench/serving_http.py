@@ -27,6 +27,7 @@ from typing import IO, Any
 
 import httpx
 
+from snugkv.bench.harness import percentile_ms
 from snugkv.bench.idle import gc_figures, step_figures
 
 
@@ -114,7 +115,7 @@ async def _drive(url: str, requests: list[tuple[list[int], int]], stream: bool =
         results = await asyncio.gather(*(one(body) for body in bodies))
         elapsed = time.monotonic() - started
     tokens = sum(count for count, _ in results)
-    ttft = sorted(first for _, first in results if first is not None)
+    ttft = [first for _, first in results if first is not None]
     return {
         "requests": len(requests),
         "output_tokens": tokens,
@@ -123,7 +124,7 @@ async def _drive(url: str, requests: list[tuple[list[int], int]], stream: bool =
         "span": (started, started + elapsed),  # the pass on the monotonic clock the server's steps use
         # a model without tokenizer files streams no text, so no first-token time is seen (nor
         # without streaming)
-        "ttft_p50_ms": ttft[len(ttft) // 2] * 1e3 if len(ttft) == len(results) else None,
+        "ttft_p50_ms": percentile_ms(ttft, 0.5) if len(ttft) == len(results) else None,
     }
 
 
