@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import re
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from snugkv.bench.harness import save
+from snugkv.bench.serving_http import start_server, stop_server
 
 # Routes that change the engine's memory, in the order they are fuzzed, after all the others.
 STATE_CHANGING_ROUTES = (
@@ -187,36 +187,16 @@ def run(args: argparse.Namespace) -> int:
 
 @contextlib.contextmanager
 def _server(args: argparse.Namespace) -> Iterator[tuple[str, str | None]]:
-    """`--url`, or a `snugkv serve` started for the run (its URL read from its log)."""
+    """`--url`, or a `snugkv serve` started for the run on a free port and stopped after it."""
     if args.url:
         yield args.url.rstrip("/"), args.api_key
         return
     key = "fuzz-key"
-    command = [
-        sys.executable,
-        "-m",
-        "snugkv",
-        "serve",
-        "--port",
-        "0",
-        "--api-key",
-        key,
-        "--max-total-tokens",
-        "8192",
-    ]
+    command = [sys.executable, "-m", "snugkv", "serve", "--api-key", key, "--max-total-tokens", "8192"]
     if args.model:
         command += ["--model", args.model]
-    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
-    assert process.stderr is not None
+    process, url = start_server(command)
     try:
-        for line in process.stderr:
-            sys.stderr.write(line)
-            found = re.search(r"serving on (http://\S+)", line)
-            if found:
-                break
-        else:
-            raise RuntimeError(f"snugkv serve exited with {process.wait()} before serving")
-        yield found.group(1), key
+        yield url, key
     finally:
-        process.terminate()
-        process.wait(timeout=60)
+        stop_server(process)

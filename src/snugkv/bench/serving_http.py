@@ -19,7 +19,6 @@ import asyncio
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -29,12 +28,7 @@ import httpx
 
 from snugkv.bench.harness import percentile_ms
 from snugkv.bench.idle import gc_figures, step_figures
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+from snugkv.distributed.launch import free_port
 
 
 def serve_command(model: str, extra: list[str]) -> list[str]:
@@ -53,7 +47,7 @@ def start_server(
 ) -> tuple[subprocess.Popen[bytes], str]:
     """`command --port P` on a free loopback port (in `env`, default this process's environment;
     its output to `log`, default this process's); returns the process and its base URL once healthy."""
-    port = _free_port()
+    port = free_port()
     command = [*command, "--port", str(port)]
     process = subprocess.Popen(
         command,
