@@ -22,7 +22,7 @@ import platform
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +43,7 @@ def cuda_missing(what: str, hint: str = "") -> bool:
     return True
 
 
-def provenance() -> dict[str, Any]:
+def provenance() -> dict[str, str]:
     """When and from what the numbers came: date, commit, Python (no torch, no CUDA context)."""
     return {
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -52,7 +52,7 @@ def provenance() -> dict[str, Any]:
     }
 
 
-def environment() -> dict[str, Any]:
+def environment() -> dict[str, str]:
     """What the numbers were measured on: `provenance` with torch's version and the device."""
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
     return {**provenance(), "torch": torch.__version__, "device": device}
@@ -74,7 +74,7 @@ def commit() -> str:
 
 
 # -- tables and raw JSON ------------------------------------------------------------------------
-def format_table(rows: list[dict[str, Any]]) -> str:
+def format_table(rows: Sequence[Mapping[str, object]]) -> str:
     """A markdown table with the union of the rows' keys as columns (nested values stay in the JSON)."""
     if not rows:
         return "(no rows)"
@@ -93,13 +93,15 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def title(name: str, env: dict[str, Any]) -> str:
+def title(name: str, env: Mapping[str, object]) -> str:
     """The heading of a table: the benchmark, the device, torch, the date and the commit."""
     device = env.get("device") or env.get("gpu")
     return f"## {name} — {device}, torch {env.get('torch')}, {env['date']}, commit {env['commit']}"
 
 
-def save(json_path: Path, payload: dict[str, Any], table_rows: list[dict[str, Any]] | None = None) -> None:
+def save(
+    json_path: Path, payload: dict[str, Any], table_rows: Sequence[Mapping[str, object]] | None = None
+) -> None:
     """The raw JSON at `json_path` and, given rows, their table beside it (`.md`), titled from the
     payload's `benchmark` and `environment` where it has them."""
     json_path.parent.mkdir(parents=True, exist_ok=True)
@@ -144,7 +146,7 @@ def latency_columns(ttft_s: Sequence[float], tpot_s: Sequence[float]) -> dict[st
 
 
 # -- the GPU clock and its floors ---------------------------------------------------------------
-def time_cuda(fn: Callable[..., Any], iterations: int = 30, warmup: int = 5) -> float:
+def time_cuda(fn: Callable[..., object], iterations: int = 30, warmup: int = 5) -> float:
     """Median seconds of `fn()` measured with CUDA events, after `warmup` untimed calls."""
     for _ in range(warmup):
         fn()
@@ -159,7 +161,7 @@ def time_cuda(fn: Callable[..., Any], iterations: int = 30, warmup: int = 5) -> 
     return sorted(times)[len(times) // 2]
 
 
-def cuda_graph_of(fn: Callable[..., Any], calls: int = 1) -> torch.cuda.CUDAGraph:
+def cuda_graph_of(fn: Callable[..., object], calls: int = 1) -> torch.cuda.CUDAGraph:
     """`fn` captured `calls` times in one CUDA graph, after `GRAPH_WARM_CALLS` calls on a side stream."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -174,7 +176,7 @@ def cuda_graph_of(fn: Callable[..., Any], calls: int = 1) -> torch.cuda.CUDAGrap
     return graph
 
 
-def graph_seconds(fn: Callable[..., Any], calls: int = 1, iterations: int = 30, warmup: int = 5) -> float:
+def graph_seconds(fn: Callable[..., object], calls: int = 1, iterations: int = 30, warmup: int = 5) -> float:
     """Seconds per call of `fn` captured `calls` times in one CUDA graph: the median replay
     (`time_cuda`) over `calls`."""
     graph = cuda_graph_of(fn, calls)
@@ -183,7 +185,7 @@ def graph_seconds(fn: Callable[..., Any], calls: int = 1, iterations: int = 30, 
     return seconds
 
 
-def graph_seconds_per_call(fn: Callable[..., Any], reps: int, iters: int) -> float:
+def graph_seconds_per_call(fn: Callable[..., object], reps: int, iters: int) -> float:
     """Seconds per call of `fn` captured `reps` times in one CUDA graph, over `iters` replays run
     back to back between one pair of events (no launch gap between replays is timed)."""
     graph = cuda_graph_of(fn, reps)

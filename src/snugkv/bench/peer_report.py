@@ -195,5 +195,5 @@ def merge(paths: list[Path], out: Path) -> Path:
     return target
 
 
-def _table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _table(rows: list[dict[str, Any]]) -> list[dict[str, object]]:
     return [{key: row.get(key) for key in TABLE_COLUMNS if key in row} for row in rows]
