@@ -44,8 +44,9 @@ from typing import IO, Any
 
 import httpx
 
-from snugkv.bench.report import emit, format_table
-from snugkv.bench.serving_http import _free_port, stop_server
+from snugkv.bench.harness import emit, format_table
+from snugkv.bench.serving_http import stop_server
+from snugkv.distributed.launch import free_port
 from snugkv.memory.host_device import HOST_DEVICE_ENV, HOST_HEADROOM_ENV, RUNTIME_DIR_ENV
 from snugkv.memory.vmm import GIB, MIB
 
@@ -352,7 +353,7 @@ class Server:
 
 
 def _start(args: argparse.Namespace, env: dict[str, str], log_path: Path, log: IO[bytes]) -> Server:
-    port = _free_port()
+    port = free_port()
     process = subprocess.Popen(_server_command(args, port), env=env, stdout=log, stderr=subprocess.STDOUT)
     return Server(process, f"http://127.0.0.1:{port}", log_path)
 
