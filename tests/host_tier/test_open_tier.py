@@ -14,6 +14,7 @@ from snugkv.engine.host_tier import (
     HOST_TIER_RAM_FRACTION,
     host_tier_bytes,
     open_host_tier,
+    suggested_host_tier_bytes,
 )
 from snugkv.memory.kv_pool import MHAKVPool
 from snugkv.memory.vmm import GIB, MIB
@@ -25,15 +26,17 @@ def small_pool(kind: str = "mha") -> MHAKVPool:
     return make_pool(kind, dtype="float32", page_size=4, layout="nhd", reserved_tokens=64, mode="static")  # type: ignore[return-value]
 
 
-def test_the_tier_is_off_on_cpu_by_default_and_on_a_gpu_leaves_the_host_room():
+def test_the_tier_is_off_unless_asked_and_the_log_suggests_a_size_that_leaves_the_host_room():
     assert host_tier_bytes(EngineArgs(), torch.device("cpu"), ranks=1)[0] == 0
     size, why = host_tier_bytes(EngineArgs(), torch.device("cuda"), ranks=4)
-    expected = min(
+    assert size == 0
+    suggested = min(
         int(available_ram_bytes() * HOST_TIER_RAM_FRACTION / 4), int(HOST_TIER_DEFAULT_MAX_GIB * GIB)
     )
-    assert abs(size - expected) < 64 * MIB  # available RAM moves a little between the two reads
+    assert abs(suggested_host_tier_bytes(4) - suggested) < 64 * MIB  # available RAM moves a little
     assert "over 4 ranks" in why and "--kv-host-tier-gib" in why
     assert host_tier_bytes(EngineArgs(kv_host_tier_gib=0.5), torch.device("cpu"), ranks=1)[0] == GIB // 2
+    assert host_tier_bytes(EngineArgs(kv_host_tier_gib=0.5), torch.device("cuda"), ranks=1)[0] == GIB // 2
 
 
 def test_a_failed_allocation_leaves_no_tier_and_one_warning(caplog):

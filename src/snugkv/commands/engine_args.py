@@ -193,8 +193,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="GIB",
         help="pinned host memory for the prefix cache's second tier: cached prefixes that leave the device "
-        "(eviction, a shrink, sleep level 1) are written there and loaded back at their next hit (default "
-        "on a GPU: 25%% of the host RAM available over the ranks, at most 64 GiB per rank; off on CPU; 0: off)",
+        "(eviction, a shrink, sleep level 1) are written there and loaded back at their next hit (default: "
+        "off; the start-up log suggests a size that leaves the host room)",
     )
     group.add_argument(
         "--max-device-memory",

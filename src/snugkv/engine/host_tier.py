@@ -1,9 +1,10 @@
 """The host KV tier at start-up: how big (`--kv-host-tier-gib`, or a default that leaves the host
 room), in pinned host memory, or none at all.
 
-On a GPU the default is `HOST_TIER_RAM_FRACTION` of the host RAM available now, split over the
-ranks of this launch (each rank pins its own), at most `HOST_TIER_DEFAULT_MAX_GIB` per rank; on CPU
-it is off by default (the 'device' is host memory already; tests turn it on to run the same code).
+Off unless `--kv-host-tier-gib N` asks (on CPU the 'device' is host memory already; tests turn it
+on to run the same code; on a GPU until its benchmark has run, see `host_tier_bytes`); the start-up
+log suggests a size that leaves the host room: `HOST_TIER_RAM_FRACTION` of the host RAM available,
+split over the ranks of this launch (each rank pins its own), at most `HOST_TIER_DEFAULT_MAX_GIB`.
 Every rank keeps the same number of pages (MIN over ranks), so every rank spills and loads alike.
 A pinned allocation that fails is one warning line and no tier: the engine serves as without it.
 The tier follows the prefix cache's page layout, so a pool of two token groups (sliding window)
@@ -35,18 +36,29 @@ HOST_TIER_RAM_FRACTION = 0.25  # of the host RAM available at start-up, over the
 HOST_TIER_DEFAULT_MAX_GIB = 64.0  # per rank, by default; --kv-host-tier-gib sets any size
 
 
+def suggested_host_tier_bytes(ranks: int) -> int:
+    """A size that leaves the host room: `HOST_TIER_RAM_FRACTION` of the RAM available now over the
+    ranks, at most `HOST_TIER_DEFAULT_MAX_GIB` each."""
+    return min(
+        int(available_ram_bytes() * HOST_TIER_RAM_FRACTION / ranks), int(HOST_TIER_DEFAULT_MAX_GIB * GIB)
+    )
+
+
 def host_tier_bytes(args: EngineArgs, device: torch.device, ranks: int) -> tuple[int, str]:
-    """The tier's size in bytes (0: none) and where the figure comes from, for the log line."""
+    """The tier's size in bytes (0: none) and where the figure comes from, for the log line.
+
+    Off unless `--kv-host-tier-gib` asks for it, on a GPU too, until the GPU benchmark of issue 35
+    has measured it: pinning tens of GiB at start-up costs seconds, and a pressure move that spills
+    copies what it evicts before the memory goes back (no time budget yet: docs/HOST_TIER.md)."""
     if args.kv_host_tier_gib is not None:
         return int(args.kv_host_tier_gib * GIB), "--kv-host-tier-gib"
     if device.type != "cuda":
         return 0, "off on CPU by default"
-    available = available_ram_bytes()
-    size = min(int(available * HOST_TIER_RAM_FRACTION / ranks), int(HOST_TIER_DEFAULT_MAX_GIB * GIB))
+    size = suggested_host_tier_bytes(ranks)
     over = f" over {ranks} ranks" if ranks > 1 else ""
-    return size, (
-        f"default: {HOST_TIER_RAM_FRACTION:.0%} of the {available / GIB:.1f} GiB of host RAM available{over}, "
-        f"at most {HOST_TIER_DEFAULT_MAX_GIB:g} GiB; --kv-host-tier-gib sets it, 0 turns it off"
+    return 0, (
+        f"off by default; --kv-host-tier-gib N turns it on ({size / GIB:.1f} GiB would be "
+        f"{HOST_TIER_RAM_FRACTION:.0%} of the host RAM available{over}, at most {HOST_TIER_DEFAULT_MAX_GIB:g} GiB)"
     )
 
 
