@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import gc
 import time
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -56,13 +56,18 @@ class _CallClock:
     """Wall time and count of the VMM backend's and the arena's calls during a resize (bench-only
     wrappers on the instances, removed after), to show where a resize's milliseconds go."""
 
-    VMM_CALLS = ("commit_pieces", "decommit")
+    VMM_CALLS = ("commit_pieces", "decommit", "decommit_many")
+    EXTENSIONS: ClassVar[dict[str, int]] = {
+        "commit_pieces": 1,
+        "decommit_many": 0,
+    }  # which argument lists extensions
     ARENA_CALLS = ("_synchronize",)
 
     def __init__(self, engine: Any) -> None:
         self.targets = [(engine.pool.arena.vmm, self.VMM_CALLS), (engine.pool.arena, self.ARENA_CALLS)]
         self.ms: dict[str, float] = {}
         self.calls: dict[str, int] = {}
+        self.extensions: dict[str, int] = {}
 
     def _wrap(self, name: str, method: Any) -> Any:
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -73,6 +78,9 @@ class _CallClock:
                 key = name.lstrip("_")
                 self.ms[key] = self.ms.get(key, 0.0) + (time.perf_counter() - started) * 1e3
                 self.calls[key] = self.calls.get(key, 0) + 1
+                if name in self.EXTENSIONS:
+                    listed = len(args[self.EXTENSIONS[name]])
+                    self.extensions[key] = self.extensions.get(key, 0) + listed
 
         return timed
 
@@ -88,7 +96,11 @@ class _CallClock:
                 delattr(target, name)  # the class's method again
 
     def text(self) -> str:
-        return " · ".join(f"{key} {self.ms[key]:.1f} ms/{self.calls[key]}" for key in sorted(self.ms))
+        def one(key: str) -> str:
+            extensions = f" ({self.extensions[key]} extensions)" if key in self.extensions else ""
+            return f"{key} {self.ms[key]:.1f} ms/{self.calls[key]}{extensions}"
+
+        return " · ".join(one(key) for key in sorted(self.ms))
 
 
 def _timed_resize(engine: Any, tokens: int) -> tuple[float, Any, str]:
