@@ -210,6 +210,7 @@ class EngineCore:
             enable_prefix_cache=enable_prefix_cache,
             on_output=on_output,
             overlap=not args.disable_overlap_schedule if overlap is None else overlap,
+            speculative=args.speculative_config(),
         )
         return cls(engine, scheduler, tokenizer)
 
