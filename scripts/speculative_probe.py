@@ -3,10 +3,10 @@
     PYTHONPATH=src python scripts/speculative_probe.py [--model M --load-format dummy] [--batch 1 8]
 
 Runs the same greedy requests through `LLM` once plain and once per proposer (ngram, suffix), each
-in a fresh engine, on two workloads: `grounded` (the prompt holds text the answer repeats: a
-passage to be copied with one change, the case prompt lookup is for) and `open` (a short prompt,
-free continuation). Prints one JSON line per run: tokens/s, speedup over plain in the same
-process, acceptance (accepted / drafted tokens), mean accepted length, and the mean device time of
+in a fresh engine, on two workloads: `code-edit` (the prompt holds code the answer repeats with
+a change, the case prompt lookup is for) and `open` (a short prompt, free continuation); each timed
+call runs `--repeats` times and the fastest counts (a shared CPU is noisy). Prints one JSON line per
+run: tokens/s, speedup over plain in the same process, acceptance (accepted / drafted tokens), mean accepted length, and the mean device time of
 the decode steps and the verify steps (`Scheduler.times` records; a verify step's rows carry
 k + 1 tokens). Not a benchmark of the harness (snugkv bench speculative is not built): a probe.
 """
@@ -19,13 +19,13 @@ import statistics
 import time
 
 from snugkv import LLM, SamplingParams
+from snugkv.speculative.suffix import SuffixStore
 
-PASSAGE = (
-    "The committee met on Tuesday to review the budget. It approved the spending plan for the library, "
-    "the park and the school, and it asked the treasurer to publish the figures before the next meeting. "
-)
+CODE = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n    return a * b\n"
 WORKLOADS = {
-    "grounded": "Copy this text exactly, then stop.\n\nText: " + PASSAGE * 2 + "\nCopy: " + PASSAGE[:40],
+    "code-edit": "Rename every function below to start with `op_`.\n\n"
+    + CODE
+    + "\nRenamed:\n\ndef op_add(a, b):",
     "open": "Write a short story about a lighthouse keeper who",
 }
 
@@ -46,11 +46,18 @@ def run(args: argparse.Namespace, speculative: str | None, prompts: list, new_to
         scheduler = llm._runtime.scheduler
         scheduler.times.reset()
         before = llm.stats()
-        started = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        elapsed = time.perf_counter() - started
+        elapsed = float("inf")
+        for _ in range(args.repeats):
+            if scheduler.speculation is not None and scheduler.speculation.store is not None:
+                # the repeats (and the warm-up) are the same request: an emptied store keeps the
+                # suffix proposer from drafting the previous repeat's output
+                scheduler.speculation.store = SuffixStore()
+            started = time.perf_counter()
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            elapsed = min(elapsed, time.perf_counter() - started)
         after = llm.stats()
         records = list(scheduler.times.records)
+    # counts over all repeats: the same greedy requests each time
     drafted = after["spec_draft_tokens"] - before["spec_draft_tokens"]
     accepted = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
     rows = after["spec_drafted_rows"] - before["spec_drafted_rows"]
@@ -76,6 +83,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=96)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-total-tokens", type=int, default=16384)
     parser.add_argument("--cuda-graph-max-bs", type=int, default=None, help="GPU: fewer graphs start faster")
     parser.add_argument("--prefill-graph-max-tokens", type=int, default=1024)
