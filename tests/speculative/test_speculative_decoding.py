@@ -228,6 +228,9 @@ def test_large_batches_do_not_speculate_and_rows_that_keep_failing_pause(engine,
     drafter.record(3, 0, num_tokens=6)  # 0.25: paused for 5 tokens
     assert not drafter.may_draft(10) and drafter.propose([1, 2, 1, 2, 1, 2], 3) == []
     assert drafter.may_draft(11) and (drafter.proposed_tokens, drafter.accepted_tokens) == (6, 0)
+    nothing = RowDrafter(SpeculativeConfig("ngram", pause_tokens=5), [1, 2, 3], None)
+    assert [nothing.propose([1, 2, 3, *range(10, 10 + n)], 3) for n in range(4)] == [[]] * 4
+    assert not nothing.may_draft(10) and nothing.may_draft(11)  # 4 empty proposals: paused 5 tokens
 
 
 def test_a_constrained_row_runs_beside_speculating_rows(engine, tokenizer):

@@ -10,6 +10,8 @@ Back-off: after each verify step that judged a draft, the row's recent acceptanc
 `min_acceptance` the row drafts nothing until it has `pause_tokens` more tokens (counted in tokens,
 so a pause ends whether or not the steps between speculated), then tries again from the threshold
 itself (one more poor step pauses it again), so a text that turns repetitive later still gets drafts.
+A row whose proposer found nothing `EMPTY_BEFORE_PAUSE` times in a row pauses the same way: a step
+that may speculate is not overlapped, which open text that never matches would pay for nothing.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from snugkv.speculative.ngram import NgramProposer
 from snugkv.speculative.suffix import SuffixProposer, SuffixStore
 
 DECAY = 0.5  # weight of the earlier steps in a row's recent acceptance
+EMPTY_BEFORE_PAUSE = 4  # proposals in a row that found no draft before the row pauses
 
 
 class RowDrafter:
@@ -38,6 +41,7 @@ class RowDrafter:
         self.drafted_steps = 0  # verify steps in which this row had a draft
         self.recent_acceptance = 1.0
         self.resume_at_tokens = 0  # paused: no draft before the request has this many tokens
+        self.empty_proposals = 0  # proposals in a row that found nothing
 
     def may_draft(self, num_tokens: int) -> bool:
         """Whether the row drafts at all once the request holds `num_tokens` tokens (not paused)."""
@@ -52,8 +56,14 @@ class RowDrafter:
         if k <= 0 or not self.may_draft(len(token_ids)):
             return []
         if isinstance(proposer, SuffixProposer):
-            return list(proposer.propose(k).token_ids)
-        return proposer.propose(k)
+            draft = list(proposer.propose(k).token_ids)
+        else:
+            draft = proposer.propose(k)
+        self.empty_proposals = 0 if draft else self.empty_proposals + 1
+        if self.empty_proposals >= EMPTY_BEFORE_PAUSE:
+            self.empty_proposals = 0
+            self.resume_at_tokens = len(token_ids) + self.config.pause_tokens
+        return draft
 
     def record(self, proposed: int, accepted: int, num_tokens: int) -> None:
         """A verify step judged `proposed` draft tokens of this row and kept `accepted`; the request
