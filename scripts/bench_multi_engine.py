@@ -254,7 +254,7 @@ def main() -> int:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     sys.path.insert(0, str(REPO / "src"))
-    from snugkv.bench.report import environment
+    from snugkv.bench.harness import environment
 
     env = {**os.environ, "TQDM_DISABLE": "1", "SNUGKV_RUNTIME_DIR": tempfile.mkdtemp(prefix="snugkv-me-")}
     env.pop("SNUGKV_API_KEY", None)

@@ -206,7 +206,11 @@ for s in $STEPS; do
       ;;
     vmm-probe)  # what a shrink's decommit costs per chunk, and whether fewer driver calls do it
       step "vmm unmap probe"
-      timeout 120 python3 scripts/vmm_unmap_probe.py 2>&1 | tee "$OUT/vmm_unmap_probe.txt" || status=1
+      # the same 10 GiB in 2, 8 and 32 MiB chunks: does a decommit cost per driver call or per byte?
+      for sizes in "2 5120" "8 1280" "32 320"; do
+        set -- $sizes
+        timeout 90 python3 scripts/vmm_unmap_probe.py --chunk-mib "$1" --chunks "$2" 2>&1 | tee -a "$OUT/vmm_unmap_probe.txt" || status=1
+      done
       ;;
     pressure-shapes)  # bench pressure on more shapes (issue 36's coverage: MoE buffers, FP8 weights);
       # PRESSURE_SHAPES: SHAPE:SCENARIOS items, a -fp8 suffix serves the shape with --quantization fp8

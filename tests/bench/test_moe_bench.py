@@ -81,7 +81,7 @@ def test_decode_bench_moe_rows_count_the_experts_the_batch_touches(tiny_moe, tmp
 
 
 def test_prefill_bench_floor_counts_active_parameters(tiny_moe, monkeypatch):
-    monkeypatch.setattr(decode, "time_cuda", _once)
+    monkeypatch.setattr(prefill, "time_cuda", _once)
     rows = prefill._cases(tiny_moe, ((64, 4),))
     (row,) = rows
     assert row["tokens"] == 64 and row["piecewise_ms"] == 1.0
@@ -92,7 +92,7 @@ def test_prefill_bench_floor_counts_active_parameters(tiny_moe, monkeypatch):
     total, active = parameter_counts(net)
     counted = active - net.model.embed_tokens.weight.numel()  # untied: the LM head counts, the embedding not
     assert row["active_params_b"] * 1e9 == counted
-    assert row["floor_ms"] == pytest.approx(2 * counted * 64 / prefill.PEAK_FLOPS * 1e3)
+    assert row["floor_ms"] == pytest.approx(2 * counted * 64 / prefill.DENSE_BF16_FLOPS * 1e3)
     assert active < total
 
 

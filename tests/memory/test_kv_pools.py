@@ -183,7 +183,7 @@ def test_post_capture_pool_costs_nothing_until_the_prefix_is_backed(caplog):
     assert pool.committed_bytes == 0
     assert "KV Cache VA upper bound. dtype: torch.bfloat16, #tokens: 1000000" in caplog.text
     pool.ensure_prefix()
-    assert pool.committed_bytes == 4 * GRANULE  # one granule per buffer: 2 layers x K, V
+    assert pool.committed_bytes == 2 * GRANULE  # one granule per buffer: 2 layers, K and V in one
 
 
 def test_static_pool_is_fully_backed_at_creation(caplog):

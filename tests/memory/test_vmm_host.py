@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from snugkv.memory.views import byte_view
-from snugkv.memory.vmm import MIB, CommitError
+from snugkv.memory.vmm import MIB, CommitError, adjacent_spans
 from snugkv.memory.vmm_factory import create_vmm
 from snugkv.memory.vmm_host import HostVmm
 
@@ -82,6 +82,21 @@ def test_decommit_returns_memory_to_the_os():
     assert committed - rss_bytes() > size * 0.9
     assert vmm.committed_bytes == 0
     vmm.release(base, size)
+
+
+def test_decommit_many_merges_adjacent_extensions_and_returns_all_of_them():
+    vmm = HostVmm()
+    base = vmm.reserve(64 * MIB)
+    before = rss_bytes()
+    extensions = vmm.commit_pieces(base, [8 * MIB] * 6)  # 48 MiB in one run
+    lone = vmm.commit(base + 56 * MIB, 8 * MIB)  # after a gap of one piece: a second run
+    committed = rss_bytes()
+    assert committed - before > 50 * MIB
+    assert adjacent_spans([*extensions, lone]) == [(base, 48 * MIB), (base + 56 * MIB, 8 * MIB)]
+    vmm.decommit_many([*extensions, lone])
+    assert vmm.committed_bytes == 0
+    assert committed - rss_bytes() > 50 * MIB
+    vmm.release(base, 64 * MIB)
 
 
 def test_commit_beyond_capacity_is_refused_and_nothing_is_committed():

@@ -87,7 +87,10 @@ def test_usage_adds_the_draft_counts_of_every_choice_only_when_speculating() -> 
 
 def test_metrics_show_the_engines_draft_counts_and_mean_accepted_length() -> None:
     metrics = ServerMetrics()
-    metrics.update_from_stats(SchedulerStats(0.0, 0.0, 0, 0, 0.0, 0, 0, 40, 30, 12, 6))
+    stats = SchedulerStats(
+        0.0, 0.0, 0, 0, 0.0, 0, 0, 40, spec_draft_tokens=30, spec_accepted_tokens=12, spec_drafted_rows=6
+    )
+    metrics.update_from_stats(stats)
     text = metrics.render().decode()
     assert "snugkv_spec_draft_tokens_total 30.0" in text
     assert "snugkv_spec_accepted_tokens_total 12.0" in text

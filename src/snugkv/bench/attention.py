@@ -22,7 +22,13 @@ from typing import Any
 
 import torch
 
-from snugkv.bench.report import cuda_missing, emit
+from snugkv.bench.harness import (
+    DENSE_BF16_FLOPS,
+    copy_bandwidth_bytes_per_s,
+    cuda_missing,
+    emit,
+    graph_seconds,
+)
 
 SHAPES = {"llama-3-8b": (32, 8, 128), "qwen3-0.6b": (16, 8, 128)}  # q heads, KV heads, head dim
 CASES = ((1, 1024), (64, 1024), (256, 1024), (64, 4096))
@@ -31,7 +37,6 @@ BLOCK_N = (64, 128, 256)
 WARPS = (4, 8)
 STAGES = (3, 4)
 PAGE = 16
-DENSE_BF16_FLOPS = 790e12
 # (requests, new tokens each, cached prefix each)
 EXTEND_CASES = ((1, 8192, 0), (8, 1024, 0), (4, 512, 0), (4, 512, 2048))
 EXTEND_BLOCK_M = (64, 128)
@@ -67,22 +72,9 @@ def _case_tensors(
 
 
 def _time(fn: Any, calls: int = 8) -> float:
-    """Seconds per `fn()`, timed as a CUDA graph of `calls` calls (a bare launch of a small kernel
-    would time the host's launch overhead, not the kernel)."""
-    from snugkv.bench.decode import time_cuda
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # compiles outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    seconds = time_cuda(graph.replay, iterations=10, warmup=2) / calls
-    del graph
-    return seconds
+    """Seconds per `fn()`: the median of 10 replays of a CUDA graph of `calls` calls (a bare launch
+    of a small kernel would time the host's launch overhead, not the kernel)."""
+    return graph_seconds(fn, calls=calls, iterations=10, warmup=2)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -191,7 +183,6 @@ def run_decode(args: argparse.Namespace) -> list[dict[str, Any]]:
         decode_splits,
         default_decode_launch,
     )
-    from snugkv.bench.decode import copy_bandwidth_bytes_per_s
 
     bandwidth = copy_bandwidth_bytes_per_s()
     launches = [DecodeLaunch(n, w, s) for n, w, s in itertools.product(BLOCK_N, WARPS, STAGES)]

@@ -40,8 +40,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from snugkv.bench.harness import copy_bandwidth_bytes_per_s, cuda_missing, emit, graph_seconds, time_cuda
 from snugkv.bench.model_configs import benchmark_model
-from snugkv.bench.report import cuda_missing, emit
 from snugkv.core.sampling import SamplingParams
 from snugkv.kernels.moe_direct import direct_max_tokens
 from snugkv.layers import dense_gemm_choice
@@ -50,37 +50,6 @@ from snugkv.models.causal_lm import CausalLM
 
 CASES = ((1, 1024), (16, 1024), (64, 1024), (256, 1024), (1, 4096), (16, 4096), (64, 4096), (256, 4096))
 MOE_CASES = FP8_CASES = ((1, 1024), (64, 1024), (256, 1024))  # batch 1 / 64 / 256 at 1k
-
-
-def copy_bandwidth_bytes_per_s(size_bytes: int = 4 * GIB) -> float:
-    """Device-to-device copy: bytes read plus bytes written, per second (median of 20)."""
-    source = torch.empty(size_bytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
-    target = torch.empty_like(source)
-    times = []
-    for _ in range(25):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        target.copy_(source)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    del source, target
-    return 2 * size_bytes / sorted(times[5:])[len(times[5:]) // 2]
-
-
-def time_cuda(fn: Any, iterations: int = 30, warmup: int = 5) -> float:
-    """Median seconds of `fn()` measured with CUDA events."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iterations):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return sorted(times)[len(times) // 2]
 
 
 KERNEL_KINDS = (
@@ -141,34 +110,7 @@ def gemm_floor_s(model: CausalLM, batch: int) -> float:
         for weight in weights:
             F.linear(inputs[weight.shape[1]], weight)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    seconds = time_cuda(graph.replay)
-    del graph
-    return seconds
-
-
-def graph_seconds(fn: Any) -> float:
-    """Median seconds of one replay of `fn` captured in a CUDA graph (run once on a side stream
-    first: Triton compiles, the allocator warms)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    seconds = time_cuda(graph.replay)
-    del graph
-    return seconds
+    return graph_seconds(step)
 
 
 def moe_layers(model: CausalLM) -> list[Any]:

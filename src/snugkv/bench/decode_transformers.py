@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from snugkv.bench.decode import time_cuda
+from snugkv.bench.harness import time_cuda
 
 
 def build(model: str):

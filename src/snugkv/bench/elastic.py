@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
+from snugkv.bench.harness import copy_bandwidth_bytes_per_s, cuda_missing, emit
 from snugkv.bench.model_configs import benchmark_model
-from snugkv.bench.report import cuda_missing, emit
 from snugkv.core.sampling import SamplingParams
 from snugkv.memory.vmm import GIB
 
@@ -313,8 +313,6 @@ def serving_rows(
 def run(args: argparse.Namespace) -> int:
     if cuda_missing("bench elastic"):
         return 2
-    from snugkv.bench.decode import copy_bandwidth_bytes_per_s
-
     bandwidth = copy_bandwidth_bytes_per_s()
     rows: list[dict[str, Any]] = []
     extra: dict[str, Any] = {"model": args.model, "copy_bandwidth_gb_per_s": bandwidth / 1e9}

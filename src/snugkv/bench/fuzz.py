@@ -14,15 +14,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import re
-import subprocess
 import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, cast
+
+from snugkv.bench.harness import save
+from snugkv.bench.serving_http import start_server, stop_server
 
 # Routes that change the engine's memory, in the order they are fuzzed, after all the others.
 STATE_CHANGING_ROUTES = (
@@ -173,55 +175,28 @@ def run(args: argparse.Namespace) -> int:
     for error in report.server_errors:
         print(f"\n{error.status} on {error.route}: {error.body}\n  {error.curl}")
     if args.out:
-        from pathlib import Path
-
-        Path(args.out).mkdir(parents=True, exist_ok=True)
+        raw = {
+            "statuses": {route: dict(counts) for route, counts in report.statuses.items()},
+            "server_errors": [vars(error) for error in report.server_errors],
+            "after": report.after,
+        }
+        save(Path(args.out) / "fuzz.json", raw)
         (Path(args.out) / "fuzz.md").write_text(report.table() + "\n")
-        (Path(args.out) / "fuzz.json").write_text(
-            json.dumps(
-                {
-                    "statuses": {r: dict(c) for r, c in report.statuses.items()},
-                    "server_errors": [vars(e) for e in report.server_errors],
-                    "after": report.after,
-                },
-                indent=2,
-            )
-        )
     return 1 if report.server_errors or report.after != 200 else 0
 
 
 @contextlib.contextmanager
 def _server(args: argparse.Namespace) -> Iterator[tuple[str, str | None]]:
-    """`--url`, or a `snugkv serve` started for the run (its URL read from its log)."""
+    """`--url`, or a `snugkv serve` started for the run on a free port and stopped after it."""
     if args.url:
         yield args.url.rstrip("/"), args.api_key
         return
     key = "fuzz-key"
-    command = [
-        sys.executable,
-        "-m",
-        "snugkv",
-        "serve",
-        "--port",
-        "0",
-        "--api-key",
-        key,
-        "--max-total-tokens",
-        "8192",
-    ]
+    command = [sys.executable, "-m", "snugkv", "serve", "--api-key", key, "--max-total-tokens", "8192"]
     if args.model:
         command += ["--model", args.model]
-    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
-    assert process.stderr is not None
+    process, url = start_server(command)
     try:
-        for line in process.stderr:
-            sys.stderr.write(line)
-            found = re.search(r"serving on (http://\S+)", line)
-            if found:
-                break
-        else:
-            raise RuntimeError(f"snugkv serve exited with {process.wait()} before serving")
-        yield found.group(1), key
+        yield url, key
     finally:
-        process.terminate()
-        process.wait(timeout=60)
+        stop_server(process)

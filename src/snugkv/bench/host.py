@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
+from snugkv.bench.harness import emit
 from snugkv.bench.model_configs import write_tiny_llama_config
-from snugkv.bench.report import emit
 from snugkv.core.sampling import SamplingParams
 
 STUB_VOCAB = 64  # the stub's logits: the sampler's own cost is not what this measures

@@ -40,10 +40,10 @@ from typing import Any
 
 import torch
 
+from snugkv.bench.harness import cuda_missing, emit
 from snugkv.bench.idle import gc_figures, step_figures
 from snugkv.bench.model_configs import benchmark_model
 from snugkv.bench.openai_load import add_url_arguments, run_against_url
-from snugkv.bench.report import cuda_missing, emit
 from snugkv.bench.serving import bench_llm, run_scheduler, workload
 from snugkv.bench.serving_http import run_on_server, serve_command
 from snugkv.bench.stub_device import add_stub_arguments, stub_engine, stub_tokenizer

@@ -25,8 +25,7 @@ from typing import Any
 import torch
 
 from snugkv.attention import triton_store
-from snugkv.bench.decode import copy_bandwidth_bytes_per_s
-from snugkv.bench.report import cuda_missing, emit
+from snugkv.bench.harness import copy_bandwidth_bytes_per_s, cuda_missing, emit, graph_seconds_per_call
 from snugkv.kernels import fused_add_rms_norm, gated_act_and_mul, rope_and_store_kv
 from snugkv.layers.activation import GatedActivation
 from snugkv.layers.norm import RMSNorm
@@ -67,30 +66,6 @@ class OpPair:
     torch_fn: Callable[[], Any]
     fused_fn: Callable[[], Any]
     bytes_moved: int
-
-
-def graph_seconds_per_call(fn: Callable[[], Any], reps: int, iters: int) -> float:
-    """Seconds per call of `fn` captured `reps` times in one CUDA graph, over `iters` replays."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):  # compiles Triton kernels and warms the allocator outside the capture
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    for _ in range(3):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    del graph
-    return start.elapsed_time(end) / 1e3 / (iters * reps)
 
 
 def kernels_per_call(fn: Callable[[], Any]) -> int | None:

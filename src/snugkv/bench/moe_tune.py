@@ -30,11 +30,15 @@ from typing import Any
 
 import torch
 
-from snugkv.bench.decode import copy_bandwidth_bytes_per_s
-from snugkv.bench.kernels import graph_seconds_per_call
+from snugkv.bench.harness import (
+    DENSE_BF16_FLOPS,
+    copy_bandwidth_bytes_per_s,
+    cuda_missing,
+    emit,
+    graph_seconds_per_call,
+    save,
+)
 from snugkv.bench.model_configs import benchmark_model
-from snugkv.bench.prefill import PEAK_FLOPS
-from snugkv.bench.report import cuda_missing, emit
 from snugkv.kernels.moe_direct import DirectConfig, default_direct_config, direct_max_tokens
 from snugkv.kernels.moe_experts import GemmConfig, MoEConfig, default_config, fused_moe_triton, geometry_key
 from snugkv.kernels.moe_routing import Routing
@@ -238,7 +242,7 @@ def run(args: argparse.Namespace) -> int:
         results.append(result)
         torch.cuda.empty_cache()  # the layer's weights of this count are gone with `tune`'s frame
         bytes_floor_s = result["experts_touched"] * expert_bytes / bandwidth
-        flops_floor_s = 2 * num_tokens * routing.top_k * 3 * hidden * intermediate / PEAK_FLOPS
+        flops_floor_s = 2 * num_tokens * routing.top_k * 3 * hidden * intermediate / DENSE_BF16_FLOPS
         floor_s = max(bytes_floor_s, flops_floor_s)
         best: MoEConfig = result["best"]
         rows.append(
@@ -268,8 +272,7 @@ def run(args: argparse.Namespace) -> int:
         )
     }
     if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "moe_configs.json").write_text(json.dumps(table, indent=2))
+        save(Path(args.out) / "moe_configs.json", table)
     emit(
         "moe_tune",
         rows,
@@ -277,7 +280,7 @@ def run(args: argparse.Namespace) -> int:
         extra={
             "model": args.model,
             "copy_bandwidth_gb_per_s": bandwidth / 1e9,
-            "peak_flops": PEAK_FLOPS,
+            "peak_flops": DENSE_BF16_FLOPS,
             "table": table,
             "seconds": time.perf_counter() - started,
         },

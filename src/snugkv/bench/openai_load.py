@@ -45,7 +45,7 @@ from typing import Any
 
 import httpx
 
-from snugkv.bench.report import emit
+from snugkv.bench.harness import emit, latency_columns
 from snugkv.bench.serving import workload
 
 logger = logging.getLogger(__name__)
@@ -329,12 +329,12 @@ def summarize(records: list[RequestRecord], started_s: float, ended_s: float) ->
     done = [record for record in records if record.error is None]
     seconds = ended_s - started_s
     output_tokens = sum(record.completion_tokens for record in done)
-    ttft = sorted(r.first_token_s - r.sent_s for r in done if r.first_token_s is not None)
-    tpot = sorted(
+    ttft = [r.first_token_s - r.sent_s for r in done if r.first_token_s is not None]
+    tpot = [
         (r.done_s - r.first_token_s) / (r.completion_tokens - 1)
         for r in done
         if r.first_token_s is not None and r.completion_tokens > 1
-    )
+    ]
     prompt_tokens = sum(record.prompt_tokens for record in done)
     reported = [record.cached_tokens for record in done if record.cached_tokens is not None]
     row: dict[str, Any] = {
@@ -344,20 +344,13 @@ def summarize(records: list[RequestRecord], started_s: float, ended_s: float) ->
         "output_tokens": output_tokens,
         "seconds": seconds,
         "output_tok_per_s": output_tokens / seconds if seconds > 0 else float("nan"),
-        "ttft_p50_ms": _percentile_ms(ttft, 0.5),
-        "ttft_p99_ms": _percentile_ms(ttft, 0.99),
-        "tpot_p50_ms": _percentile_ms(tpot, 0.5),
-        "tpot_p99_ms": _percentile_ms(tpot, 0.99),
+        **latency_columns(ttft, tpot),
         "cached_prompt_fraction": sum(reported) / prompt_tokens if reported and prompt_tokens else None,
     }
     errors = [record.error for record in records if record.error is not None]
     if errors:
         row["first_error"] = errors[0]
     return row
-
-
-def _percentile_ms(values: list[float], q: float) -> float | None:
-    return values[min(len(values) - 1, int(q * len(values)))] * 1e3 if values else None
 
 
 def _device_busy_s(target: Target) -> float | None:

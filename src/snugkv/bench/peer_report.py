@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
-import platform
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from snugkv.bench import peer_servers
+from snugkv.bench.harness import provenance, save
 from snugkv.bench.peer_servers import PEERS
-from snugkv.bench.report import commit, format_table
 from snugkv.version import __version__
 
 TABLE_COLUMNS = (
@@ -126,12 +125,7 @@ def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 # -- the report ---------------------------------------------------------------------------------
 def environment(peer: str | None, peer_site: Path | None) -> dict[str, Any]:
     """Date, commit, GPU (from nvidia-smi: no CUDA context here), versions."""
-    env: dict[str, Any] = {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "commit": commit(),
-        "python": platform.python_version(),
-        "snugkv": __version__,
-    }
+    env: dict[str, Any] = {**provenance(), "snugkv": __version__}
     env.update(peer_servers.gpu_description() or {"gpu": "none (no nvidia-smi)"})
     try:
         env["torch"] = importlib.metadata.version("torch")
@@ -175,11 +169,7 @@ class Report:
             "complete": complete,
             "seconds": time.monotonic() - self.started_s,
         }
-        self.path.write_text(json.dumps(payload, indent=2))
-        table = [{key: row.get(key) for key in TABLE_COLUMNS if key in row} for row in self.rows]
-        env = self.header["environment"]
-        title = f"## peers — {env.get('gpu')}, {env['date']}, commit {env['commit']}"
-        self.path.with_suffix(".md").write_text(f"{title}\n\n{format_table(table)}\n")
+        save(self.path, payload, _table(self.rows))
 
 
 def merge(paths: list[Path], out: Path) -> Path:
@@ -200,9 +190,10 @@ def merge(paths: list[Path], out: Path) -> Path:
         "rows": rows,
         "ratios": ratios(rows),
     }
-    out.mkdir(parents=True, exist_ok=True)
     target = out / "peers.json"
-    target.write_text(json.dumps(merged, indent=2))
-    table = [{key: row.get(key) for key in TABLE_COLUMNS if key in row} for row in rows]
-    target.with_suffix(".md").write_text(format_table(table) + "\n")
+    save(target, merged, _table(rows))
     return target
+
+
+def _table(rows: list[dict[str, Any]]) -> list[dict[str, object]]:
+    return [{key: row.get(key) for key in TABLE_COLUMNS if key in row} for row in rows]

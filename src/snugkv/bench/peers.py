@@ -44,6 +44,7 @@ from typing import Any
 from snugkv.bench import peer_servers
 from snugkv.bench.peer_report import Report, ServerFacts, engine_rows, environment, merge, skipped_rows
 from snugkv.bench.peer_servers import PEERS, ServerError, ServerSpec
+from snugkv.distributed.launch import free_port
 
 CASES = ("offline", "stress")
 # Seconds each engine took to healthy on the H200 (issue 33, 8B with a tokenizer dir): what a case
@@ -154,7 +155,7 @@ class Plan:
         return "default" if self.model_dir is None else str(self.model_dir)
 
     def server_spec(self, engine: str, case: str) -> ServerSpec:
-        port = peer_servers.free_port()
+        port = free_port()
         flags = list(self.shape.flags)
         if case == "stress":
             flags += peer_servers.kv_cap_flags(engine, self.workload.stress_kv_tokens)

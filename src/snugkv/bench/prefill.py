@@ -22,12 +22,11 @@ from typing import Any
 
 import torch
 
+from snugkv.bench.harness import DENSE_BF16_FLOPS, cuda_missing, emit, time_cuda
 from snugkv.bench.model_configs import benchmark_model
-from snugkv.bench.report import cuda_missing, emit
 from snugkv.layers.moe import SparseMoE
 from snugkv.models.moe import parameter_counts
 
-PEAK_FLOPS = 790e12  # H200 dense bf16
 CASES = {
     "llama-3-8b": ((8192, 1), (8192, 8), (2048, 4), (512, 4)),
     "qwen3-0.6b": ((8192, 1), (8192, 16), (2048, 4), (512, 4)),
@@ -36,7 +35,6 @@ CASES = {
 
 
 def _cases(model_name: str, cases: tuple[tuple[int, int], ...]) -> list[dict[str, Any]]:
-    from snugkv.bench.decode import time_cuda
     from snugkv.core.forward import BatchRow
     from snugkv.engine import Engine, EngineArgs
 
@@ -86,7 +84,7 @@ def _cases(model_name: str, cases: tuple[tuple[int, int], ...]) -> list[dict[str
         with torch.inference_mode():
             piecewise_s = time_cuda(lambda b=batch: runner.forward_batch(b), iterations=10, warmup=2)
             eager_s = time_cuda(lambda b=batch: runner.forward_eager(b), iterations=5, warmup=1)
-        floor_s = 2 * params * tokens / PEAK_FLOPS
+        floor_s = 2 * params * tokens / DENSE_BF16_FLOPS
         rows_out.append(
             {
                 "model": model_name,
@@ -129,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
         args.out,
         extra={
             "seconds": time.perf_counter() - started,
-            "peak_flops": PEAK_FLOPS,
+            "peak_flops": DENSE_BF16_FLOPS,
             "moe_configs": os.environ.get("SNUGKV_MOE_CONFIGS", "defaults"),
         },
     )

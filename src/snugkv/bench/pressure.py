@@ -44,8 +44,9 @@ from typing import IO, Any
 
 import httpx
 
-from snugkv.bench.report import emit, format_table
-from snugkv.bench.serving_http import _free_port, stop_server
+from snugkv.bench.harness import emit, format_table
+from snugkv.bench.serving_http import stop_server
+from snugkv.distributed.launch import free_port
 from snugkv.memory.host_device import HOST_DEVICE_ENV, HOST_HEADROOM_ENV, RUNTIME_DIR_ENV
 from snugkv.memory.vmm import GIB, MIB
 
@@ -101,7 +102,7 @@ class Load:
     model: str
     output_tokens: int
     outcomes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OUTCOMES, 0))
-    first_tokens: int = 0  # streams that got their first token
+    streaming: int = 0  # streams that got their first chunk and have not ended yet
     errors: list[str] = field(default_factory=list)  # the first few, for the report
     stop: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -143,15 +144,17 @@ class Load:
                         self._note("5xx", json.dumps(chunk["error"]))
                         return
                     for choice in chunk.get("choices") or []:
-                        if not got_first and choice.get("text"):
-                            got_first = True
-                            self.first_tokens += 1
+                        if not got_first:  # a first chunk (its text may be empty: a server
+                            got_first = True  # without a tokenizer, a partial character)
+                            self.streaming += 1
                         reason = choice.get("finish_reason") or reason
                     if chunk.get("usage"):
                         tokens = chunk["usage"]["completion_tokens"]
         except httpx.HTTPError as exc:
             self._note("client-error", repr(exc))
             return
+        finally:
+            self.streaming -= got_first
         if reason == "length" and tokens == body["max_tokens"]:
             self._note("complete")
         else:
@@ -232,9 +235,9 @@ async def _scenario(
             for seed, tokens in enumerate([args.long_tokens] * args.long + [args.short_tokens] * args.short)
         ]
         began = time.monotonic()
-        while load.first_tokens < min(args.long + args.short, 32) and time.monotonic() - began < 60:
+        while load.streaming < min(args.long + args.short, 32) and time.monotonic() - began < 60:
             await asyncio.sleep(0.05)  # streams in flight before the other process moves
-        in_flight = load.first_tokens
+        in_flight = load.streaming
         taking = time.monotonic()
         answers: list[dict[str, Any]] = []
         context_bytes: int | None = None
@@ -350,7 +353,7 @@ class Server:
 
 
 def _start(args: argparse.Namespace, env: dict[str, str], log_path: Path, log: IO[bytes]) -> Server:
-    port = _free_port()
+    port = free_port()
     process = subprocess.Popen(_server_command(args, port), env=env, stdout=log, stderr=subprocess.STDOUT)
     return Server(process, f"http://127.0.0.1:{port}", log_path)
 

@@ -22,10 +22,9 @@ from typing import Any
 
 import torch
 
-from snugkv.bench.decode import copy_bandwidth_bytes_per_s
+from snugkv.bench.harness import copy_bandwidth_bytes_per_s, cuda_missing, emit, latency_columns
 from snugkv.bench.idle import gc_figures, step_figures
 from snugkv.bench.model_configs import benchmark_model
-from snugkv.bench.report import cuda_missing, emit
 from snugkv.core.gc_pauses import GC_PAUSES
 from snugkv.core.sampling import SamplingParams
 
@@ -108,8 +107,8 @@ def run_scheduler(
     times = scheduler.times.as_dict(elapsed)
     output_tokens = sum(len(r.output_ids) for r in tracked)
     first_token = {r.rid: r.first_token_s or finished[r.rid] for r in tracked}
-    ttft = sorted(first_token[r.rid] - r.arrival_s for r in tracked)
-    tpot = sorted((finished[r.rid] - first_token[r.rid]) / max(len(r.output_ids) - 1, 1) for r in tracked)
+    ttft = [first_token[r.rid] - r.arrival_s for r in tracked]
+    tpot = [(finished[r.rid] - first_token[r.rid]) / max(len(r.output_ids) - 1, 1) for r in tracked]
     scheduler.check_slot_accounting()
     scheduler.cache.reset()
     return {
@@ -117,10 +116,7 @@ def run_scheduler(
         "output_tokens": output_tokens,
         "seconds": elapsed,
         "output_tok_per_s": output_tokens / elapsed,
-        "ttft_p50_ms": _percentile_ms(ttft, 0.5),
-        "ttft_p99_ms": _percentile_ms(ttft, 0.99),
-        "tpot_p50_ms": _percentile_ms(tpot, 0.5),
-        "tpot_p99_ms": _percentile_ms(tpot, 0.99),
+        **latency_columns(ttft, tpot),
         "retractions": scheduler.num_retractions,
         "overlap": "on" if overlap else "off",
         "gpu_idle_fraction": times["device_idle_fraction"],
@@ -144,27 +140,20 @@ def run_llm(llm: Any, requests: list[tuple[list[int], int]]) -> dict[str, Any]:
         torch.cuda.synchronize()
     elapsed = time.monotonic() - start
     output_tokens = sum(output.completion_tokens for output in outputs)
-    ttft = sorted(output.times.time_to_first_token_s for output in outputs)
-    tpot = sorted(
+    ttft = [output.times.time_to_first_token_s for output in outputs]
+    tpot = [
         (output.times.finished_s - output.times.first_token_s) / max(output.completion_tokens - 1, 1)
         for output in outputs
-    )
+    ]
     llm.reset_prefix_cache()  # the next case starts from an empty cache, as run_scheduler's do
     return {
         "requests": len(outputs),
         "output_tokens": output_tokens,
         "seconds": elapsed,
         "output_tok_per_s": output_tokens / elapsed,
-        "ttft_p50_ms": _percentile_ms(ttft, 0.5),
-        "ttft_p99_ms": _percentile_ms(ttft, 0.99),
-        "tpot_p50_ms": _percentile_ms(tpot, 0.5),
-        "tpot_p99_ms": _percentile_ms(tpot, 0.99),
+        **latency_columns(ttft, tpot),
         "retractions": llm.stats()["num_retractions"] - retractions,
     }
-
-
-def _percentile_ms(values: list[float], q: float) -> float:
-    return values[min(len(values) - 1, int(q * len(values)))] * 1e3
 
 
 def transformers_generate_batch(model: str, requests: list[tuple[list[int], int]]) -> dict[str, Any]:

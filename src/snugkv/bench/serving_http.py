@@ -19,7 +19,6 @@ import asyncio
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -27,13 +26,9 @@ from typing import IO, Any
 
 import httpx
 
+from snugkv.bench.harness import percentile_ms
 from snugkv.bench.idle import gc_figures, step_figures
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+from snugkv.distributed.launch import free_port
 
 
 def serve_command(model: str, extra: list[str]) -> list[str]:
@@ -52,7 +47,7 @@ def start_server(
 ) -> tuple[subprocess.Popen[bytes], str]:
     """`command --port P` on a free loopback port (in `env`, default this process's environment;
     its output to `log`, default this process's); returns the process and its base URL once healthy."""
-    port = _free_port()
+    port = free_port()
     command = [*command, "--port", str(port)]
     process = subprocess.Popen(
         command,
@@ -114,7 +109,7 @@ async def _drive(url: str, requests: list[tuple[list[int], int]], stream: bool =
         results = await asyncio.gather(*(one(body) for body in bodies))
         elapsed = time.monotonic() - started
     tokens = sum(count for count, _ in results)
-    ttft = sorted(first for _, first in results if first is not None)
+    ttft = [first for _, first in results if first is not None]
     return {
         "requests": len(requests),
         "output_tokens": tokens,
@@ -123,7 +118,7 @@ async def _drive(url: str, requests: list[tuple[list[int], int]], stream: bool =
         "span": (started, started + elapsed),  # the pass on the monotonic clock the server's steps use
         # a model without tokenizer files streams no text, so no first-token time is seen (nor
         # without streaming)
-        "ttft_p50_ms": ttft[len(ttft) // 2] * 1e3 if len(ttft) == len(results) else None,
+        "ttft_p50_ms": percentile_ms(ttft, 0.5) if len(ttft) == len(results) else None,
     }
 
 

@@ -47,7 +47,7 @@ from typing import Any
 
 import httpx
 
-from snugkv.bench.report import emit, format_table
+from snugkv.bench.harness import emit, environment, format_table, save
 from snugkv.bench.serving_http import serve_command, start_server, stop_server
 from snugkv.bench.soak_controls import DRAIN_TIMEOUT_S, SoakState, control_call, run_controls
 from snugkv.bench.soak_load import KINDS, OUTCOMES, TEXT_KINDS, Target, send
@@ -329,13 +329,7 @@ def run(args: argparse.Namespace) -> int:
     emit("soak", rows, args.out, extra=summary)
     _print_report(summary)
     if args.json:
-        import json
-
-        from snugkv.bench.report import environment
-
-        Path(args.json).write_text(
-            json.dumps({"environment": environment(), "rows": rows, **summary}, indent=2)
-        )
+        save(Path(args.json), {"environment": environment(), "rows": rows, **summary})
     failed = summary["failures"] or summary["leaked_slots"]["leaked"]
     return 1 if failed else 0
 

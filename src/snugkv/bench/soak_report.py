@@ -10,16 +10,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from snugkv.bench.harness import percentile_ms
 from snugkv.bench.soak_load import KINDS, OUTCOMES, Outcome
 
 CONTROL_KINDS = ("resize", "sleep", "wake", "hog")
-
-
-def _percentile_ms(latencies_s: Sequence[float], fraction: float) -> float | None:
-    if not latencies_s:
-        return None
-    ordered = sorted(latencies_s)
-    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))] * 1e3
 
 
 def outcome_rows(outcomes: Sequence[Outcome], controls: Sequence[Outcome]) -> list[dict[str, Any]]:
@@ -32,8 +26,8 @@ def outcome_rows(outcomes: Sequence[Outcome], controls: Sequence[Outcome]) -> li
             answered = [outcome.latency_s for outcome in mine if outcome.outcome == "200"]
             row: dict[str, Any] = {"kind": kind, "group": group}
             row.update({name: sum(1 for outcome in mine if outcome.outcome == name) for name in OUTCOMES})
-            row["p50_ms"] = _percentile_ms(answered, 0.5)
-            row["p99_ms"] = _percentile_ms(answered, 0.99)
+            row["p50_ms"] = percentile_ms(answered, 0.5)
+            row["p99_ms"] = percentile_ms(answered, 0.99)
             rows.append(row)
     return rows
 
@@ -55,8 +49,8 @@ def latency_windows(
                 "window_s": f"{index * window_s:g}-{(index + 1) * window_s:g}",
                 "requests": len(mine),
                 "answered": len(answered),
-                "p50_ms": _percentile_ms(answered, 0.5),
-                "p99_ms": _percentile_ms(answered, 0.99),
+                "p50_ms": percentile_ms(answered, 0.5),
+                "p99_ms": percentile_ms(answered, 0.99),
             }
         )
     return rows

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
+from snugkv.bench.harness import cuda_missing, emit
 from snugkv.bench.model_configs import benchmark_model
-from snugkv.bench.report import cuda_missing, emit
 from snugkv.core.sampling import SamplingParams
 from snugkv.core.structured_output import StructuredOutput
 

@@ -29,7 +29,7 @@ import sys
 import time
 from typing import Any
 
-from snugkv.bench.report import emit
+from snugkv.bench.harness import emit
 from snugkv.core.outputs import GenerateOutput
 from snugkv.core.sampling import SamplingParams
 from snugkv.core.tokenizer import Tokenizer

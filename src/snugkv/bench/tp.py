@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
+from snugkv.bench.harness import cuda_missing, emit, time_cuda
 from snugkv.bench.model_configs import benchmark_model
-from snugkv.bench.report import cuda_missing, emit
 from snugkv.memory.vmm import GIB
 
 PROMPT_LENGTHS = (7, 33, 120, 250)
@@ -170,7 +170,6 @@ def _child_main(spec_path: str, result_path: str) -> None:
 def _bench_rank(tp: Any, spec: dict[str, Any], result_path: str) -> None:
     import torch.distributed as dist
 
-    from snugkv.bench.decode import time_cuda
     from snugkv.core.sampling import SamplingParams
     from snugkv.driver.commands import Add
     from snugkv.driver.engine_core import EngineCore
@@ -226,7 +225,7 @@ def _bench_rank(tp: Any, spec: dict[str, Any], result_path: str) -> None:
     save()
     result["decode"] = {}
     for batch in batches:
-        result["decode"][str(batch)] = _decode_throughput(runner, batch, spec["context"], time_cuda)
+        result["decode"][str(batch)] = _decode_throughput(runner, batch, spec["context"])
         save()
     engine.close()
 
@@ -254,7 +253,7 @@ def _teacher_forced_top1(runner: Any, prompts: list[list[int]], reference: list[
     return agree / max(total, 1)
 
 
-def _decode_throughput(runner: Any, batch: int, context: int, time_cuda: Any) -> dict[str, Any]:
+def _decode_throughput(runner: Any, batch: int, context: int) -> dict[str, Any]:
     from snugkv.core.forward import BatchRow
 
     rows, owned = [], []

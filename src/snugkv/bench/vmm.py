@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from snugkv.bench.report import emit
+from snugkv.bench.harness import emit
 from snugkv.memory.arena import KvArena
 from snugkv.memory.kv_pool import KVPoolSpec, MHAKVPool
 from snugkv.memory.vmm import GIB, MIB, VirtualMemory, VmmUnavailable

@@ -188,6 +188,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="CPU: RAM for the KV cache (default: 25%% of free RAM, at most 1)",
     )
     group.add_argument(
+        "--kv-host-tier-gib",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="pinned host memory for the prefix cache's second tier: cached prefixes that leave the device "
+        "(eviction, a shrink, sleep level 1) are written there and loaded back at their next hit (default: "
+        "off; the start-up log suggests a size that leaves the host room)",
+    )
+    group.add_argument(
         "--max-device-memory",
         dest="max_device_memory_gib",
         type=float,

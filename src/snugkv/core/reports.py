@@ -8,6 +8,7 @@ fill, and the server, the Python API and the memory share read.
     KvInfo          GET /kv: the cache and what the requests in it hold
     SleepState      what sleeps now
     SchedulerStats  the scheduler's counters (KV usage, queues, prefix-cache hits)
+    HostTierStats   the prefix cache's host tier: size, use, hits per tier, bytes moved
     MetricsSnapshot what /metrics reads from the engine at a scrape
     EngineInfo      GET /server_info: the engine's flags, sizing, counters and state
     MemoryReport    `LLM.memory()`: the start-up report and the KV cache's slots now
@@ -45,6 +46,7 @@ class MemoryLedger:
     graph_executables_bytes: int = 0  # driver memory taken while capturing, outside torch's allocator
     workspace_bytes: int = 0  # torch's cached blocks no tensor uses now: the activation workspace, held
     guest_room_bytes: int = 0  # left free beside the headroom for another process to start
+    host_tier_bytes: int = 0  # the prefix cache's second tier, in host memory (not the device's)
 
     @property
     def used_bytes(self) -> int:
@@ -89,6 +91,11 @@ class MemoryLedger:
             ("headroom target (peak + margin; the workspace counts toward it)", self.headroom_bytes),
             ("guest room (kept free for another process to start)", self.guest_room_bytes),
             ("KV virtual address space reserved", self.kv_reserved_va_bytes),
+            *(
+                [("KV host tier (host memory, beside the device)", self.host_tier_bytes)]
+                if self.host_tier_bytes
+                else []
+            ),
         ]
 
     def total_rows(self) -> list[tuple[str, int]]:
@@ -323,6 +330,30 @@ class SleepReply:
 
 
 @dataclass(frozen=True, slots=True)
+class HostTierStats:
+    """The prefix cache's host tier: its size and use, the hits per tier, and what moved between
+    the tiers (totals since start-up; seconds are the copies' own, on a GPU its copy stream's)."""
+
+    capacity_tokens: int
+    capacity_bytes: int
+    cached_tokens: int  # tokens with a copy there (some are on the device too)
+    used_bytes: int
+    pinned: bool  # page-locked host memory (on a GPU); CPU tests use plain memory
+    device_hit_tokens: int  # prompt tokens the prefix cache served from the device
+    host_hit_tokens: int  # ... and from the host tier (loaded back before the prefill)
+    host_hit_rate: float  # host_hit_tokens over the prompt tokens looked up, 0..1
+    spilled_tokens: int  # left the device into the host tier
+    dropped_tokens: int  # left the device with no copy kept (the host tier had no room)
+    bytes_to_host: int
+    bytes_to_device: int
+    write_s: float
+    load_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
 class SchedulerStats:
     """`kv_cache_usage` counts the slots requests hold; prefix-cache entries the next admission may
     evict are reported apart (`kv_cache_cached_usage`), so an idle engine reads 0 used."""
@@ -335,6 +366,7 @@ class SchedulerStats:
     prefix_cache_tokens: int
     num_retractions: int
     generated_tokens: int
+    host_tier: HostTierStats | None = None  # None: no host tier
     # speculative decoding (0 while it is off): draft tokens verified, those the model kept, and
     # the rows that had a draft in a verify step (each emitted its accepted tokens plus one)
     spec_draft_tokens: int = 0

@@ -189,11 +189,12 @@ class EngineCore:
         on_output: OutputCallback | None = None,
         overlap: bool | None = None,
         max_running_requests: int | None = None,
+        use_host_tier: bool = True,
     ) -> EngineCore:
         """A core over an engine already started. The scheduler takes its runner, EOS ids,
-        re-capped request limit, prefill chunk and overlap setting from the engine (every
-        tensor-parallel rank builds the same one); `overlap` and `max_running_requests` override
-        the engine's for a benchmark that compares them."""
+        re-capped request limit, prefill chunk, overlap setting and host tier from the engine (every
+        tensor-parallel rank builds the same one); `overlap`, `max_running_requests` and
+        `use_host_tier` override the engine's for a benchmark or a test that compares them."""
         args, runner = engine.args, engine.runner
         if runner is None:
             raise RuntimeError("the engine is closed")
@@ -210,6 +211,7 @@ class EngineCore:
             enable_prefix_cache=enable_prefix_cache,
             on_output=on_output,
             overlap=not args.disable_overlap_schedule if overlap is None else overlap,
+            host_tier=engine.host_tier if use_host_tier else None,
             speculative=args.speculative_config(),
         )
         return cls(engine, scheduler, tokenizer)

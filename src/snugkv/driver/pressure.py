@@ -18,7 +18,8 @@ which the shrink runs between copying the pages and decommitting them (`on_move`
     floor       a shrink goes no lower than the largest live request needs
                 (`scheduler.elastic.smallest_size`); if the requests hold all of it, nothing moves
     check       the engine's limits, once, before anything gives way (`KvSizing.target`)
-    make room   the scheduler evicts cache entries, then retracts the newest requests, until what
+    make room   the scheduler evicts cache entries (into the host tier first, where there is one:
+                only what it cannot hold is dropped), then retracts the newest requests, until what
                 is in use fits (`scheduler.elastic.make_room`; a grow needs none)
     resize      the engine moves the live pages and decommits, or commits on every rank or none
                 (`Engine.resize_kv`), and records the change as "pressure" or "pressure-grow"

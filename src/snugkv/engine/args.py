@@ -54,6 +54,9 @@ class EngineArgs:
     host_kv_gib: float | None = (
         None  # CPU: RAM the KV cache may take (default: 25% of free RAM, at most 1 GiB)
     )
+    # pinned host memory for the prefix cache's second tier: what leaves the device is kept there;
+    # None: a default on a GPU that leaves the host room (snugkv.engine.host_tier), off on CPU; 0: off
+    kv_host_tier_gib: float | None = None
     swa_full_tokens_ratio: float = 0.8
     tp_size: int = 1  # tensor-parallel ranks; > 1 runs one engine per rank (snugkv.distributed.launch)
     max_device_memory_gib: float | None = None  # cap on the engine's device memory, kept on every resize
@@ -157,6 +160,10 @@ class EngineArgs:
             )
         if self.host_kv_gib is not None and self.host_kv_gib <= 0:
             raise InvalidEngineArgs(f"--host-kv-gib must be positive, got {self.host_kv_gib}")
+        if self.kv_host_tier_gib is not None and self.kv_host_tier_gib < 0:
+            raise InvalidEngineArgs(
+                f"--kv-host-tier-gib must be 0 (no host tier) or positive, got {self.kv_host_tier_gib}"
+            )
         if self.prefill_graph_max_tokens is not None and self.prefill_graph_max_tokens < 0:
             raise InvalidEngineArgs(
                 f"--prefill-graph-max-tokens must be 0 (off) or positive, got {self.prefill_graph_max_tokens}"

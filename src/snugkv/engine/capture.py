@@ -71,7 +71,11 @@ def largest_eager_step(blocks: EngineBlocks, runner: ModelRunner) -> None:
     # Sampling with every stage on: penalties also make the runner's per-row token history,
     # which then stays (allocated before the KV cache is sized, so the sizing counts it).
     sampling = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, min_p=0.05)
-    penalised = replace(sampling, repetition_penalty=1.1, min_tokens=1)
+    # Each penalty has its own [batch, vocab] temporaries (the H100 run at 7c043ce saw the frequency
+    # and presence line ask the allocator for a new segment while serving when only repetition ran).
+    penalised = replace(
+        sampling, repetition_penalty=1.1, frequency_penalty=0.2, presence_penalty=0.3, min_tokens=1
+    )
     if device.type != "cuda":
         # The host backend keeps no activation headroom (measure_peak_bytes is 0 there): only
         # what the step leaves behind is made, not its forward (seconds of every CPU start).

@@ -40,11 +40,13 @@ from snugkv.distributed.group import TensorParallel, use_tensor_parallel
 from snugkv.engine.args import EngineArgs
 from snugkv.engine.blocks import EngineBlocks
 from snugkv.engine.capture import capture_graphs
+from snugkv.engine.host_tier import open_host_tier
 from snugkv.engine.kv_sizing import KvSizing, KvTarget, StartGate
 from snugkv.engine.memory_backend import memory_backend, weights_memory
 from snugkv.engine.post_capture_start import start_post_capture
 from snugkv.engine.sleep import EngineSleep
 from snugkv.engine.static_start import start_static
+from snugkv.memory.host_tier import HostKvTier
 from snugkv.memory.kv_pool import KVPool
 from snugkv.memory.moves import KvMoves
 from snugkv.models.loader import LoadedModel, load_model, resolve_device
@@ -63,6 +65,7 @@ class Engine:
 
     runner: ModelRunner | None  # None once closed
     kv: KvSizing  # the KV cache's size: pool, caps, headroom
+    host_tier: HostKvTier | None  # the prefix cache's second tier (None: off, or closed)
 
     def __init__(
         self,
@@ -151,6 +154,10 @@ class Engine:
         start = start_post_capture if self.mode is SizingMode.POST_CAPTURE else start_static
         self.kv, sized = start(self._blocks, self._timings)
         self.runner = self.kv.runner
+        # The prefix cache's second tier, in (pinned) host memory beside the device's KV cache.
+        self.host_tier = open_host_tier(
+            args, self.kv.pool, self.device, ranks=tp.world_size, group=group, log=self._log
+        )
         self.sleeper = EngineSleep(
             mode=self.mode,
             loaded=self.loaded,
@@ -190,7 +197,9 @@ class Engine:
         return self._blocks.page_size
 
     def _measure_ledger(self) -> MemoryLedger:
-        return self._blocks.measure_ledger(self.kv)
+        ledger = self._blocks.measure_ledger(self.kv)
+        tier = self.host_tier
+        return ledger if tier is None else replace(ledger, host_tier_bytes=tier.capacity_bytes)
 
     def _log(self, message: str, *args: Any) -> None:
         """Info on rank 0 only: one sizing line and one ledger per engine, not one per rank."""
@@ -339,6 +348,9 @@ class Engine:
         if runner is None:
             return
         thaw()  # what the engine held becomes collectable again
+        if self.host_tier is not None:  # it views the pool's buffers: before the pool goes
+            self.host_tier.close()
+            self.host_tier = None
         runner.close()
         self.runner = None
         if self.device.type == "cuda":

@@ -21,5 +21,6 @@ Modules, in data-flow order:
     kv_pool    MHA pool; mla_pool, swa_pool for the other attention kinds
     allocator, req_to_token, swa_allocator   slot bookkeeping
     moves      the page moves that let a cache shrink under live requests
+    host_tier  the prefix cache's second tier: host pages and the copies to and from the device
     weight_arena   model weights in virtual memory (released and taken back at the same addresses)
 """

@@ -171,8 +171,9 @@ class KvArena:
         ]
         if any(target < buffer.committed_bytes for buffer, target in plans):
             self._synchronize()  # no queued kernel may touch what is unmapped
-        for buffer, target in plans:
-            self._drop_above(buffer, target)
+        dropped = [extension for buffer, target in plans for extension in self._drop_above(buffer, target)]
+        if dropped:  # one batch for every buffer: the backend may merge the driver calls
+            self.vmm.decommit_many(dropped)
         added: list[tuple[ArenaBuffer, Extension]] = []
         try:
             for buffer, target in plans:
@@ -223,11 +224,14 @@ class KvArena:
             )
         return self.vmm.align_up(size_bytes)
 
-    def _drop_above(self, buffer: ArenaBuffer, target: int) -> None:
-        """Decommit the extensions that lie wholly at or above `target` bytes into the buffer."""
+    def _drop_above(self, buffer: ArenaBuffer, target: int) -> list[Extension]:
+        """Take off the buffer the extensions that lie wholly at or above `target` bytes into it,
+        in address order, for the caller to decommit."""
         end = self.base_address + buffer.offset + target
+        dropped: list[Extension] = []
         while buffer.extensions and buffer.extensions[-1].address >= end:
-            self.vmm.decommit(buffer.extensions.pop())
+            dropped.append(buffer.extensions.pop())
+        return dropped[::-1]
 
     def _synchronize(self) -> None:
         if self.device.type == "cuda":
@@ -247,9 +251,10 @@ class KvArena:
                 "release the KV pools and their tensors before closing it"
             )
         self._synchronize()
-        for buffer in reversed(list(self._buffers.values())):
-            while buffer.extensions:
-                self.vmm.decommit(buffer.extensions.pop())
+        dropped = [
+            extension for buffer in self._buffers.values() for extension in self._drop_above(buffer, 0)
+        ]
+        self.vmm.decommit_many(dropped)
         self.vmm.release(self.base_address, self.reserved_bytes)
         self._closed = True
 

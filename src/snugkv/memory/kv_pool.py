@@ -289,6 +289,21 @@ class KVPool:
                     copied += self._copy_pages(buffer, page_moves)
         return copied
 
+    def page_views(self) -> list[torch.Tensor]:
+        """Every KV buffer as `[pool pages, page bytes]` uint8 rows (row p: the bytes of page p's
+        slots), for moving whole pages to and from another tier (snugkv.memory.host_tier). Views,
+        never copies; a pool of one token group only (a sliding-window pool raises `ValueError`)."""
+        if set(self._buffers) != {DEFAULT_GROUP}:
+            raise ValueError(
+                f"{type(self).__name__} keeps {len(self._buffers)} token groups; page views need one"
+            )
+        views = []
+        for buffer in self._kv_tensors(DEFAULT_GROUP):
+            raw = buffer.view(torch.uint8)
+            pages = raw.shape[0] if self.layout is KVLayout.PAGE_MAJOR else raw.shape[0] // self.page_size
+            views.append(raw.view(pages, -1))
+        return views
+
     def _moves_by_group(self, moves: KvMoves) -> dict[str, PageMoves]:
         return {DEFAULT_GROUP: moves.full}
 
@@ -332,7 +347,15 @@ class KVPool:
 
 
 class MHAKVPool(KVPool):
-    """Separate K and V buffers per layer (multi-head and grouped-query attention)."""
+    """K and V of a layer in one buffer (multi-head and grouped-query attention).
+
+    A slot of layer `l`'s buffer holds its K heads then its V heads (`[2 * Hkv, D]`; page-major
+    `[pages, 2 * Hkv, P, D]`); `get_kv_buffer` hands out the two halves as strided views, which the
+    kernels address by their strides. One buffer per layer instead of two halves the extensions a
+    resize maps or unmaps (a driver mapping costs ~35 us to unmap whatever its size:
+    docs/bench/elastic.md), so a shrink of 10 GiB takes half the driver calls, and a move copies a
+    slot's K and V in one row. Where V's head dim differs from K's, the layer keeps two buffers.
+    """
 
     def __init__(
         self,
@@ -351,25 +374,34 @@ class MHAKVPool(KVPool):
         self.head_dim = head_dim
         self.v_head_dim = v_head_dim or head_dim
         self.layer_ids = list(range(num_layers))
+        self.fused = self.v_head_dim == head_dim
+        heads = num_kv_heads
+        if self.fused:
+            layouts = [
+                BufferLayout(
+                    f"layer{layer}.kv", self.dtype, (2 * heads, head_dim), self.page_size, self.layout
+                )
+                for layer in self.layer_ids
+            ]
+            views = self._place({DEFAULT_GROUP: layouts})
+            self.kv_buffers = [views[f"layer{layer}.kv"] for layer in self.layer_ids]
+            self.k_buffers = {layer: self.kv_buffers[layer][:, :heads] for layer in self.layer_ids}
+            self.v_buffers = {layer: self.kv_buffers[layer][:, heads:] for layer in self.layer_ids}
+            return
         layouts = []
         for layer in self.layer_ids:
             layouts.append(
-                BufferLayout(
-                    f"layer{layer}.k", self.dtype, (num_kv_heads, head_dim), self.page_size, self.layout
-                )
+                BufferLayout(f"layer{layer}.k", self.dtype, (heads, head_dim), self.page_size, self.layout)
             )
             layouts.append(
                 BufferLayout(
-                    f"layer{layer}.v",
-                    self.dtype,
-                    (num_kv_heads, self.v_head_dim),
-                    self.page_size,
-                    self.layout,
+                    f"layer{layer}.v", self.dtype, (heads, self.v_head_dim), self.page_size, self.layout
                 )
             )
         views = self._place({DEFAULT_GROUP: layouts})
         self.k_buffers = {layer: views[f"layer{layer}.k"] for layer in self.layer_ids}
         self.v_buffers = {layer: views[f"layer{layer}.v"] for layer in self.layer_ids}
+        self.kv_buffers = [*self.k_buffers.values(), *self.v_buffers.values()]
 
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_buffers[layer_id], self.v_buffers[layer_id]
@@ -381,8 +413,9 @@ class MHAKVPool(KVPool):
         self._store(self.v_buffers[layer_id], loc, v)
 
     def _kv_tensors(self, group: str) -> list[torch.Tensor]:
-        return [*self.k_buffers.values(), *self.v_buffers.values()]
+        return list(self.kv_buffers)  # whole rows: a move copies a slot's K and V at once
 
     def _drop_views(self) -> None:
         self.k_buffers.clear()
         self.v_buffers.clear()
+        self.kv_buffers.clear()

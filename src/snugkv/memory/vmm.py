@@ -71,6 +71,12 @@ class VirtualMemory(ABC):
     @abstractmethod
     def decommit(self, extension: Extension) -> None: ...
 
+    def decommit_many(self, extensions: list[Extension]) -> None:
+        """Decommit several extensions at once (a shrink gives back hundreds): a backend may
+        batch its calls; the result is that of `decommit` on each, in order."""
+        for extension in extensions:
+            self.decommit(extension)
+
     def commit_pieces(self, address: int, sizes_bytes: list[int]) -> list[Extension]:
         """Back consecutive spans from `address`, one extension per size, all or none: on any
         failure what this call made is decommitted and the error propagates."""
@@ -95,3 +101,15 @@ class VirtualMemory(ABC):
     def align_up(self, size_bytes: int) -> int:
         granule = self.granularity_bytes
         return -(-size_bytes // granule) * granule
+
+
+def adjacent_spans(extensions: list[Extension]) -> list[tuple[int, int]]:
+    """(address, size) of each run of extensions that follow one another in memory, in the
+    order given (a run continues while the next extension starts where the last one ended)."""
+    spans: list[tuple[int, int]] = []
+    for extension in extensions:
+        if spans and spans[-1][0] + spans[-1][1] == extension.address:
+            spans[-1] = (spans[-1][0], spans[-1][1] + extension.size_bytes)
+        else:
+            spans.append((extension.address, extension.size_bytes))
+    return spans

@@ -137,6 +137,14 @@ class CudaVmm(VirtualMemory):
             _check(drv.cuMemUnmap(extension.address, extension.size_bytes), "cuMemUnmap")
             _check(drv.cuMemRelease(extension.handle), "cuMemRelease")
 
+    def decommit_many(self, extensions: list[Extension]) -> None:
+        """One lock and one context switch for the whole batch, then unmap and release each."""
+        with self._lock:
+            self._make_current()
+            for extension in extensions:
+                _check(drv.cuMemUnmap(extension.address, extension.size_bytes), "cuMemUnmap")
+                _check(drv.cuMemRelease(extension.handle), "cuMemRelease")
+
     def commit_pieces(self, address: int, sizes_bytes: list[int]) -> list[Extension]:
         """One `cuMemCreate` + `cuMemMap` per piece, then one `cuMemSetAccess` over the whole span
         (the driver takes a range of several mappings): a grow of thousands of small extensions

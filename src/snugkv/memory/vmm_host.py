@@ -22,7 +22,7 @@ import threading
 import torch
 
 from snugkv.memory.host_device import SharedHostDevice
-from snugkv.memory.vmm import CommitError, Extension, VirtualMemory, VmmError, VmmUnavailable
+from snugkv.memory.vmm import CommitError, Extension, VirtualMemory, VmmError, VmmUnavailable, adjacent_spans
 
 logger = logging.getLogger(__name__)
 
@@ -182,16 +182,20 @@ class HostVmm(VirtualMemory):
 
     def decommit(self, extension: Extension) -> None:
         with self._lock:
-            self._check(
-                self._libc.madvise(extension.address, extension.size_bytes, _MADV_DONTNEED),
-                "madvise(DONTNEED)",
-            )
-            self._check(
-                self._libc.mprotect(extension.address, extension.size_bytes, _PROT_NONE), "mprotect(NONE)"
-            )
-            self._committed_bytes -= extension.size_bytes
-            if self._shared is not None:
-                self._shared.give_back(extension.size_bytes)
+            self._decommit_span(extension.address, extension.size_bytes)
+
+    def decommit_many(self, extensions: list[Extension]) -> None:
+        """Adjacent extensions go back in one `madvise` + `mprotect` per run of them."""
+        with self._lock:
+            for address, size_bytes in adjacent_spans(extensions):
+                self._decommit_span(address, size_bytes)
+
+    def _decommit_span(self, address: int, size_bytes: int) -> None:
+        self._check(self._libc.madvise(address, size_bytes, _MADV_DONTNEED), "madvise(DONTNEED)")
+        self._check(self._libc.mprotect(address, size_bytes, _PROT_NONE), "mprotect(NONE)")
+        self._committed_bytes -= size_bytes
+        if self._shared is not None:
+            self._shared.give_back(size_bytes)
 
     def release(self, address: int, size_bytes: int) -> None:
         self._check(self._libc.munmap(address, self.align_up(size_bytes)), "munmap")

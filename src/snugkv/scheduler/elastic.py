@@ -18,6 +18,12 @@ which asks this module only for `smallest_size` and `make_room`.
 Sleep retracts every request in flight (they wait in the queue; nothing is lost), empties the
 prefix cache and pauses the scheduler; wake sizes the KV cache again and lets the queue run.
 
+With a host tier, what leaves the device is written there first: the cache entries a shrink
+evicts (`make_room`, for `POST /kv/resize` and memory pressure alike) and, at sleep level 1, every
+cached prefix; only what the host tier cannot hold is dropped. Level 2 drops both tiers (it may
+come back with new weights). After a wake the prefixes load back from the host tier at their
+next hit, not before (the woken cache may be smaller, and a load waits for a request that wants it).
+
 This module holds the policy of who gives way; the memory itself moves in
 snugkv.runner.kv_resize and the token counts are the engine's KV sizing object's
 (snugkv.engine.kv_sizing: its committed size is read through `KvSizing.committed_tokens`, never
@@ -151,7 +157,10 @@ def sleep(scheduler: Scheduler, engine: Engine, *, level: int = 1, tags: tuple[s
             (r for r in (*scheduler.running, *scheduler.waiting) if r.is_admitted), key=lambda r: -r.seq
         ):
             scheduler.retract(request)
-        scheduler.cache.reset()
+        if level == 1:  # the cached prefixes wait in the host tier (as far as it holds them)
+            scheduler.cache.spill_all()
+        else:  # level 2 may come back with new weights: the old KV is no prefix of anything then
+            scheduler.cache.reset()
     result = engine.sleep(level, tags)
     scheduler.paused = engine.is_sleeping
     return result

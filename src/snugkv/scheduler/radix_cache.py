@@ -1,65 +1,109 @@
-"""Prefix cache: a radix tree from token ids to the KV slots that already hold them.
+"""Prefix cache: a radix tree from token ids to the KV pages that already hold them, on the device
+and, with a host tier, in host memory.
 
-Keys are token ids, cut into whole pages (`page_size` tokens per page); a node's value holds
-the slots of its key, page for page. Requests lock the path they reuse (`lock`/`unlock`),
-so locked nodes are never evicted. Unlocked leaves are evicted least recently used first, and
-their slots go back to the allocator. The cache owns the slots it holds: the scheduler never
-frees a slot that the cache holds, and the cache never frees a slot it does not hold.
+Keys are token ids, cut into whole pages (`page_size` tokens per page). A node's `value` holds the
+device slots of its key, page for page (empty: the node is in the host tier only), and
+`host_pages` its copy in the host tier (snugkv.memory.host_tier), if it has one. The nodes on the
+device are the top of the tree (a node on the device has its parent there), so a match is some
+nodes on the device, then some in the host tier only.
+
+Requests lock the path they reuse (`lock`/`unlock`), so locked nodes never leave the device.
+Eviction takes unlocked nodes with nothing below them on the device, least recently used first.
+With a host tier their pages are written there first and their device slots go back to the
+allocator once written (`_leave_device`); without one, or when the host tier has no room for them
+even after dropping its own entries used before them (its LRU), they are dropped. A hit on host
+pages loads them into device slots (`load_back`) before the request's prefill reads them. A node
+keeps its host copy after a load, so leaving the device again costs no copy.
+
+The cache owns the device slots and the host pages it holds: the scheduler never frees a slot the
+cache holds, and the cache never frees a slot it does not hold. It decides what moves between
+the tiers; the copies themselves are the host tier's.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from snugkv.core.reports import HostTierStats
 from snugkv.memory.allocator import SlotAllocator
+from snugkv.memory.host_tier import COPIED, CopyDone, HostKvTier
 from snugkv.memory.moves import PageMoves
 
 _ids = itertools.count()
 
 
+def _no_slots() -> torch.Tensor:
+    return torch.empty(0, dtype=torch.int64)
+
+
 @dataclass(eq=False)
 class TreeNode:
     key: tuple[int, ...] = ()
-    value: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    value: torch.Tensor = field(default_factory=_no_slots)  # device slots; empty: host tier only
     parent: TreeNode | None = None
     children: dict[tuple[int, ...], TreeNode] = field(default_factory=dict)
     lock_count: int = 0
     last_access: int = 0  # the cache's logical clock (not wall time: ranks must order alike)
     node_id: int = field(default_factory=lambda: next(_ids))
+    host_pages: torch.Tensor | None = None  # its copy in the host tier: one host page per page
+    loading: CopyDone | None = None  # the load that filled `value`, which may still be running
+
+    @property
+    def on_device(self) -> bool:
+        return self.value.numel() > 0
 
 
 @dataclass(frozen=True, slots=True)
 class PrefixMatch:
-    slots: torch.Tensor  # int64 CPU slots of the cached prefix (a page multiple)
-    node: TreeNode  # deepest matched node: lock it while the request uses the prefix
+    slots: torch.Tensor  # int64 CPU slots of the cached prefix on the device (a page multiple)
+    node: TreeNode  # deepest matched node on the device: lock it while the request uses the prefix
+    host_nodes: tuple[TreeNode, ...] = ()  # the match goes on in the host tier only (`load_back`)
 
     @property
     def num_tokens(self) -> int:
         return int(self.slots.numel())
 
+    @property
+    def host_tokens(self) -> int:
+        return sum(len(node.key) for node in self.host_nodes)
+
 
 class RadixCache:
-    def __init__(self, allocator: SlotAllocator, enabled: bool = True) -> None:
+    def __init__(
+        self, allocator: SlotAllocator, enabled: bool = True, host_tier: HostKvTier | None = None
+    ) -> None:
         self.allocator = allocator
         self.page_size = allocator.page_size
         self.enabled = enabled
+        self.host_tier = host_tier if enabled else None
         self.root = TreeNode()
         self.root.lock_count = 1  # the root is never evicted
-        self._cached_tokens = 0
+        self._cached_tokens = 0  # on the device
         self._locked_tokens = 0
-        self.hit_tokens = 0
+        self._host_tokens = 0  # with a copy in the host tier
+        self.hit_tokens = 0  # served from the device
+        self.host_hit_tokens = 0  # served from the host tier (loaded back)
         self.query_tokens = 0
+        self.spilled_tokens = 0  # written to the host tier when they left the device
+        self.dropped_tokens = 0  # left the device with no copy kept
+        self._protected: set[int] = set()  # node ids the host tier's LRU must not drop now
         self._clock = itertools.count(1)  # one tick per lookup or insert: LRU order without wall time
 
     # -- accounting -------------------------------------------------------------------
     @property
     def cached_tokens(self) -> int:
+        """Tokens the cache holds on the device."""
         return self._cached_tokens
+
+    @property
+    def host_cached_tokens(self) -> int:
+        """Tokens the cache holds in the host tier (some of them on the device too)."""
+        return self._host_tokens
 
     @property
     def evictable_tokens(self) -> int:
@@ -67,20 +111,26 @@ class RadixCache:
 
     @property
     def hit_rate(self) -> float:
-        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+        hits = self.hit_tokens + self.host_hit_tokens
+        return hits / self.query_tokens if self.query_tokens else 0.0
 
     def _page_key(self, token_ids: Sequence[int], start: int) -> tuple[int, ...]:
         return tuple(token_ids[start : start + self.page_size])
 
+    def _device_pages(self, slots: torch.Tensor) -> torch.Tensor:
+        return slots[:: self.page_size] // self.page_size
+
     # -- lookups ----------------------------------------------------------------------
     def match_prefix(self, token_ids: Sequence[int], count_stats: bool = True) -> PrefixMatch:
-        """The longest cached page-aligned prefix of `token_ids`."""
+        """The longest cached page-aligned prefix of `token_ids`: its part on the device, then the
+        nodes that hold the rest in the host tier only."""
         usable = len(token_ids) // self.page_size * self.page_size
         if count_stats:
             self.query_tokens += len(token_ids)
         if not self.enabled or usable == 0:
-            return PrefixMatch(torch.empty(0, dtype=torch.int64), self.root)
-        node, matched, pieces = self.root, 0, []
+            return PrefixMatch(_no_slots(), self.root)
+        node, matched, pieces, host_nodes = self.root, 0, [], []
+        deepest = self.root  # on the device
         now = next(self._clock)
         while matched < usable:
             child = node.children.get(self._page_key(token_ids, matched))
@@ -90,13 +140,17 @@ class RadixCache:
             if shared < len(child.key):
                 child = self._split(child, shared)
             child.last_access = now
-            pieces.append(child.value)
+            if child.on_device:
+                pieces.append(child.value)
+                deepest = child
+            else:
+                host_nodes.append(child)
             matched += shared
             node = child
+        slots = torch.cat(pieces) if pieces else _no_slots()
         if count_stats:
-            self.hit_tokens += matched
-        slots = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.int64)
-        return PrefixMatch(slots, node)
+            self.hit_tokens += int(slots.numel())
+        return PrefixMatch(slots, deepest, tuple(host_nodes))
 
     def _shared_len(self, key: tuple[int, ...], token_ids: Sequence[int], start: int, usable: int) -> int:
         shared = 0
@@ -110,31 +164,79 @@ class RadixCache:
     def _split(self, node: TreeNode, at: int) -> TreeNode:
         """Cut `node` after `at` tokens; returns the new upper half (it keeps node's locks)."""
         assert node.parent is not None
+        pages_at = at // self.page_size
+        host = node.host_pages
         upper = TreeNode(
             key=node.key[:at],
             value=node.value[:at],
             parent=node.parent,
             lock_count=node.lock_count,
             last_access=node.last_access,
+            host_pages=None if host is None else host[:pages_at],
+            loading=node.loading,
         )
         node.parent.children[self._page_key(upper.key, 0)] = upper
         node.key, node.value, node.parent = node.key[at:], node.value[at:], upper
+        node.host_pages = None if host is None else host[pages_at:]
         upper.children[self._page_key(node.key, 0)] = node
         return upper
+
+    def load_back(self, match: PrefixMatch, count_stats: bool = True) -> PrefixMatch:
+        """Load the host-tier part of `match` into device slots, as much of it as the device has
+        room for (evicting other entries); returns the match as it is on the device now. The
+        device's next work reads the pages after the copy (`HostKvTier.load`)."""
+        tier = self.host_tier
+        if tier is None or not match.host_nodes:
+            return match
+        self.lock(match.node)  # the device part stays while room is made
+        self._protected = {node.node_id for node in match.host_nodes}
+        try:
+            short = match.host_tokens - self.allocator.available_tokens
+            if short > 0:
+                self.evict(short)
+            room, nodes, tokens = self.allocator.available_tokens, [], 0
+            for node in match.host_nodes:
+                if tokens + len(node.key) > room:
+                    break
+                nodes.append(node)
+                tokens += len(node.key)
+            slots = self._alloc_pages(tokens) if nodes else None
+        finally:
+            self._protected = set()
+            self.unlock(match.node)
+        if slots is None:
+            return match
+        slots = slots.to("cpu", torch.int64)
+        host_pages = torch.cat([node.host_pages for node in nodes if node.host_pages is not None])
+        done = tier.load(host_pages, self._device_pages(slots))
+        offset = 0
+        for node in nodes:
+            node.value, node.loading = slots[offset : offset + len(node.key)], done
+            offset += len(node.key)
+        self._cached_tokens += tokens
+        if count_stats:
+            self.host_hit_tokens += tokens
+        return PrefixMatch(torch.cat([match.slots, slots]), nodes[-1], match.host_nodes[len(nodes) :])
+
+    def _alloc_pages(self, tokens: int) -> torch.Tensor | None:
+        """`tokens` device slots in whole pages (a page-aligned span of one request's row)."""
+        one = torch.ones(1, dtype=torch.int64)
+        return self.allocator.alloc_extend(0 * one, tokens * one, -one)
 
     # -- updates ----------------------------------------------------------------------
     def insert(self, token_ids: Sequence[int], slots: torch.Tensor) -> int:
         """Cache the page-aligned part of `token_ids` -> `slots`.
 
-        Returns how many leading tokens were already cached: the caller still owns
-        `slots[:returned]` that are not the cache's own (it must free those it computed
-        itself), and hands `slots[returned:usable]` to the cache.
+        Returns how many leading tokens were already cached on the device: the caller still owns
+        `slots[:returned]` that are not the cache's own (it must free those it computed itself), and
+        hands `slots[returned:usable]` to the cache. Nodes found in the host tier only take the
+        caller's slots (they are on the device again, with no load).
         """
         usable = len(token_ids) // self.page_size * self.page_size
         if not self.enabled or usable == 0:
             return 0
         slots = slots[:usable].to("cpu", torch.int64)
-        node, done = self.root, 0
+        node, done, on_device = self.root, 0, None
         now = next(self._clock)
         while done < usable:
             child = node.children.get(self._page_key(token_ids, done))
@@ -147,14 +249,18 @@ class RadixCache:
                 )
                 node.children[self._page_key(leaf.key, 0)] = leaf
                 self._cached_tokens += usable - done
-                return done
+                return done if on_device is None else on_device
             shared = self._shared_len(child.key, token_ids, done, usable)
             if shared < len(child.key):
                 child = self._split(child, shared)
             child.last_access = now
+            if not child.on_device:
+                on_device = done if on_device is None else on_device
+                child.value = slots[done : done + shared].clone()
+                self._cached_tokens += shared
             done += shared
             node = child
-        return done
+        return done if on_device is None else on_device
 
     def lock(self, node: TreeNode) -> None:
         """Protect `node` and its ancestors from eviction while a request uses them."""
@@ -173,37 +279,31 @@ class RadixCache:
                 self._locked_tokens -= len(node.key)
             node = node.parent  # type: ignore[assignment]
 
+    # -- leaving the device -----------------------------------------------------------
     def evict(self, num_tokens: int) -> int:
-        """Free at least `num_tokens` cached tokens (LRU unlocked leaves); returns tokens freed."""
-        heap = [(leaf.last_access, leaf.node_id, leaf) for leaf in self._leaves() if leaf.lock_count == 0]
-        heapq.heapify(heap)
-        freed = 0
-        while freed < num_tokens and heap:
-            _, _, leaf = heapq.heappop(heap)
-            self.allocator.free(leaf.value)
-            freed += len(leaf.key)
-            self._cached_tokens -= len(leaf.key)
-            parent = leaf.parent
-            assert parent is not None
-            del parent.children[self._page_key(leaf.key, 0)]
-            if parent is not self.root and not parent.children and parent.lock_count == 0:
-                heapq.heappush(heap, (parent.last_access, parent.node_id, parent))
-        return freed
+        """Free at least `num_tokens` device slots (least recently used unlocked entries with
+        nothing below them on the device; into the host tier where it has room); returns the
+        tokens freed. The slots are back in the allocator when this returns."""
+        return self._leave_device(self._lru_device_leaves(num_tokens))
+
+    def spill_all(self) -> int:
+        """Every unlocked entry leaves the device, into the host tier as far as it holds them
+        (sleep: the prefix cache outlives the KV cache's memory)."""
+        return self.evict(self._cached_tokens)
 
     def evict_at_or_above(self, first_slot: int) -> int:
-        """Evict every unlocked entry holding a slot >= `first_slot` (with its subtree: an unlocked
-        node has only unlocked descendants); returns tokens freed. Locked entries stay: a shrink
-        moves their pages instead."""
-        freed, stack = 0, [self.root]
+        """Every unlocked entry holding a slot >= `first_slot` leaves the device, with what is below
+        it there (an unlocked node has only unlocked descendants), into the host tier as far as it
+        holds them; returns tokens freed. Locked entries stay: a shrink moves their pages instead."""
+        tops, stack = [], [self.root]
         while stack:
             node = stack.pop()
-            for key, child in list(node.children.items()):
-                if child.lock_count == 0 and self._reaches(child, first_slot):
-                    del node.children[key]
-                    freed += self._free_subtree(child)
-                else:
+            for child in node.children.values():
+                if child.on_device and child.lock_count == 0 and self._reaches(child, first_slot):
+                    tops.append(child)
+                elif child.on_device:
                     stack.append(child)
-        return freed
+        return self._leave_device([node for top in tops for node in self._device_subtree(top)])
 
     def _reaches(self, node: TreeNode, first_slot: int) -> bool:
         stack = [node]
@@ -214,45 +314,194 @@ class RadixCache:
             stack.extend(current.children.values())
         return False
 
-    def _free_subtree(self, node: TreeNode) -> int:
-        values, stack = [], [node]
+    def _device_subtree(self, top: TreeNode) -> list[TreeNode]:
+        """The nodes on the device from `top` down, every node after all of its descendants."""
+        order, stack = [], [top]
+        while stack:
+            node = stack.pop()
+            order.append(node)
+            stack.extend(child for child in node.children.values() if child.on_device)
+        return order[::-1]
+
+    def _lru_device_leaves(self, num_tokens: int) -> list[TreeNode]:
+        """Unlocked device entries holding at least `num_tokens` (or all there are), least recently
+        used first, each after every one of its descendants on the device."""
+        heap = [
+            (leaf.last_access, leaf.node_id, leaf)
+            for leaf in self._walk()
+            if leaf.on_device
+            and leaf.lock_count == 0
+            and not any(c.on_device for c in leaf.children.values())
+        ]
+        heapq.heapify(heap)
+        chosen: list[TreeNode] = []
+        taken: set[int] = set()
+        tokens = 0
+        while tokens < num_tokens and heap:
+            _, _, node = heapq.heappop(heap)
+            chosen.append(node)
+            taken.add(node.node_id)
+            tokens += len(node.key)
+            parent = node.parent
+            assert parent is not None
+            if (
+                parent is not self.root
+                and parent.lock_count == 0
+                and all(not c.on_device or c.node_id in taken for c in parent.children.values())
+            ):
+                heapq.heappush(heap, (parent.last_access, parent.node_id, parent))
+        return chosen
+
+    def _leave_device(self, nodes: list[TreeNode], *, keep_in_host: bool = True) -> int:
+        """Take `nodes` (unlocked, on the device, each after its descendants there) off the device:
+        write their pages into the host tier where it has room (`keep_in_host`), wait for those
+        writes (a page is not reused before it is written), free their slots, and drop the nodes
+        kept nowhere. Returns the tokens freed on the device."""
+        tier = self.host_tier if keep_in_host else None
+        sources, targets = [], []
+        leaving = {node.node_id for node in nodes}
+        for node in nodes:
+            if tier is not None and node.host_pages is None:
+                pages = self._host_room(len(node.key) // self.page_size, node, leaving)
+                if pages is not None:
+                    node.host_pages = pages
+                    self._host_tokens += len(node.key)
+                    self.spilled_tokens += len(node.key)
+                    sources.append(self._device_pages(node.value))
+                    targets.append(pages)
+        written = (
+            tier.write(torch.cat(sources), torch.cat(targets)) if tier is not None and sources else COPIED
+        )
+        written.wait()
+        freed = 0
+        for node in nodes:
+            if node.loading is not None:  # a load may still fill these slots: never reuse them before it ends
+                node.loading.wait()
+                node.loading = None
+            self.allocator.free(node.value)
+            freed += len(node.key)
+            node.value = _no_slots()
+            if node.host_pages is None:
+                self.dropped_tokens += len(node.key)
+                self._drop(node)
+        self._cached_tokens -= freed
+        return freed
+
+    # -- the host tier's own LRU ------------------------------------------------------
+    def _host_room(self, num_pages: int, newcomer: TreeNode, leaving: set[int]) -> torch.Tensor | None:
+        """`num_pages` host pages for `newcomer`: free ones, or pages of host-tier entries used
+        before it (least recently used first: a copy of a node still on the device, or a node in
+        the host tier only with nothing below it). None when even that leaves too few."""
+        tier = self.host_tier
+        assert tier is not None
+        pages = tier.alloc(num_pages)
+        if pages is not None or num_pages > tier.capacity_pages:
+            return pages
+        spared = leaving | self._protected
+
+        def may_drop(node: TreeNode) -> bool:
+            return (
+                node.host_pages is not None
+                and node.node_id not in spared
+                and node.last_access <= newcomer.last_access
+                and (node.on_device or not node.children)
+            )
+
+        heap = [(node.last_access, node.node_id, node) for node in self._walk() if may_drop(node)]
+        heapq.heapify(heap)
+        while tier.free_pages < num_pages and heap:
+            _, _, node = heapq.heappop(heap)
+            parent = node.parent
+            if node.on_device:
+                self._forget_host_copy(node)
+            else:
+                self._drop(node)
+                if parent is not None and parent is not self.root and may_drop(parent):
+                    heapq.heappush(heap, (parent.last_access, parent.node_id, parent))
+        return tier.alloc(num_pages)
+
+    def _forget_host_copy(self, node: TreeNode) -> None:
+        if node.host_pages is not None and self.host_tier is not None:
+            self.host_tier.free(node.host_pages)
+            self._host_tokens -= len(node.key)
+        node.host_pages = None
+
+    def _drop(self, node: TreeNode) -> None:
+        """Remove `node` and everything below it (none of it on the device) from the tree."""
+        parent = node.parent
+        assert parent is not None
+        del parent.children[self._page_key(node.key, 0)]
+        stack = [node]
         while stack:
             current = stack.pop()
-            values.append(current.value)
+            if current.on_device:
+                raise RuntimeError(f"prefix-cache node {current.node_id} dropped while on the device")
+            self._forget_host_copy(current)
             stack.extend(current.children.values())
-        slots = torch.cat(values)
-        self.allocator.free(slots)
-        self._cached_tokens -= slots.numel()
-        return int(slots.numel())
 
+    # -- shrinks, resets and checks ---------------------------------------------------
     def remap_slots(self, moves: PageMoves) -> None:
         """Follow a shrink that moved pages the cache holds (locked entries of running requests)."""
         if not moves.num_pages:
             return
-        stack = [self.root]
-        while stack:
-            node = stack.pop()
+        if self.host_tier is not None:
+            self.host_tier.order_after_compute()  # a later write reads the moved pages after the move
+        for node in self._walk():
             node.value = moves.remap_slots(node.value, self.page_size)
-            stack.extend(node.children.values())
 
-    def _leaves(self) -> list[TreeNode]:
-        leaves, stack = [], [self.root]
+    def _walk(self) -> Iterable[TreeNode]:
+        """Every node but the root."""
+        stack = list(self.root.children.values())
         while stack:
             node = stack.pop()
-            if node is not self.root and not node.children:
-                leaves.append(node)
+            yield node
             stack.extend(node.children.values())
-        return leaves
 
     def all_slots(self) -> torch.Tensor:
-        """Every slot the cache holds (for integrity checks)."""
-        pieces, stack = [], [self.root]
-        while stack:
-            node = stack.pop()
-            pieces.append(node.value)
-            stack.extend(node.children.values())
-        return torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.int64)
+        """Every device slot the cache holds (for integrity checks)."""
+        pieces = [node.value for node in self._walk()]
+        return torch.cat(pieces) if pieces else _no_slots()
 
     def reset(self) -> None:
-        """Drop every unlocked entry (e.g. after a resize)."""
-        self.evict(self._cached_tokens)
+        """Drop every unlocked entry, in both tiers (new weights, sleep level 2, a failed step)."""
+        self._leave_device(self._lru_device_leaves(self._cached_tokens), keep_in_host=False)
+        for node in list(self._walk()):
+            parent = node.parent
+            assert parent is not None
+            if node.on_device:  # locked: only its host copy goes
+                self._forget_host_copy(node)
+            elif parent is self.root or parent.on_device:  # the top of a host-only subtree
+                self._drop(node)
+
+    def check_host_tier(self) -> None:
+        """The host tier's pages in use are exactly the cache's host copies."""
+        tier = self.host_tier
+        if tier is None:
+            return
+        tier.check_integrity()
+        if tier.used_pages * self.page_size != self._host_tokens:
+            raise RuntimeError(
+                f"host tier: {tier.used_pages} pages in use, but the cache holds {self._host_tokens} tokens there"
+            )
+
+    def host_tier_stats(self) -> HostTierStats | None:
+        tier = self.host_tier
+        if tier is None:
+            return None
+        traffic = tier.traffic()
+        return HostTierStats(
+            capacity_tokens=tier.capacity_tokens,
+            capacity_bytes=tier.capacity_bytes,
+            cached_tokens=self._host_tokens,
+            used_bytes=tier.used_pages * tier.page_bytes,
+            pinned=tier.pinned,
+            device_hit_tokens=self.hit_tokens,
+            host_hit_tokens=self.host_hit_tokens,
+            host_hit_rate=self.host_hit_tokens / self.query_tokens if self.query_tokens else 0.0,
+            spilled_tokens=self.spilled_tokens,
+            dropped_tokens=self.dropped_tokens,
+            bytes_to_host=traffic.bytes_to_host,
+            bytes_to_device=traffic.bytes_to_device,
+            write_s=traffic.write_s,
+            load_s=traffic.load_s,
+        )

@@ -69,6 +69,7 @@ from snugkv.core.sampling import PROMPT_LOGITS_PER_STEP, InvalidRequest, Samplin
 from snugkv.core.structured_output import TokenBitmask
 from snugkv.core.tokenizer import Tokenizer
 from snugkv.core.transfer import to_host
+from snugkv.memory.host_tier import HostKvTier
 from snugkv.memory.no_memory import is_out_of_memory
 from snugkv.runner.model_runner import ModelRunner
 from snugkv.scheduler.detokenizer import detokenize, find_stop
@@ -106,11 +107,13 @@ class Scheduler:
         on_output: OutputCallback | None = None,
         overlap: bool = True,
         request_cap: Callable[[], int] | None = None,
+        host_tier: HostKvTier | None = None,
         speculative: SpeculativeConfig | None = None,
     ) -> None:
         """`max_running_requests` is this scheduler's own limit; `request_cap` reads the engine's
         limit for the KV cache's size now (its one owner: the KV sizing's recap, which every resize,
-        pressure move and wake updates), and the lower of the two holds. `speculative`: decode
+        pressure move and wake updates), and the lower of the two holds. `host_tier`: where the
+        prefix cache keeps what leaves the device (None: it is dropped). `speculative`: decode
         steps speculate with this config (`scheduler.speculation`); None: they never do."""
         self.runner = runner
         self.overlap = overlap
@@ -121,7 +124,7 @@ class Scheduler:
         self.chunked_prefill_size = chunked_prefill_size
         self.page_size = runner.allocator.page_size
         self.context_length = runner.max_context_len
-        self.cache = RadixCache(runner.allocator, enabled=enable_prefix_cache)
+        self.cache = RadixCache(runner.allocator, enabled=enable_prefix_cache, host_tier=host_tier)
         self.slots = RequestSlots(runner, self.cache)
         self.outputs = OutputBuilder(tokenizer, on_output)
         self.speculation = Speculation(speculative) if speculative is not None else None
@@ -822,6 +825,7 @@ class Scheduler:
             prefix_cache_tokens=cached,
             num_retractions=self.num_retractions,
             generated_tokens=self.generated_tokens,
+            host_tier=self.cache.host_tier_stats(),
             spec_draft_tokens=counts.draft_tokens if counts else 0,
             spec_accepted_tokens=counts.accepted_tokens if counts else 0,
             spec_drafted_rows=counts.drafted_rows if counts else 0,

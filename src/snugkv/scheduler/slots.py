@@ -4,7 +4,8 @@ Slot ownership along a request's table row: `[0, prefix_len)` belongs to the pre
 (locked while the request runs), `[prefix_len, kv_len + in_flight)` to the request (`in_flight`:
 slots of launched steps whose results the host has not taken yet). Admission gives a request
 a table row and its cached prefix; room for new tokens comes from the allocator, evicting prefix
-cache entries when it runs short; release hands computed KV to the cache and duplicates, the
+cache entries (into its host tier, if it has one) when it runs short; release hands computed KV to
+the cache and duplicates, the
 partial last page and the slots of a failed step back to the allocator.
 `check_accounting` proves free + cached + held == capacity. This module decides nothing about
 which requests run (the scheduler's policy) and never touches outputs.
@@ -43,6 +44,8 @@ class RequestSlots:
         # A request scoring its prompt computes every position: a cached prefix would have no logits.
         reusable = [] if request.scores_prompt else request.all_ids[:-1]
         match = self.cache.match_prefix(reusable, count_stats=request.retractions == 0)
+        if match.host_nodes:  # the rest of the prefix is in the host tier: loaded before the prefill
+            match = self.cache.load_back(match, count_stats=request.retractions == 0)
         request.req_pool_idx = row
         if match.num_tokens:
             self.cache.lock(match.node)
@@ -108,3 +111,4 @@ class RequestSlots:
                 f"!= capacity {allocator.capacity_tokens}"
             )
         allocator.check_integrity()
+        self.cache.check_host_tier()

@@ -3,7 +3,8 @@
     GET /v1/loads   the queue, the KV usage and the generation rate, in the shape Shepherd Model
                     Gateway (`smg`) polls from its workers (SGLang's `/v1/loads`): a list with one
                     entry per data-parallel rank (snugkv has one), every figure taken from the
-                    scheduler's stats and the server's metrics at the time of the call
+                    scheduler's stats and the server's metrics at the time of the call; beside
+                    SGLang's fields, the host tier's cached tokens and hit rate (snugkv's own)
     GET /ready      200 while the engine is healthy and awake, 503 while it sleeps or is broken:
                     the readiness signal (send no traffic here now), beside `/health`, the liveness
                     one (this process still works; a supervisor restarts it when that fails)
@@ -36,6 +37,7 @@ def load_report(client: EngineClient, metrics: ServerMetrics) -> dict[str, Any]:
     running, waiting = stats.num_running_requests, stats.num_queued_requests
     total_tokens = info.startup.max_total_num_tokens
     usage = stats.kv_cache_usage
+    tier = stats.host_tier
     return {
         "dp_rank": 0,
         "num_running_reqs": running,
@@ -48,6 +50,10 @@ def load_report(client: EngineClient, metrics: ServerMetrics) -> dict[str, Any]:
         "cache_hit_rate": stats.prefix_cache_hit_rate,
         "utilization": usage,
         "max_running_requests": info.startup.max_running_requests,
+        # the prefix cache's host tier (0 without one): a router may count a hit there as cached
+        "num_host_cached_tokens": 0 if tier is None else tier.cached_tokens,
+        "host_tier_max_tokens": 0 if tier is None else tier.capacity_tokens,
+        "host_cache_hit_rate": 0.0 if tier is None else tier.host_hit_rate,
     }
 
 

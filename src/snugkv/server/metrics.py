@@ -101,6 +101,36 @@ class ServerMetrics:
         self.sleep_level = Gauge(
             f"{PREFIX}_sleep_level", "0 awake; 1 or 2 asleep (vLLM's levels)", registry=r
         )
+        # The prefix cache's host tier (absent without one): totals the engine keeps.
+        self.prefix_hit_tokens = Gauge(
+            f"{PREFIX}_prefix_cache_hit_tokens_total",
+            "Prompt tokens served from the prefix cache, by the tier that held them",
+            ["tier"],
+            registry=r,
+        )
+        self.host_tier_tokens = Gauge(
+            f"{PREFIX}_kv_host_tier_tokens",
+            "The KV host tier: its capacity and the tokens it holds",
+            ["kind"],
+            registry=r,
+        )
+        self.host_tier_bytes_moved = Gauge(
+            f"{PREFIX}_kv_host_tier_bytes_moved_total",
+            "KV bytes copied between the device and the host tier",
+            ["direction"],
+            registry=r,
+        )
+        self.host_tier_copy_seconds = Gauge(
+            f"{PREFIX}_kv_host_tier_copy_seconds_total",
+            "Time of the copies between the device and the host tier (a GPU's: on its copy stream)",
+            ["direction"],
+            registry=r,
+        )
+        self.host_tier_dropped_tokens = Gauge(
+            f"{PREFIX}_kv_host_tier_dropped_tokens_total",
+            "Cached tokens that left the device with no room kept for them in the host tier",
+            registry=r,
+        )
         self.in_flight = Gauge(
             f"{PREFIX}_http_requests_in_flight", "Generation requests being served", registry=r
         )
@@ -138,6 +168,17 @@ class ServerMetrics:
         self.running.set(stats.num_running_requests)
         self.queued.set(stats.num_queued_requests)
         self.prefix_hit_rate.set(stats.prefix_cache_hit_rate)  # cached / prompt tokens, 0..1
+        tier = stats.host_tier
+        if tier is not None:
+            self.prefix_hit_tokens.labels(tier="device").set(tier.device_hit_tokens)
+            self.prefix_hit_tokens.labels(tier="host").set(tier.host_hit_tokens)
+            self.host_tier_tokens.labels(kind="capacity").set(tier.capacity_tokens)
+            self.host_tier_tokens.labels(kind="cached").set(tier.cached_tokens)
+            self.host_tier_bytes_moved.labels(direction="to_host").set(tier.bytes_to_host)
+            self.host_tier_bytes_moved.labels(direction="to_device").set(tier.bytes_to_device)
+            self.host_tier_copy_seconds.labels(direction="to_host").set(tier.write_s)
+            self.host_tier_copy_seconds.labels(direction="to_device").set(tier.load_s)
+            self.host_tier_dropped_tokens.set(tier.dropped_tokens)
         self.spec_draft_tokens.set(stats.spec_draft_tokens)
         self.spec_accepted_tokens.set(stats.spec_accepted_tokens)
         self.spec_mean_accepted_length.set(stats.spec_mean_accepted_length)

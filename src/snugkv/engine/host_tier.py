@@ -1,0 +1,125 @@
+"""The host KV tier at start-up: how big (`--kv-host-tier-gib`, or a default that leaves the host
+room), in pinned host memory, or none at all.
+
+Off unless `--kv-host-tier-gib N` asks (on CPU the 'device' is host memory already; tests turn it
+on to run the same code; on a GPU until its benchmark has run, see `host_tier_bytes`); the start-up
+log suggests a size that leaves the host room: `HOST_TIER_RAM_FRACTION` of the host RAM available,
+split over the ranks of this launch (each rank pins its own), at most `HOST_TIER_DEFAULT_MAX_GIB`.
+Every rank keeps the same number of pages (MIN over ranks), so every rank spills and loads alike.
+A pinned allocation that fails is one warning line and no tier: the engine serves as without it.
+The tier follows the prefix cache's page layout, so a pool of two token groups (sliding window)
+gets none (not built yet), and says so.
+
+This module sizes and allocates the tier once; what moves through it is the prefix cache's.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from snugkv.engine.args import EngineArgs
+from snugkv.memory.host_tier import HostCopies, HostKvTier, PageCopies, StreamCopies
+from snugkv.memory.kv_pool import KVPool
+from snugkv.memory.vmm import GIB
+from snugkv.memory.vmm_host import available_ram_bytes
+from snugkv.sizing.measure import agree_min
+
+logger = logging.getLogger(__name__)
+
+HOST_TIER_RAM_FRACTION = 0.25  # of the host RAM available at start-up, over the ranks of the launch
+HOST_TIER_DEFAULT_MAX_GIB = 64.0  # per rank, by default; --kv-host-tier-gib sets any size
+
+
+def suggested_host_tier_bytes(ranks: int) -> int:
+    """A size that leaves the host room: `HOST_TIER_RAM_FRACTION` of the RAM available now over the
+    ranks, at most `HOST_TIER_DEFAULT_MAX_GIB` each."""
+    return min(
+        int(available_ram_bytes() * HOST_TIER_RAM_FRACTION / ranks), int(HOST_TIER_DEFAULT_MAX_GIB * GIB)
+    )
+
+
+def host_tier_bytes(args: EngineArgs, device: torch.device, ranks: int) -> tuple[int, str]:
+    """The tier's size in bytes (0: none) and where the figure comes from, for the log line.
+
+    Off unless `--kv-host-tier-gib` asks for it, on a GPU too, until the GPU benchmark of issue 35
+    has measured it: pinning tens of GiB at start-up costs seconds, and a pressure move that spills
+    copies what it evicts before the memory goes back (no time budget yet: docs/HOST_TIER.md)."""
+    if args.kv_host_tier_gib is not None:
+        return int(args.kv_host_tier_gib * GIB), "--kv-host-tier-gib"
+    if device.type != "cuda":
+        return 0, "off on CPU by default"
+    size = suggested_host_tier_bytes(ranks)
+    over = f" over {ranks} ranks" if ranks > 1 else ""
+    return 0, (
+        f"off by default; --kv-host-tier-gib N turns it on ({size / GIB:.1f} GiB would be "
+        f"{HOST_TIER_RAM_FRACTION:.0%} of the host RAM available{over}, at most {HOST_TIER_DEFAULT_MAX_GIB:g} GiB)"
+    )
+
+
+def open_host_tier(
+    args: EngineArgs,
+    pool: KVPool,
+    device: torch.device,
+    *,
+    ranks: int,
+    group: dist.ProcessGroup | None,
+    log: Callable[..., Any],
+    copies: PageCopies | None = None,
+) -> HostKvTier | None:
+    """The host tier for `pool`, or None (off, too small, not built for this pool, or pinning
+    failed: one line says which). `copies`: how pages are copied (default: the device's own)."""
+    size_bytes, why = host_tier_bytes(args, device, ranks)
+    if size_bytes <= 0:
+        return None
+    try:
+        views = pool.page_views()
+    except ValueError as exc:
+        log("Host KV tier off: %s (not built for it yet)", exc)
+        return None
+    page_bytes = sum(view.shape[1] for view in views)
+    pages = agree_min(size_bytes // page_bytes, group)
+    if pages < 1:
+        log("Host KV tier off: %.3f GiB hold no KV page of %d bytes (%s)", size_bytes / GIB, page_bytes, why)
+        return None
+    pin = device.type == "cuda"
+    started = time.perf_counter()
+    tier: HostKvTier | None = None
+    try:
+        tier = HostKvTier(
+            views,
+            num_pages=pages,
+            page_size=pool.page_size,
+            copies=copies or (StreamCopies(device) if pin else HostCopies()),
+            pin_memory=pin,
+        )
+    except (RuntimeError, MemoryError) as exc:
+        logger.warning(
+            "Host KV tier off: allocating %.2f GiB of %s host memory failed (%s); serving without it",
+            pages * page_bytes / GIB,
+            "pinned" if pin else "plain",
+            str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+        )
+    if agree_min(int(tier is not None), group) == 0:  # every rank has one, or none does
+        if tier is not None:
+            tier.close()
+        return None
+    assert tier is not None
+    log(
+        "Host KV tier: %.2f GiB of %s host memory, %d tokens (%d pages of %.2f MiB) beside %d on the device "
+        "(%s), took %.0f ms",
+        tier.capacity_bytes / GIB,
+        "pinned" if pin else "plain",
+        tier.capacity_tokens,
+        tier.capacity_pages,
+        page_bytes / 2**20,
+        pool.committed_tokens,
+        why,
+        (time.perf_counter() - started) * 1000,
+    )
+    return tier

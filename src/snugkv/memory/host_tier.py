@@ -1,0 +1,289 @@
+"""The KV cache's second tier: pages of the prefix cache kept in (pinned) host memory.
+
+A device page is `page_size` slots of every KV buffer of a pool; a host page holds the same bytes
+of every buffer, in one host buffer per device buffer (`[host pages + 1, page bytes]`, row 0
+unused, as the device's dummy page). The prefix cache moves whole pages between the two: a device
+eviction writes them here (`write`), a hit on them loads them back (`load`).
+
+This module owns the host pages (which are free: the one host allocator, lowest pages first) and
+the copies; it never decides what moves (the prefix cache does) and never frees a device slot.
+
+Copies run through a `PageCopies`:
+- on a GPU (`StreamCopies`) on one copy stream of their own, each direct from pages to pages
+  (one `copy_` per run of consecutive pages per buffer: no staging, so a spill under memory
+  pressure allocates no device memory). A load first waits for the work already queued on the
+  compute stream (a slot it fills may still be written by the step in flight, for a request that
+  ended in that step), and the compute stream then waits for the load: the next forward reads the
+  loaded KV, the host never waits. A write waits for nothing on the compute stream: a page the
+  prefix cache holds is never written by a launched step (its KV came from steps whose tokens were
+  read), except by a shrink's page moves, after which `order_after_compute` is called.
+  Every copy returns a `CopyDone`; a device page that was written out goes back to the allocator
+  only after its `wait()`. All copies share the one stream, so a host page reused by a later copy
+  is reused in order.
+- on CPU (`HostCopies`) at once: the same code path, with a 'device' that is host memory too.
+Tests pass a copier of their own to hold copies back and check that nothing reads or reuses a page
+before its copy is done.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from snugkv.memory.allocator import make_allocator
+
+logger = logging.getLogger(__name__)
+
+
+class CopyDone(ABC):
+    """A copy on its way; `wait()` returns once it is done (at once if it is)."""
+
+    @abstractmethod
+    def wait(self) -> None: ...
+
+
+class _Done(CopyDone):
+    def wait(self) -> None:
+        return None
+
+
+COPIED: CopyDone = _Done()
+
+
+class PageCopies(ABC):
+    """Where and when page copies run."""
+
+    @abstractmethod
+    def run(self, copy: Callable[[], None], *, load: bool) -> CopyDone:
+        """Run `copy` (a series of `copy_` calls). A load runs only after the work already queued
+        for the device, and the device's later work waits for it; a write waits for neither."""
+
+    @abstractmethod
+    def order_after_compute(self) -> None:
+        """The next copies run after the work queued for the device now (pages were moved there)."""
+
+    @abstractmethod
+    def elapsed_s(self) -> tuple[float, float]:
+        """Seconds the writes and the loads done by now took (on a GPU: on the copy stream)."""
+
+
+class HostCopies(PageCopies):
+    """CPU: every copy runs now, in the caller's thread."""
+
+    def __init__(self) -> None:
+        self._elapsed_s = [0.0, 0.0]  # writes, loads
+
+    def run(self, copy: Callable[[], None], *, load: bool) -> CopyDone:
+        started = time.perf_counter()
+        copy()
+        self._elapsed_s[load] += time.perf_counter() - started
+        return COPIED
+
+    def order_after_compute(self) -> None:
+        return None  # every copy ran in order already
+
+    def elapsed_s(self) -> tuple[float, float]:
+        return self._elapsed_s[0], self._elapsed_s[1]
+
+
+class _EventDone(CopyDone):
+    def __init__(self, event: torch.cuda.Event) -> None:
+        self.event = event
+
+    def wait(self) -> None:
+        self.event.synchronize()
+
+
+class StreamCopies(PageCopies):
+    """GPU: copies on one stream of their own, ordered against the compute stream by events."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+        self._timed: list[tuple[bool, torch.cuda.Event, torch.cuda.Event]] = []
+        self._elapsed_s = [0.0, 0.0]  # writes, loads
+        self._after: torch.cuda.Event | None = None
+
+    def run(self, copy: Callable[[], None], *, load: bool) -> CopyDone:
+        compute = torch.cuda.current_stream(self.device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if load:
+            self.stream.wait_stream(compute)
+        elif self._after is not None:
+            self.stream.wait_event(self._after)
+        self._after = None
+        with torch.cuda.stream(self.stream):
+            start.record(self.stream)
+            copy()
+            end.record(self.stream)
+        if load:
+            compute.wait_event(end)
+        self._timed.append((load, start, end))
+        if len(self._timed) > 1024:  # nobody read the times lately: fold the finished ones in
+            self.elapsed_s()
+        return _EventDone(end)
+
+    def order_after_compute(self) -> None:
+        self._after = torch.cuda.Event()
+        self._after.record(torch.cuda.current_stream(self.device))
+
+    def elapsed_s(self) -> tuple[float, float]:
+        """Adds up the copies done by now (a query, never a wait)."""
+        pending = []
+        for load, start, end in self._timed:
+            if end.query():
+                self._elapsed_s[load] += start.elapsed_time(end) / 1000
+            else:
+                pending.append((load, start, end))
+        self._timed = pending
+        return self._elapsed_s[0], self._elapsed_s[1]
+
+
+@dataclass(frozen=True, slots=True)
+class TierTraffic:
+    """What moved between the tiers since start-up."""
+
+    bytes_to_host: int
+    bytes_to_device: int
+    pages_to_host: int
+    pages_to_device: int
+    write_s: float  # device -> host: time of the copies done by now (a GPU's: on its copy stream)
+    load_s: float  # host -> device, likewise
+
+
+class HostKvTier:
+    """Host pages for a pool's device pages: `alloc`/`free` them, `write` device pages into them,
+    `load` them into device pages. `device_pages` are the pool's buffers seen as
+    `[pool pages, page bytes]` uint8 rows (`KVPool.page_views`)."""
+
+    def __init__(
+        self,
+        device_pages: list[torch.Tensor],
+        *,
+        num_pages: int,
+        page_size: int,
+        copies: PageCopies,
+        pin_memory: bool,
+    ) -> None:
+        if num_pages < 1:
+            raise ValueError(f"a host KV tier needs at least one page, got {num_pages}")
+        self.page_size = page_size
+        self.copies = copies
+        self._device_pages = device_pages
+        rows = [view.shape[1] for view in device_pages]
+        self.page_bytes = sum(rows)  # one page of every buffer
+        # One allocation, cut into one [pages + 1, row bytes] block per device buffer (row 0 unused).
+        flat = torch.empty((num_pages + 1) * self.page_bytes, dtype=torch.uint8, pin_memory=pin_memory)
+        self._host_pages: list[torch.Tensor] = []
+        offset = 0
+        for row_bytes in rows:
+            size = (num_pages + 1) * row_bytes
+            self._host_pages.append(flat[offset : offset + size].view(num_pages + 1, row_bytes))
+            offset += size
+        self._flat: torch.Tensor | None = flat
+        self.pinned = pin_memory
+        self._free = make_allocator(num_pages, 1)  # host page p is "slot" p; page 0 is never handed out
+        self._bytes = [0, 0]  # to host, to device
+        self._pages = [0, 0]
+
+    # -- the host pages ---------------------------------------------------------------------
+    @property
+    def capacity_pages(self) -> int:
+        return self._free.capacity_tokens
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.capacity_pages * self.page_size
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.capacity_pages * self.page_bytes
+
+    @property
+    def free_pages(self) -> int:
+        return self._free.available_tokens
+
+    @property
+    def used_pages(self) -> int:
+        return self.capacity_pages - self.free_pages
+
+    def alloc(self, num_pages: int) -> torch.Tensor | None:
+        """`num_pages` free host pages (int64, lowest first), or None when fewer are free."""
+        return self._free.alloc(num_pages)
+
+    def free(self, pages: torch.Tensor) -> None:
+        """Give host pages back. A copy still on its way into or out of them is ordered before any
+        later copy that reuses them (one copy stream), so no wait is needed."""
+        self._free.free(pages)
+
+    def check_integrity(self) -> None:
+        self._free.check_integrity()
+
+    # -- copies -----------------------------------------------------------------------------
+    def write(self, device_pages: torch.Tensor, host_pages: torch.Tensor) -> CopyDone:
+        """Copy device pages into host pages (same order); the device pages must not be reused
+        before the returned `wait()`."""
+        runs = _runs(device_pages, host_pages)
+
+        def copy() -> None:
+            for device, host in zip(self._device_pages, self._host_pages):
+                for first_device, first_host, count in runs:
+                    host[first_host : first_host + count].copy_(
+                        device[first_device : first_device + count], non_blocking=True
+                    )
+
+        self._count(0, int(device_pages.numel()))
+        return self.copies.run(copy, load=False)
+
+    def load(self, host_pages: torch.Tensor, device_pages: torch.Tensor) -> CopyDone:
+        """Copy host pages into device pages (same order); the device's later work reads them after
+        the copy, and the host pages must stay as they are until it is done (they do: see `free`)."""
+        runs = _runs(device_pages, host_pages)
+
+        def copy() -> None:
+            for device, host in zip(self._device_pages, self._host_pages):
+                for first_device, first_host, count in runs:
+                    device[first_device : first_device + count].copy_(
+                        host[first_host : first_host + count], non_blocking=True
+                    )
+
+        self._count(1, int(device_pages.numel()))
+        return self.copies.run(copy, load=True)
+
+    def order_after_compute(self) -> None:
+        """Pages were moved on the device (a shrink): later copies run after that move."""
+        self.copies.order_after_compute()
+
+    def _count(self, direction: int, pages: int) -> None:
+        self._pages[direction] += pages
+        self._bytes[direction] += pages * self.page_bytes
+
+    def traffic(self) -> TierTraffic:
+        write_s, load_s = self.copies.elapsed_s()
+        return TierTraffic(self._bytes[0], self._bytes[1], self._pages[0], self._pages[1], write_s, load_s)
+
+    def close(self) -> None:
+        """Drop the host memory and the views of the pool's buffers (before the pool's arena goes)."""
+        self._device_pages = []
+        self._host_pages = []
+        self._flat = None
+
+
+def _runs(first: torch.Tensor, second: torch.Tensor) -> list[tuple[int, int, int]]:
+    """Runs of pages consecutive in both lists: (first's start, second's start, count)."""
+    if first.shape != second.shape or first.dim() != 1:
+        raise ValueError(f"page lists differ: {tuple(first.shape)} and {tuple(second.shape)}")
+    count = int(first.numel())
+    if count == 0:
+        return []
+    a, b = first.to(torch.int64), second.to(torch.int64)
+    breaks = torch.nonzero((a[1:] - a[:-1] != 1) | (b[1:] - b[:-1] != 1)).reshape(-1) + 1
+    starts = [0, *breaks.tolist()]
+    ends = [*starts[1:], count]
+    a_list, b_list = a.tolist(), b.tolist()
+    return [(a_list[s], b_list[s], e - s) for s, e in zip(starts, ends)]
