@@ -25,6 +25,8 @@ def generate(**options) -> tuple[list[list[int]], dict, int]:
         dtype="float32",  # token-identical comparisons: bf16 rounding may flip a near tie between shapes
         max_total_tokens=16384,
         cuda_graph_max_bs=8,
+        chunked_prefill_size=512,
+        prefill_graph_max_tokens=512,  # few piecewise graphs: a quick start; verify steps fit them
         **options,
     ) as llm:
         graphs = llm.engine.runner.cuda_graphs
