@@ -66,6 +66,7 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, Callable[[], None]]:
         kv_chunk_mib=args.kv_chunk_mib,
         max_device_memory_gib=args.max_device_memory,
         queue_timeout_s=args.queue_timeout,
+        speculative=args.speculative,
     )
     engine, _ = build_engine_thread(engine_args)
     return engine, engine.stop
@@ -99,6 +100,7 @@ def main() -> None:
     parser.add_argument("--kv-chunk-mib", type=float, default=None, help="real engine only")
     parser.add_argument("--max-device-memory", type=float, default=None, help="real engine only (GiB)")
     parser.add_argument("--queue-timeout", type=float, default=None, help="real engine only (seconds)")
+    parser.add_argument("--speculative", default=None, help="real engine only: ngram or suffix")
     parser.add_argument("--graceful-shutdown-s", type=int, default=5, help="from the stop signal to the exit")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -237,6 +237,28 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "could hold it (a starting or shrunken engine); then a 503 with Retry-After (default: 30)",
     )
     group.add_argument(
+        "--speculative",
+        default=None,
+        metavar="METHOD",
+        help="speculative decoding without a second model: ngram (prompt lookup in the request's own "
+        "tokens) or suffix (the request's tokens and recent outputs); greedy output is unchanged "
+        "(default: off; draft and eagle are not built yet)",
+    )
+    group.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=None,
+        metavar="K",
+        help="with --speculative: the most draft tokens per request and step (default: 4)",
+    )
+    group.add_argument(
+        "--speculative-max-batch-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --speculative: a decode step of more running requests does not speculate (default: 32)",
+    )
+    group.add_argument(
         "--weights-seed", type=int, default=0, help="seed of random (--load-format dummy) weights"
     )
     group.add_argument(

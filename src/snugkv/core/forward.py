@@ -119,6 +119,9 @@ class BatchRow:
     `need_logits` is False for a non-final prefill chunk, whose next token nobody samples.
     `prompt_logits`: the runner returns the logits of every new token of the row (in position
     order; the last is the one sampled when `need_logits`), for the prompt's log-probabilities.
+    `draft_len`: the last `draft_len` tokens are a speculative draft after the row's last token;
+    the runner returns the logits of every new token of the row too (`draft_len + 1` of them, the
+    layout snugkv.speculative.verify reads).
     Not frozen: one is built per request per step, and a frozen `__init__` costs three times more.
     """
 
@@ -127,6 +130,7 @@ class BatchRow:
     token_ids: Sequence[int]
     need_logits: bool = True
     prompt_logits: bool = False
+    draft_len: int = 0
 
     @property
     def seq_len(self) -> int:
@@ -138,7 +142,8 @@ class ForwardBatch:
     """Device tensors (and CPU mirrors of the lengths) for one forward; see the module docstring.
 
     `logits_indices` holds T-axis indices of the tokens whose logits the runner returns (the last
-    new token of each row that needs them; every new token of a `prompt_logits` row). `kv_width` bounds how many key columns a gathering
+    new token of each row that needs them; every new token of a `prompt_logits` row or of a row with
+    a draft). `kv_width` bounds how many key columns a gathering
     decode path reads per row; graphs set it to the table width so the shape is static, eager
     batches leave it None (meaning `max(seq_lens)`). `attn_metadata` is the attention backend's
     own per-batch state, set by `AttentionBackend.init_forward_metadata`. `reads_future_tokens`:
@@ -220,7 +225,7 @@ class ForwardBatch:
                 )
             logits_rows = []
             for row, start, length in zip(rows, starts, extend_lens):
-                if row.prompt_logits:
+                if row.prompt_logits or row.draft_len:
                     logits_rows.extend(range(start, start + length))
                 elif row.need_logits:
                     logits_rows.append(start + length - 1)

@@ -90,3 +90,8 @@ class GenerateOutput:
     error_param: str | None = None  # the request field a rejection is about (the 400's `param`)
     # the request waited for KV memory the engine could not get in time: a 503 with this Retry-After
     retry_after_s: float | None = None
+    # speculative decoding, in a request's last output while it is on (None: off): draft tokens
+    # the model judged for this request, and those it kept (OpenAI's usage reports them as
+    # completion_tokens_details' accepted and rejected prediction tokens)
+    draft_tokens: int | None = None
+    accepted_draft_tokens: int = 0

@@ -367,9 +367,21 @@ class SchedulerStats:
     num_retractions: int
     generated_tokens: int
     host_tier: HostTierStats | None = None  # None: no host tier
+    # speculative decoding (0 while it is off): draft tokens verified, those the model kept, and
+    # the rows that had a draft in a verify step (each emitted its accepted tokens plus one)
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_drafted_rows: int = 0
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Tokens a drafted row emitted per verify step (accepted + 1); 0.0 before any."""
+        if not self.spec_drafted_rows:
+            return 0.0
+        return 1.0 + self.spec_accepted_tokens / self.spec_drafted_rows
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "spec_mean_accepted_length": self.spec_mean_accepted_length}
 
 
 @dataclass(frozen=True, slots=True)

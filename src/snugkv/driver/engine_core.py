@@ -212,6 +212,7 @@ class EngineCore:
             on_output=on_output,
             overlap=not args.disable_overlap_schedule if overlap is None else overlap,
             host_tier=engine.host_tier if use_host_tier else None,
+            speculative=args.speculative_config(),
         )
         return cls(engine, scheduler, tokenizer)
 

@@ -13,6 +13,11 @@ from snugkv.models.loader import DTYPE_NAMES, LOAD_FORMATS
 from snugkv.models.quantization import QUANTIZATION_CHOICES
 from snugkv.sizing.measure import GUEST_ROOM_BYTES
 from snugkv.sizing.modes import SizingMode
+from snugkv.speculative.config import (
+    DEFAULT_NUM_SPECULATIVE_TOKENS,
+    DEFAULT_SPECULATIVE_MAX_BATCH_SIZE,
+    SpeculativeConfig,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +67,28 @@ class EngineArgs:
     kv_reserve_gib: float | None = None  # KV address space to reserve (default: free memory at start)
     no_kv_pressure: bool = False  # keep the KV cache's size when free memory falls below the headroom
     queue_timeout_s: float = 30.0  # how long a request waits for KV memory the cache does not hold now
+    speculative: str | None = None  # "ngram" or "suffix": model-free speculative decoding; None: off
+    num_speculative_tokens: int | None = None  # draft tokens per row and step (default 4 when on)
+    speculative_max_batch_size: int = DEFAULT_SPECULATIVE_MAX_BATCH_SIZE  # more rows: no speculation
+
+    def speculative_config(self) -> SpeculativeConfig | None:
+        """The speculation the flags ask for (None: off); `InvalidEngineArgs` naming the flag."""
+        if self.speculative is None:
+            if self.num_speculative_tokens is not None:
+                raise InvalidEngineArgs(
+                    "--num-speculative-tokens needs --speculative ngram or --speculative suffix"
+                )
+            return None
+        try:
+            return SpeculativeConfig(
+                method=self.speculative,
+                num_tokens=DEFAULT_NUM_SPECULATIVE_TOKENS
+                if self.num_speculative_tokens is None
+                else self.num_speculative_tokens,
+                max_batch_size=self.speculative_max_batch_size,
+            )
+        except ValueError as exc:
+            raise InvalidEngineArgs(str(exc)) from None
 
     def validate(self) -> None:
         """Refuse values no engine can run with, naming the flag (before `resolved` fills defaults)."""
@@ -151,6 +178,7 @@ class EngineArgs:
             )
         if self.tp_size < 1:
             raise InvalidEngineArgs(f"--tp must be >= 1, got {self.tp_size}")
+        self.speculative_config()
 
     def ignored_flag_warnings(self, given: set[str]) -> list[str]:
         """One line per field in `given` (set by the caller, not by default) whose flag does nothing

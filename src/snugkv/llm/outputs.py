@@ -33,7 +33,9 @@ class RequestTimes:
 class CompletionOutput:
     """One completion of a prompt, as vLLM's `CompletionOutput`: `index` among the prompt's `n`,
     its `text`, `token_ids`, `finish_reason` ("stop", "length", "abort", ...), `logprobs` (one entry
-    per token when asked; each is also vLLM's `{token_id: Logprob}`) and `cumulative_logprob`."""
+    per token when asked; each is also vLLM's `{token_id: Logprob}`) and `cumulative_logprob`.
+    With speculative decoding on (`speculative="ngram"` or `"suffix"`), `draft_tokens` counts the
+    draft tokens the model judged for it and `accepted_draft_tokens` those it kept (None and 0: off)."""
 
     index: int
     text: str
@@ -42,6 +44,8 @@ class CompletionOutput:
     logprobs: list[TokenLogprob] | None
     times: RequestTimes
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    draft_tokens: int | None = None
+    accepted_draft_tokens: int = 0
 
     @property
     def cumulative_logprob(self) -> float | None:

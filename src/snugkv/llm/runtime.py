@@ -223,6 +223,8 @@ class Runtime:
             logprobs=stream.logprobs if prompt.sampling.logprobs is not None else None,
             times=times,
             cached_tokens=final.cached_tokens,
+            draft_tokens=final.draft_tokens,
+            accepted_draft_tokens=final.accepted_draft_tokens,
         )
         return RequestOutput(rid, prompt.text, prompt.ids, [completion], stream.prompt_logprobs)
 

@@ -9,7 +9,9 @@ The caller (the scheduler, or the generate loop) decides which requests run; per
    next forward),
 4. calls `sample(logits, params, generators)` for the next tokens as a list (the host waits for
    the step), or `sample_on_device(...)` for a device tensor (the host does not wait): those
-   tokens are also kept per table row, and a next decode row may name one as `FUTURE_TOKEN`,
+   tokens are also kept per table row, and a next decode row may name one as `FUTURE_TOKEN`;
+   or, for a batch whose rows carry speculative drafts (`BatchRow.draft_len`), calls
+   `verify_on_device(...)` instead: each row's accepted draft tokens and the token after them,
 and when a request ends frees its slots (`free_request_slots`, or the prefix cache takes them)
 and its table row. Nothing on the decode path makes the host wait for the GPU: slots come from
 the allocator and the table's host copy, and go to the device in one queued copy.
@@ -42,6 +44,7 @@ from snugkv.runner.future_tokens import FutureTokens
 from snugkv.runner.kv_cache import make_slot_allocator
 from snugkv.runner.piecewise_graphs import PiecewiseGraphs
 from snugkv.runner.token_history import TokenHistory
+from snugkv.speculative.verify import Verification, verify
 
 logger = logging.getLogger(__name__)
 
@@ -268,6 +271,49 @@ class ModelRunner:
             self._token_history(int(logits.shape[-1])).record(table_rows, tokens)
         self.future_tokens.store(table_rows, tokens)
         return tokens
+
+    @torch.inference_mode()
+    def verify_on_device(
+        self,
+        logits: torch.Tensor,
+        drafts: Sequence[Sequence[int]],
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None] | None,
+        req_pool_indices: Sequence[int],
+        token_bitmask: TokenBitmask | None = None,
+    ) -> Verification:
+        """In place of `sample_on_device` for a batch with drafts: judge row i's `drafts[i]` (k_i
+        tokens, 0 for a row without one) against `logits` `[sum(k_i + 1), vocab]` (every new
+        token's, row after row) with snugkv.speculative.verify, and return what each row keeps.
+        `token_bitmask` indexes positions of `logits`. With tensor parallelism rank 0's verification
+        goes to every rank over the device group, as sampled tokens do. Each row's last emitted token
+        is kept for its table row (`FUTURE_TOKEN`), and where a row uses penalties every emitted
+        token joins the token history."""
+        table_rows = to_device(req_pool_indices, torch.int64, self.device)
+        vocab_size = int(logits.shape[-1])
+        token_rows = None
+        if any(p.uses_token_history for p in params):
+            token_rows = self._token_history(vocab_size).rows(table_rows)
+        verification = verify(
+            logits,
+            drafts,
+            params,
+            sampler=self.sampler,
+            generators=generators,
+            token_rows=token_rows,
+            token_bitmask=token_bitmask,
+        )
+        if self.tp.enabled:  # one collective for both tensors: [accepted len, tokens...] per row
+            packed = torch.cat([verification.accepted_lens[:, None], verification.token_ids], dim=1)
+            packed = self.tp.broadcast_tensor_from_first(packed.contiguous())
+            verification = Verification(accepted_lens=packed[:, 0], token_ids=packed[:, 1:])
+        if token_rows is not None:
+            self._token_history(vocab_size).record_emitted(
+                table_rows, verification.token_ids, verification.emitted_lens
+            )
+        last_tokens = verification.token_ids.gather(1, verification.accepted_lens[:, None]).squeeze(1)
+        self.future_tokens.store(table_rows, last_tokens)
+        return verification
 
     def _token_history(self, vocab_size: int) -> TokenHistory:
         if self.token_history is None or self.token_history.vocab_size != vocab_size:

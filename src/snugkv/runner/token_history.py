@@ -55,3 +55,13 @@ class TokenHistory:
         flat = req_pool_indices * self.vocab_size + tokens
         self.output_counts.view(-1).index_add_(0, flat, torch.ones_like(tokens, dtype=torch.int32))
         self.output_lens.index_add_(0, req_pool_indices, torch.ones_like(tokens))
+
+    def record_emitted(
+        self, req_pool_indices: torch.Tensor, token_ids: torch.Tensor, counts: torch.Tensor
+    ) -> None:
+        """Count the first `counts[i]` of `token_ids[i]` (a verify step's emitted tokens, padded
+        with -1) for the request in row `req_pool_indices[i]`."""
+        kept = torch.arange(token_ids.shape[1], device=token_ids.device)[None, :] < counts[:, None]
+        flat = req_pool_indices[:, None] * self.vocab_size + token_ids.clamp_min(0)
+        self.output_counts.view(-1).index_add_(0, flat.flatten(), kept.flatten().to(torch.int32))
+        self.output_lens.index_add_(0, req_pool_indices, counts)

@@ -33,12 +33,15 @@ from snugkv.scheduler.request import Request
 
 @dataclass(frozen=True, slots=True)
 class ScheduledBatch:
-    """One step's work: a row per request (in `requests` order) and the slots of their new tokens."""
+    """One step's work: a row per request (in `requests` order) and the slots of their new tokens.
+    `drafts`: a speculative decode step's draft per row (empty for a row without one), whose
+    tokens are verified instead of sampled; None for every other step."""
 
     rows: list[BatchRow]
     requests: list[Request]
     slots: torch.Tensor
     decode: bool
+    drafts: list[list[int]] | None = None
 
 
 def clock(device: torch.device) -> Any:
@@ -63,6 +66,9 @@ class LaunchedStep:
     overlapped: bool = False  # queued while the step before it was still unread
     waited_s: float = 0.0  # how long `results` waited for the device
     host_tokens: list[int] | None = None  # the tokens, once read
+    # a verify step's host-bound copy, `[rows, 1 + max k + 1]`: each row's accepted length, then the
+    # accepted draft tokens, the one drawn after them, and -1 padding (`tokens` is None then)
+    verified: torch.Tensor | None = None
 
     def finish_launch(self, device: torch.device) -> None:
         """Mark the end of what this step queued (after the copies to the host)."""
@@ -77,6 +83,14 @@ class LaunchedStep:
                 self.waited_s = time.perf_counter() - started
             self.host_tokens = self.tokens.tolist() if self.tokens is not None else []
         return self.host_tokens, self.log_probs
+
+    def emitted(self) -> list[list[int]]:
+        """A verify step's tokens per row, once on the host: the accepted draft tokens and the
+        one drawn after them (1 to k + 1 each)."""
+        self.results()
+        if self.verified is None:
+            raise RuntimeError("not a verify step: its tokens are read with results()")
+        return [row[1 : 2 + row[0]] for row in self.verified.tolist()]
 
     def busy_s(self) -> float:
         """Device time from just before the forward to the end of the copies (after `results`)."""

@@ -29,6 +29,7 @@ class OutputBuilder:
         self.tokenizer = tokenizer
         self.on_output = on_output
         self.text_downstream = False  # requests without stop strings leave without text
+        self.reports_drafts = False  # speculation is on: a last output carries the draft counts
 
     def log_prob_rows(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor | None:
         """Log-probabilities `[rows, vocab]` of the rows whose request asked for them, computed
@@ -119,6 +120,10 @@ class OutputBuilder:
             error=request.error,
             retry_after_s=request.retry_after_s,
         )
+        if finished and self.reports_drafts:
+            drafter = request.drafter
+            output.draft_tokens = drafter.proposed_tokens if drafter is not None else 0
+            output.accepted_draft_tokens = drafter.accepted_tokens if drafter is not None else 0
         request.sent_token_len = len(output_ids)
         request.sent_logprobs_len = len(logprobs)
         self.on_output(request, output)

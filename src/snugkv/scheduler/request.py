@@ -18,6 +18,7 @@ import torch
 
 from snugkv.core.sampling import SamplingParams
 from snugkv.scheduler.radix_cache import TreeNode
+from snugkv.speculative.drafter import RowDrafter
 from snugkv.structured.matcher import RequestGrammar
 
 
@@ -35,6 +36,7 @@ class Request:
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
     generator: torch.Generator | None = None
     grammar: RequestGrammar | None = None  # structured output: its place in the grammar
+    drafter: RowDrafter | None = None  # speculative decoding: its proposer and acceptance
     finish_reason: str | None = None
     error: str | None = None
     retry_after_s: float | None = None  # it waited for KV memory in vain: a 503, try again after this

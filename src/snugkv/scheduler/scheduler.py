@@ -59,6 +59,9 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
 
 from snugkv.core.forward import FUTURE_TOKEN, BatchRow
 from snugkv.core.reports import SchedulerStats
@@ -76,6 +79,8 @@ from snugkv.scheduler.prompt_scores import split_logits
 from snugkv.scheduler.radix_cache import RadixCache
 from snugkv.scheduler.request import Request
 from snugkv.scheduler.slots import RequestSlots, SlotAccountingError
+from snugkv.scheduler.speculation import Speculation
+from snugkv.speculative.config import SpeculativeConfig
 from snugkv.structured.bitmask import fill_token_bitmask
 from snugkv.structured.grammars import GrammarCache, grammar_cache_for
 from snugkv.structured.matcher import RequestGrammar
@@ -103,11 +108,13 @@ class Scheduler:
         overlap: bool = True,
         request_cap: Callable[[], int] | None = None,
         host_tier: HostKvTier | None = None,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         """`max_running_requests` is this scheduler's own limit; `request_cap` reads the engine's
         limit for the KV cache's size now (its one owner: the KV sizing's recap, which every resize,
         pressure move and wake updates), and the lower of the two holds. `host_tier`: where the
-        prefix cache keeps what leaves the device (None: it is dropped)."""
+        prefix cache keeps what leaves the device (None: it is dropped). `speculative`: decode
+        steps speculate with this config (`scheduler.speculation`); None: they never do."""
         self.runner = runner
         self.overlap = overlap
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -120,6 +127,8 @@ class Scheduler:
         self.cache = RadixCache(runner.allocator, enabled=enable_prefix_cache, host_tier=host_tier)
         self.slots = RequestSlots(runner, self.cache)
         self.outputs = OutputBuilder(tokenizer, on_output)
+        self.speculation = Speculation(speculative) if speculative is not None else None
+        self.outputs.reports_drafts = self.speculation is not None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -257,7 +266,8 @@ class Scheduler:
         try:
             if previous is not None and self.overlap:  # schedule while the device runs `previous`
                 batch = self._schedule_prefill() if self._prefill_may_run() else None
-                batch = batch or self._schedule_decode(retract=False)
+                if batch is None and not self._may_speculate():  # drafts need `previous`'s tokens
+                    batch = self._schedule_decode(retract=False)
             if batch is None:
                 self.finish_in_flight()
                 previous = None
@@ -278,7 +288,7 @@ class Scheduler:
             self._after_launch()
             if previous is not None:
                 self._complete(previous)
-            if not self.overlap:
+            if not self.overlap or batch.drafts is not None:  # a verify step is read at once
                 self.finish_in_flight()
         except Exception:
             self._requeue_after_failure(batch.requests if batch is not None else [])
@@ -293,6 +303,10 @@ class Scheduler:
 
     def _prefill_may_run(self) -> bool:
         return bool(self.waiting) and len(self.running) < self._row_limit()
+
+    def _may_speculate(self) -> bool:
+        speculation = self.speculation
+        return speculation is not None and speculation.may_speculate(self.running, self.context_length)
 
     # -- running out of device memory ---------------------------------------------------
     def _row_limit(self) -> int:
@@ -452,8 +466,13 @@ class Scheduler:
     def _schedule_decode(self, *, retract: bool) -> ScheduledBatch | None:
         """Every running request by one token. A request whose last token is still on the device
         (a step in flight) reads it there (`FUTURE_TOKEN`). When the pool runs short: retract the
-        newest request and try again, or (`retract=False`) give up and return None."""
+        newest request and try again, or (`retract=False`) give up and return None. A step that
+        speculates (`_schedule_verify`) is tried first; without room for its drafts it is an
+        ordinary decode step."""
         while self.running:
+            verify = self._schedule_verify() if self._may_speculate() else None
+            if verify is not None:
+                return verify
             rows = [
                 BatchRow(
                     r.table_row, r.kv_len + r.in_flight, [FUTURE_TOKEN] if r.in_flight else [r.last_token]
@@ -468,6 +487,27 @@ class Scheduler:
                 return None
             self._retract(max(self.running, key=lambda r: r.seq))  # the newest; never wall time
         return None
+
+    def _schedule_verify(self) -> ScheduledBatch | None:
+        """Every running request by its last token and its draft (`scheduler.speculation`), or None
+        where no request drafts or the pool has no room for the drafts. Needs every last token on
+        the host: no step in flight."""
+        assert self.speculation is not None
+        requests = list(self.running)
+        drafts = self.speculation.drafts(requests, self.context_length)
+        if not any(drafts):
+            return None
+        rows = [
+            BatchRow(r.table_row, r.kv_len, [r.last_token, *draft], draft_len=len(draft))
+            for r, draft in zip(requests, drafts)
+        ]
+        needed = sum(self.slots.new_slots(row.prefix_len, len(row.token_ids)) for row in rows)
+        if not self.slots.make_room(needed + len(rows) * self.page_size):
+            return None
+        slots = self.runner.allocate_slots(rows)
+        if slots is None:
+            return None
+        return ScheduledBatch(rows, requests, slots, decode=True, drafts=drafts)
 
     def retract(self, request: Request) -> None:
         """Give back an admitted request's slots now, its computed KV to the prefix cache, so that
@@ -511,6 +551,8 @@ class Scheduler:
         device = self.runner.device
         started = clock(device)
         logits, prompt_scores = split_logits(self.runner.forward(rows, scheduled.slots), rows, batch)
+        if scheduled.drafts is not None:
+            return self._launch_verify(scheduled, logits, started)
         sampled_rows = [index for index, row in enumerate(rows) if row.need_logits]
         tokens = log_probs = None
         if sampled_rows:
@@ -543,14 +585,43 @@ class Scheduler:
                     self.waiting.appendleft(request)  # the rest of its prompt comes next step
         return launched
 
-    def _token_bitmask(self, sampled: list[Request], previous: LaunchedStep | None) -> TokenBitmask | None:
+    def _launch_verify(self, scheduled: ScheduledBatch, logits: torch.Tensor, started: Any) -> LaunchedStep:
+        """The rest of `_launch` for a speculative step: verification in place of sampling, and the
+        log-probabilities of every position of the rows that asked (each emitted token's is read)."""
+        batch, drafts = scheduled.requests, scheduled.drafts
+        assert drafts is not None
+        verification = self.runner.verify_on_device(
+            logits,
+            drafts,
+            [r.sampling for r in batch],
+            [r.generator for r in batch],
+            [r.table_row for r in batch],
+            token_bitmask=self._token_bitmask(batch, None, positions=_first_positions(drafts)),
+        )
+        log_probs = self.outputs.log_prob_rows(logits, _per_position(batch, drafts))
+        verified = torch.cat([verification.accepted_lens[:, None], verification.token_ids], dim=1)
+        launched = LaunchedStep(
+            scheduled,
+            list(range(len(batch))),
+            tokens=None,
+            log_probs=None if log_probs is None else to_host(log_probs),
+            started=started,
+            verified=to_host(verified),
+        )
+        launched.finish_launch(self.runner.device)
+        return launched
+
+    def _token_bitmask(
+        self, sampled: list[Request], previous: LaunchedStep | None, positions: list[int] | None = None
+    ) -> TokenBitmask | None:
         """The tokens structured output allows in this step's constrained rows (None: there are none).
 
         A constrained row's mask follows from its last token. Under overlap that token may still be
         on its way from the step before (`previous`): the mask waits for that step's tokens, which
         the device has computed by now or soon (this step's forward is already queued behind them),
         and feeds them to the matchers early; `_complete` then finds them fed. Unconstrained rows
-        and batches wait for nothing."""
+        and batches wait for nothing. `positions`: the logits row of each sampled row, where it is
+        not its index (a verify step: a row with a draft has several)."""
         constrained = [(index, r.grammar) for index, r in enumerate(sampled) if r.grammar is not None]
         if not constrained:
             return None
@@ -564,12 +635,16 @@ class Scheduler:
             output_ids = sampled[index].output_ids
             unread = pending.get(id(sampled[index]))
             grammar.advance(output_ids if unread is None else [*output_ids, unread])
-        rows, grammars = [index for index, _ in constrained], [grammar for _, grammar in constrained]
+        rows = [index if positions is None else positions[index] for index, _ in constrained]
+        grammars = [grammar for _, grammar in constrained]
         return fill_token_bitmask(grammars, rows, self.runner.model.config.vocab_size, self.runner.device)
 
     def _complete(self, launched: LaunchedStep) -> None:
         """Read a launched step's tokens and move each of its requests on; a request that ended
         while the step ran (it ended a step earlier, or was aborted) is skipped."""
+        if launched.verified is not None:
+            self._complete_verify(launched)
+            return
         tokens, log_probs = launched.results()
         self.times.add(launched)
         rows, batch = launched.batch.rows, launched.batch.requests
@@ -581,11 +656,7 @@ class Scheduler:
         finished_any = False
         sample_index = 0
         emit, stop_reason = self.outputs.emit, self._stop_reason
-        # what `_stop_reason` compares every request with: the longest a request may grow (the
-        # context, and what the KV cache could hold with nothing else in it: a cache that can grow
-        # back retracts a request past its size of now, which then waits for memory)
-        kv_tokens = self.could_hold_tokens or self.runner.allocator.capacity_tokens
-        limits = (self.context_length, kv_tokens - self.page_size)
+        limits = self._stop_limits()
         for row, request in zip(rows, batch):
             index = sample_index
             sample_index += row.need_logits
@@ -614,6 +685,62 @@ class Scheduler:
                 emit(request)
         if finished_any:
             self.running = [request for request in self.running if not request.finished]
+
+    def _complete_verify(self, launched: LaunchedStep) -> None:
+        """Read a verify step and move each request on by the tokens it emitted, one at a time:
+        each is checked for a stop as a sampled token is, and the first stop ends the request there
+        (the tokens after it are dropped). The request keeps KV for its last token and the draft
+        tokens it kept before its newest token; the slots of the rest go back."""
+        emitted = launched.emitted()
+        _, log_probs = launched.results()
+        self.times.add(launched)
+        speculation = self.speculation
+        assert speculation is not None and launched.batch.drafts is not None
+        rows, batch, drafts = launched.batch.rows, launched.batch.requests, launched.batch.drafts
+        position_requests = _per_position(batch, drafts)
+        position_tokens = [
+            tokens[j] if j < len(tokens) else 0
+            for draft, tokens in zip(drafts, emitted)
+            for j in range(len(draft) + 1)
+        ]
+        logprobs = self.outputs.logprobs(log_probs, position_requests, position_tokens)
+        now = time.monotonic()
+        limits = self._stop_limits()
+        finished_any = False
+        for row, request, draft, tokens, first in zip(rows, batch, drafts, emitted, _first_positions(drafts)):
+            if request.finished:
+                continue
+            fed_before = request.kv_len
+            request.in_flight -= len(row.token_ids)
+            speculation.record(request, len(draft), len(tokens) - 1)
+            reason = None
+            for offset, token in enumerate(tokens):
+                request.output_ids.append(token)
+                request.kv_len = fed_before + offset + 1  # KV up to the token before the newest
+                if request.grammar is not None:
+                    request.grammar.advance(request.output_ids)
+                if logprobs[first + offset] is not None:
+                    request.logprobs.append(logprobs[first + offset])
+                self.generated_tokens += 1
+                reason = self._stop_reason(request, limits)
+                if reason:
+                    break
+            self.slots.release_rejected(request, fed_before + len(row.token_ids))
+            request.first_token_s = request.first_token_s or now
+            if reason:
+                finished_any = True
+                self._finish(request, reason)
+            else:
+                self.outputs.emit(request)
+        if finished_any:
+            self.running = [request for request in self.running if not request.finished]
+
+    def _stop_limits(self) -> tuple[int, int]:
+        """What `_stop_reason` compares every request with: the longest a request may grow (the
+        context, and what the KV cache could hold with nothing else in it: a cache that can grow
+        back retracts a request past its size of now, which then waits for memory)."""
+        kv_tokens = self.could_hold_tokens or self.runner.allocator.capacity_tokens
+        return self.context_length, kv_tokens - self.page_size
 
     def _stop_reason(self, request: Request, limits: tuple[int, int]) -> str | None:
         """Why `request` ends after its newest token, or None; `limits`: (the context length,
@@ -651,6 +778,8 @@ class Scheduler:
     # -- leaving ------------------------------------------------------------------------
     def _finish(self, request: Request, reason: str) -> None:
         self.slots.release(request)
+        if self.speculation is not None:
+            self.speculation.finish(request, reason)
         if request.grammar is not None:
             request.grammar.close()
         request.finish_reason = reason
@@ -686,6 +815,7 @@ class Scheduler:
         allocator = self.runner.allocator
         capacity = max(allocator.capacity_tokens, 1)
         cached = self.cache.cached_tokens
+        counts = self.speculation.counts if self.speculation is not None else None
         return SchedulerStats(
             kv_cache_usage=(allocator.capacity_tokens - allocator.available_tokens - cached) / capacity,
             kv_cache_cached_usage=cached / capacity,
@@ -696,4 +826,21 @@ class Scheduler:
             num_retractions=self.num_retractions,
             generated_tokens=self.generated_tokens,
             host_tier=self.cache.host_tier_stats(),
+            spec_draft_tokens=counts.draft_tokens if counts else 0,
+            spec_accepted_tokens=counts.accepted_tokens if counts else 0,
+            spec_drafted_rows=counts.drafted_rows if counts else 0,
         )
+
+
+def _first_positions(drafts: list[list[int]]) -> list[int]:
+    """Where each row's positions start among a verify step's logits (a row has k + 1)."""
+    starts, total = [], 0
+    for draft in drafts:
+        starts.append(total)
+        total += len(draft) + 1
+    return starts
+
+
+def _per_position(requests: list[Request], drafts: list[list[int]]) -> list[Request]:
+    """Each verify position's request (a row's request once per position)."""
+    return [request for request, draft in zip(requests, drafts) for _ in range(len(draft) + 1)]

@@ -63,6 +63,18 @@ class RequestSlots:
             self.cache.evict(num_tokens - allocator.available_tokens)
         return allocator.available_tokens >= num_tokens
 
+    def release_rejected(self, request: Request, end: int) -> None:
+        """Give back the slots a verify step filled past what the request kept: positions
+        `[kv_len, end)` held KV of rejected draft tokens (or of tokens after a stop). Whole pages
+        only: the page that also holds kept positions stays the request's, and its next step writes
+        into it. Their KV never reaches the prefix cache (release inserts up to `kv_len` only)."""
+        page = self.page_size
+        first = -(-request.kv_len // page) * page
+        if request.req_pool_idx is None or end <= first:
+            return
+        slots = self.runner.req_to_token_pool.slots_of(request.req_pool_idx, end)[first:]
+        self.runner.allocator.free(slots)
+
     def release(self, request: Request) -> None:
         """Give a request's slots back: computed KV to the prefix cache, the rest (including slots of
         a step that failed before computing them) to the allocator."""

@@ -43,6 +43,8 @@ class ChoiceState:
     counted_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    draft_tokens: int | None = None  # speculative decoding's, from the last output (None: off)
+    accepted_draft_tokens: int = 0
     text_chars: int = 0
     latest_text_offset: int = 0  # where the text of the output absorbed last starts
     finish_reason: str | None = None  # OpenAI's value
@@ -59,6 +61,8 @@ class ChoiceState:
         self.completion_tokens = max(self.counted_tokens, output.completion_tokens)
         self.prompt_tokens = output.prompt_tokens or self.prompt_tokens
         self.cached_tokens = max(self.cached_tokens, output.cached_tokens)
+        if output.draft_tokens is not None:
+            self.draft_tokens, self.accepted_draft_tokens = output.draft_tokens, output.accepted_draft_tokens
         if output.finished:
             self.finish_reason, self.finish_detail = openai_finish_reason(output.finish_reason)
 
@@ -86,11 +90,18 @@ def usage_of(prepared: PreparedRequest, choices: list[ChoiceState]) -> UsageInfo
         prompt[prompt_index] = max(prompt[prompt_index], state.prompt_tokens)
         cached[prompt_index] = max(cached[prompt_index], state.cached_tokens)
     completion = sum(state.completion_tokens for state in choices)
+    speculated = [state for state in choices if state.draft_tokens is not None]
+    details = None
+    if speculated:  # the engine speculates: what its drafts gave, over every choice
+        accepted = sum(state.accepted_draft_tokens for state in speculated)
+        drafted = sum(state.draft_tokens or 0 for state in speculated)
+        details = {"accepted_prediction_tokens": accepted, "rejected_prediction_tokens": drafted - accepted}
     return UsageInfo(
         prompt_tokens=sum(prompt),
         completion_tokens=completion,
         total_tokens=sum(prompt) + completion,
         prompt_tokens_details={"cached_tokens": sum(cached)},
+        completion_tokens_details=details,
     )
 
 

@@ -83,6 +83,21 @@ class ServerMetrics:
             "Steps that ran out of device memory and were retried smaller (no request failed)",
             registry=r,
         )
+        self.spec_draft_tokens = Gauge(
+            f"{PREFIX}_spec_draft_tokens_total",
+            "Speculative draft tokens the model verified (--speculative)",
+            registry=r,
+        )
+        self.spec_accepted_tokens = Gauge(
+            f"{PREFIX}_spec_accepted_tokens_total",
+            "Speculative draft tokens the model accepted (--speculative)",
+            registry=r,
+        )
+        self.spec_mean_accepted_length = Gauge(
+            f"{PREFIX}_spec_mean_accepted_length",
+            "Tokens a row with a draft emitted per verify step: accepted draft tokens plus one (0 before any)",
+            registry=r,
+        )
         self.sleep_level = Gauge(
             f"{PREFIX}_sleep_level", "0 awake; 1 or 2 asleep (vLLM's levels)", registry=r
         )
@@ -164,6 +179,9 @@ class ServerMetrics:
             self.host_tier_copy_seconds.labels(direction="to_host").set(tier.write_s)
             self.host_tier_copy_seconds.labels(direction="to_device").set(tier.load_s)
             self.host_tier_dropped_tokens.set(tier.dropped_tokens)
+        self.spec_draft_tokens.set(stats.spec_draft_tokens)
+        self.spec_accepted_tokens.set(stats.spec_accepted_tokens)
+        self.spec_mean_accepted_length.set(stats.spec_mean_accepted_length)
 
     def update_from_snapshot(self, snapshot: MetricsSnapshot) -> None:
         self.update_from_stats(snapshot.stats)

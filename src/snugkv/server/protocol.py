@@ -296,6 +296,9 @@ class UsageInfo(BaseModel):
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: dict[str, int] | None = None
+    # with speculative decoding on: accepted_prediction_tokens (draft tokens the model kept) and
+    # rejected_prediction_tokens (draft tokens it judged and dropped), OpenAI's fields of the names
+    completion_tokens_details: dict[str, int] | None = None
 
 
 class CompletionLogprobs(BaseModel):

@@ -99,7 +99,7 @@ def verify(
     device, width = logits.device, max(draft_lens, default=0)
     padded = [token for draft in draft_token_ids for token in (*draft, *[0] * (width - len(draft)))]
     drafts = to_device(padded, torch.int64, device).reshape(len(params), width)
-    uniforms = _uniforms(len(params), width, generators, device)
+    uniforms = _uniforms(draft_lens, width, generators, device)
     return rejection_sample(
         target_probs, drafts, to_device(draft_lens, torch.int64, device), draft_probs, uniforms, generators
     )
@@ -216,12 +216,17 @@ def position_token_rows(token_rows: TokenRows, draft_token_ids: Sequence[Sequenc
 
 
 def _uniforms(
-    rows: int, width: int, generators: Sequence[torch.Generator | None] | None, device: torch.device
+    draft_lens: Sequence[int],
+    width: int,
+    generators: Sequence[torch.Generator | None] | None,
+    device: torch.device,
 ) -> torch.Tensor:
-    uniforms = torch.rand(rows, width, device=device)
+    """`[B, width]` uniforms; a seeded row draws only its own `k` from its generator, so what it
+    takes from its stream does not depend on the other rows' drafts."""
+    uniforms = torch.rand(len(draft_lens), width, device=device)
     for row, generator in enumerate(generators or ()):
-        if generator is not None:
-            uniforms[row] = torch.rand(width, device=device, generator=generator)
+        if generator is not None and draft_lens[row]:
+            uniforms[row, : draft_lens[row]] = torch.rand(draft_lens[row], device=device, generator=generator)
     return uniforms
 
 

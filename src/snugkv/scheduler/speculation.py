@@ -1,0 +1,97 @@
+"""Speculative decoding's policy in the scheduler: which decode steps speculate, each row's draft,
+and the counts of what was proposed and accepted (issue 34; docs/SPECULATIVE.md).
+
+A decode step speculates when speculation is on (`--speculative ngram|suffix`), at most
+`max_batch_size` requests run, and some row may draft: it has no grammar (structured output's
+masks would have to follow the draft token by token), its recent acceptance has not paused it
+(`RowDrafter`), and it may still emit two tokens or more (`max_new_tokens`, the context). Such a
+step runs each row with a draft as its last token plus the draft, and the runner verifies instead
+of sampling (`ModelRunner.verify_on_device`); rows without a draft in it are sampled through the
+same verification (k = 0). A step that does not speculate is an ordinary decode step.
+
+Each request gets a `RowDrafter` at its first decode step that may speculate; with the suffix
+method every drafter reads one `SuffixStore` of this scheduler, which a request's output joins
+when it ends by a stop or its length. This module never touches slots, the device or the queues.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from snugkv.scheduler.request import Request
+from snugkv.speculative.config import SpeculativeConfig
+from snugkv.speculative.drafter import RowDrafter
+from snugkv.speculative.suffix import SuffixStore
+
+
+@dataclass(slots=True)
+class SpeculationCounts:
+    """Totals since start: draft tokens the target judged, those it kept, and the rows that had a
+    draft in a verify step (each emitted its accepted tokens plus one)."""
+
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    drafted_rows: int = 0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a drafted row emitted per verify step (accepted + 1); 0.0 before any."""
+        return 1.0 + self.accepted_tokens / self.drafted_rows if self.drafted_rows else 0.0
+
+
+class Speculation:
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self.store = SuffixStore() if config.method == "suffix" else None
+        self.counts = SpeculationCounts()
+
+    def may_speculate(self, requests: Sequence[Request], context_length: int) -> bool:
+        """Whether a decode step of `requests` should try drafts: it then runs non-overlapped, so
+        asked while a step is in flight too (whose tokens the drafts will need)."""
+        if len(requests) > self.config.max_batch_size:
+            return False
+        return any(self._draft_room(request, context_length) > 0 for request in requests)
+
+    def drafts(self, requests: Sequence[Request], context_length: int) -> list[list[int]]:
+        """Each request's draft for this step (empty where it drafts nothing). The requests' last
+        tokens must be on the host (no step in flight)."""
+        drafts = []
+        for request in requests:
+            room = 0 if request.in_flight else self._draft_room(request, context_length)
+            drafter = self._drafter(request) if room > 0 else None
+            drafts.append(drafter.propose(request.all_ids, room) if drafter is not None else [])
+        return drafts
+
+    def record(self, request: Request, draft_tokens: int, accepted_tokens: int) -> None:
+        """A verify step judged `draft_tokens` of `request`'s draft and kept `accepted_tokens`."""
+        if draft_tokens <= 0 or request.drafter is None:
+            return
+        request.drafter.record(draft_tokens, accepted_tokens, request.num_tokens)
+        self.counts.draft_tokens += draft_tokens
+        self.counts.accepted_tokens += accepted_tokens
+        self.counts.drafted_rows += 1
+
+    def finish(self, request: Request, reason: str) -> None:
+        """`request` ended: its output joins the suffix store if it ended as the model meant it to."""
+        if request.drafter is not None and reason in ("stop", "length"):
+            request.drafter.finish()
+
+    def _draft_room(self, request: Request, context_length: int) -> int:
+        """The longest draft worth verifying for `request` now: every emitted token (the draft's and
+        the one after) must fit in its `max_new_tokens` and the context."""
+        if request.grammar is not None:
+            return 0
+        drafter = request.drafter
+        if drafter is not None and not drafter.may_draft(request.num_tokens):
+            return 0
+        left = min(
+            request.sampling.max_new_tokens - len(request.output_ids),
+            context_length - request.num_tokens,
+        )
+        return min(self.config.num_tokens, left - 1)
+
+    def _drafter(self, request: Request) -> RowDrafter:
+        if request.drafter is None:
+            request.drafter = RowDrafter(self.config, request.all_ids, self.store)
+        return request.drafter

@@ -1,0 +1,250 @@
+"""Speculative decoding inside the scheduler, on the embedded SmolLM2 (CPU, torch attention): with
+either proposer greedy tokens equal plain decoding's token for token across a batch of different
+prompts, with stop strings, stop tokens and max_tokens cutting inside accepted drafts, with
+log-probabilities and penalties, with paged KV and synchronous steps; drafts are accepted on a
+repetitive prompt; sampling still runs; back-off turns speculation off; every slot comes back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import pytest
+
+from snugkv.core.sampling import SamplingParams
+from snugkv.engine import Engine, EngineArgs
+from snugkv.models import default_model
+from snugkv.models.loader import ModelSource
+from snugkv.models.tokenizer import load_tokenizer
+from snugkv.scheduler.scheduler import Scheduler
+from snugkv.speculative.config import SpeculativeConfig
+from snugkv.speculative.drafter import RowDrafter
+
+NEW_TOKENS = 32
+REPETITIVE = "one two three four one two three four one two three four one two"
+PROMPTS = {
+    "code": "def fibonacci(n):",
+    "repeat": REPETITIVE,
+    "fox": "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the",
+    "colours": "Three primary colours are",
+}
+GREEDY = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+@dataclass
+class Result:
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[Any] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    draft_tokens: int | None = None
+    accepted_draft_tokens: int = 0
+
+
+def make_engine(page_size: int) -> Engine:
+    return Engine(
+        EngineArgs(
+            model=str(default_model.default_model_path()),
+            dtype="float32",
+            host_kv_gib=0.05,
+            max_running_requests=8,
+            page_size=page_size,
+        )
+    )
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(ModelSource(default_model.default_model_path(), "gguf"))
+
+
+@pytest.fixture(scope="module")
+def engine():
+    engine = make_engine(page_size=1)
+    yield engine
+    engine.close()
+
+
+def run(
+    engine: Engine,
+    tokenizer,
+    requests: dict[str, SamplingParams],
+    *,
+    speculative: SpeculativeConfig | None = None,
+    overlap: bool = True,
+    prompts: dict[str, str] = PROMPTS,
+) -> tuple[dict[str, Result], Scheduler]:
+    """Run `requests` (rid -> sampling; the prompt is `prompts[rid]`, or the rid before a `:`) to
+    the end; every slot must come back, none leaked to the prefix cache or kept."""
+    results: dict[str, Result] = {}
+
+    def on_output(request, output) -> None:
+        result = results.setdefault(output.rid, Result())
+        result.tokens.extend(output.token_ids)
+        result.logprobs.extend(output.logprobs)
+        result.text += output.text
+        if output.finished:
+            result.finish_reason = output.finish_reason
+            result.draft_tokens, result.accepted_draft_tokens = (
+                output.draft_tokens,
+                output.accepted_draft_tokens,
+            )
+
+    scheduler = Scheduler(
+        engine.runner,
+        tokenizer=tokenizer,
+        eos_token_ids=engine.config.eos_token_ids,
+        max_running_requests=8,
+        chunked_prefill_size=256,
+        overlap=overlap,
+        on_output=on_output,
+        speculative=speculative,
+    )
+    for rid, sampling in requests.items():
+        scheduler.add_request(rid, tokenizer.encode(prompts[rid.split(":")[0]]), sampling)
+    steps = 0
+    while scheduler.has_work:
+        scheduler.step()
+        scheduler.check_slot_accounting()
+        steps += 1
+        assert steps < 1000
+    scheduler.cache.reset()
+    allocator = engine.runner.allocator
+    assert allocator.available_tokens == allocator.capacity_tokens  # nothing held, nothing leaked
+    return results, scheduler
+
+
+def tokens_of(results: dict[str, Result]) -> dict[str, tuple[list[int], str, str | None]]:
+    return {rid: (r.tokens, r.text, r.finish_reason) for rid, r in results.items()}
+
+
+@pytest.fixture(scope="module")
+def plain(engine, tokenizer) -> dict[str, Result]:
+    return run(engine, tokenizer, dict.fromkeys(PROMPTS, GREEDY))[0]
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_greedy_tokens_equal_plain_decoding_and_repetition_is_accepted(engine, tokenizer, plain, method):
+    results, scheduler = run(
+        engine, tokenizer, dict.fromkeys(PROMPTS, GREEDY), speculative=SpeculativeConfig(method)
+    )
+    assert tokens_of(results) == tokens_of(plain)
+    repeat = results["repeat"]
+    assert repeat.draft_tokens is not None and repeat.accepted_draft_tokens > repeat.draft_tokens // 2
+    stats = scheduler.stats()
+    assert stats.spec_accepted_tokens == sum(r.accepted_draft_tokens for r in results.values()) > 0
+    assert stats.spec_draft_tokens == sum(r.draft_tokens or 0 for r in results.values())
+    assert 1.0 < stats.spec_mean_accepted_length <= 1 + SpeculativeConfig(method).num_tokens
+    assert stats.generated_tokens == len(PROMPTS) * NEW_TOKENS
+
+
+def test_paged_kv_and_synchronous_steps_give_the_same_tokens_and_free_every_page(tokenizer):
+    # Page size 4: a rejected draft's slots may share a page with kept ones; only whole pages past
+    # the kept positions go back, the page in between is the request's next step's.
+    engine = make_engine(page_size=4)
+    try:
+        requests = dict.fromkeys(PROMPTS, GREEDY)
+        expected, _ = run(engine, tokenizer, requests, overlap=False)
+        for overlap in (False, True):
+            results, scheduler = run(
+                engine,
+                tokenizer,
+                requests,
+                speculative=SpeculativeConfig("ngram", num_tokens=5),
+                overlap=overlap,
+            )
+            assert tokens_of(results) == tokens_of(expected)
+            assert scheduler.stats().spec_accepted_tokens > 0
+    finally:
+        engine.close()
+
+
+def test_stops_and_max_tokens_cut_the_emitted_tokens_inside_an_accepted_draft(engine, tokenizer):
+    four = tokenizer.encode(" four")[-1]
+    requests = {
+        "repeat:string": replace(GREEDY, stop=("three four one",)),
+        "repeat:token": replace(GREEDY, stop_token_ids=(four,)),
+        "repeat:min_tokens": replace(GREEDY, stop_token_ids=(four,), min_tokens=6),
+        **{f"repeat:max{n}": replace(GREEDY, max_new_tokens=n) for n in (1, 2, 5, 7)},
+        "fox:string": replace(GREEDY, stop=("lazy",)),
+    }
+    expected, _ = run(engine, tokenizer, requests)
+    results, scheduler = run(engine, tokenizer, requests, speculative=SpeculativeConfig("ngram"))
+    assert tokens_of(results) == tokens_of(expected)
+    assert (
+        results["repeat:string"].finish_reason == "stop"
+        and "three four one" not in results["repeat:string"].text
+    )
+    assert results["repeat:token"].tokens[-1] == four and results["repeat:token"].finish_reason == "stop"
+    assert [len(results[f"repeat:max{n}"].tokens) for n in (1, 2, 5, 7)] == [1, 2, 5, 7]
+    assert results["repeat:max7"].accepted_draft_tokens > 0
+    assert scheduler.stats().spec_accepted_tokens > 0
+
+
+def test_logprobs_and_penalties_follow_each_emitted_token(engine, tokenizer):
+    requests = {
+        "repeat:logprobs": replace(GREEDY, logprobs=2),
+        "code:logprobs": replace(GREEDY, logprobs=0),
+        "repeat:penalties": replace(GREEDY, repetition_penalty=1.15, frequency_penalty=0.2),
+        "fox:presence": replace(GREEDY, presence_penalty=0.5),
+    }
+    expected, _ = run(engine, tokenizer, requests)
+    results, _ = run(engine, tokenizer, requests, speculative=SpeculativeConfig("suffix"))
+    assert tokens_of(results) == tokens_of(expected)
+    for rid in ("repeat:logprobs", "code:logprobs"):
+        got, want = results[rid].logprobs, expected[rid].logprobs
+        assert [entry.token_id for entry in got] == results[rid].tokens
+        assert [entry.top_ids for entry in got] == [entry.top_ids for entry in want]
+        assert max(abs(a.logprob - b.logprob) for a, b in zip(got, want, strict=True)) < 1e-3
+    assert results["repeat:logprobs"].accepted_draft_tokens > 0
+
+
+def test_sampling_with_temperature_runs_reproducibly_and_accepts_drafts(engine, tokenizer):
+    sampled = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True, temperature=0.7, top_k=40, seed=3)
+    requests = {"repeat": sampled, "code": replace(sampled, seed=4, top_p=0.9)}
+    config = SpeculativeConfig("ngram")
+    first, scheduler = run(engine, tokenizer, requests, speculative=config)
+    again, _ = run(engine, tokenizer, requests, speculative=config)
+    assert tokens_of(first) == tokens_of(again)
+    assert all(len(result.tokens) == NEW_TOKENS for result in first.values())
+    assert scheduler.stats().spec_accepted_tokens > 0
+
+
+def test_large_batches_do_not_speculate_and_rows_that_keep_failing_pause(engine, tokenizer, plain):
+    results, scheduler = run(
+        engine,
+        tokenizer,
+        dict.fromkeys(PROMPTS, GREEDY),
+        speculative=SpeculativeConfig("ngram", max_batch_size=len(PROMPTS) - 1),
+    )
+    assert tokens_of(results) == tokens_of(plain)
+    assert scheduler.stats().spec_draft_tokens == 0
+    assert all(result.draft_tokens == 0 for result in results.values())
+
+    drafter = RowDrafter(SpeculativeConfig("ngram", min_acceptance=0.3, pause_tokens=5), [1, 2, 1, 2], None)
+    assert drafter.propose([1, 2, 1, 2], 3) == [1, 2, 1]
+    drafter.record(3, 0, num_tokens=5)  # acceptance 1.0 -> 0.5
+    assert drafter.may_draft(5)
+    drafter.record(3, 0, num_tokens=6)  # 0.25: paused for 5 tokens
+    assert not drafter.may_draft(10) and drafter.propose([1, 2, 1, 2, 1, 2], 3) == []
+    assert drafter.may_draft(11) and (drafter.proposed_tokens, drafter.accepted_tokens) == (6, 0)
+    nothing = RowDrafter(SpeculativeConfig("ngram", pause_tokens=5), [1, 2, 3], None)
+    assert [nothing.propose([1, 2, 3, *range(10, 10 + n)], 3) for n in range(4)] == [[]] * 4
+    assert not nothing.may_draft(10) and nothing.may_draft(11)  # 4 empty proposals: paused 5 tokens
+
+
+def test_a_constrained_row_runs_beside_speculating_rows(engine, tokenizer):
+    pytest.importorskip("xgrammar")
+    from snugkv.core.structured_output import StructuredOutput
+
+    requests = {
+        "colours:choice": SamplingParams(
+            max_new_tokens=8, structured=StructuredOutput("choice", '[" red", " blue"]')
+        ),
+        "repeat": GREEDY,
+    }
+    expected, _ = run(engine, tokenizer, requests)
+    results, _ = run(engine, tokenizer, requests, speculative=SpeculativeConfig("ngram"))
+    assert tokens_of(results) == tokens_of(expected)
+    assert results["colours:choice"].text in (" red", " blue") and results["colours:choice"].draft_tokens == 0
+    assert results["repeat"].accepted_draft_tokens > 0
