@@ -23,6 +23,7 @@ steps. Multi-turn chat re-sends each conversation's history with the model's own
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -139,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
                             file=sys.stderr,
                         )
                     rows.append(row)
-                    print(_where(row), f"speedup {row['speedup']:.2f}x", flush=True)
+                    print(json.dumps(row), flush=True)  # a run cut short keeps its finished rows
     print(f"greedy outputs differing from plain decoding: {mismatches} of {len(rows)} rows")
     extra = {
         "max_tokens": max_tokens,
