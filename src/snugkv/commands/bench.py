@@ -31,6 +31,7 @@ BENCHMARKS = {
     "pressure": "snugkv.bench.pressure",
     "cpu-decode": "snugkv.bench.cpu_decode",
     "text": "snugkv.bench.text",
+    "speculative": "snugkv.bench.speculative",
 }
 # One line each for `snugkv bench --help`, without importing the modules (their docstrings say more).
 SUMMARIES = {
@@ -52,6 +53,7 @@ SUMMARIES = {
     "pressure": "a default server keeps serving while another process takes its memory with plain CUDA calls",
     "cpu-decode": "greedy decode on CPU, snugkv against transformers' generate on the same weights",
     "text": "tokenizer load, prompt encoding and per-step detokenizing with a real tokenizer (CPU)",
+    "speculative": "n-gram and suffix speculation on real text (SmolLM2): acceptance, tokens/s, speedup",
 }
 
 

@@ -47,6 +47,8 @@ class MemoryLedger:
     workspace_bytes: int = 0  # torch's cached blocks no tensor uses now: the activation workspace, held
     guest_room_bytes: int = 0  # left free beside the headroom for another process to start
     host_tier_bytes: int = 0  # the prefix cache's second tier, in host memory (not the device's)
+    # speculation on: the measured peak of the largest verify step, within `activation_peak_bytes`
+    verify_peak_bytes: int = 0
 
     @property
     def used_bytes(self) -> int:
@@ -88,6 +90,11 @@ class MemoryLedger:
             ("= total", self.total_bytes),
             *beside,
             ("activation peak, measured", self.activation_peak_bytes),
+            *(
+                [("  of which the verify step (speculation), measured", self.verify_peak_bytes)]
+                if self.verify_peak_bytes
+                else []
+            ),
             ("headroom target (peak + margin; the workspace counts toward it)", self.headroom_bytes),
             ("guest room (kept free for another process to start)", self.guest_room_bytes),
             ("KV virtual address space reserved", self.kv_reserved_va_bytes),

@@ -3,10 +3,10 @@ backend and the resolved flags; it makes KV pools and model runners, the KV sizi
 runner, and counts the engine's own device memory (the graphs' driver memory, the activation
 peak, the ledger).
 
-`EngineBlocks` holds what the phases measured (`graph_driver_bytes`, `activation_peak_bytes`) so
-that the ledger and `--max-device-memory` count them; it never decides the KV cache's size (the
-post-capture and static phases do, snugkv.engine.post_capture_start and static_start) nor captures
-a graph itself (snugkv.engine.capture).
+`EngineBlocks` holds what the phases measured (`graph_driver_bytes`, `activation_peak_bytes`,
+`verify_peak_bytes`) so that the ledger and `--max-device-memory` count them; it never decides the
+KV cache's size (the post-capture and static phases do, snugkv.engine.post_capture_start and
+static_start) nor captures a graph itself (snugkv.engine.capture).
 """
 
 from __future__ import annotations
@@ -71,6 +71,7 @@ class EngineBlocks:
         self.log = log
         self.graph_driver_bytes = 0  # set once the graphs are captured
         self.activation_peak_bytes = 0  # measured before the KV cache is sized
+        self.verify_peak_bytes = 0  # speculation on: the largest verify step's, within the peak
 
     # -- the resolved flags -------------------------------------------------------------
     @property
@@ -186,6 +187,7 @@ class EngineBlocks:
             weights_resident=self.loaded.weights is None or self.loaded.weights.resident,
             graph_executables_bytes=self.graph_driver_bytes,
             activation_peak_bytes=self.activation_peak_bytes,
+            verify_peak_bytes=self.verify_peak_bytes,
             headroom_bytes=kv.headroom_bytes,
             guest_room_bytes=kv.guest_room_bytes,
         )

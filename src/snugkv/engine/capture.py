@@ -1,7 +1,8 @@
 """Graph capture and the largest eager step: the decode and piecewise prefill graphs captured
 against the KV pool's fixed addresses (with the driver memory they take outside torch's
 allocator counted), and the biggest eager work the engine will run, measured for the activation
-headroom, with a shrink's kernels loaded on the dummy page.
+headroom, with a shrink's kernels loaded on the dummy page; with speculation on, the verify step
+of the largest speculating batch is measured too and the larger of the two is the peak.
 
 Both run before any KV beyond the dummy page is backed; this module never sizes the KV cache.
 """
@@ -22,6 +23,15 @@ from snugkv.runner.kv_resize import load_shrink_kernels
 from snugkv.runner.model_runner import ModelRunner
 from snugkv.sizing.measure import measure_capture, measure_peak_bytes
 from snugkv.structured.bitmask import bitmask_words
+
+# Sampling with every stage on: penalties also make the runner's per-row token history, which then
+# stays (allocated before the KV cache is sized, so the sizing counts it).
+SAMPLING_EVERY_STAGE = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, min_p=0.05)
+# Each penalty has its own [batch, vocab] temporaries (the H100 run at 7c043ce saw the frequency
+# and presence line ask the allocator for a new segment while serving when only repetition ran).
+PENALISED_EVERY_STAGE = replace(
+    SAMPLING_EVERY_STAGE, repetition_penalty=1.1, frequency_penalty=0.2, presence_penalty=0.3, min_tokens=1
+)
 
 
 def capture_graphs(blocks: EngineBlocks, runner: ModelRunner) -> dict[str, float]:
@@ -52,10 +62,16 @@ def capture_graphs(blocks: EngineBlocks, runner: ModelRunner) -> dict[str, float
 
 
 def measure_activation_peak(blocks: EngineBlocks, runner: ModelRunner) -> int:
-    """The activation peak of the largest eager step (0 on CPU), kept for the ledger."""
+    """The activation peak of the largest eager step (0 on CPU), kept for the ledger: with
+    speculation on, the larger of `largest_eager_step` and `largest_verify_step`, each measured on
+    its own so that the ledger shows the verify step's share (`verify_peak_bytes`)."""
     peak = measure_peak_bytes(blocks.device, lambda: largest_eager_step(blocks, runner))
-    blocks.activation_peak_bytes = peak
-    return peak
+    verify_peak = 0
+    if blocks.args.speculative_config() is not None:
+        verify_peak = measure_peak_bytes(blocks.device, lambda: largest_verify_step(blocks, runner))
+    blocks.verify_peak_bytes = verify_peak
+    blocks.activation_peak_bytes = max(peak, verify_peak)
+    return blocks.activation_peak_bytes
 
 
 def largest_eager_step(blocks: EngineBlocks, runner: ModelRunner) -> None:
@@ -68,14 +84,7 @@ def largest_eager_step(blocks: EngineBlocks, runner: ModelRunner) -> None:
     slot 0: this runs before any KV beyond the dummy page is backed.
     """
     device, vocab_size = blocks.device, blocks.config.vocab_size
-    # Sampling with every stage on: penalties also make the runner's per-row token history,
-    # which then stays (allocated before the KV cache is sized, so the sizing counts it).
-    sampling = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, min_p=0.05)
-    # Each penalty has its own [batch, vocab] temporaries (the H100 run at 7c043ce saw the frequency
-    # and presence line ask the allocator for a new segment while serving when only repetition ran).
-    penalised = replace(
-        sampling, repetition_penalty=1.1, frequency_penalty=0.2, presence_penalty=0.3, min_tokens=1
-    )
+    sampling, penalised = SAMPLING_EVERY_STAGE, PENALISED_EVERY_STAGE
     if device.type != "cuda":
         # The host backend keeps no activation headroom (measure_peak_bytes is 0 there): only
         # what the step leaves behind is made, not its forward (seconds of every CPU start).
@@ -104,3 +113,31 @@ def largest_eager_step(blocks: EngineBlocks, runner: ModelRunner) -> None:
         logits, [penalised] * batch, None, [0] * batch, token_bitmask=TokenBitmask(every_row, allow_all)
     )  # row 0: the padding row
     load_shrink_kernels(runner)
+
+
+def largest_verify_step(blocks: EngineBlocks, runner: ModelRunner) -> None:
+    """The verify step of the largest speculating batch (nothing when speculation is off):
+    `--speculative-max-batch-size` rows (at most `--max-running-requests`), each its last token
+    plus `--num-speculative-tokens` drafted ones, forward with logits at all `B * (k + 1)`
+    positions, then `verify_on_device` with every sampler stage over them (sampled, not greedy:
+    the residual and the race are the sampled path's). On the dummy slot, as `largest_eager_step`.
+
+    On CPU only the verification runs (no forward), as the host backend keeps no headroom; it
+    leaves nothing behind that the sampler's warm-up has not made already.
+    """
+    speculative = blocks.args.speculative_config()
+    if speculative is None:
+        return
+    device, vocab_size = blocks.device, blocks.config.vocab_size
+    batch, k = min(speculative.max_batch_size, blocks.max_running_requests), speculative.num_tokens
+    positions = batch * (k + 1)
+    if device.type == "cuda":
+        # Rows run through whatever serving would use: the piecewise graphs up to their largest
+        # bucket, eagerly above; the logits are float32 [positions, vocab] either way.
+        rows = [BatchRow(0, 1, [0] * (k + 1), draft_len=k)] * batch
+        logits = runner.forward(rows, torch.zeros(positions, dtype=torch.int64, device=device))
+    else:
+        logits = torch.zeros(positions, vocab_size)
+    runner.verify_on_device(
+        logits, [[0] * k] * batch, [PENALISED_EVERY_STAGE] * batch, None, [0] * batch
+    )  # row 0: the padding row

@@ -32,6 +32,7 @@ def measure_ledger(
     weights_resident: bool = True,
     graph_executables_bytes: int,
     activation_peak_bytes: int,
+    verify_peak_bytes: int = 0,
     headroom_bytes: int,
     guest_room_bytes: int = 0,
 ) -> MemoryLedger:
@@ -67,6 +68,7 @@ def measure_ledger(
         kv_committed_bytes=kv_committed_bytes,
         kv_reserved_va_bytes=kv_reserved_va_bytes,
         activation_peak_bytes=activation_peak_bytes,
+        verify_peak_bytes=verify_peak_bytes,
         headroom_bytes=headroom_bytes,
         weights_in_device_memory=device.type == "cuda" and weights_resident,
         workspace_bytes=workspace,

@@ -1,0 +1,257 @@
+"""`snugkv bench speculative`: acceptance, mean accepted length and tokens/s of model-free speculative
+decoding (n-gram and suffix proposers) on real text, against decoding without speculation in the
+same run.
+
+One engine (the embedded SmolLM2-135M by default, its real tokenizer) serves every configuration:
+for each workload (snugkv.bench.speculative_workloads: code edit, summarization, multi-turn chat,
+open generation) and batch, the same greedy requests run once without speculation and once per
+proposer and draft length `k`, `--repeats` times in turn (the fastest pass of each counts: a shared
+CPU is noisy). Before each pass the prefix cache is emptied and the scheduler gets a fresh
+`Speculation` of that configuration (or none): no pass inherits another's suffix store or cache.
+The engine starts with speculation on at the largest `k`, so its start-up sizing counts the verify
+step as a speculating server's would.
+
+A row: `acceptance` (accepted / drafted tokens), `mean_accepted_length` (tokens a drafted row emits
+per verify step), `tok_per_s` (output tokens over the pass's wall time, prefill included),
+`speedup` over the plain pass, the median device time of the plain pass's decode steps and of the
+speculating pass's verify steps (`Scheduler.times`), and `same_tokens`: whether every output equals
+the plain pass's token for token (greedy speculation must; each mismatch is printed). A batch above
+`--speculative-max-batch-size` does not speculate (the engine's back-off): its rows show 0 verify
+steps. Multi-turn chat re-sends each conversation's history with the model's own replies in it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from snugkv.bench.speculative_workloads import WORKLOADS, Conversation, batch_of
+
+PROPOSERS = ("ngram", "suffix")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M (real weights)")
+    parser.add_argument("--load-format", default="auto", help="dummy: random weights (step costs only)")
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument(
+        "--tokenizer", default=None, help="a directory with tokenizer.json, for a model without a tokenizer"
+    )
+    parser.add_argument("--proposers", nargs="+", choices=PROPOSERS, default=list(PROPOSERS))
+    parser.add_argument(
+        "--k", type=int, nargs="+", default=None, help="draft lengths (default: GPU 2 4 8, CPU 4)"
+    )
+    parser.add_argument("--batch", type=int, nargs="+", default=None, help="(default: GPU 1 8 64, CPU 1 8)")
+    parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="output tokens per request and turn (default: GPU 256, CPU 96)",
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=None, help="passes of each configuration (default: GPU 3, CPU 1)"
+    )
+    parser.add_argument(
+        "--speculative-max-batch-size", type=int, default=None, help="(default: the engine's)"
+    )
+    parser.add_argument("--max-total-tokens", type=int, default=None, help="(default: CPU 16384, GPU sized)")
+    parser.add_argument("--cuda-graph-max-bs", type=int, default=None, help="GPU: fewer graphs start faster")
+    parser.add_argument("--prefill-graph-max-tokens", type=int, default=None)
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """One configuration of a pass: no speculation (`proposer` None) or a proposer and its `k`."""
+
+    proposer: str | None
+    k: int
+
+
+@dataclass(slots=True)
+class Pass:
+    """What one pass of a workload produced and took."""
+
+    token_ids: list[list[int]]  # per conversation and turn, in order
+    seconds: float
+    drafted: int
+    accepted: int
+    drafted_rows: int
+    decode_step_s: list[float]
+    verify_step_s: list[float]
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(len(ids) for ids in self.token_ids)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from snugkv.bench.harness import emit
+    from snugkv.llm import LLM
+
+    gpu = torch.cuda.is_available()
+    ks = args.k or ([2, 4, 8] if gpu else [4])
+    batches = args.batch or ([1, 8, 64] if gpu else [1, 8])
+    max_tokens = args.max_tokens or (256 if gpu else 96)
+    repeats = args.repeats or (3 if gpu else 1)
+    options: dict[str, Any] = {
+        "load_format": args.load_format,
+        "speculative": args.proposers[0],
+        "num_speculative_tokens": max(ks),
+        "max_running_requests": max(batches),
+    }
+    for name in ("dtype", "speculative_max_batch_size", "cuda_graph_max_bs", "prefill_graph_max_tokens"):
+        if getattr(args, name) is not None:
+            options[name] = getattr(args, name)
+    max_total_tokens = args.max_total_tokens or (None if gpu else 16384)
+    if max_total_tokens is not None:
+        options["max_total_tokens"] = max_total_tokens
+    settings = [Setting(None, 0)] + [Setting(p, k) for p in args.proposers for k in ks]
+    rows: list[dict[str, Any]] = []
+    mismatches = 0
+    with LLM(args.model, **options) as llm:
+        encoder = _tokenizer(llm, args.tokenizer)
+        max_batch_size = llm.engine.args.speculative_max_batch_size
+        _measure(llm, encoder, batch_of("open", 1), None, 4)  # warm: first calls, allocator
+        for workload in args.workloads:
+            for batch in batches:
+                conversations = batch_of(workload, batch)
+                best: dict[Setting, Pass] = {}
+                for _ in range(repeats):
+                    for setting in settings:
+                        done = _measure(llm, encoder, conversations, setting, max_tokens, max_batch_size)
+                        if setting not in best or done.seconds < best[setting].seconds:
+                            best[setting] = done
+                plain = best[settings[0]]
+                for setting in settings[1:]:
+                    row = _row(workload, batch, setting, best[setting], plain)
+                    if not row["same_tokens"]:
+                        mismatches += 1
+                        print(
+                            f"MISMATCH: {_where(row)}: {_first_difference(plain, best[setting])}",
+                            file=sys.stderr,
+                        )
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)  # a run cut short keeps its finished rows
+    print(f"greedy outputs differing from plain decoding: {mismatches} of {len(rows)} rows")
+    extra = {
+        "max_tokens": max_tokens,
+        "repeats": repeats,
+        "model": args.model or "SmolLM2-135M-Instruct (embedded)",
+        "load_format": args.load_format,
+        "speculative_max_batch_size": max_batch_size,
+        "mismatches": mismatches,
+    }
+    emit("speculative", rows, args.out, extra)
+    return 1 if mismatches else 0
+
+
+def _tokenizer(llm: Any, directory: str | None) -> Any:
+    """The model's tokenizer, or the one in `directory` for a model without one (random weights)."""
+    if llm.tokenizer is not None:
+        return llm.tokenizer
+    if directory is None:
+        raise SystemExit(
+            "error: this model has no tokenizer; pass --tokenizer DIR (a directory with tokenizer.json)"
+        )
+    from snugkv.models.loader import ModelSource
+    from snugkv.models.tokenizer import load_tokenizer
+
+    return load_tokenizer(ModelSource(Path(directory), "hf"))
+
+
+def _measure(
+    llm: Any,
+    encoder: Any,
+    conversations: list[Conversation],
+    setting: Setting | None,
+    max_tokens: int,
+    max_batch_size: int = 1,
+) -> Pass:
+    """One pass: every turn of `conversations` (all conversations' turn t in one batch), greedy,
+    from an empty prefix cache and a fresh speculation state of `setting` (None or no proposer:
+    plain decoding)."""
+    from snugkv.core.sampling import SamplingParams
+    from snugkv.scheduler.speculation import Speculation
+    from snugkv.speculative.config import SpeculativeConfig
+
+    scheduler = llm._runtime.scheduler  # the bench swaps its speculation between passes, while idle
+    llm.reset_prefix_cache()
+    scheduler.speculation = None
+    if setting is not None and setting.proposer is not None:
+        config = SpeculativeConfig(setting.proposer, num_tokens=setting.k, max_batch_size=max_batch_size)
+        scheduler.speculation = Speculation(config)
+    scheduler.times.reset()
+    params = SamplingParams(max_tokens=max_tokens)
+    histories: list[list[dict[str, str]]] = [[] for _ in conversations]
+    token_ids: list[list[int]] = []
+    seconds = 0.0
+    for turn in range(max(len(c.turns) for c in conversations)):
+        active = [i for i, c in enumerate(conversations) if turn < len(c.turns)]
+        for i in active:
+            histories[i].append({"role": "user", "content": conversations[i].turns[turn]})
+        prompts = [encoder.encode_chat(histories[i], add_generation_prompt=True) for i in active]
+        started = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        seconds += time.perf_counter() - started
+        for i, output in zip(active, outputs):
+            ids = list(output.outputs[0].token_ids)
+            token_ids.append(ids)
+            histories[i].append({"role": "assistant", "content": encoder.decode(ids)})
+    counts = scheduler.speculation.counts if scheduler.speculation is not None else None
+    records = list(scheduler.times.records)
+    scheduler.speculation = None
+    return Pass(
+        token_ids=token_ids,
+        seconds=seconds,
+        drafted=counts.draft_tokens if counts else 0,
+        accepted=counts.accepted_tokens if counts else 0,
+        drafted_rows=counts.drafted_rows if counts else 0,
+        decode_step_s=[r.busy_s for r in records if r.decode and r.tokens == r.rows],
+        verify_step_s=[r.busy_s for r in records if r.decode and r.tokens > r.rows],
+    )
+
+
+def _row(workload: str, batch: int, setting: Setting, done: Pass, plain: Pass) -> dict[str, Any]:
+    tok_per_s = done.output_tokens / done.seconds
+    plain_tok_per_s = plain.output_tokens / plain.seconds
+    return {
+        "proposer": setting.proposer,
+        "workload": workload,
+        "batch": batch,
+        "k": setting.k,
+        "acceptance": done.accepted / done.drafted if done.drafted else 0.0,
+        "mean_accepted_length": 1 + done.accepted / done.drafted_rows if done.drafted_rows else 0.0,
+        "tok_per_s": tok_per_s,
+        "plain_tok_per_s": plain_tok_per_s,
+        "speedup": tok_per_s / plain_tok_per_s,
+        "decode_step_ms": _median_ms(plain.decode_step_s),
+        "verify_step_ms": _median_ms(done.verify_step_s),
+        "verify_steps": len(done.verify_step_s),
+        "output_tokens": done.output_tokens,
+        "same_tokens": done.token_ids == plain.token_ids,
+    }
+
+
+def _median_ms(seconds: list[float]) -> float | None:
+    return statistics.median(seconds) * 1e3 if seconds else None
+
+
+def _where(row: dict[str, Any]) -> str:
+    return f"{row['workload']} batch {row['batch']} {row['proposer']} k={row['k']}"
+
+
+def _first_difference(plain: Pass, done: Pass) -> str:
+    for index, (want, got) in enumerate(zip(plain.token_ids, done.token_ids)):
+        if want != got:
+            at = next((j for j, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
+            return f"output {index} differs at token {at} (plain {want[at : at + 4]}, speculative {got[at : at + 4]})"
+    return f"{len(plain.token_ids)} outputs plain, {len(done.token_ids)} speculative"

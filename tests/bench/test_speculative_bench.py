@@ -1,0 +1,57 @@
+"""`snugkv bench speculative`: the written workloads, a row's arithmetic and its check against plain
+decoding, and (slow) one small run on the embedded SmolLM2 that writes the raw JSON."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from snugkv.bench.speculative import Pass, Setting, _first_difference, _row
+from snugkv.bench.speculative_workloads import WORKLOADS, batch_of
+
+
+def passed(token_ids, seconds, drafted=0, accepted=0, drafted_rows=0, verify=()):
+    return Pass(token_ids, seconds, drafted, accepted, drafted_rows, [0.010, 0.012, 0.014], list(verify))
+
+
+def test_the_four_workloads_are_there_and_a_batch_cycles_through_each():
+    assert list(WORKLOADS) == ["code-edit", "summarize", "chat", "open"]
+    assert all(len(c.turns) >= 3 for c in WORKLOADS["chat"])  # history re-sent over several turns
+    batch = batch_of("code-edit", 5)
+    assert len(batch) == 5 and batch[3] == batch[0] and batch[1] != batch[0]
+    assert "```python" in WORKLOADS["code-edit"][0].turns[0]
+
+
+def test_a_row_reads_acceptance_speedup_and_step_times_against_the_plain_pass():
+    plain = passed([[1, 2, 3, 4]], seconds=2.0)
+    done = passed([[1, 2, 3, 4]], seconds=1.0, drafted=8, accepted=6, drafted_rows=2, verify=[0.02, 0.03])
+    row = _row("code-edit", 1, Setting("ngram", 4), done, plain)
+    assert row["acceptance"] == 0.75 and row["mean_accepted_length"] == 4.0
+    assert row["speedup"] == 2.0 and row["tok_per_s"] == 4.0
+    assert row["decode_step_ms"] == pytest.approx(12.0) and row["verify_step_ms"] == pytest.approx(25.0)
+    assert row["same_tokens"] and row["verify_steps"] == 2
+
+
+def test_a_differing_output_is_not_the_same_tokens_and_says_where():
+    plain = passed([[1, 2], [5, 6, 7, 8]], seconds=1.0)
+    done = passed([[1, 2], [5, 6, 9, 8]], seconds=1.0)
+    assert not _row("chat", 2, Setting("suffix", 2), done, plain)["same_tokens"]
+    assert _first_difference(plain, done).startswith("output 1 differs at token 2")
+
+
+@pytest.mark.slow
+def test_a_small_run_on_smollm2_writes_rows_with_no_mismatch(tmp_path):
+    from snugkv.cli import main
+
+    code = main(
+        ["bench", "speculative", "--workloads", "code-edit", "chat", "--batch", "1", "2", "--k", "2",
+         "--max-tokens", "12", "--out", str(tmp_path)]
+    )  # fmt: skip
+    report = json.loads((tmp_path / "speculative.json").read_text())
+    assert code == 0 and report["benchmark"] == "speculative" and report["mismatches"] == 0
+    assert {"date", "commit", "device"} <= set(report["environment"])
+    assert len(report["rows"]) == 2 * 2 * 2  # workloads x batches x proposers
+    for row in report["rows"]:
+        assert row["same_tokens"] and row["output_tokens"] > 0
+        assert {"proposer", "workload", "batch", "k", "acceptance", "tok_per_s", "speedup"} <= set(row)
