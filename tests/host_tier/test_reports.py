@@ -22,6 +22,7 @@ TIER = HostTierStats(
     host_hit_rate=0.24,
     spilled_tokens=1200,
     dropped_tokens=16,
+    budget_dropped_tokens=8,
     bytes_to_host=1200 * 1000,
     bytes_to_device=240 * 1000,
     write_s=0.5,
