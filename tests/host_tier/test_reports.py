@@ -20,6 +20,7 @@ TIER = HostTierStats(
     device_hit_tokens=300,
     host_hit_tokens=240,
     host_hit_rate=0.24,
+    query_tokens=1000,
     spilled_tokens=1200,
     dropped_tokens=16,
     budget_dropped_tokens=8,

@@ -347,6 +347,7 @@ class HostTierStats:
     device_hit_tokens: int  # prompt tokens the prefix cache served from the device
     host_hit_tokens: int  # ... and from the host tier (loaded back before the prefill)
     host_hit_rate: float  # host_hit_tokens over the prompt tokens looked up, 0..1
+    query_tokens: int  # prompt tokens looked up (a request admitted again is looked up again)
     spilled_tokens: int  # left the device into the host tier
     dropped_tokens: int  # left the device with no copy kept (the host tier had no room)
     budget_dropped_tokens: int  # of those, dropped because a pressure move's spill budget was spent

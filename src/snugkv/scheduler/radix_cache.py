@@ -540,6 +540,7 @@ class RadixCache:
             device_hit_tokens=self.hit_tokens,
             host_hit_tokens=self.host_hit_tokens,
             host_hit_rate=self.host_hit_tokens / self.query_tokens if self.query_tokens else 0.0,
+            query_tokens=self.query_tokens,
             spilled_tokens=self.spilled_tokens,
             dropped_tokens=self.dropped_tokens,
             budget_dropped_tokens=self.budget_dropped_tokens,
