@@ -36,6 +36,7 @@ import contextlib
 import logging
 import os
 import random
+import signal
 import subprocess
 import sys
 import tempfile
@@ -313,6 +314,16 @@ def _bandwidth(rows: list[dict[str, Any]], pinned: dict[str, float]) -> dict[str
 
 
 def run(args: argparse.Namespace) -> int:
+    # a step's `timeout` sends SIGTERM: the servers are stopped on the way out (`finally`), not left
+    # holding the device for the next step
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        return _run(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     if args.device is None:
         import torch
