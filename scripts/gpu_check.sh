@@ -7,6 +7,7 @@
 #   bench pressure on the MoE and FP8 shapes: STEPS="env pressure-shapes" (PRESSURE_SHAPES="qwen3-30b-a3b:all-but,start")
 #   speculative decoding on SmolLM2's real weights over two calls: the `speculative` step below
 #   memory pressure only: STEPS="env pressure" (ARGS_pressure="--chunk-mib 16" for small extensions)
+#   the KV host tier (issue 35; carry .whl): STEPS="env host-tier" (ARGS_host_tier="--sessions 256" to scale)
 #   MoE only: STEPS="env moe" (MOE_MODEL=mixtral-8x7b for another shape; the tuned table lands in $OUT/work/moe)
 #   parts of a step: MOE_PARTS="decode" (of "tests tune decode prefill"), FP8_TESTS=0, FP8_SHAPES=llama-3-8b
 #   the engine core's CUDA tests alone (drivers, elastic engine, LLM, graphs, VMM): STEPS="env core"
@@ -225,6 +226,19 @@ for s in $STEPS; do
           --serve-args "$serve_args" --out "$OUT/bench-pressure-$shape" 2>&1 | tee "$OUT/bench_pressure-$shape.log" || status=1
         pack
       done
+      ;;
+    host-tier)  # the KV cache's host tier (issue 35): first its copy stream's CUDA test, then snugkv bench
+      # host-tier (two servers of the 8B shape, tier off then on: fits, multi-turn chat at 3x the device KV,
+      # a 10 GiB pressure row; ~4 minutes at these sizes). Needs the server's wheels (.whl).
+      # ARGS_host_tier: the bench's own flags (--sessions, --turns, --deadline-s, --device-kv-tokens, ...)
+      step "host-tier cuda test"
+      timeout "${HOST_TIER_TESTS_TIMEOUT:-120}" python3 -m pytest -q -rA -p no:cacheprovider \
+        tests/host_tier/test_stream_copies_cuda.py 2>&1 | tee "$OUT/host_tier_cuda_test.txt" | tail -5 || status=1
+      pack
+      step "bench host-tier"
+      timeout "${BENCH_TIMEOUT_host_tier:-420}" python3 -m snugkv bench host-tier --out "$OUT/host-tier" \
+        --deadline-s "${HOST_TIER_DEADLINE_S:-90}" ${ARGS_host_tier:-} 2>&1 | tee "$OUT/bench_host_tier.log" \
+        | grep -v "^Capturing" || status=1
       ;;
     pressure)  # another process takes memory below the headroom while an 8B shape serves (scripts/pressure_check.py)
       step "pressure"

@@ -145,6 +145,36 @@ def test_a_resize_shrink_moves_cached_prefixes_to_the_host_tier(engine):
     done(scheduler)
 
 
+def test_a_pressure_shrink_spills_only_what_its_time_budget_writes_and_records_the_rest_as_dropped(engine):
+    core, _ = core_of(engine)
+    scheduler = core.scheduler
+    run(scheduler, sessions(4), "before")
+    tier = engine.host_tier
+    assert tier is not None and tier.write_bytes_per_s is not None  # measured at start-up
+    measured = tier.write_bytes_per_s
+    tier.write_bytes_per_s = 20 * tier.page_bytes  # 20 pages a second: 0.5 s carries 10 pages
+    spilled = scheduler.cache.spilled_tokens
+    try:
+        room = elastic.make_room(scheduler, 96, spill_budget_s=0.5)
+    finally:
+        tier.write_bytes_per_s = measured
+    assert room.evicted_tokens > 10 * PAGE
+    assert scheduler.cache.spilled_tokens - spilled <= 10 * PAGE
+    assert room.dropped_tokens >= room.evicted_tokens - 10 * PAGE and room.took_ms > 0
+    change = engine.resize_kv(
+        engine.kv.target(96),
+        on_move=lambda moves: scheduler.cache.remap_slots(moves.full),
+        evicted_tokens=room.evicted_tokens,
+        dropped_tokens=room.dropped_tokens,
+        room_ms=room.took_ms,
+        reason="pressure",
+    )
+    assert change.to_dict()["dropped_tokens"] == room.dropped_tokens
+    assert f"({room.dropped_tokens} dropped" in change.log_line()
+    elastic.resize_kv(scheduler, engine, max_total_num_tokens=DEVICE_TOKENS)
+    done(scheduler)
+
+
 def test_sleep_level_1_keeps_the_prefix_cache_in_the_host_tier_and_wake_serves_it(engine):
     core, outputs = core_of(engine)
     scheduler = core.scheduler

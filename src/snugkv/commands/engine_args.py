@@ -197,6 +197,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "off; the start-up log suggests a size that leaves the host room)",
     )
     group.add_argument(
+        "--kv-pressure-spill-ms",
+        type=float,
+        default=None,
+        metavar="MS",
+        help="memory pressure: of the cached prefixes a shrink evicts, write to the host tier only what this "
+        "many ms of copies carry (at the bandwidth measured at start-up) and drop the rest, so the other "
+        "process gets its memory soon (default: 25; a resize or sleep spills all)",
+    )
+    group.add_argument(
         "--max-device-memory",
         dest="max_device_memory_gib",
         type=float,

@@ -185,10 +185,13 @@ class KvResize:
     free_bytes: int | None = (
         None  # a pressure move: the free device memory it was sized from (MIN over ranks)
     )
+    dropped_tokens: int = 0  # of evicted_tokens, those kept nowhere (the rest are in the host tier)
+    room_ms: float = 0.0  # the scheduler making room before the resize (evictions and their spills)
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["took_ms"] = round(self.took_ms, 3)
+        data["room_ms"] = round(self.room_ms, 3)
         return data
 
     def log_line(self) -> str:
@@ -198,6 +201,8 @@ class KvResize:
         if self.copied_bytes:
             moved += f" ({self.copied_bytes / 2**20:.1f} MiB copied)"
         evicted = f", evicted {self.evicted_tokens} cached tokens" if self.evicted_tokens else ""
+        if self.evicted_tokens:
+            evicted += f" ({self.dropped_tokens} dropped, {self.room_ms:.1f} ms)"
         retracted = f", retracted {self.retracted_requests} requests" if self.retracted_requests else ""
         why = PRESSURE_WHY.get(self.reason, "")
         free = f", free {self.free_bytes / GIB:.2f} GiB" if self.free_bytes is not None else ""
@@ -349,8 +354,10 @@ class HostTierStats:
     device_hit_tokens: int  # prompt tokens the prefix cache served from the device
     host_hit_tokens: int  # ... and from the host tier (loaded back before the prefill)
     host_hit_rate: float  # host_hit_tokens over the prompt tokens looked up, 0..1
+    query_tokens: int  # prompt tokens looked up (a request admitted again is looked up again)
     spilled_tokens: int  # left the device into the host tier
     dropped_tokens: int  # left the device with no copy kept (the host tier had no room)
+    budget_dropped_tokens: int  # of those, dropped because a pressure move's spill budget was spent
     bytes_to_host: int
     bytes_to_device: int
     write_s: float

@@ -19,8 +19,10 @@ which the shrink runs between copying the pages and decommitting them (`on_move`
                 (`scheduler.elastic.smallest_size`); if the requests hold all of it, nothing moves
     check       the engine's limits, once, before anything gives way (`KvSizing.target`)
     make room   the scheduler evicts cache entries (into the host tier first, where there is one:
-                only what it cannot hold is dropped), then retracts the newest requests, until what
-                is in use fits (`scheduler.elastic.make_room`; a grow needs none)
+                as much as `--kv-pressure-spill-ms` of copies at its measured bandwidth writes, the
+                rest is dropped, so the other process is not kept waiting behind a long spill), then
+                retracts the newest requests, until what is in use fits
+                (`scheduler.elastic.make_room`; a grow needs none)
     resize      the engine moves the live pages and decommits, or commits on every rank or none
                 (`Engine.resize_kv`), and records the change as "pressure" or "pressure-grow"
 
@@ -60,12 +62,18 @@ def relieve_pressure(scheduler: Scheduler, engine: Engine) -> KvResize | None:
         return None
     try:
         target = kv.target(tokens)
-        room = elastic.make_room(scheduler, target.tokens) if move.shrinks else elastic.RoomMade()
+        room = (
+            elastic.make_room(scheduler, target.tokens, spill_budget_s=engine.args.kv_pressure_spill_ms / 1e3)
+            if move.shrinks
+            else elastic.RoomMade()
+        )
         change = engine.resize_kv(
             target,
             on_move=lambda moves: scheduler.cache.remap_slots(moves.full),
             evicted_tokens=room.evicted_tokens,
             retracted_requests=room.retracted_requests,
+            dropped_tokens=room.dropped_tokens,
+            room_ms=room.took_ms,
             reason=move.reason,
             free_bytes=move.free.min_bytes,
         )

@@ -19,6 +19,10 @@ from snugkv.speculative.config import (
     SpeculativeConfig,
 )
 
+# A pressure move's spill: half of issue 36's target of 50 ms for a shrink of up to 10 GiB (the
+# resize itself takes the other half); at ~50 GB/s over PCIe 5 that is ~1.2 GB of pages.
+DEFAULT_PRESSURE_SPILL_MS = 25.0
+
 
 @dataclass(frozen=True, slots=True)
 class EngineArgs:
@@ -66,6 +70,9 @@ class EngineArgs:
     disable_overlap_schedule: bool = False  # the scheduler reads each step's tokens before the next
     kv_reserve_gib: float | None = None  # KV address space to reserve (default: free memory at start)
     no_kv_pressure: bool = False  # keep the KV cache's size when free memory falls below the headroom
+    # a pressure shrink writes to the host tier only what this many ms of copies carry (at the
+    # bandwidth measured at start-up) and drops the rest of what it evicts
+    kv_pressure_spill_ms: float = DEFAULT_PRESSURE_SPILL_MS
     queue_timeout_s: float = 30.0  # how long a request waits for KV memory the cache does not hold now
     speculative: str | None = None  # "ngram" or "suffix": model-free speculative decoding; None: off
     num_speculative_tokens: int | None = None  # draft tokens per row and step (default 4 when on)
@@ -160,6 +167,11 @@ class EngineArgs:
             )
         if self.host_kv_gib is not None and self.host_kv_gib <= 0:
             raise InvalidEngineArgs(f"--host-kv-gib must be positive, got {self.host_kv_gib}")
+        if not self.kv_pressure_spill_ms >= 0:  # NaN too
+            raise InvalidEngineArgs(
+                f"--kv-pressure-spill-ms must be 0 (drop what a pressure move evicts) or positive, "
+                f"got {self.kv_pressure_spill_ms}"
+            )
         if self.kv_host_tier_gib is not None and self.kv_host_tier_gib < 0:
             raise InvalidEngineArgs(
                 f"--kv-host-tier-gib must be 0 (no host tier) or positive, got {self.kv_host_tier_gib}"

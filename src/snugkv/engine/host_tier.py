@@ -5,7 +5,9 @@ Off unless `--kv-host-tier-gib N` asks (on CPU the 'device' is host memory alrea
 on to run the same code; on a GPU until its benchmark has run, see `host_tier_bytes`); the start-up
 log suggests a size that leaves the host room: `HOST_TIER_RAM_FRACTION` of the host RAM available,
 split over the ranks of this launch (each rank pins its own), at most `HOST_TIER_DEFAULT_MAX_GIB`.
-Every rank keeps the same number of pages (MIN over ranks), so every rank spills and loads alike.
+Every rank keeps the same number of pages (MIN over ranks), so every rank spills and loads alike,
+and the same write bandwidth (a timed copy of up to 64 MiB of pages at start-up, MIN over ranks),
+from which a pressure move's time budget becomes the pages it may spill.
 A pinned allocation that fails is one warning line and no tier: the engine serves as without it.
 The tier follows the prefix cache's page layout, so a pool of two token groups (sliding window)
 gets none (not built yet), and says so.
@@ -110,9 +112,13 @@ def open_host_tier(
             tier.close()
         return None
     assert tier is not None
+    # What a pressure move's time budget may spill is counted at this bandwidth: every rank the same.
+    probed = tier.probe_write_bytes_per_s(pool.committed_tokens // pool.page_size)
+    agreed = agree_min(-1 if probed is None else int(probed), group)
+    tier.write_bytes_per_s = None if agreed < 0 else float(agreed)
     log(
         "Host KV tier: %.2f GiB of %s host memory, %d tokens (%d pages of %.2f MiB) beside %d on the device "
-        "(%s), took %.0f ms",
+        "(%s), writes at %s, took %.0f ms",
         tier.capacity_bytes / GIB,
         "pinned" if pin else "plain",
         tier.capacity_tokens,
@@ -120,6 +126,7 @@ def open_host_tier(
         page_bytes / 2**20,
         pool.committed_tokens,
         why,
+        "?" if tier.write_bytes_per_s is None else f"{tier.write_bytes_per_s / 1e9:.1f} GB/s",
         (time.perf_counter() - started) * 1000,
     )
     return tier

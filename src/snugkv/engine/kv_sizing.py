@@ -406,6 +406,8 @@ class KvSizing:
         on_move: Callable[[KvMoves], None] | None = None,
         evicted_tokens: int = 0,
         retracted_requests: int = 0,
+        dropped_tokens: int = 0,
+        room_ms: float = 0.0,
         reason: str = "resize",
         free_bytes: int | None = None,
     ) -> KvResize:
@@ -438,6 +440,8 @@ class KvSizing:
             evicted_tokens,
             retracted_requests,
             free_bytes,
+            dropped_tokens=dropped_tokens,
+            room_ms=room_ms,
         )
 
     def _grow(self, old_tokens: int, tokens: int) -> None:

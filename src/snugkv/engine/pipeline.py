@@ -249,6 +249,8 @@ class Engine:
         on_move: Callable[[KvMoves], None] | None = None,
         evicted_tokens: int = 0,
         retracted_requests: int = 0,
+        dropped_tokens: int = 0,
+        room_ms: float = 0.0,
         reason: str = "resize",
         free_bytes: int | None = None,
     ) -> KvResize:
@@ -262,7 +264,8 @@ class Engine:
         then made room for it (the scheduler's resize, the driver's pressure move): nothing is
         checked twice. Shrinking moves the pages in use above the new bound below it (`on_move`
         lets the prefix cache follow); they must fit (`evicted_tokens`/`retracted_requests` are
-        what the scheduler freed for them, for the record).
+        what the scheduler freed for them, `dropped_tokens` the evicted ones kept nowhere and
+        `room_ms` its time, for the record).
         """
         if not isinstance(target, KvTarget):
             target = self.check_resizable().target(target)
@@ -271,6 +274,8 @@ class Engine:
             on_move=on_move,
             evicted_tokens=evicted_tokens,
             retracted_requests=retracted_requests,
+            dropped_tokens=dropped_tokens,
+            room_ms=room_ms,
             reason=reason,
             free_bytes=free_bytes,
         )

@@ -23,6 +23,9 @@ Copies run through a `PageCopies`:
 - on CPU (`HostCopies`) at once: the same code path, with a 'device' that is host memory too.
 Tests pass a copier of their own to hold copies back and check that nothing reads or reuses a page
 before its copy is done.
+
+How fast pages reach the host (`probe_write_bytes_per_s`, run once at start-up through the same
+copies) is what turns a pressure move's time budget into pages it may spill (`spill_tokens_within`).
 """
 
 from __future__ import annotations
@@ -38,6 +41,9 @@ import torch
 from snugkv.memory.allocator import make_allocator
 
 logger = logging.getLogger(__name__)
+
+PROBE_BYTES = 64 * 2**20  # the start-up bandwidth probe's copy: long enough that launches do not dominate
+PROBE_REPEATS = 3
 
 
 class CopyDone(ABC):
@@ -190,6 +196,9 @@ class HostKvTier:
         self._free = make_allocator(num_pages, 1)  # host page p is "slot" p; page 0 is never handed out
         self._bytes = [0, 0]  # to host, to device
         self._pages = [0, 0]
+        # device -> host bytes per second, as measured at start-up (the same on every rank: the
+        # opener sets the MIN over ranks); None: not measured, a spill has no time budget then
+        self.write_bytes_per_s: float | None = None
 
     # -- the host pages ---------------------------------------------------------------------
     @property
@@ -254,6 +263,34 @@ class HostKvTier:
 
         self._count(1, int(device_pages.numel()))
         return self.copies.run(copy, load=True)
+
+    def probe_write_bytes_per_s(self, device_pages: int, max_bytes: int = PROBE_BYTES) -> float | None:
+        """Time writes of up to `max_bytes` of device pages 1.. (the first `device_pages` hold
+        committed memory; what they hold does not matter) into free host pages, as a spill writes
+        them, waiting for each: the best of `PROBE_REPEATS`, in bytes per second (the host's view, launches
+        included). Counted in `traffic` like any write. None when there is nothing to copy."""
+        pages = min(device_pages, self.free_pages, max(1, max_bytes // self.page_bytes))
+        host_pages = self.alloc(pages) if pages > 0 else None
+        if host_pages is None:
+            return None
+        try:
+            source = torch.arange(1, pages + 1, dtype=torch.int64)
+            best_s = float("inf")
+            for _ in range(PROBE_REPEATS):  # the first one also warms the copy path up
+                started = time.perf_counter()
+                self.write(source, host_pages).wait()
+                best_s = min(best_s, time.perf_counter() - started)
+        finally:
+            self.free(host_pages)
+        return pages * self.page_bytes / max(best_s, 1e-9)
+
+    def spill_tokens_within(self, seconds: float) -> int | None:
+        """How many tokens (whole pages) `seconds` of writes carry at the measured bandwidth; None
+        when it was not measured (no budget)."""
+        if self.write_bytes_per_s is None:
+            return None
+        pages = int(max(seconds, 0.0) * self.write_bytes_per_s // self.page_bytes)
+        return pages * self.page_size
 
     def order_after_compute(self) -> None:
         """Pages were moved on the device (a shrink): later copies run after that move."""

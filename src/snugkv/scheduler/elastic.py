@@ -19,8 +19,11 @@ Sleep retracts every request in flight (they wait in the queue; nothing is lost)
 prefix cache and pauses the scheduler; wake sizes the KV cache again and lets the queue run.
 
 With a host tier, what leaves the device is written there first: the cache entries a shrink
-evicts (`make_room`, for `POST /kv/resize` and memory pressure alike) and, at sleep level 1, every
-cached prefix; only what the host tier cannot hold is dropped. Level 2 drops both tiers (it may
+evicts (`make_room`) and, at sleep level 1, every cached prefix; only what the host tier cannot
+hold is dropped. A shrink someone asked for (`POST /kv/resize`, `LLM.resize_kv`, the memory share)
+and sleep spill all of it, however long the copies take: the caller waits for its answer. A
+memory-pressure move spills only what its time budget writes (`make_room(spill_budget_s=)`, the
+driver's `--kv-pressure-spill-ms`) and drops the rest: another process waits for that memory. Level 2 drops both tiers (it may
 come back with new weights). After a wake the prefixes load back from the host tier at their
 next hit, not before (the woken cache may be smaller, and a load waits for a request that wants it).
 
@@ -32,6 +35,7 @@ its pool).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from snugkv.core.reports import KvInfo, KvResize, LargestRequest
@@ -60,27 +64,35 @@ class RoomMade:
 
     evicted_tokens: int = 0
     retracted_requests: int = 0
+    dropped_tokens: int = 0  # of evicted_tokens, those kept nowhere (the rest went to the host tier)
+    took_ms: float = 0.0
 
 
-def make_room(scheduler: Scheduler, tokens: int) -> RoomMade:
+def make_room(scheduler: Scheduler, tokens: int, *, spill_budget_s: float | None = None) -> RoomMade:
     """Free pages until what is in use fits below `tokens`: cache entries above the bound, then
     any unlocked cache entries, then retract requests newest first. The step in flight must be
     settled first (`Scheduler.finish_in_flight`), and `tokens` must hold the largest live request
-    (`smallest_size`): then it always fits."""
+    (`smallest_size`): then it always fits. `spill_budget_s`: the evicted entries written to the
+    host tier are those its measured bandwidth writes in that time (the rest are dropped); None:
+    all it holds."""
+    started = time.perf_counter()
     allocator, cache, page = scheduler.runner.allocator, scheduler.cache, scheduler.page_size
-    evicted = cache.evict_at_or_above(tokens + page)  # slot tokens + page is the first past the new end
+    budget = cache.spill_budget(spill_budget_s)
+    dropped_before = cache.dropped_tokens
+    evicted = cache.evict_at_or_above(tokens + page, budget)  # slot tokens + page: the first past the new end
     retracted = 0
     while allocator.plan_shrink(tokens) is None:
         if cache.evictable_tokens:
             in_use = allocator.capacity_tokens - allocator.available_tokens
-            evicted += cache.evict(max(in_use - tokens, page))
+            evicted += cache.evict(max(in_use - tokens, page), budget)
             continue
         admitted = [r for r in (*scheduler.running, *scheduler.waiting) if r.is_admitted]
         if not admitted:  # nothing left to give: the slots leaked (a bug, never a user error)
             raise RuntimeError(f"KV shrink to {tokens} tokens: nothing left to evict or retract")
         scheduler.retract(max(admitted, key=lambda r: r.seq))  # the newest
         retracted += 1
-    return RoomMade(evicted, retracted)
+    dropped = cache.dropped_tokens - dropped_before
+    return RoomMade(evicted, retracted, dropped, (time.perf_counter() - started) * 1e3)
 
 
 def resize_kv(
@@ -119,6 +131,8 @@ def resize_kv(
         on_move=lambda moves: scheduler.cache.remap_slots(moves.full),
         evicted_tokens=room.evicted_tokens,
         retracted_requests=room.retracted_requests,
+        dropped_tokens=room.dropped_tokens,
+        room_ms=room.took_ms,
     )
     return result  # the scheduler's request cap reads the engine's re-capped limit
 

@@ -11,9 +11,13 @@ Requests lock the path they reuse (`lock`/`unlock`), so locked nodes never leave
 Eviction takes unlocked nodes with nothing below them on the device, least recently used first.
 With a host tier their pages are written there first and their device slots go back to the
 allocator once written (`_leave_device`); without one, or when the host tier has no room for them
-even after dropping its own entries used before them (its LRU), they are dropped. A hit on host
-pages loads them into device slots (`load_back`) before the request's prefill reads them. A node
-keeps its host copy after a load, so leaving the device again costs no copy.
+even after dropping its own entries used before them (its LRU), they are dropped. A copy is made
+only under a parent that stays somewhere (on the device or in the host tier): a host-only node
+below a dropped one could never be matched. A move with a `SpillBudget` (memory pressure: what
+its time budget writes at the host tier's measured bandwidth) keeps copies, parents first, until
+the budget is spent and drops the rest. A hit on host pages loads them into device slots
+(`load_back`) before the request's prefill reads them. A node keeps its host copy after a load, so
+leaving the device again costs no copy.
 
 The cache owns the device slots and the host pages it holds: the scheduler never frees a slot the
 cache holds, and the cache never frees a slot it does not hold. It decides what moves between
@@ -58,6 +62,14 @@ class TreeNode:
         return self.value.numel() > 0
 
 
+@dataclass(slots=True)
+class SpillBudget:
+    """The tokens a move may still write to the host tier; what leaves the device beyond them is
+    dropped (`RadixCache.spill_budget`)."""
+
+    tokens: int
+
+
 @dataclass(frozen=True, slots=True)
 class PrefixMatch:
     slots: torch.Tensor  # int64 CPU slots of the cached prefix on the device (a page multiple)
@@ -91,6 +103,7 @@ class RadixCache:
         self.query_tokens = 0
         self.spilled_tokens = 0  # written to the host tier when they left the device
         self.dropped_tokens = 0  # left the device with no copy kept
+        self.budget_dropped_tokens = 0  # of those, dropped because a move's spill budget was spent
         self._protected: set[int] = set()  # node ids the host tier's LRU must not drop now
         self._clock = itertools.count(1)  # one tick per lookup or insert: LRU order without wall time
 
@@ -280,21 +293,32 @@ class RadixCache:
             node = node.parent  # type: ignore[assignment]
 
     # -- leaving the device -----------------------------------------------------------
-    def evict(self, num_tokens: int) -> int:
+    def spill_budget(self, seconds: float | None) -> SpillBudget | None:
+        """What `seconds` of writes to the host tier carry at its measured bandwidth, for one move
+        to spend (`evict`, `evict_at_or_above`); None: no limit (no time given, no host tier, or its
+        bandwidth was not measured)."""
+        if seconds is None or self.host_tier is None:
+            return None
+        tokens = self.host_tier.spill_tokens_within(seconds)
+        return None if tokens is None else SpillBudget(tokens)
+
+    def evict(self, num_tokens: int, budget: SpillBudget | None = None) -> int:
         """Free at least `num_tokens` device slots (least recently used unlocked entries with
-        nothing below them on the device; into the host tier where it has room); returns the
-        tokens freed. The slots are back in the allocator when this returns."""
-        return self._leave_device(self._lru_device_leaves(num_tokens))
+        nothing below them on the device; into the host tier where it has room, and the budget
+        where one is given); returns the tokens freed. The slots are back in the allocator when
+        this returns."""
+        return self._leave_device(self._lru_device_leaves(num_tokens), budget=budget)
 
     def spill_all(self) -> int:
         """Every unlocked entry leaves the device, into the host tier as far as it holds them
         (sleep: the prefix cache outlives the KV cache's memory)."""
         return self.evict(self._cached_tokens)
 
-    def evict_at_or_above(self, first_slot: int) -> int:
+    def evict_at_or_above(self, first_slot: int, budget: SpillBudget | None = None) -> int:
         """Every unlocked entry holding a slot >= `first_slot` leaves the device, with what is below
         it there (an unlocked node has only unlocked descendants), into the host tier as far as it
-        holds them; returns tokens freed. Locked entries stay: a shrink moves their pages instead."""
+        and the budget hold them; returns tokens freed. Locked entries stay: a shrink moves their
+        pages instead."""
         tops, stack = [], [self.root]
         while stack:
             node = stack.pop()
@@ -303,7 +327,7 @@ class RadixCache:
                     tops.append(child)
                 elif child.on_device:
                     stack.append(child)
-        return self._leave_device([node for top in tops for node in self._device_subtree(top)])
+        return self._leave_device([node for top in tops for node in self._device_subtree(top)], budget=budget)
 
     def _reaches(self, node: TreeNode, first_slot: int) -> bool:
         stack = [node]
@@ -352,23 +376,40 @@ class RadixCache:
                 heapq.heappush(heap, (parent.last_access, parent.node_id, parent))
         return chosen
 
-    def _leave_device(self, nodes: list[TreeNode], *, keep_in_host: bool = True) -> int:
+    def _leave_device(
+        self, nodes: list[TreeNode], *, keep_in_host: bool = True, budget: SpillBudget | None = None
+    ) -> int:
         """Take `nodes` (unlocked, on the device, each after its descendants there) off the device:
-        write their pages into the host tier where it has room (`keep_in_host`), wait for those
-        writes (a page is not reused before it is written), free their slots, and drop the nodes
-        kept nowhere. Returns the tokens freed on the device."""
+        write their pages into the host tier where it has room (`keep_in_host`) and `budget` allows,
+        parents first, each under a parent that stays somewhere; wait for those writes (a page is
+        not reused before it is written), free their slots, and drop the nodes kept nowhere.
+        Returns the tokens freed on the device."""
         tier = self.host_tier if keep_in_host else None
         sources, targets = [], []
         leaving = {node.node_id for node in nodes}
-        for node in nodes:
-            if tier is not None and node.host_pages is None:
-                pages = self._host_room(len(node.key) // self.page_size, node, leaving)
-                if pages is not None:
-                    node.host_pages = pages
-                    self._host_tokens += len(node.key)
-                    self.spilled_tokens += len(node.key)
-                    sources.append(self._device_pages(node.value))
-                    targets.append(pages)
+        over_budget: set[int] = set()
+        for node in reversed(nodes) if tier is not None else ():  # every parent before its children
+            parent = node.parent
+            assert parent is not None
+            if node.host_pages is not None:
+                continue
+            if parent.node_id in leaving and parent.host_pages is None:  # the parent is dropped
+                if parent.node_id in over_budget:
+                    over_budget.add(node.node_id)
+                continue
+            tokens = len(node.key)
+            if budget is not None and tokens > budget.tokens:
+                over_budget.add(node.node_id)
+                continue
+            pages = self._host_room(tokens // self.page_size, node, leaving)
+            if pages is not None:
+                node.host_pages = pages
+                self._host_tokens += tokens
+                self.spilled_tokens += tokens
+                if budget is not None:
+                    budget.tokens -= tokens
+                sources.append(self._device_pages(node.value))
+                targets.append(pages)
         written = (
             tier.write(torch.cat(sources), torch.cat(targets)) if tier is not None and sources else COPIED
         )
@@ -383,6 +424,7 @@ class RadixCache:
             node.value = _no_slots()
             if node.host_pages is None:
                 self.dropped_tokens += len(node.key)
+                self.budget_dropped_tokens += len(node.key) if node.node_id in over_budget else 0
                 self._drop(node)
         self._cached_tokens -= freed
         return freed
@@ -498,8 +540,10 @@ class RadixCache:
             device_hit_tokens=self.hit_tokens,
             host_hit_tokens=self.host_hit_tokens,
             host_hit_rate=self.host_hit_tokens / self.query_tokens if self.query_tokens else 0.0,
+            query_tokens=self.query_tokens,
             spilled_tokens=self.spilled_tokens,
             dropped_tokens=self.dropped_tokens,
+            budget_dropped_tokens=self.budget_dropped_tokens,
             bytes_to_host=traffic.bytes_to_host,
             bytes_to_device=traffic.bytes_to_device,
             write_s=traffic.write_s,

@@ -1,0 +1,37 @@
+"""`snugkv bench host-tier` on a CPU, end to end: two real servers of the embedded SmolLM2 (tier off,
+then on) on a simulated shared device, tiny multi-turn chat, a fitting load and a pressure row with
+a separate process taking memory. Every request succeeds, and with the tier on the chat and the
+pressure rows are served partly from the host tier."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from snugkv.cli import main
+
+pytestmark = pytest.mark.slow
+
+
+def test_the_tier_on_serves_chat_and_pressure_rows_from_the_host_and_nothing_fails(tmp_path: Path) -> None:
+    args = ["bench", "host-tier", "--device", "cpu", "--sessions", "6", "--turns", "3"]
+    args += ["--output-tokens", "4", "--concurrency", "3", "--device-kv-tokens", "512"]
+    args += ["--host-tier-gib", "0.05", "--out", str(tmp_path)]
+    assert main(args) == 0
+    report = json.loads((tmp_path / "host_tier.json").read_text())
+    assert report["benchmark"] == "host_tier" and {"date", "commit", "device"} <= set(report["environment"])
+    rows = {(row["workload"], row["tier"]): row for row in report["rows"]}
+    assert set(rows) == {(w, t) for w in ("fits", "chat", "pressure") for t in ("off", "on")}
+    for row in rows.values():
+        assert row["failed"] == 0 and row["server_alive"] and row["requests"] > 0, row
+        assert row["output_tok_per_s"] > 0 and row["median_ttft_ms"] is not None, row
+    assert rows[("chat", "off")]["host_hit_rate"] is None
+    assert rows[("chat", "on")]["host_hit_rate"] > 0.1, rows[("chat", "on")]
+    pressure = rows[("pressure", "on")]
+    assert pressure["shrinks"] >= 1 and pressure["taken_gib"] > 0, pressure
+    assert pressure["host_hit_rate"] > 0, pressure
+    assert report["shapes"]["chat"]["sessions"] == 6
+    assert report["bandwidth"]["tier_load_gb_per_s"] > 0
+    assert report["server_log_tracebacks"] == 0
