@@ -26,8 +26,10 @@ def test_a_half_minute_soak_exercises_every_kind_and_leaks_nothing(tmp_path, cap
     rows = {row["kind"]: row for row in report["rows"]}
     expected = set(KINDS) - ({"structured"} if importlib.util.find_spec("xgrammar") is None else set())
     for kind in expected:
-        row = rows[kind]
-        assert row["200"] + row["client-cut"] > 0, row  # exercised, and answered or cut by the client
+        # every kind answered (or cut by its client) in the round before the timed load; how many
+        # more the 30 s took depends on the machine's speed and load, so it is not asserted
+        assert report["untimed_by_kind"][kind] in ("200", "client-cut"), (kind, report["untimed_by_kind"])
+        row = rows.get(kind, {"5xx": 0, "client-error": 0})
         assert row["5xx"] == row["client-error"] == 0, row
     assert rows["disconnect"]["client-cut"] > 0 and rows["abort"]["client-cut"] > 0
     assert report["totals"]["5xx"] == 0 and report["failures"] == []

@@ -209,6 +209,20 @@ async def _wait_back(client: httpx.AsyncClient, tokens: int, timeout_s: float) -
     return None
 
 
+async def _hold(client: httpx.AsyncClient, hold_s: float, seen: set[str], limit_s: float = 60.0) -> None:
+    """Hold the memory `hold_s`, and on until the engine has answered it with a pressure move (at
+    most `limit_s` more): on a loaded machine a step, and with it the pressure check, can take
+    longer than the hold, and a hold that ends first measures nothing."""
+    await asyncio.sleep(hold_s)
+    started = time.monotonic()
+    while time.monotonic() - started < limit_s:
+        with _quiet():
+            events = (await _kv(client))["events"]
+            if any(e["reason"] == "pressure" and json.dumps(e, sort_keys=True) not in seen for e in events):
+                return
+        await asyncio.sleep(0.1)
+
+
 async def _scenario(
     name: str, url: str, args: argparse.Namespace, env: dict[str, str], start_tokens: int | None = None,
     tenant: CoTenant | None = None,
@@ -260,10 +274,10 @@ async def _scenario(
                         tenant.ask, f"grow {step} {args.every_ms} {int(args.grow_gib * GIB)}"
                     )
                 )
-                await asyncio.sleep(args.grow_hold_s)
+                await _hold(client, args.grow_hold_s, seen_events)
             else:
                 answers.append(await asyncio.to_thread(tenant.ask, f"all-but {int(args.leave_mib * MIB)}"))
-                await asyncio.sleep(args.hold_s)
+                await _hold(client, args.hold_s, seen_events)
         else:
             await asyncio.sleep(args.hold_s)
         held_end = time.monotonic()

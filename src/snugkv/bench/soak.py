@@ -216,6 +216,7 @@ def _summary(result: dict[str, Any], args: argparse.Namespace) -> tuple[list[dic
         "hog_held_bytes": state.hog_held_bytes,
         # one of each kind before the start figures, one completion after the load
         "untimed": {name: sum(1 for o in result["untimed"] if o.outcome == name) for name in OUTCOMES},
+        "untimed_by_kind": {o.kind: o.outcome for o in result["untimed"][:-1]},  # the round of each kind
         "server_log_tracebacks": result.get("server_log_tracebacks"),
         "server_rss_bytes": {"start": start["server_rss_bytes"], "end": end["server_rss_bytes"]},
         "engine_rss_bytes": {"start": start["engine_rss_bytes"], "end": end["engine_rss_bytes"]},
