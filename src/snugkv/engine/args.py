@@ -130,7 +130,8 @@ class EngineArgs:
         return cls(**groups, speculative=_speculative(given))
 
     def with_settings(self, **flat: Any) -> EngineArgs:
-        """These args with some flags changed (flat names, as `of` takes them), checked again."""
+        """These args with some flags changed (flat names, as `of` takes them), checked again; the
+        device's defaults `of` filled in stay (change `device` through `of`)."""
         changes: dict[str, dict[str, Any]] = {}
         for name, value in flat.items():
             setting = SETTINGS.get(name)
