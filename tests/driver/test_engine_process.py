@@ -223,7 +223,11 @@ def test_on_a_gpu_the_engine_process_gives_the_tokens_of_the_engine_in_this_proc
     """With CUDA graphs and post-capture sizing in the engine process (requests one at a time, so
     both sides run the same batches)."""
     args = EngineArgs.of(
-        model=tiny_args.load.model, dtype="float32", device="cuda", max_total_tokens=4096, max_running_requests=4
+        model=tiny_args.load.model,
+        dtype="float32",
+        device="cuda",
+        max_total_tokens=4096,
+        max_running_requests=4,
     )
 
     async def one_by_one(engine) -> dict[str, list[int]]:
