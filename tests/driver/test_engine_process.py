@@ -184,7 +184,7 @@ def test_an_engine_process_the_server_never_took_over_is_ended(tiny_args):
     from snugkv.cli import build_parser
     from snugkv.commands.engine_spawn import start_from_flags
 
-    started = start_from_flags(build_parser().parse_args(["serve", "--model", tiny_args.model]))
+    started = start_from_flags(build_parser().parse_args(["serve", "--model", tiny_args.load.model]))
     started.stop_unless_adopted()
     assert not started.process.is_alive()
 
