@@ -78,7 +78,7 @@ def main() -> int:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     engine_core.MEMORY_CHECK_S = 0.0  # a check every turn, so the turn numbers below mean something
-    engine = Engine(EngineArgs(model=args.model, load_format="dummy", kv_chunk_mib=args.chunk_mib))
+    engine = Engine(EngineArgs.of(model=args.model, load_format="dummy", kv_chunk_mib=args.chunk_mib))
     core = EngineCore.around(engine)
     kv = engine.kv
     result: dict[str, Any] = {

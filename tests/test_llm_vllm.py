@@ -117,9 +117,10 @@ def test_sampling_params_refuse_what_they_cannot_do_by_name(kwargs, message) -> 
 def test_vllm_engine_names_map_to_the_engine_options() -> None:
     args = engine_args_from_options(None, {"max_model_len": 2048, "max_num_seqs": 8, "block_size": 4,
                                            "enforce_eager": True, "kv_cache_dtype": "auto"})  # fmt: skip
-    assert (args.context_length, args.max_running_requests, args.page_size) == (2048, 8, 4)
-    assert args.disable_cuda_graph and args.kv_dtype is None
-    assert engine_args_from_options(None, {"kv_cache_dtype": "fp8"}).kv_dtype == "fp8_e4m3"
+    assert (args.load.context_length, args.cache.page_size) == (2048, 4)
+    assert args.scheduler.max_running_requests == 8
+    assert args.runner.disable_cuda_graph and args.cache.kv_dtype is None
+    assert engine_args_from_options(None, {"kv_cache_dtype": "fp8"}).cache.kv_dtype == "fp8_e4m3"
 
 
 def test_max_model_len_is_checked_as_context_length() -> None:

@@ -78,7 +78,7 @@ def test_bench_serving_reports_the_gpu_idle_fraction_with_overlap_on_and_off(tmp
 
     save_tiny_hf_model("llama", tmp_path)
     engine = Engine(
-        EngineArgs(model=str(tmp_path), dtype="float32", host_kv_gib=0.02, max_running_requests=4)
+        EngineArgs.of(model=str(tmp_path), dtype="float32", host_kv_gib=0.02, max_running_requests=4)
     )
     result = run_scheduler(engine, workload(6, seed=0, vocab=300, low=4, high=12), overlap=overlap)
     engine.close()
@@ -103,7 +103,7 @@ def test_the_elastic_bench_clock_counts_a_resizes_driver_calls_and_leaves_no_wra
     from tests.runner.tiny_runner import tiny_config_path
 
     engine = Engine(
-        EngineArgs(
+        EngineArgs.of(
             model=str(tiny_config_path()),
             load_format="dummy",
             dtype="float32",
@@ -140,7 +140,7 @@ def test_bench_structured_runs_constrained_rows_to_the_full_output_on_a_cpu():
     from snugkv.models.tokenizer import load_tokenizer
 
     path = default_model.default_model_path()
-    engine = Engine(EngineArgs(model=str(path), dtype="float32", host_kv_gib=0.05, max_running_requests=8))
+    engine = Engine(EngineArgs.of(model=str(path), dtype="float32", host_kv_gib=0.05, max_running_requests=8))
     tokenizer = load_tokenizer(ModelSource(path, "gguf"))
     try:
         options = {"batch": 8, "input_len": 8, "output_len": 12}

@@ -28,7 +28,7 @@ def test_the_measurements_run_on_a_tiny_cpu_engine(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "_device_used_bytes", lambda: 0)
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
     engine = Engine(
-        EngineArgs(model=str(tmp_path), dtype="float32", host_kv_gib=0.02, page_size=4, kv_chunk_mib=1)
+        EngineArgs.of(model=str(tmp_path), dtype="float32", host_kv_gib=0.02, page_size=4, kv_chunk_mib=1)
     )
     per_gib = GIB / engine.pool.bytes_per_token
     deltas = (1000 / per_gib, 4000 / per_gib)  # about 1000 and 4000 tokens

@@ -40,7 +40,7 @@ def test_starting_a_model_imports_no_server_plotting_grammar_or_compiler(tmp_pat
     save_tiny_hf_model("llama", tmp_path)
     code = (
         "from snugkv.engine import Engine, EngineArgs\n"
-        f"Engine(EngineArgs(model={str(tmp_path)!r}, host_kv_gib=0.01)).close()"
+        f"Engine(EngineArgs.of(model={str(tmp_path)!r}, host_kv_gib=0.01)).close()"
     )
     loaded = modules_after(code)
     unwanted = ("fastapi", "uvicorn", "matplotlib", "xgrammar", "schemathesis", "torch._dynamo", "sympy")

@@ -39,7 +39,7 @@ def tiny(tmp_path_factory):
 
 def test_an_engine_freezes_what_start_up_left_alive_and_thaws_it_when_closed(tiny):
     gc.unfreeze()
-    engine = Engine(EngineArgs(model=str(tiny), dtype="float32", max_total_tokens=256, device="cpu"))
+    engine = Engine(EngineArgs.of(model=str(tiny), dtype="float32", max_total_tokens=256, device="cpu"))
     try:
         frozen = gc.get_freeze_count()
         assert frozen > 1000  # torch, the model's modules, the pool: out of every later collection

@@ -32,7 +32,7 @@ def serve_elastic(tp: TensorParallel, model_dir: str) -> list:
 
     # Rank 1 has less memory: start-up and free_gib must agree on the MIN over ranks.
     budget_gib = 0.012 if tp.rank == 0 else 0.010
-    args = EngineArgs(
+    args = EngineArgs.of(
         model=model_dir, device="cpu", tp_size=2, host_kv_gib=budget_gib, page_size=PAGE, kv_chunk_mib=1
     )
     engine = Engine(args, tp=tp)

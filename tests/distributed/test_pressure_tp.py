@@ -33,7 +33,7 @@ def serve_under_pressure(tp: TensorParallel, model_dir: str, rank1_dir: str) -> 
 
     if tp.rank == 1:  # a device of its own (rank 0, pytest's process, has the test's)
         os.environ["SNUGKV_RUNTIME_DIR"] = rank1_dir
-    args = EngineArgs(
+    args = EngineArgs.of(
         model=model_dir, device="cpu", tp_size=2, host_kv_gib=0.25, page_size=PAGE, kv_chunk_mib=1
     )
     engine = Engine(args, tp=tp)

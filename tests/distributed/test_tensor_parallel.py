@@ -58,7 +58,7 @@ def generate_on_rank(
     outcome: dict = {"env": rank_environment(), "models": {}}
     for name, path in model_dirs.items():
         engine = Engine(
-            EngineArgs(
+            EngineArgs.of(
                 model=path, device="cpu", tp_size=tp.world_size, max_total_tokens=1024, host_kv_gib=0.25
             ),
             tp=tp,

@@ -23,7 +23,7 @@ def tiny(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tiny-llama")
     model = save_tiny_hf_model("llama", directory)
     engine = Engine(
-        EngineArgs(model=str(directory), dtype="float32", host_kv_gib=0.02, max_running_requests=4)
+        EngineArgs.of(model=str(directory), dtype="float32", host_kv_gib=0.02, max_running_requests=4)
     )
     yield engine, model
     engine.close()

@@ -29,7 +29,7 @@ PROMPTS = {"a": [5, 6, 7, 8], "b": [9, 10, 11], "c": [12, 13, 14, 15, 16, 17]}
 def tiny_args(tmp_path_factory) -> EngineArgs:
     directory = tmp_path_factory.mktemp("tiny-engine-process")
     save_tiny_hf_model("llama", directory)
-    return EngineArgs(model=str(directory), dtype="float32", host_kv_gib=0.02, max_running_requests=4)
+    return EngineArgs.of(model=str(directory), dtype="float32", host_kv_gib=0.02, max_running_requests=4)
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +158,7 @@ def test_leaving_a_stream_aborts_it_and_a_reused_id_is_refused_while_it_runs(eng
 
 def test_a_start_up_error_is_raised_in_the_servers_process_as_itself(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
-    args = EngineArgs(model=str(tmp_path), dtype="float32", host_kv_gib=0.02)
+    args = EngineArgs.of(model=str(tmp_path), dtype="float32", host_kv_gib=0.02)
     with pytest.raises(Exception) as in_process:
         Engine(args)
     with pytest.raises(type(in_process.value)) as across:
@@ -184,7 +184,7 @@ def test_an_engine_process_the_server_never_took_over_is_ended(tiny_args):
     from snugkv.cli import build_parser
     from snugkv.commands.engine_spawn import start_from_flags
 
-    started = start_from_flags(build_parser().parse_args(["serve", "--model", tiny_args.model]))
+    started = start_from_flags(build_parser().parse_args(["serve", "--model", tiny_args.load.model]))
     started.stop_unless_adopted()
     assert not started.process.is_alive()
 
@@ -222,8 +222,12 @@ def test_when_the_engine_process_dies_every_stream_ends_with_an_error(tiny_args)
 def test_on_a_gpu_the_engine_process_gives_the_tokens_of_the_engine_in_this_process(tiny_args):
     """With CUDA graphs and post-capture sizing in the engine process (requests one at a time, so
     both sides run the same batches)."""
-    args = EngineArgs(
-        model=tiny_args.model, dtype="float32", device="cuda", max_total_tokens=4096, max_running_requests=4
+    args = EngineArgs.of(
+        model=tiny_args.load.model,
+        dtype="float32",
+        device="cuda",
+        max_total_tokens=4096,
+        max_running_requests=4,
     )
 
     async def one_by_one(engine) -> dict[str, list[int]]:

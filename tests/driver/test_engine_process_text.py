@@ -78,7 +78,7 @@ def script(tokenizer) -> ScriptedForward:
 
 
 def engine_args(model_dir: Path) -> EngineArgs:
-    return EngineArgs(model=str(model_dir), dtype="float32", host_kv_gib=0.02, max_running_requests=8)
+    return EngineArgs.of(model=str(model_dir), dtype="float32", host_kv_gib=0.02, max_running_requests=8)
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ def engine_thread(tmp_path, request):
     save_tiny_hf_model("llama", tmp_path)
     overlap = getattr(request, "param", True)
     engine = Engine(
-        EngineArgs(
+        EngineArgs.of(
             model=str(tmp_path),
             dtype="float32",
             host_kv_gib=0.02,
@@ -184,7 +184,7 @@ def test_build_makes_the_core_on_the_thread_that_runs_its_steps(tmp_path):
 
     def build_core() -> EngineCore:
         threads["build"] = threading.current_thread()
-        engine = Engine(EngineArgs(model=str(tmp_path), dtype="float32", host_kv_gib=0.02))
+        engine = Engine(EngineArgs.of(model=str(tmp_path), dtype="float32", host_kv_gib=0.02))
         return EngineCore.around(engine)
 
     engine_thread = EngineThread.build(build_core, model_name=lambda core: "tiny")

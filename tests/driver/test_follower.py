@@ -27,7 +27,7 @@ def fail_once_on(tp: TensorParallel, model_dir: str, failing_rank: int) -> list:
     from snugkv.engine import Engine, EngineArgs
 
     engine = Engine(
-        EngineArgs(model=model_dir, device="cpu", tp_size=2, max_total_tokens=512, host_kv_gib=0.1), tp=tp
+        EngineArgs.of(model=model_dir, device="cpu", tp_size=2, max_total_tokens=512, host_kv_gib=0.1), tp=tp
     )
     finished: dict[str, tuple[str, list[int]]] = {}
 

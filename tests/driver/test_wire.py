@@ -106,7 +106,7 @@ def test_an_error_that_cannot_be_pickled_crosses_as_an_engine_process_error_sayi
 def engine_process(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tiny-wire")
     save_tiny_hf_model("llama", directory)
-    args = EngineArgs(model=str(directory), dtype="float32", host_kv_gib=0.02, max_running_requests=4)
+    args = EngineArgs.of(model=str(directory), dtype="float32", host_kv_gib=0.02, max_running_requests=4)
     process = EngineProcess(EngineSpec(args))
     yield process
     process.stop()

@@ -35,7 +35,7 @@ def start(**overrides) -> Engine:
         context_length=128,
         kv_chunk_mib=64,
     )
-    return Engine(EngineArgs(**{**args, **overrides}))
+    return Engine(EngineArgs.of(**{**args, **overrides}))
 
 
 def test_free_device_memory_moves_by_the_resized_bytes():

@@ -41,7 +41,7 @@ def start(tiny_dir: str, **overrides) -> Engine:
         chunked_prefill_size=64,
         page_size=4,
     )
-    return Engine(EngineArgs(**{**args, **overrides}))
+    return Engine(EngineArgs.of(**{**args, **overrides}))
 
 
 def greedy(engine: Engine) -> list[list[int]]:
@@ -49,7 +49,7 @@ def greedy(engine: Engine) -> list[list[int]]:
     scheduler = Scheduler(
         engine.runner,
         max_running_requests=engine.report.max_running_requests,
-        chunked_prefill_size=engine.args.chunked_prefill_size,
+        chunked_prefill_size=engine.args.scheduler.chunked_prefill_size,
         on_output=lambda r, o: outputs.setdefault(o.rid, []).extend(o.token_ids),
     )
     for index in range(3):

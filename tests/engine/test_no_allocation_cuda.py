@@ -146,7 +146,7 @@ def test_every_kind_of_request_is_served_with_every_other_byte_of_the_device_tak
 
     def start() -> tuple[Engine, EngineCore]:
         engine = Engine(
-            EngineArgs(
+            EngineArgs.of(
                 model=benchmark_model("qwen3-0.6b"),
                 load_format="dummy",
                 device="cuda",

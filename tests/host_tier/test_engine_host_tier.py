@@ -25,7 +25,7 @@ NEW_TOKENS = 6
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[Engine]:
-    args = EngineArgs(
+    args = EngineArgs.of(
         dtype="float32",
         max_total_tokens=DEVICE_TOKENS,
         max_running_requests=4,

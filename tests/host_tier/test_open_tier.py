@@ -27,16 +27,16 @@ def small_pool(kind: str = "mha") -> MHAKVPool:
 
 
 def test_the_tier_is_off_unless_asked_and_the_log_suggests_a_size_that_leaves_the_host_room():
-    assert host_tier_bytes(EngineArgs(), torch.device("cpu"), ranks=1)[0] == 0
-    size, why = host_tier_bytes(EngineArgs(), torch.device("cuda"), ranks=4)
+    assert host_tier_bytes(EngineArgs.of(), torch.device("cpu"), ranks=1)[0] == 0
+    size, why = host_tier_bytes(EngineArgs.of(), torch.device("cuda"), ranks=4)
     assert size == 0
     suggested = min(
         int(available_ram_bytes() * HOST_TIER_RAM_FRACTION / 4), int(HOST_TIER_DEFAULT_MAX_GIB * GIB)
     )
     assert abs(suggested_host_tier_bytes(4) - suggested) < 64 * MIB  # available RAM moves a little
     assert "over 4 ranks" in why and "--kv-host-tier-gib" in why
-    assert host_tier_bytes(EngineArgs(kv_host_tier_gib=0.5), torch.device("cpu"), ranks=1)[0] == GIB // 2
-    assert host_tier_bytes(EngineArgs(kv_host_tier_gib=0.5), torch.device("cuda"), ranks=1)[0] == GIB // 2
+    assert host_tier_bytes(EngineArgs.of(kv_host_tier_gib=0.5), torch.device("cpu"), ranks=1)[0] == GIB // 2
+    assert host_tier_bytes(EngineArgs.of(kv_host_tier_gib=0.5), torch.device("cuda"), ranks=1)[0] == GIB // 2
 
 
 def test_a_failed_allocation_leaves_no_tier_and_one_warning(caplog):
@@ -44,7 +44,12 @@ def test_a_failed_allocation_leaves_no_tier_and_one_warning(caplog):
     lines: list[str] = []
     with caplog.at_level(logging.WARNING, logger="snugkv.engine.host_tier"):
         tier = open_host_tier(
-            EngineArgs(kv_host_tier_gib=1e9), pool, torch.device("cpu"), ranks=1, group=None, log=lines.append
+            EngineArgs.of(kv_host_tier_gib=1e9),
+            pool,
+            torch.device("cpu"),
+            ranks=1,
+            group=None,
+            log=lines.append,
         )
     assert tier is None and not lines
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
@@ -55,7 +60,7 @@ def test_a_failed_allocation_leaves_no_tier_and_one_warning(caplog):
 def test_a_sliding_window_pool_gets_no_tier_and_says_why():
     lines: list[object] = []
     tier = open_host_tier(
-        EngineArgs(kv_host_tier_gib=0.01),
+        EngineArgs.of(kv_host_tier_gib=0.01),
         small_pool("swa"),  # type: ignore[arg-type]
         torch.device("cpu"),
         ranks=1,
@@ -69,7 +74,7 @@ def test_the_tier_holds_whole_pages_of_every_buffer():
     pool = small_pool()
     lines: list[object] = []
     tier = open_host_tier(
-        EngineArgs(kv_host_tier_gib=1 / 1024), pool, torch.device("cpu"), ranks=1, group=None,
+        EngineArgs.of(kv_host_tier_gib=1 / 1024), pool, torch.device("cpu"), ranks=1, group=None,
         log=lambda *args: lines.append(args),
     )  # fmt: skip
     assert tier is not None

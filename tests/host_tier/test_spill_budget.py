@@ -77,4 +77,4 @@ def test_without_a_budget_every_entry_the_host_tier_holds_is_kept():
 @pytest.mark.parametrize("value", [-1.0, float("nan")])
 def test_a_negative_spill_budget_is_refused_naming_the_flag(value):
     with pytest.raises(InvalidEngineArgs, match="--kv-pressure-spill-ms"):
-        EngineArgs(kv_pressure_spill_ms=value).validate()
+        EngineArgs.of(kv_pressure_spill_ms=value)

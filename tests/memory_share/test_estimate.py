@@ -28,10 +28,12 @@ def test_a_gpu_start_asks_for_the_built_models_weights(monkeypatch: pytest.Monke
 
     monkeypatch.setattr(estimate, "resolve_device", lambda _: torch.device("cuda", 0))
     monkeypatch.setattr(estimate, "resolve_dtype", lambda *_: torch.bfloat16)
-    args = EngineArgs(model=f"{CONFIGS}/qwen3-30b-a3b", load_format="dummy", device="cuda")
+    args = EngineArgs.of(model=f"{CONFIGS}/qwen3-30b-a3b", load_format="dummy", device="cuda")
     need, per_token = estimate.start_estimate(args, min_tokens=4096)
     weights = weight_bytes(
-        read_model_config(resolve_model_source(args.model, "dummy")), torch.bfloat16, torch.device("cuda", 0)
+        read_model_config(resolve_model_source(args.load.model, "dummy")),
+        torch.bfloat16,
+        torch.device("cuda", 0),
     )
     assert need > weights > 50 * (1 << 30)
     assert per_token == 2 * 48 * 4 * 128 * 2  # K and V, 48 layers, 4 KV heads of 128, bf16

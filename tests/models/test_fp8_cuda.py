@@ -43,7 +43,7 @@ def float_dir(tmp_path_factory):
 
 def _engine(model: str, **flags) -> Engine:
     return Engine(
-        EngineArgs(
+        EngineArgs.of(
             model=model,
             max_total_tokens=4096,
             max_running_requests=8,
@@ -119,7 +119,7 @@ def test_the_gpu_fp8_engine_computes_what_the_cpu_emulates(tmp_path, monkeypatch
     ours = engine_logits(gpu, ids, 16).cpu()
     gpu.close()
     cpu = Engine(
-        EngineArgs(
+        EngineArgs.of(
             model=str(tmp_path),
             device="cpu",
             dtype="bfloat16",

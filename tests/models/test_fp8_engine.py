@@ -46,7 +46,7 @@ def float_dir(tmp_path_factory) -> Path:
 
 def _engine(model: Path, **flags) -> Engine:
     return Engine(
-        EngineArgs(model=str(model), device="cpu", host_kv_gib=0.05, max_running_requests=4, **flags)
+        EngineArgs.of(model=str(model), device="cpu", host_kv_gib=0.05, max_running_requests=4, **flags)
     )
 
 
@@ -98,7 +98,9 @@ def _generate_on_rank(tp: TensorParallel, model: str, prompts: list[list[int]]) 
     from tests.runner.reference_generate import generate
 
     engine = Engine(
-        EngineArgs(model=model, device="cpu", tp_size=tp.world_size, max_total_tokens=512, host_kv_gib=0.1),
+        EngineArgs.of(
+            model=model, device="cpu", tp_size=tp.world_size, max_total_tokens=512, host_kv_gib=0.1
+        ),
         tp=tp,
     )
     results = generate(engine.runner, prompts, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))

@@ -291,7 +291,7 @@ def test_the_engine_reports_fp8_experts_and_generates_the_float_twin_s_tokens(sm
     tokens = {}
     for name, directory in (("fp8", fp8_dir), ("twin", twin_dir)):
         engine = Engine(
-            EngineArgs(model=str(directory), device="cpu", host_kv_gib=0.05, max_running_requests=4)
+            EngineArgs.of(model=str(directory), device="cpu", host_kv_gib=0.05, max_running_requests=4)
         )
         try:
             results = generate(engine.runner, prompts, SamplingParams(max_new_tokens=8, ignore_eos=True))

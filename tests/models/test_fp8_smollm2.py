@@ -89,7 +89,7 @@ def test_llm_with_quantization_fp8_on_the_default_model_still_knows_the_capital_
 def _logits_of(model: str, ids: torch.Tensor, **flags) -> torch.Tensor:
     flags = {"dtype": "bfloat16", **flags}
     engine = Engine(
-        EngineArgs(model=model, device="cpu", host_kv_gib=0.1, max_running_requests=BATCH, **flags)
+        EngineArgs.of(model=model, device="cpu", host_kv_gib=0.1, max_running_requests=BATCH, **flags)
     )
     try:
         return engine_logits(engine, ids, PREFIX)

@@ -67,7 +67,7 @@ def test_tiny_model_agrees_at_every_position_on_cpu(tmp_path):
 
     hf = save_tiny_hf_model("llama", tmp_path)
     engine = Engine(
-        EngineArgs(
+        EngineArgs.of(
             model=str(tmp_path), dtype="float32", host_kv_gib=0.02, max_running_requests=4, page_size=4
         )
     )
@@ -93,7 +93,7 @@ def test_real_shapes_agree_with_transformers(name, dtype):
     with torch.device("cuda"):
         hf = AutoModelForCausalLM.from_config(config, dtype=torch_dtype).eval()
     engine = Engine(
-        EngineArgs(
+        EngineArgs.of(
             model=str(directory),
             load_format="dummy",
             dtype=dtype,

@@ -37,7 +37,7 @@ def start(model_dir: str, **overrides) -> Engine:
         page_size=PAGE,
         kv_chunk_mib=1 / 256,  # one 4 KiB page: the tiny buffers shrink page by page
     )
-    return Engine(EngineArgs(**{**args, **overrides}))
+    return Engine(EngineArgs.of(**{**args, **overrides}))
 
 
 def prompts(count: int) -> list[list[int]]:

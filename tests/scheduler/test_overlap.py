@@ -287,7 +287,7 @@ def test_the_overlap_flag_reaches_the_scheduler(tiny):
         args = engine_args_from(
             parser.parse_args(["--model", str(directory), "--host-kv-gib", "0.02", *flags])
         )
-        assert args.disable_overlap_schedule is not overlap
+        assert args.scheduler.disable_overlap_schedule is not overlap
         engine = Engine(args)
         assert EngineCore.around(engine).scheduler.overlap is overlap
         engine.close()
@@ -346,7 +346,7 @@ def gpu_scheduler(directory, *, page_size: int, overlap: bool):
     from snugkv.engine import Engine, EngineArgs
 
     engine = Engine(
-        EngineArgs(
+        EngineArgs.of(
             model=str(directory),
             device="cuda",
             dtype="float32",

@@ -96,7 +96,7 @@ def start(model_dir: str, **overrides: object) -> Engine:
         page_size=PAGE,
         kv_chunk_mib=1 / 256,  # one 4 KiB page: the tiny buffers shrink page by page
     )
-    return Engine(EngineArgs(**{**args, **overrides}))  # type: ignore[arg-type]
+    return Engine(EngineArgs.of(**{**args, **overrides}))  # type: ignore[arg-type]
 
 
 def prompts(count: int) -> list[list[int]]:

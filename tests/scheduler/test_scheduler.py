@@ -35,7 +35,7 @@ def make_scheduler(
     overlap=True,
 ):
     engine = Engine(
-        EngineArgs(
+        EngineArgs.of(
             model=str(directory),
             dtype="float32",
             max_total_tokens=max_total_tokens,

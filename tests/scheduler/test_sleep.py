@@ -25,7 +25,7 @@ def model_dir(request, tmp_path_factory):
 
 def start(model_dir: str, **overrides) -> Engine:
     args = dict(model=model_dir, dtype="float32", host_kv_gib=0.02, max_running_requests=4, page_size=4)
-    return Engine(EngineArgs(**{**args, **overrides}))
+    return Engine(EngineArgs.of(**{**args, **overrides}))
 
 
 def submit(scheduler: Scheduler, count: int = 3, new_tokens: int = 12) -> None:

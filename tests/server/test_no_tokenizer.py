@@ -23,7 +23,9 @@ from tests.server.expect import openai_error
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TestClient, EngineThread]]:
     folder = tmp_path_factory.mktemp("no-tokenizer")
     save_tiny_hf_model("llama", folder)
-    engine = Engine(EngineArgs(model=str(folder), dtype="float32", host_kv_gib=0.02, max_running_requests=4))
+    engine = Engine(
+        EngineArgs.of(model=str(folder), dtype="float32", host_kv_gib=0.02, max_running_requests=4)
+    )
     async_engine = EngineThread(EngineCore.around(engine, tokenizer=None), model_name="tiny")
     app = create_app(async_engine, api_key=None, max_body_bytes=1 << 20, served_model_name="tiny")
     with TestClient(app) as client:

@@ -43,7 +43,7 @@ class Result:
 
 def make_engine(page_size: int) -> Engine:
     return Engine(
-        EngineArgs(
+        EngineArgs.of(
             model=str(default_model.default_model_path()),
             dtype="float32",
             host_kv_gib=0.05,

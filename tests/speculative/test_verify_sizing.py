@@ -39,7 +39,7 @@ def start(tiny_dir: str, **overrides) -> Engine:
     args = dict(
         model=tiny_dir, dtype="float32", host_kv_gib=0.02, max_running_requests=4, chunked_prefill_size=64
     )
-    return Engine(EngineArgs(**{**args, **overrides}))
+    return Engine(EngineArgs.of(**{**args, **overrides}))
 
 
 @pytest.mark.parametrize(("max_batch_size", "rows"), [(3, 3), (32, 4)])
@@ -84,7 +84,7 @@ def test_on_a_gpu_the_activation_peak_holds_the_verify_steps_logits_and_probabil
     from snugkv.bench.model_configs import benchmark_model
 
     engine = Engine(
-        EngineArgs(
+        EngineArgs.of(
             model=benchmark_model("qwen3-0.6b"),
             load_format="dummy",
             device="cuda",

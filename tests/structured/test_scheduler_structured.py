@@ -34,7 +34,7 @@ SCHEMA = {
 @pytest.fixture(scope="module")
 def engine_and_tokenizer():
     path = default_model.default_model_path()
-    engine = Engine(EngineArgs(model=str(path), dtype="float32", host_kv_gib=0.05, max_running_requests=8))
+    engine = Engine(EngineArgs.of(model=str(path), dtype="float32", host_kv_gib=0.05, max_running_requests=8))
     yield engine, load_tokenizer(ModelSource(path, "gguf"))
     engine.close()
 

@@ -60,7 +60,7 @@ def _stress(engine: Any) -> dict[str, Any]:
     runner = engine.runner
     allocator, table = runner.allocator, runner.req_to_token_pool
     page = allocator.page_size
-    chunk = min(engine.args.chunked_prefill_size, engine.context_length - 1)
+    chunk = min(engine.args.scheduler.chunked_prefill_size, engine.context_length - 1)
     batch = engine.report.max_running_requests - 1
     spare = allocator.available_tokens - chunk - 2 * page - batch * page
     context = max(page, min(spare // batch // page * page, engine.context_length - 2))
@@ -99,7 +99,7 @@ def worker(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     try:
         engine = Engine(
-            EngineArgs(
+            EngineArgs.of(
                 model=args.model,
                 load_format="dummy",
                 kv_sizing=args.mode,

@@ -185,7 +185,7 @@ def snugkv_cases(
 
     with fused_kernels(fused):
         engine = Engine(
-            EngineArgs(
+            EngineArgs.of(
                 model=model,
                 load_format="dummy",
                 max_running_requests=256,

@@ -42,7 +42,7 @@ def _start(model: str, chunk_mib: float | None) -> Any:
     from snugkv.engine import Engine, EngineArgs
 
     return Engine(
-        EngineArgs(
+        EngineArgs.of(
             model=model,
             load_format="dummy",
             max_running_requests=256,

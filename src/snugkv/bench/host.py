@@ -32,7 +32,7 @@ def _engine(args: argparse.Namespace, directory: Path) -> Any:
 
     context = args.prompt + args.steps * 4 + 64
     engine = Engine(
-        EngineArgs(
+        EngineArgs.of(
             model=write_tiny_llama_config(directory, context, 512),
             load_format="dummy",
             device=args.device,

@@ -39,7 +39,7 @@ def _cases(model_name: str, cases: tuple[tuple[int, int], ...]) -> list[dict[str
     from snugkv.engine import Engine, EngineArgs
 
     engine = Engine(
-        EngineArgs(
+        EngineArgs.of(
             model=benchmark_model(model_name),
             load_format="dummy",
             max_running_requests=64,

@@ -119,7 +119,9 @@ def run(args: argparse.Namespace) -> int:
     mismatches = 0
     with LLM(args.model, **options) as llm:
         encoder = _tokenizer(llm, args.tokenizer)
-        max_batch_size = llm.engine.args.speculative_max_batch_size
+        speculative = llm.engine.args.speculative
+        assert speculative is not None  # the engine starts with speculation on
+        max_batch_size = speculative.max_batch_size
         _measure(llm, encoder, batch_of("open", 1), None, 4)  # warm: first calls, allocator
         for workload in args.workloads:
             for batch in batches:

@@ -84,7 +84,7 @@ def stub_engine_args(directory: Path, args: argparse.Namespace) -> Any:
     from snugkv.engine import EngineArgs
 
     context = 4096
-    return EngineArgs(
+    return EngineArgs.of(
         model=write_tiny_llama_config(directory, context, STUB_VOCAB),
         load_format="dummy",
         device="cpu",

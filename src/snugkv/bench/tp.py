@@ -190,7 +190,7 @@ def _bench_rank(tp: Any, spec: dict[str, Any], result_path: str) -> None:
 
     batches = spec["batches"]
     engine = Engine(
-        EngineArgs(
+        EngineArgs.of(
             model=spec["model"],
             load_format="dummy",
             device=spec["device"],

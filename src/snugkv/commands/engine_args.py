@@ -7,7 +7,6 @@ types, so a mistake is one `error: argument --FLAG: ...` line before any model i
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import re
 from typing import TYPE_CHECKING, Any
@@ -280,28 +279,21 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_args_from(namespace: argparse.Namespace) -> EngineArgs:
-    """The flags as `EngineArgs`; a flag left out whose field has a value by default keeps it
-    (such flags default to None so that `given_flags` can tell a given one)."""
-    from snugkv.engine.args import EngineArgs
+    """The flags as `EngineArgs` (`InvalidEngineArgs` naming a flag out of range); a flag left out
+    is None, which `EngineArgs.of` reads as its default (so `given_flags` can tell a given one)."""
+    from snugkv.engine.args import SETTINGS, EngineArgs
 
-    values: dict[str, Any] = {}
-    for field in dataclasses.fields(EngineArgs):
-        value = getattr(namespace, field.name, None)
-        if value is not None or field.default is None:
-            values[field.name] = value
-    return EngineArgs(**values)
+    values: dict[str, Any] = {name: getattr(namespace, name, None) for name in SETTINGS}
+    values["enable_prefix_cache"] = not getattr(namespace, "disable_prefix_cache", False)
+    return EngineArgs.of(**values)
 
 
 def checked_engine_args(namespace: argparse.Namespace, *, warn: bool = True) -> EngineArgs:
     """`engine_args_from`, refused (`InvalidEngineArgs`: one line, exit code 2) as the engine would
     refuse it, before any model is read or process started; one warning per flag the sizing mode
     ignores."""
-    from snugkv.models.loader import resolve_device
-
     check_device(getattr(namespace, "device", None))
     args = engine_args_from(namespace)
-    args.validate()
-    args.resolved(resolve_device(args.device))
     for warning in args.ignored_flag_warnings(given_flags(namespace)) if warn else ():
         logger.warning("%s", warning)
     return args

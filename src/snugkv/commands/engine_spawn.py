@@ -32,4 +32,4 @@ def _engine_main_from_flags(conn: Connection, flags: argparse.Namespace, log: Lo
     except Exception as exc:
         send_start_failure(conn, exc)
         return
-    engine_main(conn, EngineSpec(args, enable_prefix_cache=not flags.disable_prefix_cache, log=log))
+    engine_main(conn, EngineSpec(args, log=log))

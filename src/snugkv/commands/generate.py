@@ -9,7 +9,6 @@ With `--tp N` the same runs in N processes (one per GPU) and rank 0 prints.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import sys
 import time
@@ -84,8 +83,8 @@ class Session:
         from snugkv.driver.engine_core import EngineCore
 
         engine_args = engine_args_from(self.args)
-        if engine_args.max_total_tokens is None and max_total_tokens is not None:
-            engine_args = dataclasses.replace(engine_args, max_total_tokens=max_total_tokens)
+        if engine_args.memory.max_total_tokens is None and max_total_tokens is not None:
+            engine_args = engine_args.with_settings(max_total_tokens=max_total_tokens)
         self.core = EngineCore.build(engine_args, tp=self.tp, tokenizer=self.tokenizer)
         self.core.deliver_outputs_to(self._output)
         self.tokenizer = self.core.tokenizer or self.tokenizer  # with the model's extra EOS ids

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import ipaddress
 import logging
 import os
@@ -162,14 +161,13 @@ def build_engine_thread(
     from snugkv.driver.engine_thread import EngineThread
 
     engine_args = engine_args_from(args)
-    if start_gate is not None and engine_args.guest_room_mib is None:
+    if start_gate is not None and args.guest_room_mib is None:
         # a memory share's engines: the share keeps room for a newcomer once for all of them
-        engine_args = dataclasses.replace(engine_args, guest_room_mib=0)
+        engine_args = engine_args.with_settings(guest_room_mib=0)
     engine_thread = EngineThread.build(  # on the thread that runs its steps
         lambda: EngineCore.build(
             engine_args,
             tp=tp,
-            enable_prefix_cache=not args.disable_prefix_cache,
             after_engine=after_engine,
             start_gate=start_gate,
         ),
@@ -478,4 +476,4 @@ def _is_loopback(host: str) -> bool:
 def _follow(tp: TensorParallel, args: argparse.Namespace) -> int:
     from snugkv.driver.follower import run_follower
 
-    return run_follower(tp, engine_args_from(args), enable_prefix_cache=not args.disable_prefix_cache)
+    return run_follower(tp, engine_args_from(args))

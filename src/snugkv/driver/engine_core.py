@@ -143,7 +143,6 @@ class EngineCore:
         args: EngineArgs,
         *,
         tp: TensorParallel | None = None,
-        enable_prefix_cache: bool = True,
         tokenizer_source: ModelSource | None = None,
         tokenizer: Tokenizer | None = None,
         after_engine: Callable[[Engine], None] | None = None,
@@ -171,7 +170,7 @@ class EngineCore:
                     warn=engine.tp.is_first_rank,
                     whose="the engine's",
                 )
-            core = cls.around(engine, tokenizer=tokenizer, enable_prefix_cache=enable_prefix_cache)
+            core = cls.around(engine, tokenizer=tokenizer)
         except BaseException:
             engine.close()
             raise
@@ -185,7 +184,6 @@ class EngineCore:
         engine: Engine,
         *,
         tokenizer: Tokenizer | None = None,
-        enable_prefix_cache: bool = True,
         on_output: OutputCallback | None = None,
         overlap: bool | None = None,
         max_running_requests: int | None = None,
@@ -198,21 +196,18 @@ class EngineCore:
         args, runner = engine.args, engine.runner
         if runner is None:
             raise RuntimeError("the engine is closed")
-        chunked_prefill_size = args.chunked_prefill_size
-        if chunked_prefill_size is None:
-            raise ValueError("the engine's args are not resolved (EngineArgs.resolved fills them)")
         scheduler = Scheduler(
             runner,
             tokenizer=tokenizer,
             eos_token_ids=engine.config.eos_token_ids,
             max_running_requests=max_running_requests or engine.report.max_running_requests,
             request_cap=lambda: engine.report.max_running_requests,
-            chunked_prefill_size=chunked_prefill_size,
-            enable_prefix_cache=enable_prefix_cache,
+            chunked_prefill_size=args.scheduler.chunked_prefill_size,
+            enable_prefix_cache=args.cache.enable_prefix_cache,
             on_output=on_output,
-            overlap=not args.disable_overlap_schedule if overlap is None else overlap,
+            overlap=not args.scheduler.disable_overlap_schedule if overlap is None else overlap,
             host_tier=engine.host_tier if use_host_tier else None,
-            speculative=args.speculative_config(),
+            speculative=args.speculative,
         )
         return cls(engine, scheduler, tokenizer)
 
@@ -280,7 +275,7 @@ class EngineCore:
             if scheduler.waits_for_memory(r)
         }
         self._memory_waits = waits
-        timeout_s = self.engine.args.queue_timeout_s
+        timeout_s = self.engine.args.scheduler.queue_timeout_s
         return [ExpireWait(rid) for rid, since in waits.items() if now - since >= timeout_s]
 
     def apply(self, command: Command) -> KvResize | None:
@@ -445,21 +440,20 @@ class EngineCore:
         """GET /server_info, with the driver's own counters."""
         engine, scheduler = self.engine, self.scheduler
         args = engine.args
-        graphs = not args.disable_cuda_graph
         step_times = scheduler.times.as_dict()
         del step_times["device_idle_fraction"]  # over the whole life of the engine: meaningless
         return EngineInfo(
             model=model_name,
             startup=engine.report,
             page_size=scheduler.page_size,
-            kv_layout=args.kv_layout,
+            kv_layout=args.cache.kv_layout,
             kv_dtype=str(engine.kv_dtype),
-            attention_backend=str(args.attention_backend),
+            attention_backend=args.runner.attention_backend,
             tp_size=self.tp.world_size,
             context_length=engine.context_length,
             chunked_prefill_size=scheduler.chunked_prefill_size,
-            cuda_graph_max_bs=(args.cuda_graph_max_bs or 0) if graphs else 0,
-            prefill_graph_max_tokens=(args.prefill_graph_max_tokens or 0) if graphs else 0,
+            cuda_graph_max_bs=args.runner.decode_graph_max_bs,
+            prefill_graph_max_tokens=args.runner.prefill_graph_tokens,
             overlap_schedule=scheduler.overlap,
             device=str(engine.device),
             kv_capacity_tokens=scheduler.runner.allocator.capacity_tokens,

@@ -79,7 +79,6 @@ class EngineSpec:
     """What the engine process builds: the engine core, then the thread that drives it."""
 
     engine_args: EngineArgs
-    enable_prefix_cache: bool = True
     # Run on the engine right after it is built, in the engine process (a benchmark's stub device);
     # picklable: a module-level function or a bound method of a picklable object.
     after_start: Callable[[Engine], None] | None = None
@@ -474,7 +473,9 @@ def _name_tokenizer_source(conn: Connection, spec: EngineSpec) -> None:
     with that error itself, or the server loads its copy after `Ready`."""
     args = spec.engine_args
     try:
-        source = spec.tokenizer_source or resolve_model_source(args.model, args.load_format, args.revision)
+        source = spec.tokenizer_source or resolve_model_source(
+            args.load.model, args.load.load_format, args.load.revision
+        )
     except Exception:
         logger.debug("the model's source is not known before the engine starts", exc_info=True)
         return
@@ -490,7 +491,6 @@ def engine_main(conn: Connection, spec: EngineSpec) -> None:
         engine_thread = EngineThread.build(
             lambda: EngineCore.build(
                 spec.engine_args,
-                enable_prefix_cache=spec.enable_prefix_cache,
                 tokenizer_source=spec.tokenizer_source,
                 after_engine=spec.after_start,
             ),

@@ -42,14 +42,10 @@ def follow(core: EngineCore) -> None:
                 logger.error("rank %d: a step failed: %s", tp.rank, error)
 
 
-def run_follower(
-    tp: TensorParallel, args: EngineArgs, enable_prefix_cache: bool = True, turns_wait_on_user: bool = False
-) -> int:
+def run_follower(tp: TensorParallel, args: EngineArgs, turns_wait_on_user: bool = False) -> int:
     """A helper rank: its own engine core, turn by turn with rank 0, until `Stop`. The flags are
     rank 0's (`turns_wait_on_user`: its idle turns travel without the collectives' timeout)."""
-    core = EngineCore.build(
-        args, tp=tp, enable_prefix_cache=enable_prefix_cache, turns_wait_on_user=turns_wait_on_user
-    )
+    core = EngineCore.build(args, tp=tp, turns_wait_on_user=turns_wait_on_user)
     try:
         follow(core)
     finally:

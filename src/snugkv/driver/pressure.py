@@ -63,7 +63,9 @@ def relieve_pressure(scheduler: Scheduler, engine: Engine) -> KvResize | None:
     try:
         target = kv.target(tokens)
         room = (
-            elastic.make_room(scheduler, target.tokens, spill_budget_s=engine.args.kv_pressure_spill_ms / 1e3)
+            elastic.make_room(
+                scheduler, target.tokens, spill_budget_s=engine.args.memory.kv_pressure_spill_ms / 1e3
+            )
             if move.shrinks
             else elastic.RoomMade()
         )

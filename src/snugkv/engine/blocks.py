@@ -73,54 +73,44 @@ class EngineBlocks:
         self.activation_peak_bytes = 0  # measured before the KV cache is sized
         self.verify_peak_bytes = 0  # speculation on: the largest verify step's, within the peak
 
-    # -- the resolved flags -------------------------------------------------------------
+    # -- the flags the start-up phases read -----------------------------------------------
     @property
     def page_size(self) -> int:
-        assert self.args.page_size is not None  # filled by EngineArgs.resolved
-        return self.args.page_size
+        return self.args.cache.page_size
 
     @property
     def max_running_requests(self) -> int:
-        assert self.args.max_running_requests is not None  # filled by EngineArgs.resolved
-        return self.args.max_running_requests
+        return self.args.scheduler.max_running_requests
 
     @property
     def chunked_prefill_size(self) -> int:
-        assert self.args.chunked_prefill_size is not None  # filled by EngineArgs.resolved
-        return self.args.chunked_prefill_size
-
-    @property
-    def attention_backend(self) -> str:
-        assert self.args.attention_backend is not None  # filled by EngineArgs.resolved
-        return self.args.attention_backend
+        return self.args.scheduler.chunked_prefill_size
 
     def graph_batch_sizes(self) -> list[int]:
-        if self.args.disable_cuda_graph or not self.args.cuda_graph_max_bs:
-            return []
-        largest = min(self.args.cuda_graph_max_bs, self.max_running_requests)
-        return default_cuda_graph_batch_sizes(largest)
+        largest = self.args.runner.decode_graph_max_bs
+        return default_cuda_graph_batch_sizes(min(largest, self.max_running_requests)) if largest else []
 
     def prefill_graph_buckets(self) -> list[int]:
-        if self.args.disable_cuda_graph or not self.args.prefill_graph_max_tokens:
-            return []
-        return default_token_buckets(min(self.args.prefill_graph_max_tokens, self.context_length))
+        largest = self.args.runner.prefill_graph_tokens
+        return default_token_buckets(min(largest, self.context_length)) if largest else []
 
     # -- pools, runners, the KV sizing object -------------------------------------------
     def pool(self, mode: PoolMode, reserved_tokens: int) -> KVPool:
+        chunk_mib = self.args.memory.kv_chunk_mib
         spec = KVPoolSpec.of(
             dtype=self.kv_dtype,
             page_size=self.page_size,
-            layout=self.args.kv_layout,
+            layout=self.args.cache.kv_layout,
             device=self.device,
             mode=mode,
             memory=self.memory,
-            chunk_bytes=None if self.args.kv_chunk_mib is None else round(self.args.kv_chunk_mib * MIB),
+            chunk_bytes=None if chunk_mib is None else round(chunk_mib * MIB),
         )
         return make_kv_pool(
             self.config,
             spec,
             reserved_tokens=reserved_tokens,
-            swa_full_tokens_ratio=self.args.swa_full_tokens_ratio,
+            swa_full_tokens_ratio=self.args.cache.swa_full_tokens_ratio,
             num_kv_heads=self.loaded.model.num_kv_heads_per_rank,  # tp: this rank's
         )
 
@@ -131,7 +121,7 @@ class EngineBlocks:
                 pool,
                 max_requests=self.max_running_requests,
                 max_context_len=self.context_length,
-                attention_backend=self.attention_backend,
+                attention_backend=self.args.runner.attention_backend,
                 tp=self.tp,
             )
         except CommitError as exc:
@@ -143,7 +133,7 @@ class EngineBlocks:
     def kv_sizing(self, runner: ModelRunner, headroom_bytes: int) -> KvSizing:
         pool = runner.kv_pool
         post_capture = self.mode is SizingMode.POST_CAPTURE  # the static modes leave no room
-        guest_room = (self.args.guest_room_mib or 0) * MIB if post_capture else 0
+        guest_room = self.args.memory.guest_room_mib * MIB if post_capture else 0
         return KvSizing(
             runner,
             mode=self.mode,
@@ -151,8 +141,8 @@ class EngineBlocks:
             group=self.group,
             caps=KvCaps(
                 page_size=self.page_size,
-                max_total_tokens=self.args.max_total_tokens,
-                max_device_memory_gib=self.args.max_device_memory_gib,
+                max_total_tokens=self.args.memory.max_total_tokens,
+                max_device_memory_gib=self.args.memory.max_device_memory_gib,
                 max_running_requests=self.max_running_requests,
             ),
             headroom_bytes=headroom_bytes,

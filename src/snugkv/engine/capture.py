@@ -67,7 +67,7 @@ def measure_activation_peak(blocks: EngineBlocks, runner: ModelRunner) -> int:
     its own so that the ledger shows the verify step's share (`verify_peak_bytes`)."""
     peak = measure_peak_bytes(blocks.device, lambda: largest_eager_step(blocks, runner))
     verify_peak = 0
-    if blocks.args.speculative_config() is not None:
+    if blocks.args.speculative is not None:
         verify_peak = measure_peak_bytes(blocks.device, lambda: largest_verify_step(blocks, runner))
     blocks.verify_peak_bytes = verify_peak
     blocks.activation_peak_bytes = max(peak, verify_peak)
@@ -125,7 +125,7 @@ def largest_verify_step(blocks: EngineBlocks, runner: ModelRunner) -> None:
     On CPU only the verification runs (no forward), as the host backend keeps no headroom; it
     leaves nothing behind that the sampler's warm-up has not made already.
     """
-    speculative = blocks.args.speculative_config()
+    speculative = blocks.args.speculative
     if speculative is None:
         return
     device, vocab_size = blocks.device, blocks.config.vocab_size

@@ -52,8 +52,8 @@ def host_tier_bytes(args: EngineArgs, device: torch.device, ranks: int) -> tuple
     Off unless `--kv-host-tier-gib` asks for it, on a GPU too, until the GPU benchmark of issue 35
     has measured it: pinning tens of GiB at start-up costs seconds, and a pressure move that spills
     copies what it evicts before the memory goes back (no time budget yet: docs/HOST_TIER.md)."""
-    if args.kv_host_tier_gib is not None:
-        return int(args.kv_host_tier_gib * GIB), "--kv-host-tier-gib"
+    if args.cache.kv_host_tier_gib is not None:
+        return int(args.cache.kv_host_tier_gib * GIB), "--kv-host-tier-gib"
     if device.type != "cuda":
         return 0, "off on CPU by default"
     size = suggested_host_tier_bytes(ranks)

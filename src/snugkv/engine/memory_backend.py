@@ -47,6 +47,6 @@ def host_headroom_bytes() -> int:
 
 
 def _host_kv_bytes(args: EngineArgs) -> int:
-    if args.host_kv_gib is not None:
-        return int(args.host_kv_gib * GIB)
+    if args.memory.host_kv_gib is not None:
+        return int(args.memory.host_kv_gib * GIB)
     return min(GIB, available_ram_bytes() // 4)

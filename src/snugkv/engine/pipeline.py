@@ -83,22 +83,23 @@ class Engine:
         self._timings: dict[str, float] = {} if age_s is None else {"process_age_s": age_s}
         # Tensor parallel: this rank's groups; the CPU group is the sizing group (MIN over ranks).
         self.tp = tp = tp or TensorParallel()
-        if args.tp_size != tp.world_size:
+        if args.parallel.tp_size != tp.world_size:
             raise ValueError(
-                f"--tp {args.tp_size} needs one engine per rank: start it through "
+                f"--tp {args.parallel.tp_size} needs one engine per rank: start it through "
                 f"snugkv.distributed.launch (this process is rank {tp.rank} of {tp.world_size})"
             )
         group = group if group is not None or not tp.enabled else tp.cpu_group
         # The first line the engine logs: what comes before it in a start-up is imports (and the
         # spawn of an engine process), which scripts/startup_check.py times by it.
         self._log(
-            "Starting the engine: model=%s, device=%s", args.model or "the default", args.device or "auto"
+            "Starting the engine: model=%s, device=%s",
+            args.load.model or "the default",
+            args.parallel.device or "auto",
         )
-        self.device = resolve_device(args.device)
+        self.device = resolve_device(args.parallel.device)
         if self.device.type == "cuda" and (self.device.index is None or tp.enabled):
             self.device = torch.device("cuda", torch.cuda.current_device())  # tp: the launcher pinned it
-        args.validate()
-        self.args = args = args.resolved(self.device)
+        self.args = args
         self.group = group
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -108,29 +109,29 @@ class Engine:
 
         # 1. Load weights (baseline before, so the ledger can tell them apart). Post-capture places
         # them in virtual memory too, so sleep can release them without breaking a graph.
-        self.mode = resolve_mode(args.kv_sizing, self.device)
+        self.mode = resolve_mode(args.memory.kv_sizing, self.device)
         baseline_free, _ = device_memory(self.device)
         # What torch held before the engine (other tensors of this process) is not the engine's.
         self.baseline_reserved_bytes = torch_reserved_bytes(self.device)
         with use_tensor_parallel(tp):  # the model is built sharded for this rank
             self.loaded: LoadedModel = load_model(
-                args.model,
-                load_format=args.load_format,
-                dtype=args.dtype,
+                args.load.model,
+                load_format=args.load.load_format,
+                dtype=args.load.dtype,
                 device=self.device,
-                seed=args.weights_seed,
-                max_position=args.context_length,
-                revision=args.revision,
+                seed=args.load.weights_seed,
+                max_position=args.load.context_length,
+                revision=args.load.revision,
                 weights_memory=weights_memory(self.device, self.mode),
-                quantization=args.quantization,
+                quantization=args.load.quantization,
             )
         if tp.enabled and not self.loaded.model.supports_tensor_parallel:
             raise ValueError(
                 f"{self.loaded.config.architecture} does not support --tp yet; run it with --tp 1"
             )
         self.config = self.loaded.config
-        self.kv_dtype = args.kv_dtype or self.loaded.dtype
-        self.context_length = args.context_length or self.config.max_position_embeddings
+        self.kv_dtype = args.cache.kv_dtype or self.loaded.dtype
+        self.context_length = args.load.context_length or self.config.max_position_embeddings
         self._timings["load_s"] = time.perf_counter() - loading
 
         self.memory = memory_backend(self.device, self.mode, args)
@@ -240,7 +241,7 @@ class Engine:
     def watches_pressure(self) -> bool:
         """Whether memory pressure may resize the KV cache now: it can resize (`check_resizable`)
         and `--no-kv-pressure` was not given. The same answer on every rank."""
-        return not self.args.no_kv_pressure and self._resize_refusal() is None
+        return not self.args.memory.no_kv_pressure and self._resize_refusal() is None
 
     def resize_kv(
         self,

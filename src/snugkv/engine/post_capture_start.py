@@ -32,10 +32,10 @@ def start_post_capture(blocks: EngineBlocks, timings: dict[str, float]) -> tuple
     # The reserve bounds every later grow: an engine that starts beside others (--kv-elastic)
     # reserves more than is free now (--kv-reserve-gib), to grow into what they give back.
     args = blocks.args
-    reserve_bytes = int(args.kv_reserve_gib * GIB) if args.kv_reserve_gib else free.min_bytes
+    reserve_bytes = int(args.memory.kv_reserve_gib * GIB) if args.memory.kv_reserve_gib else free.min_bytes
     reserved_tokens = max(int(reserve_bytes // bytes_per_token), page)
-    if args.max_total_tokens:
-        reserved_tokens = min(reserved_tokens, args.max_total_tokens + page)
+    if args.memory.max_total_tokens:
+        reserved_tokens = min(reserved_tokens, args.memory.max_total_tokens + page)
     pool = blocks.pool(PoolMode.POST_CAPTURE, reserved_tokens)
     # 3. Back the dummy page, 4. capture the decode graphs against the fixed addresses.
     runner = blocks.build_runner(pool)
@@ -46,7 +46,9 @@ def start_post_capture(blocks: EngineBlocks, timings: dict[str, float]) -> tuple
     peak = measure_activation_peak(blocks, runner)
     timings["activation_peak_s"] = time.perf_counter() - peaking
     headroom = (
-        peak + args.headroom_margin_mib * MIB if blocks.device.type == "cuda" else host_headroom_bytes()
+        peak + args.memory.headroom_margin_mib * MIB
+        if blocks.device.type == "cuda"
+        else host_headroom_bytes()
     )
     # 6. Measure free memory, size, commit (with retry), 7. resize the allocators, re-cap.
     kv = blocks.kv_sizing(runner, headroom)

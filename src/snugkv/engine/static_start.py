@@ -45,7 +45,7 @@ def start_static(blocks: EngineBlocks, timings: dict[str, float]) -> tuple[KvSiz
             total_bytes=total,
             used_bytes=total - free,
             activation_peak_bytes=peak,
-            gpu_memory_utilization=args.gpu_memory_utilization,
+            gpu_memory_utilization=args.memory.gpu_memory_utilization,
         )
     else:
         budget = static_fraction_budget(
@@ -53,19 +53,19 @@ def start_static(blocks: EngineBlocks, timings: dict[str, float]) -> tuple[KvSiz
             used_bytes=total - free,
             chunked_prefill_tokens=blocks.chunked_prefill_size,
             max_graph_batch=max(blocks.graph_batch_sizes(), default=0),
-            mem_fraction_static=args.mem_fraction_static,
+            mem_fraction_static=args.memory.mem_fraction_static,
         ).kv_budget_bytes
-    if args.max_device_memory_gib is not None:  # the cap: what the engine holds now plus KV and peak
-        cap_bytes = int(args.max_device_memory_gib * GIB)
+    if args.memory.max_device_memory_gib is not None:  # the cap: what the engine holds now plus KV and peak
+        cap_bytes = int(args.memory.max_device_memory_gib * GIB)
         used = blocks.engine_device_bytes(pool=None)
         budget = min(budget, cap_bytes - used - peak)
-    tokens = static_kv_tokens(budget, bytes_per_token, page, args.max_total_tokens)
+    tokens = static_kv_tokens(budget, bytes_per_token, page, args.memory.max_total_tokens)
     tokens = agree_min(tokens, blocks.group)  # tp: every rank the same count
     if tokens <= 0:
         raise SizingError(
             f"--kv-sizing {mode} leaves no memory for the KV cache ({budget / GIB:.2f} GiB budget); "
             "raise --gpu-memory-utilization / --mem-fraction-static"
-            + (" / --max-device-memory" if args.max_device_memory_gib is not None else "")
+            + (" / --max-device-memory" if args.memory.max_device_memory_gib is not None else "")
             + " or use post-capture sizing"
         )
     pool = blocks.pool(PoolMode.STATIC, tokens)

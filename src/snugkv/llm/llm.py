@@ -56,8 +56,8 @@ class LLM:
                     "things; pass one"
                 )
             disable_prefix_cache = not enable_prefix_caching
-        args = engine_args_from_options(model, options)
-        self._runtime = Runtime(args, enable_prefix_cache=not disable_prefix_cache)
+        args = engine_args_from_options(model, options, enable_prefix_cache=not disable_prefix_cache)
+        self._runtime = Runtime(args)
         self._close = weakref.finalize(self, self._runtime.close)  # also at exit, if never closed
 
     # -- generating ---------------------------------------------------------------------

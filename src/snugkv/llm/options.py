@@ -5,13 +5,12 @@ An option is named as its flag with `_` for `-` (`page_size=16` is `--page-size 
 (`VLLM_NAMES`: `max_model_len` is `context_length`, `max_num_seqs` `max_running_requests`,
 `enforce_eager` `disable_cuda_graph`, `block_size` `page_size`, `kv_cache_dtype` `kv_dtype`), and
 `trust_remote_code` is accepted (no model here runs code of its own). This module checks names and
-Python types; values are checked by `EngineArgs.validate`, the check the command line runs, with
-the same messages. Every refusal is an `InvalidEngineArgs` whose one line names the flag.
+Python types; values are checked as `EngineArgs.of` builds its groups, the check the command line
+runs, with the same messages. Every refusal is an `InvalidEngineArgs` whose one line names the flag.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import logging
 import numbers
@@ -20,7 +19,7 @@ from typing import Any
 
 import torch
 
-from snugkv.engine import EngineArgs, InvalidEngineArgs
+from snugkv.engine.args import SETTINGS, EngineArgs, InvalidEngineArgs, flag_of
 
 logger = logging.getLogger(__name__)
 
@@ -42,34 +41,27 @@ NOT_ENGINE_OPTIONS = {
 }
 
 
-# fields whose flag is not their name with - for _
-FLAGS = {
-    "tp_size": "--tp",
-    "max_device_memory_gib": "--max-device-memory",
-    "queue_timeout_s": "--queue-timeout",
-}
-
-
-def flag_of(field_name: str) -> str:
-    """The command-line flag of an `EngineArgs` field."""
-    return FLAGS.get(field_name, "--" + field_name.replace("_", "-"))
-
-
 def _option_of(field_name: str) -> str:
     return flag_of(field_name)[2:].replace("-", "_")
 
 
-# option name -> (EngineArgs field, the Python types its annotation allows)
+# option name -> (`EngineArgs.of` keyword, the Python types it takes); the prefix cache is
+# `LLM`'s own keyword (`disable_prefix_cache`, or vLLM's `enable_prefix_caching`)
 OPTIONS: dict[str, tuple[str, frozenset[str]]] = {
-    _option_of(field.name): (field.name, frozenset(kind.strip() for kind in str(field.type).split("|")))
-    for field in dataclasses.fields(EngineArgs)
-    if field.name != "model"
+    _option_of(setting.name): (setting.name, frozenset(kind.strip() for kind in setting.type.split("|")))
+    for setting in SETTINGS.values()
+    if setting.name not in ("model", "enable_prefix_cache")
 }
 
 
-def engine_args_from_options(model: str | os.PathLike[str] | None, options: dict[str, Any]) -> EngineArgs:
+def engine_args_from_options(
+    model: str | os.PathLike[str] | None, options: dict[str, Any], *, enable_prefix_cache: bool = True
+) -> EngineArgs:
     """The `EngineArgs` of `LLM(model, **options)`, validated as the command line validates them."""
-    values: dict[str, Any] = {"model": _typed("--model", frozenset({"str", "None"}), model)}
+    values: dict[str, Any] = {
+        "model": _typed("--model", frozenset({"str", "None"}), model),
+        "enable_prefix_cache": enable_prefix_cache,
+    }
     given: dict[str, str] = {}  # field -> the name the caller used
     for name, value in options.items():
         if name in ACCEPTED_AND_IGNORED:
@@ -88,8 +80,7 @@ def engine_args_from_options(model: str | os.PathLike[str] | None, options: dict
             )
         given[field] = name
         values[field] = _typed(flag_of(field), kinds, value)
-    args = EngineArgs(**values)
-    args.validate()
+    args = EngineArgs.of(**values)
     for warning in args.ignored_flag_warnings(set(given)):
         logger.warning("%s", warning)
     return args

@@ -54,7 +54,7 @@ class Runtime:
     """What an open `LLM` holds: rank 0's engine core (engine, tokenizer, scheduler) and the helper
     ranks. Holds no reference to the `LLM`, so dropping the `LLM` can close it."""
 
-    def __init__(self, args: EngineArgs, *, enable_prefix_cache: bool) -> None:
+    def __init__(self, args: EngineArgs) -> None:
         self.tp = TensorParallel()
         self.helpers: HelperRanks | None = None
         self.collector = Collector()
@@ -63,7 +63,7 @@ class Runtime:
         self._no_tokenizer: str | None = None
         self._rids = itertools.count()
         self._out_of_step = False  # an interrupted call left the ranks at different points
-        if args.tp_size > 1:
+        if args.parallel.tp_size > 1:
             if dist.is_initialized():
                 raise RuntimeError(
                     "this process already has a torch.distributed group (another LLM with tp > 1?); "
@@ -71,14 +71,12 @@ class Runtime:
                 )
             self.tp, self.helpers = start_helpers(
                 run_follower,
-                args.tp_size,
-                (args, enable_prefix_cache, True),  # between calls the ranks wait on the user
-                device_type=device_type_for(args.device),
+                args.parallel.tp_size,
+                (args, True),  # between calls the ranks wait on the user
+                device_type=device_type_for(args.parallel.device),
             )
         try:
-            self._core = core = EngineCore.build(
-                args, tp=self.tp, enable_prefix_cache=enable_prefix_cache, turns_wait_on_user=True
-            )
+            self._core = core = EngineCore.build(args, tp=self.tp, turns_wait_on_user=True)
             core.deliver_outputs_to(self.collector.on_output)
             self.tokenizer, self._no_tokenizer = core.tokenizer, core.no_tokenizer
         except BaseException:

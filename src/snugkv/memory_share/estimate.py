@@ -31,20 +31,20 @@ def kv_bytes_per_token(config: ModelConfig, kv_dtype_bytes: int) -> int:
 
 def start_estimate(args: EngineArgs, min_tokens: int) -> tuple[int, int]:
     """(bytes to ask for before loading, KV bytes per token) for an engine started with `args`."""
-    device = resolve_device(args.device)
-    config = read_model_config(resolve_model_source(args.model, args.load_format))
-    dtype = resolve_dtype(args.dtype, device)
-    kv_dtype_bytes = 1 if args.kv_dtype and "fp8" in args.kv_dtype else dtype.itemsize
-    if args.kv_dtype and "fp8" not in args.kv_dtype:
-        kv_dtype_bytes = resolve_dtype(args.kv_dtype, device).itemsize
+    device = resolve_device(args.parallel.device)
+    config = read_model_config(resolve_model_source(args.load.model, args.load.load_format))
+    dtype = resolve_dtype(args.load.dtype, device)
+    kv_dtype_bytes = 1 if args.cache.kv_dtype and "fp8" in args.cache.kv_dtype else dtype.itemsize
+    if args.cache.kv_dtype and "fp8" not in args.cache.kv_dtype:
+        kv_dtype_bytes = resolve_dtype(args.cache.kv_dtype, device).itemsize
     per_token = kv_bytes_per_token(config, kv_dtype_bytes)
     need = min_tokens * per_token
     if device.type == "cuda":  # on the host backend only the KV cache is in the shared budget
         # The model built on the meta device: every expert of a MoE model, FP8 layers at their size.
-        quant = quantization_config(config.hf, args.quantization)
-        need += weight_bytes(config, dtype, device, args.context_length, quant) + activation_bytes_estimate(
-            args, config, dtype.itemsize
-        )
+        quant = quantization_config(config.hf, args.load.quantization)
+        need += weight_bytes(
+            config, dtype, device, args.load.context_length, quant
+        ) + activation_bytes_estimate(args, config, dtype.itemsize)
     return need, per_token
 
 
@@ -54,8 +54,8 @@ def activation_bytes_estimate(args: EngineArgs, config: ModelConfig, dtype_bytes
     penalties' token history), one prefill chunk's activations, and a fixed part. An estimate
     (measured on the H200, 2026-12-01: a Qwen3-0.6B shape with graphs up to 256 held 5.6-8 GiB
     besides its weights; a fixed 2 GiB made its start run out of memory)."""
-    batch = args.max_running_requests or 256
-    chunk = args.chunked_prefill_size or 8192
+    batch = args.scheduler.max_running_requests
+    chunk = args.scheduler.chunked_prefill_size
     logits_rows = batch * 8 + 3 * 512  # output + sampler temporaries; a scored chunk's log-softmax
     logits = logits_rows * config.vocab_size * 4 + (batch + 1) * config.vocab_size * 5
     prefill = chunk * (6 * config.hidden_size + 3 * config.intermediate_size) * dtype_bytes
@@ -64,7 +64,7 @@ def activation_bytes_estimate(args: EngineArgs, config: ModelConfig, dtype_bytes
 
 def device_total_gib(args: EngineArgs) -> float | None:
     """The memory of the device `args` runs on (the shared host device's size on CPU), or None."""
-    device = resolve_device(args.device)
+    device = resolve_device(args.parallel.device)
     if device.type == "cuda":
         return device_memory(device)[1] / GIB
     shared = SharedHostDevice.from_env()

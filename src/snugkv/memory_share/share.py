@@ -140,7 +140,7 @@ class MemoryShare:
     @classmethod
     def before_start(cls, args: EngineArgs, name: str, options: ShareOptions) -> MemoryShare:
         """Register as starting and wait until the running engines have left room for this one."""
-        device = resolve_device(args.device)
+        device = resolve_device(args.parallel.device)
         need, per_token = start_estimate(args, options.min_tokens)
         entry = EngineEntry.of_this_process(
             name,

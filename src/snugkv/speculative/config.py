@@ -1,7 +1,7 @@
 """Which speculation an engine runs: the proposer, the draft length and when it backs off.
 
 `SpeculativeConfig` is built from the engine's flags (`--speculative`, `--num-speculative-tokens`,
-`--speculative-max-batch-size`) by `EngineArgs.speculative_config`; `check_method` and the
+`--speculative-max-batch-size`) by `EngineArgs.of` (it is `args.speculative`); `check_method` and the
 config's own checks refuse what is not built here in one line naming the flag. The config decides
 nothing at run time: the scheduler's speculation (snugkv.scheduler.speculation) reads it.
 """
