@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 
 from snugkv.bench.harness import percentile_ms
+from snugkv.bench.openai_load import completion_body
 
 TOKEN_LOW, TOKEN_HIGH = 100, 5000  # ids every shipped shape has (SmolLM2's vocabulary is 49,152)
 
@@ -119,15 +120,7 @@ class Client:
 
     async def complete(self, prompt: list[int], max_tokens: int, result: LoadResult) -> None:
         """One streamed request; its outcome, tokens and first-chunk time go into `result`."""
-        body = {
-            "model": self.model,
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": 0.0,
-            "ignore_eos": True,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
+        body = {"model": self.model, **completion_body(prompt, max_tokens)}
         started = time.monotonic()
         first: float | None = None
         tokens: int | None = None
