@@ -69,15 +69,8 @@ def relieve_pressure(scheduler: Scheduler, engine: Engine) -> KvResize | None:
             if move.shrinks
             else elastic.RoomMade()
         )
-        change = engine.resize_kv(
-            target,
-            on_move=lambda moves: scheduler.cache.remap_slots(moves.full),
-            evicted_tokens=room.evicted_tokens,
-            retracted_requests=room.retracted_requests,
-            dropped_tokens=room.dropped_tokens,
-            room_ms=room.took_ms,
-            reason=move.reason,
-            free_bytes=move.free.min_bytes,
+        change = elastic.resize_after_room(
+            scheduler, engine, target, room, reason=move.reason, free_bytes=move.free.min_bytes
         )
     except KvResizeError as exc:  # memory went between the measure and the commit: the next check retries
         logger.warning("KV %s to %d tokens refused: %s", move.reason, tokens, exc)

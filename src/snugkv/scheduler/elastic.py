@@ -37,9 +37,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from snugkv.core.reports import KvInfo, KvResize, LargestRequest
 from snugkv.engine import Engine
+from snugkv.engine.kv_sizing import KvTarget
 from snugkv.scheduler.request import Request
 from snugkv.scheduler.scheduler import Scheduler
 from snugkv.sizing.resize import KvResizeError
@@ -66,6 +68,22 @@ class RoomMade:
     retracted_requests: int = 0
     dropped_tokens: int = 0  # of evicted_tokens, those kept nowhere (the rest went to the host tier)
     took_ms: float = 0.0
+
+
+def resize_after_room(
+    scheduler: Scheduler, engine: Engine, target: KvTarget, room: RoomMade, **record: Any
+) -> KvResize:
+    """Resize the engine's KV cache to `target` once `room` is made: its moves remap the prefix
+    cache, and what the room gave up goes into the record (`record`: the engine's other fields)."""
+    return engine.resize_kv(
+        target,
+        on_move=lambda moves: scheduler.cache.remap_slots(moves.full),
+        evicted_tokens=room.evicted_tokens,
+        retracted_requests=room.retracted_requests,
+        dropped_tokens=room.dropped_tokens,
+        room_ms=room.took_ms,
+        **record,
+    )
 
 
 def make_room(scheduler: Scheduler, tokens: int, *, spill_budget_s: float | None = None) -> RoomMade:
@@ -126,15 +144,7 @@ def resize_kv(
                 param=param,
             )
         room = make_room(scheduler, tokens)
-    result = engine.resize_kv(
-        target,
-        on_move=lambda moves: scheduler.cache.remap_slots(moves.full),
-        evicted_tokens=room.evicted_tokens,
-        retracted_requests=room.retracted_requests,
-        dropped_tokens=room.dropped_tokens,
-        room_ms=room.took_ms,
-    )
-    return result  # the scheduler's request cap reads the engine's re-capped limit
+    return resize_after_room(scheduler, engine, target, room)  # the request cap reads the re-capped limit
 
 
 def demand_tokens(scheduler: Scheduler) -> int:
