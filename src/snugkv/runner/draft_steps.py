@@ -29,18 +29,37 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-from snugkv.core.forward import BatchRow, ForwardBatch
+from snugkv.core.forward import AttentionBackend, BatchRow, ForwardBatch
 from snugkv.core.sampling import SamplingParams
 from snugkv.core.transfer import to_device
-from snugkv.layers.sampler import exponential_race
+from snugkv.distributed.group import TensorParallel
+from snugkv.layers.sampler import Sampler, exponential_race
+from snugkv.memory.req_to_token import ReqToTokenPool
+from snugkv.models.causal_lm import CausalLM
 from snugkv.speculative.verify import target_probabilities
 
-if TYPE_CHECKING:
-    from snugkv.runner.model_runner import ModelRunner
+
+class DraftRunner(Protocol):
+    """What draft steps need of the model runner (snugkv.runner.model_runner.ModelRunner)."""
+
+    model: CausalLM
+    attn_backend: AttentionBackend
+    sampler: Sampler
+    tp: TensorParallel
+    req_to_token_pool: ReqToTokenPool
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def build_batch(self, rows: Sequence[BatchRow], out_cache_loc: torch.Tensor) -> ForwardBatch: ...
+
+    def forward_batch(self, forward_batch: ForwardBatch) -> torch.Tensor:
+        """Float32 logits of the whole model (its graphs where they hold the batch)."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +84,7 @@ class ModelDrafts:
 
 
 def run_draft_steps(
-    runner: ModelRunner,
+    runner: DraftRunner,
     rows: Sequence[DraftRow],
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None] | None,
@@ -116,7 +135,7 @@ def run_draft_steps(
     return ModelDrafts(token_ids, _row_major(step_probs, order, rows) if keeps_probs else None)
 
 
-def draft_logits(runner: ModelRunner, forward_batch: ForwardBatch, num_layers: int) -> torch.Tensor:
+def draft_logits(runner: DraftRunner, forward_batch: ForwardBatch, num_layers: int) -> torch.Tensor:
     """Float32 logits `[rows, vocab]` of a draft step. Every layer (`self`): the model's own decode
     path, graphs included; fewer: eagerly through the first `num_layers`."""
     model = runner.model
