@@ -57,7 +57,7 @@ def test_the_model_as_its_own_draft_keeps_every_greedy_draft_and_the_tokens(engi
     stats = scheduler.stats()
     assert stats.spec_draft_tokens > 0
     assert stats.spec_accepted_tokens == stats.spec_draft_tokens  # acceptance 1.0
-    assert stats.spec_mean_accepted_length == 1 + SpeculativeConfig("draft", draft_model="self").num_tokens
+    assert all(r.accepted_draft_tokens == r.draft_tokens for r in results.values())
 
 
 @pytest.mark.parametrize("layers", [4, 20])
