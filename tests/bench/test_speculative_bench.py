@@ -55,3 +55,17 @@ def test_a_small_run_on_smollm2_writes_rows_with_no_mismatch(tmp_path):
     for row in report["rows"]:
         assert row["same_tokens"] and row["output_tokens"] > 0
         assert {"proposer", "workload", "batch", "k", "acceptance", "tok_per_s", "speedup"} <= set(row)
+
+
+def test_a_draft_model_proposer_is_taken_and_a_bad_one_refused_in_one_line():
+    import argparse
+
+    from snugkv.bench.speculative import proposer, speculative_config
+
+    assert proposer("draft:layers:8") == "draft:layers:8" and proposer("draft:self") == "draft:self"
+    config = speculative_config("draft:layers:8", num_tokens=3, max_batch_size=4)
+    assert (config.method, config.draft_model, config.num_tokens) == ("draft", "layers:8", 3)
+    assert speculative_config("ngram", num_tokens=3, max_batch_size=4).draft_model is None
+    for bad, message in (("draft:layers:0", "--draft-model layers:N"), ("lookup", "not ngram, suffix")):
+        with pytest.raises(argparse.ArgumentTypeError, match=message):
+            proposer(bad)

@@ -14,20 +14,44 @@ REFUSED = [
     (
         ["--speculative", "eagle"],
         {"speculative": "eagle"},
-        "--speculative eagle is not built yet (issue 34); use --speculative ngram or suffix, which need no "
-        "second model",
+        "--speculative eagle is not built yet (issue 34); use --speculative ngram, suffix or draft",
     ),
     (
         ["--speculative", "draft"],
         {"speculative": "draft"},
-        "--speculative draft is not built yet (issue 34); use --speculative ngram or suffix, which need no "
-        "second model",
+        "--speculative draft needs --draft-model layers:N (the model's first N layers) or self",
     ),
-    (["--speculative", "lookahead"], {"speculative": "lookahead"}, "--speculative must be one of ngram, suffix, got 'lookahead'"),
+    (
+        ["--draft-model", "self"],
+        {"draft_model": "self"},
+        "--draft-model needs --speculative draft",
+    ),
+    (
+        ["--speculative", "ngram", "--draft-model", "layers:4"],
+        {"speculative": "ngram", "draft_model": "layers:4"},
+        "--draft-model needs --speculative draft, not --speculative ngram",
+    ),
+    (
+        ["--speculative", "draft", "--draft-model", "layers:0"],
+        {"speculative": "draft", "draft_model": "layers:0"},
+        "--draft-model layers:N needs a whole number N of 1 or more, got 'layers:0'",
+    ),
+    (
+        ["--speculative", "draft", "--draft-model", "layers:four"],
+        {"speculative": "draft", "draft_model": "layers:four"},
+        "--draft-model layers:N needs a whole number N of 1 or more, got 'layers:four'",
+    ),
+    (
+        ["--speculative", "draft", "--draft-model", "/models/SmolLM2-135M"],
+        {"speculative": "draft", "draft_model": "/models/SmolLM2-135M"},
+        "--draft-model /models/SmolLM2-135M: a separate draft model is not built yet (issue 34); use "
+        "--draft-model layers:N or self, which share the model's weights and KV cache",
+    ),
+    (["--speculative", "lookahead"], {"speculative": "lookahead"}, "--speculative must be one of ngram, suffix, draft, got 'lookahead'"),
     (
         ["--num-speculative-tokens", "3"],
         {"num_speculative_tokens": 3},
-        "--num-speculative-tokens needs --speculative ngram or --speculative suffix",
+        "--num-speculative-tokens needs --speculative ngram, suffix or draft",
     ),
     (
         ["--speculative", "ngram", "--num-speculative-tokens", "0"],

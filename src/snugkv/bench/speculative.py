@@ -1,6 +1,6 @@
-"""`snugkv bench speculative`: acceptance, mean accepted length and tokens/s of model-free speculative
-decoding (n-gram and suffix proposers) on real text, against decoding without speculation in the
-same run.
+"""`snugkv bench speculative`: acceptance, mean accepted length and tokens/s of speculative decoding
+(the n-gram and suffix proposers; on request a draft model, `--proposers draft:layers:N` or
+`draft:self`) on real text, against decoding without speculation in the same run.
 
 One engine (the embedded SmolLM2-135M by default, its real tokenizer) serves every configuration:
 for each workload (snugkv.bench.speculative_workloads: code edit, summarization, multi-turn chat,
@@ -8,8 +8,9 @@ open generation) and batch, the same greedy requests run once without speculatio
 proposer and draft length `k`, `--repeats` times in turn (the fastest pass of each counts: a shared
 CPU is noisy). Before each pass the prefix cache is emptied and the scheduler gets a fresh
 `Speculation` of that configuration (or none): no pass inherits another's suffix store or cache.
-The engine starts with speculation on at the largest `k`, so its start-up sizing counts the verify
-step as a speculating server's would.
+The engine starts with speculation on at the largest `k` (with the first draft model asked for, if
+any), so its start-up sizing counts the verify step (and the draft steps) as a speculating server's
+would.
 
 A row: `acceptance` (accepted / drafted tokens), `mean_accepted_length` (tokens a drafted row emits
 per verify step), `tok_per_s` (output tokens over the pass's wall time, prefill included),
@@ -33,7 +34,29 @@ from typing import Any
 
 from snugkv.bench.speculative_workloads import WORKLOADS, Conversation, batch_of
 
-PROPOSERS = ("ngram", "suffix")
+PROPOSERS = ("ngram", "suffix")  # the default; "draft:SPEC" (SPEC: layers:N or self) is taken too
+DRAFT_PREFIX = "draft:"
+
+
+def proposer(value: str) -> str:
+    """A `--proposers` value: ngram, suffix or draft:SPEC (`--draft-model SPEC`)."""
+    if value not in PROPOSERS and not value.startswith(DRAFT_PREFIX):
+        raise argparse.ArgumentTypeError(f"{value!r} is not ngram, suffix or draft:SPEC (layers:N or self)")
+    try:
+        speculative_config(value, num_tokens=1, max_batch_size=1)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
+def speculative_config(proposer: str, *, num_tokens: int, max_batch_size: int) -> Any:
+    """The `SpeculativeConfig` of a `--proposers` value."""
+    from snugkv.speculative.config import SpeculativeConfig
+
+    method, _, draft_model = proposer.partition(":")
+    return SpeculativeConfig(
+        method, num_tokens=num_tokens, max_batch_size=max_batch_size, draft_model=draft_model or None
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,7 +66,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tokenizer", default=None, help="a directory with tokenizer.json, for a model without a tokenizer"
     )
-    parser.add_argument("--proposers", nargs="+", choices=PROPOSERS, default=list(PROPOSERS))
+    parser.add_argument(
+        "--proposers",
+        nargs="+",
+        type=proposer,
+        default=list(PROPOSERS),
+        help="ngram, suffix, draft:layers:N, draft:self (default: ngram suffix)",
+    )
     parser.add_argument(
         "--k", type=int, nargs="+", default=None, help="draft lengths (default: GPU 2 4 8, CPU 4)"
     )
@@ -102,9 +131,12 @@ def run(args: argparse.Namespace) -> int:
     batches = args.batch or ([1, 8, 64] if gpu else [1, 8])
     max_tokens = args.max_tokens or (256 if gpu else 96)
     repeats = args.repeats or (3 if gpu else 1)
+    first = next((p for p in args.proposers if p.startswith(DRAFT_PREFIX)), args.proposers[0])
+    method, _, draft_model = first.partition(":")
     options: dict[str, Any] = {
         "load_format": args.load_format,
-        "speculative": args.proposers[0],
+        "speculative": method,
+        "draft_model": draft_model or None,
         "num_speculative_tokens": max(ks),
         "max_running_requests": max(batches),
     }
@@ -183,13 +215,12 @@ def _measure(
     plain decoding)."""
     from snugkv.core.sampling import SamplingParams
     from snugkv.scheduler.speculation import Speculation
-    from snugkv.speculative.config import SpeculativeConfig
 
     scheduler = llm._runtime.scheduler  # the bench swaps its speculation between passes, while idle
     llm.reset_prefix_cache()
     scheduler.speculation = None
     if setting is not None and setting.proposer is not None:
-        config = SpeculativeConfig(setting.proposer, num_tokens=setting.k, max_batch_size=max_batch_size)
+        config = speculative_config(setting.proposer, num_tokens=setting.k, max_batch_size=max_batch_size)
         scheduler.speculation = Speculation(config)
     scheduler.times.reset()
     params = SamplingParams(max_tokens=max_tokens)

@@ -248,9 +248,17 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--speculative",
         default=None,
         metavar="METHOD",
-        help="speculative decoding without a second model: ngram (prompt lookup in the request's own "
-        "tokens) or suffix (the request's tokens and recent outputs); greedy output is unchanged "
-        "(default: off; draft and eagle are not built yet)",
+        help="speculative decoding: ngram (prompt lookup in the request's own tokens), suffix (the "
+        "request's tokens and recent outputs) or draft (a draft model's forwards, --draft-model); greedy "
+        "output is unchanged (default: off; eagle is not built yet)",
+    )
+    group.add_argument(
+        "--draft-model",
+        default=None,
+        metavar="SPEC",
+        help="with --speculative draft: layers:N (the model's first N layers, its final norm and LM head: "
+        "no weights or KV of its own) or self (the whole model; every greedy draft is accepted); a "
+        "separate draft checkpoint is not built yet",
     )
     group.add_argument(
         "--num-speculative-tokens",

@@ -49,6 +49,13 @@ class MemoryLedger:
     host_tier_bytes: int = 0  # the prefix cache's second tier, in host memory (not the device's)
     # speculation on: the measured peak of the largest verify step, within `activation_peak_bytes`
     verify_peak_bytes: int = 0
+    # --speculative draft: its --draft-model ("" without a draft model), the measured peak of the
+    # largest batch's draft steps (within `activation_peak_bytes`), and what the draft holds of its
+    # own: weights and KV bytes per token (0 for layers:N and self, which share the model's)
+    draft_model: str = ""
+    draft_peak_bytes: int = 0
+    draft_weights_bytes: int = 0
+    draft_kv_bytes_per_token: int = 0
 
     @property
     def used_bytes(self) -> int:
@@ -93,6 +100,17 @@ class MemoryLedger:
             *(
                 [("  of which the verify step (speculation), measured", self.verify_peak_bytes)]
                 if self.verify_peak_bytes
+                else []
+            ),
+            *(
+                [
+                    ("  of which the draft steps (--speculative draft), measured", self.draft_peak_bytes),
+                    (
+                        f"draft model weights ({self.draft_model}; counted in weights)",
+                        self.draft_weights_bytes,
+                    ),
+                ]
+                if self.draft_model
                 else []
             ),
             ("headroom target (peak + margin; the workspace counts toward it)", self.headroom_bytes),

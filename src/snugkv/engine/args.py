@@ -74,6 +74,7 @@ def _settings() -> dict[str, Setting]:
     # speculation's flags build a `SpeculativeConfig`, or None when `speculative` is left out
     for name, kind in (
         ("speculative", "str | None"),
+        ("draft_model", "str | None"),
         ("num_speculative_tokens", "int | None"),
         ("speculative_max_batch_size", "int"),
     ):
@@ -194,16 +195,17 @@ def _speculative(given: dict[str, Any]) -> SpeculativeConfig | None:
     """The speculation the flags ask for (None: off); `InvalidEngineArgs` naming the flag."""
     method = given.get("speculative")
     if method is None:
+        if "draft_model" in given:
+            raise InvalidEngineArgs("--draft-model needs --speculative draft")
         if "num_speculative_tokens" in given:
-            raise InvalidEngineArgs(
-                "--num-speculative-tokens needs --speculative ngram or --speculative suffix"
-            )
+            raise InvalidEngineArgs("--num-speculative-tokens needs --speculative ngram, suffix or draft")
         return None
     try:
         return SpeculativeConfig(
             method=method,
             num_tokens=given.get("num_speculative_tokens", DEFAULT_NUM_SPECULATIVE_TOKENS),
             max_batch_size=given.get("speculative_max_batch_size", DEFAULT_SPECULATIVE_MAX_BATCH_SIZE),
+            draft_model=given.get("draft_model"),
         )
     except ValueError as exc:
         raise InvalidEngineArgs(str(exc)) from None

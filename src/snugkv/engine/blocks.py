@@ -4,7 +4,7 @@ runner, and counts the engine's own device memory (the graphs' driver memory, th
 peak, the ledger).
 
 `EngineBlocks` holds what the phases measured (`graph_driver_bytes`, `activation_peak_bytes`,
-`verify_peak_bytes`) so that the ledger and `--max-device-memory` count them; it never decides the
+`verify_peak_bytes`, `draft_peak_bytes`) so that the ledger and `--max-device-memory` count them; it never decides the
 KV cache's size (the post-capture and static phases do, snugkv.engine.post_capture_start and
 static_start) nor captures a graph itself (snugkv.engine.capture).
 """
@@ -72,8 +72,15 @@ class EngineBlocks:
         self.graph_driver_bytes = 0  # set once the graphs are captured
         self.activation_peak_bytes = 0  # measured before the KV cache is sized
         self.verify_peak_bytes = 0  # speculation on: the largest verify step's, within the peak
+        self.draft_peak_bytes = 0  # --speculative draft: the largest batch's draft steps', within the peak
 
     # -- the flags the start-up phases read -----------------------------------------------
+    @property
+    def draft_model(self) -> str:
+        """`--draft-model` under `--speculative draft`; "" otherwise."""
+        speculative = self.args.speculative
+        return speculative.draft_model or "" if speculative is not None else ""
+
     @property
     def page_size(self) -> int:
         return self.args.cache.page_size
@@ -178,6 +185,8 @@ class EngineBlocks:
             graph_executables_bytes=self.graph_driver_bytes,
             activation_peak_bytes=self.activation_peak_bytes,
             verify_peak_bytes=self.verify_peak_bytes,
+            draft_model=self.draft_model,
+            draft_peak_bytes=self.draft_peak_bytes,
             headroom_bytes=kv.headroom_bytes,
             guest_room_bytes=kv.guest_room_bytes,
         )

@@ -2,7 +2,8 @@
 against the KV pool's fixed addresses (with the driver memory they take outside torch's
 allocator counted), and the biggest eager work the engine will run, measured for the activation
 headroom, with a shrink's kernels loaded on the dummy page; with speculation on, the verify step
-of the largest speculating batch is measured too and the larger of the two is the peak.
+of the largest speculating batch is measured too (and with a draft model its draft steps), and the
+largest of them is the peak.
 
 Both run before any KV beyond the dummy page is backed; this module never sizes the KV cache.
 """
@@ -19,6 +20,7 @@ from snugkv.core.sampling import MAX_LOGPROBS, PROMPT_LOGITS_PER_STEP, SamplingP
 from snugkv.core.structured_output import TokenBitmask
 from snugkv.engine.blocks import EngineBlocks
 from snugkv.layers.logprobs import score_tokens
+from snugkv.runner.draft_steps import DraftRow
 from snugkv.runner.kv_resize import load_shrink_kernels
 from snugkv.runner.model_runner import ModelRunner
 from snugkv.sizing.measure import measure_capture, measure_peak_bytes
@@ -64,13 +66,16 @@ def capture_graphs(blocks: EngineBlocks, runner: ModelRunner) -> dict[str, float
 def measure_activation_peak(blocks: EngineBlocks, runner: ModelRunner) -> int:
     """The activation peak of the largest eager step (0 on CPU), kept for the ledger: with
     speculation on, the larger of `largest_eager_step` and `largest_verify_step`, each measured on
-    its own so that the ledger shows the verify step's share (`verify_peak_bytes`)."""
+    its own so that the ledger shows the verify step's share (`verify_peak_bytes`); with a draft model
+    `largest_draft_steps` too (`draft_peak_bytes`)."""
     peak = measure_peak_bytes(blocks.device, lambda: largest_eager_step(blocks, runner))
-    verify_peak = 0
+    verify_peak = draft_peak = 0
     if blocks.args.speculative is not None:
         verify_peak = measure_peak_bytes(blocks.device, lambda: largest_verify_step(blocks, runner))
-    blocks.verify_peak_bytes = verify_peak
-    blocks.activation_peak_bytes = max(peak, verify_peak)
+    if blocks.draft_model:
+        draft_peak = measure_peak_bytes(blocks.device, lambda: largest_draft_steps(blocks, runner))
+    blocks.verify_peak_bytes, blocks.draft_peak_bytes = verify_peak, draft_peak
+    blocks.activation_peak_bytes = max(peak, verify_peak, draft_peak)
     return blocks.activation_peak_bytes
 
 
@@ -122,6 +127,9 @@ def largest_verify_step(blocks: EngineBlocks, runner: ModelRunner) -> None:
     positions, then `verify_on_device` with every sampler stage over them (sampled, not greedy:
     the residual and the race are the sampled path's). On the dummy slot, as `largest_eager_step`.
 
+    With a draft model the draft steps' probabilities `[B * k, vocab]` float32 are held through the
+    step, as serving holds them, and verification takes them (its draft-distribution residual).
+
     On CPU only the verification runs (no forward), as the host backend keeps no headroom; it
     leaves nothing behind that the sampler's warm-up has not made already.
     """
@@ -138,6 +146,23 @@ def largest_verify_step(blocks: EngineBlocks, runner: ModelRunner) -> None:
         logits = runner.forward(rows, torch.zeros(positions, dtype=torch.int64, device=device))
     else:
         logits = torch.zeros(positions, vocab_size)
+    draft_probs = None
+    if speculative.drafts_with_model:
+        draft_probs = torch.full((batch * k, vocab_size), 1.0 / vocab_size, device=device)
     runner.verify_on_device(
-        logits, [[0] * k] * batch, [PENALISED_EVERY_STAGE] * batch, None, [0] * batch
+        logits, [[0] * k] * batch, [PENALISED_EVERY_STAGE] * batch, None, [0] * batch, draft_probs=draft_probs
     )  # row 0: the padding row
+
+
+def largest_draft_steps(blocks: EngineBlocks, runner: ModelRunner) -> None:
+    """A draft model's `k` draft steps for the largest speculating batch (`largest_verify_step`'s
+    `B` rows), sampled so that each step's probabilities are kept, as serving runs them: through
+    the decode graphs for `--draft-model self`, eagerly through the first `N` layers for `layers:N`.
+    On the dummy slot (table row 0, the padding row). Nothing on CPU: the host backend keeps no
+    headroom and the draft steps leave nothing behind."""
+    speculative = blocks.args.speculative
+    if speculative is None or not speculative.drafts_with_model or blocks.device.type != "cuda":
+        return
+    batch, k = min(speculative.max_batch_size, blocks.max_running_requests), speculative.num_tokens
+    layers = speculative.draft_layers(blocks.config.num_layers)
+    runner.draft_on_device([DraftRow(0, 1, 0, k)] * batch, [SAMPLING_EVERY_STAGE] * batch, None, layers)

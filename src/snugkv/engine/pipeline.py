@@ -37,7 +37,7 @@ from snugkv.core.gc_pauses import freeze_startup_objects, thaw
 from snugkv.core.process_clock import process_age_s
 from snugkv.core.reports import KvCacheView, KvResize, MemoryLedger, SleepState, StartupReport
 from snugkv.distributed.group import TensorParallel, use_tensor_parallel
-from snugkv.engine.args import EngineArgs
+from snugkv.engine.args import EngineArgs, InvalidEngineArgs
 from snugkv.engine.blocks import EngineBlocks
 from snugkv.engine.capture import capture_graphs
 from snugkv.engine.host_tier import open_host_tier
@@ -130,6 +130,11 @@ class Engine:
                 f"{self.loaded.config.architecture} does not support --tp yet; run it with --tp 1"
             )
         self.config = self.loaded.config
+        if args.speculative is not None and args.speculative.drafts_with_model:
+            try:  # the layers a `--draft-model layers:N` may take are known once the model is
+                args.speculative.draft_layers(self.config.num_layers)
+            except ValueError as exc:
+                raise InvalidEngineArgs(str(exc)) from None
         self.kv_dtype = args.cache.kv_dtype or self.loaded.dtype
         self.context_length = args.load.context_length or self.config.max_position_embeddings
         self._timings["load_s"] = time.perf_counter() - loading

@@ -63,13 +63,20 @@ class DecoderModel(nn.Module):
     embed_scale: float = 1.0
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        forward_batch: ForwardBatch,
+        num_layers: int | None = None,
     ) -> torch.Tensor:
+        """`num_layers`: run only the first that many layers before the final norm (a layer-skip
+        draft, snugkv.runner.draft_steps); None: all of them."""
         x = self.embed_tokens(input_ids)
         if self.embed_scale != 1.0:
             x = x * self.embed_scale
         residual: torch.Tensor | None = None
-        for layer in self.layers:
+        layers = self.layers if num_layers is None else self.layers[:num_layers]
+        for layer in layers:
             x, residual = layer(positions, x, residual, forward_batch)
         if residual is None:
             return self.norm(x)
@@ -99,9 +106,13 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        forward_batch: ForwardBatch,
+        num_layers: int | None = None,
     ) -> torch.Tensor:
-        return self.model(input_ids, positions, forward_batch)
+        return self.model(input_ids, positions, forward_batch, num_layers)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits `[n, vocab]` for hidden rows `[n, hidden]`."""

@@ -11,7 +11,9 @@ The caller (the scheduler, or the generate loop) decides which requests run; per
    the step), or `sample_on_device(...)` for a device tensor (the host does not wait): those
    tokens are also kept per table row, and a next decode row may name one as `FUTURE_TOKEN`;
    or, for a batch whose rows carry speculative drafts (`BatchRow.draft_len`), calls
-   `verify_on_device(...)` instead: each row's accepted draft tokens and the token after them,
+   `verify_on_device(...)` instead: each row's accepted draft tokens and the token after them
+   (with `--speculative draft` the drafts come from `draft_on_device(...)`, run after step 2 and
+   before step 3: forwards through the model's first layers into the drafts' own slots),
 and when a request ends frees its slots (`free_request_slots`, or the prefix cache takes them)
 and its table row. Nothing on the decode path makes the host wait for the GPU: slots come from
 the allocator and the table's host copy, and go to the device in one queued copy.
@@ -40,6 +42,7 @@ from snugkv.memory.kv_pool import KVPool
 from snugkv.memory.req_to_token import ReqToTokenPool
 from snugkv.models.causal_lm import CausalLM
 from snugkv.runner.cuda_graph import DecodeCudaGraphs, release_cublas_workspaces
+from snugkv.runner.draft_steps import DraftRow, ModelDrafts, run_draft_steps
 from snugkv.runner.future_tokens import FutureTokens
 from snugkv.runner.kv_cache import make_slot_allocator
 from snugkv.runner.piecewise_graphs import PiecewiseGraphs
@@ -273,6 +276,18 @@ class ModelRunner:
         return tokens
 
     @torch.inference_mode()
+    def draft_on_device(
+        self,
+        rows: Sequence[DraftRow],
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None] | None,
+        num_layers: int,
+    ) -> ModelDrafts:
+        """Draft tokens for `rows` with the model's first `num_layers` layers (snugkv.runner.draft_steps),
+        writing their KV into the model's buffers at the rows' speculative slots (allocated first)."""
+        return run_draft_steps(self, rows, params, generators, num_layers)
+
+    @torch.inference_mode()
     def verify_on_device(
         self,
         logits: torch.Tensor,
@@ -281,11 +296,13 @@ class ModelRunner:
         generators: Sequence[torch.Generator | None] | None,
         req_pool_indices: Sequence[int],
         token_bitmask: TokenBitmask | None = None,
+        draft_probs: torch.Tensor | None = None,
     ) -> Verification:
         """In place of `sample_on_device` for a batch with drafts: judge row i's `drafts[i]` (k_i
         tokens, 0 for a row without one) against `logits` `[sum(k_i + 1), vocab]` (every new
         token's, row after row) with snugkv.speculative.verify, and return what each row keeps.
-        `token_bitmask` indexes positions of `logits`. With tensor parallelism rank 0's verification
+        `token_bitmask` indexes positions of `logits`; `draft_probs` `[sum(k_i), vocab]`: a draft
+        model's distributions (None: point masses, the model-free drafts). With tensor parallelism rank 0's verification
         goes to every rank over the device group, as sampled tokens do. Each row's last emitted token
         is kept for its table row (`FUTURE_TOKEN`), and where a row uses penalties every emitted
         token joins the token history."""
@@ -300,6 +317,7 @@ class ModelRunner:
             params,
             sampler=self.sampler,
             generators=generators,
+            draft_probs=draft_probs,
             token_rows=token_rows,
             token_bitmask=token_bitmask,
         )

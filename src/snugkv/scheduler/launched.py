@@ -35,7 +35,8 @@ from snugkv.scheduler.request import Request
 class ScheduledBatch:
     """One step's work: a row per request (in `requests` order) and the slots of their new tokens.
     `drafts`: a speculative decode step's draft per row (empty for a row without one), whose
-    tokens are verified instead of sampled; None for every other step."""
+    tokens are verified instead of sampled; None for every other step. A draft model's drafts are
+    placeholders until the launch runs its forwards and writes them (and the rows' tokens) in place."""
 
     rows: list[BatchRow]
     requests: list[Request]

@@ -550,9 +550,12 @@ class Scheduler:
             request.in_flight += len(row.token_ids)
         device = self.runner.device
         started = clock(device)
+        draft_probs = None
+        if scheduled.drafts is not None and self.speculation is not None:  # a draft model drafts now
+            draft_probs = self.speculation.draft_on_device(self.runner, scheduled)
         logits, prompt_scores = split_logits(self.runner.forward(rows, scheduled.slots), rows, batch)
         if scheduled.drafts is not None:
-            return self._launch_verify(scheduled, logits, started)
+            return self._launch_verify(scheduled, logits, started, draft_probs)
         sampled_rows = [index for index, row in enumerate(rows) if row.need_logits]
         tokens = log_probs = None
         if sampled_rows:
@@ -585,9 +588,12 @@ class Scheduler:
                     self.waiting.appendleft(request)  # the rest of its prompt comes next step
         return launched
 
-    def _launch_verify(self, scheduled: ScheduledBatch, logits: torch.Tensor, started: Any) -> LaunchedStep:
-        """The rest of `_launch` for a speculative step: verification in place of sampling, and the
-        log-probabilities of every position of the rows that asked (each emitted token's is read)."""
+    def _launch_verify(
+        self, scheduled: ScheduledBatch, logits: torch.Tensor, started: Any, draft_probs: torch.Tensor | None
+    ) -> LaunchedStep:
+        """The rest of `_launch` for a speculative step: verification in place of sampling (with a
+        draft model's `draft_probs`), and the log-probabilities of every position of the rows that
+        asked (each emitted token's is read)."""
         batch, drafts = scheduled.requests, scheduled.drafts
         assert drafts is not None
         verification = self.runner.verify_on_device(
@@ -597,6 +603,7 @@ class Scheduler:
             [r.generator for r in batch],
             [r.table_row for r in batch],
             token_bitmask=self._token_bitmask(batch, None, positions=_first_positions(drafts)),
+            draft_probs=draft_probs,
         )
         log_probs = self.outputs.log_prob_rows(logits, _per_position(batch, drafts))
         verified = torch.cat([verification.accepted_lens[:, None], verification.token_ids], dim=1)

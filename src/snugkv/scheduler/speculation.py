@@ -11,18 +11,35 @@ same verification (k = 0). A step that does not speculate is an ordinary decode 
 
 Each request gets a `RowDrafter` at its first decode step that may speculate; with the suffix
 method every drafter reads one `SuffixStore` of this scheduler, which a request's output joins
-when it ends by a stop or its length. This module never touches slots, the device or the queues.
+when it ends by a stop or its length.
+
+With `--speculative draft` no host proposer drafts: a row's draft is `room` placeholders
+(`DRAFT_PENDING`) when the step is scheduled, so that the slots of every position are allocated
+with the step's, and at launch `draft_on_device` asks the runner for the draft model's forwards
+(snugkv.runner.draft_steps), which write their KV into those slots, and puts the tokens in place of
+the placeholders; the probabilities of sampled rows go to verification. The back-off is the same.
+This module never allocates or frees slots and never touches the queues.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+import torch
+
+from snugkv.runner.draft_steps import DraftRow
+from snugkv.scheduler.launched import ScheduledBatch
 from snugkv.scheduler.request import Request
 from snugkv.speculative.config import SpeculativeConfig
 from snugkv.speculative.drafter import RowDrafter
 from snugkv.speculative.suffix import SuffixStore
+
+if TYPE_CHECKING:
+    from snugkv.runner.model_runner import ModelRunner
+
+DRAFT_PENDING = -2  # a draft model's token until its forwards run at launch (never fed to a forward)
 
 
 @dataclass(slots=True)
@@ -56,12 +73,41 @@ class Speculation:
     def drafts(self, requests: Sequence[Request], context_length: int) -> list[list[int]]:
         """Each request's draft for this step (empty where it drafts nothing). The requests' last
         tokens must be on the host (no step in flight)."""
-        drafts = []
+        drafts: list[list[int]] = []
         for request in requests:
             room = 0 if request.in_flight else self._draft_room(request, context_length)
             drafter = self._drafter(request) if room > 0 else None
-            drafts.append(drafter.propose(request.all_ids, room) if drafter is not None else [])
+            if drafter is None:
+                drafts.append([])
+            elif self.config.drafts_with_model:
+                drafts.append([DRAFT_PENDING] * room)
+            else:
+                drafts.append(drafter.propose(request.all_ids, room))
         return drafts
+
+    def draft_on_device(self, runner: ModelRunner, scheduled: ScheduledBatch) -> torch.Tensor | None:
+        """A verify step about to launch with `--speculative draft`: run the draft model for its rows
+        that draft (their slots are allocated), put the tokens in `scheduled.drafts` and its rows in
+        place of the placeholders, and return the drafts' probabilities for verification (None when
+        every drafting row is greedy, or when a host proposer drafted)."""
+        drafts = scheduled.drafts
+        if not self.config.drafts_with_model or drafts is None:
+            return None
+        drafting = [index for index, draft in enumerate(drafts) if draft]
+        rows, requests = scheduled.rows, scheduled.requests
+        result = runner.draft_on_device(
+            [
+                DraftRow(rows[i].req_pool_idx, rows[i].prefix_len, rows[i].token_ids[0], len(drafts[i]))
+                for i in drafting
+            ],
+            [requests[i].sampling for i in drafting],
+            [requests[i].generator for i in drafting],
+            self.config.draft_layers(runner.model.config.num_layers),
+        )
+        for index, tokens in zip(drafting, result.token_ids):
+            drafts[index][:] = tokens
+            rows[index].token_ids = [rows[index].token_ids[0], *tokens]
+        return result.probs
 
     def record(self, request: Request, draft_tokens: int, accepted_tokens: int) -> None:
         """A verify step judged `draft_tokens` of `request`'s draft and kept `accepted_tokens`."""

@@ -33,6 +33,8 @@ def measure_ledger(
     graph_executables_bytes: int,
     activation_peak_bytes: int,
     verify_peak_bytes: int = 0,
+    draft_model: str = "",
+    draft_peak_bytes: int = 0,
     headroom_bytes: int,
     guest_room_bytes: int = 0,
 ) -> MemoryLedger:
@@ -69,6 +71,8 @@ def measure_ledger(
         kv_reserved_va_bytes=kv_reserved_va_bytes,
         activation_peak_bytes=activation_peak_bytes,
         verify_peak_bytes=verify_peak_bytes,
+        draft_model=draft_model,
+        draft_peak_bytes=draft_peak_bytes,
         headroom_bytes=headroom_bytes,
         weights_in_device_memory=device.type == "cuda" and weights_resident,
         workspace_bytes=workspace,

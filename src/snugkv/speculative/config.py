@@ -1,9 +1,16 @@
 """Which speculation an engine runs: the proposer, the draft length and when it backs off.
 
-`SpeculativeConfig` is built from the engine's flags (`--speculative`, `--num-speculative-tokens`,
-`--speculative-max-batch-size`) by `EngineArgs.of` (it is `args.speculative`); `check_method` and the
-config's own checks refuse what is not built here in one line naming the flag. The config decides
-nothing at run time: the scheduler's speculation (snugkv.scheduler.speculation) reads it.
+`SpeculativeConfig` is built from the engine's flags (`--speculative`, `--draft-model`,
+`--num-speculative-tokens`, `--speculative-max-batch-size`) by `EngineArgs.of` (it is
+`args.speculative`); `check_method` and the config's own checks refuse what is not built here in one
+line naming the flag. The config decides nothing at run time: the scheduler's speculation
+(snugkv.scheduler.speculation) reads it.
+
+`--speculative draft` takes its draft from `--draft-model`: `layers:N`, the model's own first `N`
+decoder layers with its final norm and LM head (a layer-skip self-draft: no weights and no KV of
+its own), or `self`, the whole model as its own draft (every greedy draft is accepted: the test of
+the machinery). A separate draft checkpoint is refused as not built yet. `N` is checked against the
+model once it is loaded (`draft_layers`).
 """
 
 from __future__ import annotations
@@ -11,9 +18,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # What `--speculative` takes and runs.
-SPECULATIVE_METHODS = ("ngram", "suffix")
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft")
 # Named by issue 34, not built yet: refused with their own sentence rather than "not a choice".
-NOT_BUILT_METHODS = ("draft", "eagle")
+NOT_BUILT_METHODS = ("eagle",)
+SELF_DRAFT = "self"  # --draft-model self: the whole model drafts for itself
+LAYERS_PREFIX = "layers:"  # --draft-model layers:N: its first N decoder layers draft
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4
 MAX_NUM_SPECULATIVE_TOKENS = 16  # a draft longer than this is almost never accepted whole
 # Above this many running requests a decode step does not speculate (flag's default): the verify
@@ -23,7 +32,7 @@ DEFAULT_SPECULATIVE_MAX_BATCH_SIZE = 32
 
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
-    """`method`: ngram or suffix; `num_tokens`: the most draft tokens per row and step (k);
+    """`method`: ngram, suffix or draft; `draft_model`: with draft, `layers:N` or `self`; `num_tokens`: the most draft tokens per row and step (k);
     `max_batch_size`: a decode step of more running requests does not speculate;
     `min_acceptance`: a row whose recent acceptance (accepted / proposed, averaged over its last
     verify steps) falls below this pauses drafting for `pause_tokens` more tokens, then retries."""
@@ -33,9 +42,11 @@ class SpeculativeConfig:
     max_batch_size: int = DEFAULT_SPECULATIVE_MAX_BATCH_SIZE
     min_acceptance: float = 0.2
     pause_tokens: int = 16
+    draft_model: str | None = None
 
     def __post_init__(self) -> None:
         check_method(self.method)
+        check_draft_model(self.method, self.draft_model)
         if not 1 <= self.num_tokens <= MAX_NUM_SPECULATIVE_TOKENS:
             raise ValueError(
                 f"--num-speculative-tokens must be 1 to {MAX_NUM_SPECULATIVE_TOKENS}, got {self.num_tokens}"
@@ -50,13 +61,55 @@ class SpeculativeConfig:
         if self.pause_tokens < 0:
             raise ValueError(f"pause_tokens must be 0 or more, got {self.pause_tokens}")
 
+    @property
+    def drafts_with_model(self) -> bool:
+        """Whether the drafts come from model forwards on the device (`--speculative draft`)."""
+        return self.method == "draft"
+
+    def draft_layers(self, num_layers: int) -> int:
+        """How many of a `num_layers`-layer model's decoder layers the draft runs (`self`: all);
+        `ValueError` naming the flag when `layers:N` does not fit the model."""
+        if self.draft_model is None or self.draft_model == SELF_DRAFT:
+            return num_layers
+        layers = int(self.draft_model.removeprefix(LAYERS_PREFIX))
+        if layers > num_layers:
+            raise ValueError(
+                f"--draft-model {self.draft_model} asks for more layers than the model's {num_layers}; "
+                f"use layers:1 to layers:{num_layers} (or self)"
+            )
+        return layers
+
 
 def check_method(method: str) -> None:
     """Refuse a `--speculative` value this engine cannot run (`ValueError`, one line)."""
     if method in NOT_BUILT_METHODS:
         raise ValueError(
-            f"--speculative {method} is not built yet (issue 34); use --speculative "
-            f"{' or '.join(SPECULATIVE_METHODS)}, which need no second model"
+            f"--speculative {method} is not built yet (issue 34); use --speculative ngram, suffix or draft"
         )
     if method not in SPECULATIVE_METHODS:
         raise ValueError(f"--speculative must be one of {', '.join(SPECULATIVE_METHODS)}, got {method!r}")
+
+
+def check_draft_model(method: str, draft_model: str | None) -> None:
+    """Refuse a `--draft-model` that does not go with `--speculative method`, or one not built here."""
+    if method != "draft":
+        if draft_model is not None:
+            raise ValueError(f"--draft-model needs --speculative draft, not --speculative {method}")
+        return
+    if draft_model is None:
+        raise ValueError(
+            "--speculative draft needs --draft-model layers:N (the model's first N layers) or self"
+        )
+    if draft_model == SELF_DRAFT:
+        return
+    if draft_model.startswith(LAYERS_PREFIX):
+        count = draft_model.removeprefix(LAYERS_PREFIX)
+        if not count.isdigit() or int(count) < 1:
+            raise ValueError(
+                f"--draft-model layers:N needs a whole number N of 1 or more, got {draft_model!r}"
+            )
+        return
+    raise ValueError(
+        f"--draft-model {draft_model}: a separate draft model is not built yet (issue 34); "
+        "use --draft-model layers:N or self, which share the model's weights and KV cache"
+    )

@@ -1,6 +1,7 @@
 """One request's drafting: its proposer, kept in step with its tokens, and its acceptance back-off.
 
-`RowDrafter` owns a request's `NgramProposer` or `SuffixProposer`, the counts of what it proposed
+`RowDrafter` owns a request's `NgramProposer` or `SuffixProposer` (none with `--speculative draft`,
+whose drafts come from model forwards on the device: snugkv.runner.draft_steps), the counts of what it proposed
 and what the target accepted, and the back-off for a row whose drafts keep being rejected. It never
 decides whether a batch speculates (the scheduler's speculation does, from the batch size), never
 touches the device and never verifies.
@@ -31,10 +32,10 @@ class RowDrafter:
         self, config: SpeculativeConfig, token_ids: Sequence[int], store: SuffixStore | None
     ) -> None:
         self.config = config
-        self.proposer: NgramProposer | SuffixProposer
+        self.proposer: NgramProposer | SuffixProposer | None = None  # None: a draft model proposes
         if config.method == "suffix":
             self.proposer = SuffixProposer(token_ids, store.config if store else None, store)
-        else:
+        elif config.method == "ngram":
             self.proposer = NgramProposer(token_ids=token_ids)
         self.proposed_tokens = 0  # draft tokens the target judged
         self.accepted_tokens = 0  # of those, the ones it kept
@@ -51,6 +52,8 @@ class RowDrafter:
         """Up to `k` draft tokens to follow `token_ids` (the request's tokens so far, a superset of
         what the proposer saw: the tokens it has not seen are fed first); none while paused."""
         proposer = self.proposer
+        if proposer is None:
+            raise RuntimeError("this row's drafts come from a draft model, not a host proposer")
         if len(token_ids) > proposer.num_tokens:
             proposer.extend(token_ids[proposer.num_tokens :])
         if k <= 0 or not self.may_draft(len(token_ids)):
