@@ -201,6 +201,16 @@ class HostKvTier:
         # opener sets the MIN over ranks); None: not measured, a spill has no time budget then
         self.write_bytes_per_s: float | None = None
 
+    @property
+    def staging_bytes(self) -> int:
+        """The device staging the copies go through (0: per run, none)."""
+        return self.path.staging_bytes
+
+    @property
+    def copy_path_text(self) -> str:
+        """How copies are issued, for the start-up log line."""
+        return self.path.describe()
+
     # -- the host pages ---------------------------------------------------------------------
     @property
     def capacity_pages(self) -> int:

@@ -49,6 +49,11 @@ class TierCopyPath(ABC):
 
     name: str
     issued: int  # copies and kernels issued so far (index uploads included)
+    staging_bytes: int = 0  # the device staging held (0: none)
+
+    @abstractmethod
+    def describe(self) -> str:
+        """One phrase for the start-up log line."""
 
     @abstractmethod
     def write(self, device_pages: torch.Tensor, host_pages: torch.Tensor) -> Copy:
@@ -73,6 +78,9 @@ class PerRunCopies(TierCopyPath):
             self._host.append(host_flat[offset : offset + size].view(num_pages + 1, view.shape[1]))
             offset += size
         self.issued = 0
+
+    def describe(self) -> str:
+        return "one copy per run of pages per buffer"
 
     def write(self, device_pages: torch.Tensor, host_pages: torch.Tensor) -> Copy:
         runs = page_runs(device_pages, host_pages)
@@ -140,7 +148,14 @@ class StagedCopies(TierCopyPath):
         self._columns = [
             self._staged[:, offset : offset + row].view(dtype) for offset, row in zip(offsets, rows)
         ]
+        self.staging_bytes = int(staging.numel())
         self.issued = 0
+
+    def describe(self) -> str:
+        return (
+            f"batched through {self.staging_bytes / MIB:.3g} MiB of device staging, "
+            f"{self.chunk_pages} pages a chunk"
+        )
 
     def write(self, device_pages: torch.Tensor, host_pages: torch.Tensor) -> Copy:
         chunks = self._chunks(device_pages, host_pages)
