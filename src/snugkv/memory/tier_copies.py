@@ -17,8 +17,9 @@ and for MLA), so moving N pages touches N rows of every buffer. Two ways to issu
     load:  one host -> device copy per run of consecutive host pages (the host allocates lowest
            first: usually one) into the staging, then one `index_copy_` per buffer from it;
     write: one `index_select` per buffer into the staging, then one device -> host copy per host run.
-  The 8B example becomes 8 chunks of 64 MiB: 8 large copies and 8 x 32 gathers/scatters on the
-  device (rows moved as 8-byte words where the rows allow), instead of ~8,000 copies.
+  The 8B example becomes 9 chunks of at most 31 pages (2 MiB each): 9 large copies, 9 index
+  uploads and 9 x 32 gathers/scatters on the device (rows moved as 8-byte words where the rows
+  allow), instead of ~8,000 copies. Why a staging and not a zero-copy kernel: docs/HOST_TIER.md.
 
 Both run everything through the closures they return, which a `PageCopies` runs (on a GPU on its
 one copy stream, in order: the staging is reused by the next chunk and the next copy only after
