@@ -1,11 +1,20 @@
 """A copier for tests that holds every copy back until someone waits for it (or `flush`), in order,
-as one copy stream would: what reads or reuses a page before its copy ran shows up as wrong bytes."""
+as one copy stream would: what reads or reuses a page before its copy ran shows up as wrong bytes.
+And a staging buffer of a given number of pages for the batched copy path."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
+
 from snugkv.memory.host_tier import CopyDone, PageCopies
+from snugkv.memory.tier_copies import INDEX_ALIGN_BYTES
+
+
+def staging_for(pages: int, page_bytes: int) -> torch.Tensor:
+    """A staging (CPU) that carries exactly `pages` pages a chunk."""
+    return torch.zeros(INDEX_ALIGN_BYTES + pages * (page_bytes + 8), dtype=torch.uint8)
 
 
 class HeldCopies(PageCopies):

@@ -15,16 +15,25 @@ from snugkv.memory.layout import KVLayout
 from snugkv.memory.vmm import MIB
 from snugkv.memory.vmm_host import HostVmm
 from snugkv.scheduler.radix_cache import RadixCache
-from tests.host_tier.held_copies import HeldCopies
+from tests.host_tier.held_copies import HeldCopies, staging_for
 
 LAYERS, HEADS, DIM = 2, 2, 4
 
 
 class Tiers:
     """A pool, its allocator, a host tier and the prefix cache over them; `serve` runs one request
-    as the scheduler would (match, load back, compute the rest, insert)."""
+    as the scheduler would (match, load back, compute the rest, insert). `path`: the tier's copies,
+    "batched" (the engine's, here through a staging of one page: every page is a chunk) or "per-run"."""
 
-    def __init__(self, page_size: int, layout: str, device_tokens: int, host_tokens: int, copies: PageCopies):
+    def __init__(
+        self,
+        page_size: int,
+        layout: str,
+        device_tokens: int,
+        host_tokens: int,
+        copies: PageCopies,
+        path: str = "batched",
+    ):
         spec = KVPoolSpec.of(dtype="float32", page_size=page_size, layout=layout, device="cpu", mode="static")
         arena = KvArena(HostVmm(granularity_bytes=64 * 1024), 64 * MIB, label="test")
         self.pool = MHAKVPool(
@@ -37,9 +46,11 @@ class Tiers:
         )
         self.page = page_size
         self.allocator = make_allocator(device_tokens, page_size)
+        views = self.pool.page_views()
+        staging = staging_for(1, sum(view.shape[1] for view in views)) if path == "batched" else None
         self.tier = HostKvTier(
-            self.pool.page_views(), num_pages=host_tokens // page_size, page_size=page_size, copies=copies,
-            pin_memory=False,
+            views, num_pages=host_tokens // page_size, page_size=page_size, copies=copies, pin_memory=False,
+            staging=staging,
         )  # fmt: skip
         self.cache = RadixCache(self.allocator, host_tier=self.tier)
 
@@ -101,9 +112,10 @@ def sequence(first: int, length: int = 8) -> list[int]:
     return [first * 100 + index for index in range(length)]
 
 
+@pytest.mark.parametrize("path", ["batched", "per-run"])
 @pytest.mark.parametrize(("page_size", "layout"), [(1, "nhd"), (4, "nhd"), (4, "hnd")])
-def test_a_prefix_evicted_from_the_device_is_served_from_the_host_tier_bit_for_bit(page_size, layout):
-    tiers = Tiers(page_size, layout, device_tokens=16, host_tokens=32, copies=HostCopies())
+def test_a_prefix_evicted_from_the_device_is_served_from_the_host_tier_bit_for_bit(page_size, layout, path):
+    tiers = Tiers(page_size, layout, device_tokens=16, host_tokens=32, copies=HostCopies(), path=path)
     a, b, c = sequence(1), sequence(2), sequence(3)
     assert tiers.serve(a) == (0, 0)
     tiers.serve(b)
@@ -134,9 +146,10 @@ def test_the_host_tier_evicts_least_recently_used_and_drops_what_is_older_than_a
     assert tiers.cache.dropped_tokens == 0 and tiers.tier.used_pages == 4
 
 
-def test_a_device_page_is_not_reused_before_its_write_to_the_host_ran():
+@pytest.mark.parametrize("path", ["batched", "per-run"])
+def test_a_device_page_is_not_reused_before_its_write_to_the_host_ran(path):
     copies = HeldCopies()
-    tiers = Tiers(4, "nhd", device_tokens=16, host_tokens=32, copies=copies)
+    tiers = Tiers(4, "nhd", device_tokens=16, host_tokens=32, copies=copies, path=path)
     freed_with_copies_pending: list[int] = []
     free = tiers.allocator.free
 
@@ -154,9 +167,10 @@ def test_a_device_page_is_not_reused_before_its_write_to_the_host_ran():
     tiers.check()
 
 
-def test_slots_a_load_fills_are_not_reused_before_it_ends_when_its_request_is_aborted():
+@pytest.mark.parametrize("path", ["batched", "per-run"])
+def test_slots_a_load_fills_are_not_reused_before_it_ends_when_its_request_is_aborted(path):
     copies = HeldCopies()
-    tiers = Tiers(4, "nhd", device_tokens=16, host_tokens=32, copies=copies)
+    tiers = Tiers(4, "nhd", device_tokens=16, host_tokens=32, copies=copies, path=path)
     a, b, c = sequence(1), sequence(2), sequence(3)
     for request in (a, b, c):
         tiers.serve(request)

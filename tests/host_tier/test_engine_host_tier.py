@@ -14,6 +14,7 @@ from snugkv.core.reports import SlotAccounting
 from snugkv.core.sampling import SamplingParams
 from snugkv.driver.engine_core import EngineCore
 from snugkv.engine import Engine, EngineArgs
+from snugkv.memory.tier_copies import STAGING_BYTES
 from snugkv.scheduler import elastic
 from snugkv.scheduler.scheduler import Scheduler
 from tests.host_tier.held_copies import HeldCopies
@@ -195,6 +196,9 @@ def test_the_ledger_and_the_stats_show_the_host_tier(engine):
     tier = engine.host_tier
     assert tier is not None
     assert engine.report.ledger.host_tier_bytes == tier.capacity_bytes
+    # the engine copies through its fixed staging (on CPU general RAM: not a row of the ledger)
+    assert tier.path.name == "batched" and tier.staging_bytes == STAGING_BYTES
+    assert engine.report.ledger.host_tier_staging_bytes == 0
     assert "KV host tier" in engine.report.ledger.table()
     stats = core.scheduler.stats().to_dict()["host_tier"]
     assert stats["capacity_tokens"] == tier.capacity_tokens and stats["pinned"] is False

@@ -21,7 +21,9 @@ moved between the tiers. The pressure row adds the moves (`GET /kv` events: shri
 dropped tokens, the time making room took). With the tier on, the chat row's host -> device load
 bandwidth (bytes to the device over the copy stream's load seconds) is set beside a plain pinned
 host -> device copy of `--copy-gib` measured in the same run once the servers are gone (GPU only;
-device -> host likewise). Raw JSON: `"benchmark": "host_tier"`. The exit code is 1 on any failed
+device -> host likewise), and beside the copy micro-benchmark (bench/host_tier_copies.py): the
+same `--copy-tokens` of the model's KV in scattered pages loaded and written through the tier's
+two copy paths, per run and batched (GPU only; `*_over_pinned`: each load over the pinned copy). Raw JSON: `"benchmark": "host_tier"`. The exit code is 1 on any failed
 request or a server that died.
 
 On a GPU the shape is `--model` (default llama-3-8b, random weights); on a CPU the embedded SmolLM2
@@ -59,6 +61,8 @@ from snugkv.bench.chat_load import (
     run_prompts,
 )
 from snugkv.bench.harness import emit, format_table
+from snugkv.bench.host_tier_copies import copy_micro_bench
+from snugkv.bench.model_configs import benchmark_model
 from snugkv.bench.pressure import CoTenant
 from snugkv.bench.serving_http import start_server, stop_server
 from snugkv.memory.host_device import HOST_DEVICE_ENV, HOST_HEADROOM_ENV, RUNTIME_DIR_ENV
@@ -300,16 +304,39 @@ def _pinned_copies(size_gib: float) -> dict[str, float]:
     return {"pinned_h2d_gb_per_s": size / to_device / 1e9, "pinned_d2h_gb_per_s": size / to_host / 1e9}
 
 
-def _bandwidth(rows: list[dict[str, Any]], pinned: dict[str, float]) -> dict[str, Any]:
+def _copy_paths(args: argparse.Namespace) -> dict[str, Any]:
+    """The copy micro-benchmark at the model's shape and the servers' default page (GPU only)."""
+    import torch
+
+    from snugkv.engine import EngineArgs
+
+    page_size = EngineArgs.of(device=args.device).cache.page_size
+    return copy_micro_bench(
+        benchmark_model(args.model),
+        tokens=args.copy_tokens,
+        page_size=page_size,
+        device=torch.device(args.device),
+    )
+
+
+def _bandwidth(rows: list[dict[str, Any]], pinned: dict[str, float], paths: dict[str, Any]) -> dict[str, Any]:
     chat = next((r for r in rows if r["workload"] == "chat" and r["tier"] == "on"), {})
     load, write = chat.get("load_gb_per_s"), chat.get("write_gb_per_s")
     h2d, d2h = pinned.get("pinned_h2d_gb_per_s"), pinned.get("pinned_d2h_gb_per_s")
+    over = {}
+    for path in ("per_run", "batched"):
+        path_load, path_write = paths.get(f"{path}_load_gb_per_s"), paths.get(f"{path}_write_gb_per_s")
+        if path_load is not None:
+            over[f"{path}_load_over_pinned"] = path_load / h2d if h2d else None
+            over[f"{path}_write_over_pinned"] = path_write / d2h if path_write and d2h else None
     return {
         "tier_load_gb_per_s": load,
         "tier_write_gb_per_s": write,
         **pinned,
         "load_over_pinned": load / h2d if load and h2d else None,
         "write_over_pinned": write / d2h if write and d2h else None,
+        **paths,
+        **over,
     }
 
 
@@ -357,10 +384,16 @@ def _run(args: argparse.Namespace) -> int:
             raise
         logs = "".join(log.read_text(errors="replace") for log in sorted(runtime.glob("server-tier-*.log")))
     pinned = _pinned_copies(args.copy_gib) if gpu else {}
+    paths: dict[str, Any] = {}
+    if gpu:
+        try:  # the servers' rows are what the run is for: a failed micro-benchmark is a line in the JSON
+            paths = _copy_paths(args)
+        except Exception as exc:
+            paths = {"copy_bench_error": f"{type(exc).__name__}: {exc}"}
     rows.sort(key=lambda row: (["fits", "chat", "pressure"].index(row["workload"]), row["tier"]))
     details = [{key: row.pop(key) for key in ("_errors", "_events") if key in row} for row in rows]
     assert shapes is not None
-    bandwidth = _bandwidth(rows, pinned)
+    bandwidth = _bandwidth(rows, pinned, paths)
     extra = {
         "shapes": {
             "device_kv_tokens": shapes.kv_tokens,
@@ -423,4 +456,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hog-step-mib", type=float, default=None,
                         help=f"pressure: the other process's step {default('hog_step_mib')}")  # fmt: skip
     parser.add_argument("--copy-gib", type=float, default=1.0, help="the plain pinned copy (GPU, default: 1)")
+    parser.add_argument("--copy-tokens", type=int, default=4000,
+                        help="the copy micro-benchmark's tokens, in scattered pages (GPU, default: 4000)")  # fmt: skip
     parser.add_argument("--serve-args", default="", help="more `snugkv serve` flags for both servers")

@@ -47,6 +47,9 @@ class MemoryLedger:
     workspace_bytes: int = 0  # torch's cached blocks no tensor uses now: the activation workspace, held
     guest_room_bytes: int = 0  # left free beside the headroom for another process to start
     host_tier_bytes: int = 0  # the prefix cache's second tier, in host memory (not the device's)
+    # the host tier's copy staging on the device: fixed, allocated before the KV cache was sized
+    # (in torch's allocator, not counted in `graphs_and_buffers_bytes`)
+    host_tier_staging_bytes: int = 0
     # speculation on: the measured peak of the largest verify step, within `activation_peak_bytes`
     verify_peak_bytes: int = 0
     # --speculative draft: its --draft-model ("" without a draft model), the measured peak of the
@@ -68,6 +71,7 @@ class MemoryLedger:
             self.baseline_bytes
             + weights
             + self.graphs_and_buffers_bytes
+            + self.host_tier_staging_bytes
             + self.workspace_bytes
             + self.graph_executables_bytes
             + self.kv_committed_bytes
@@ -89,6 +93,11 @@ class MemoryLedger:
             ("baseline (context, other processes)", self.baseline_bytes),
             *in_device,
             ("graphs and buffers (torch allocator)", self.graphs_and_buffers_bytes),
+            *(
+                [("KV host tier copy staging (torch allocator)", self.host_tier_staging_bytes)]
+                if self.host_tier_staging_bytes
+                else []
+            ),
             ("activation workspace (torch cache, held)", self.workspace_bytes),
             ("graph executables and modules (driver)", self.graph_executables_bytes),
             ("KV committed", self.kv_committed_bytes),

@@ -4,7 +4,8 @@ runner, and counts the engine's own device memory (the graphs' driver memory, th
 peak, the ledger).
 
 `EngineBlocks` holds what the phases measured (`graph_driver_bytes`, `activation_peak_bytes`,
-`verify_peak_bytes`, `draft_peak_bytes`) so that the ledger and `--max-device-memory` count them; it never decides the
+`verify_peak_bytes`, `draft_peak_bytes`, and the host tier's `host_tier_staging_bytes`) so that
+the ledger and `--max-device-memory` count them; it never decides the
 KV cache's size (the post-capture and static phases do, snugkv.engine.post_capture_start and
 static_start) nor captures a graph itself (snugkv.engine.capture).
 """
@@ -73,6 +74,7 @@ class EngineBlocks:
         self.activation_peak_bytes = 0  # measured before the KV cache is sized
         self.verify_peak_bytes = 0  # speculation on: the largest verify step's, within the peak
         self.draft_peak_bytes = 0  # --speculative draft: the largest batch's draft steps', within the peak
+        self.host_tier_staging_bytes = 0  # the host tier's copy staging on the device, once it is open
 
     # -- the flags the start-up phases read -----------------------------------------------
     @property
@@ -189,6 +191,7 @@ class EngineBlocks:
             draft_peak_bytes=self.draft_peak_bytes,
             headroom_bytes=kv.headroom_bytes,
             guest_room_bytes=kv.guest_room_bytes,
+            host_tier_staging_bytes=self.host_tier_staging_bytes,
         )
 
 

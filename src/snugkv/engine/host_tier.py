@@ -9,6 +9,10 @@ Every rank keeps the same number of pages (MIN over ranks), so every rank spills
 and the same write bandwidth (a timed copy of up to 64 MiB of pages at start-up, MIN over ranks),
 from which a pressure move's time budget becomes the pages it may spill.
 A pinned allocation that fails is one warning line and no tier: the engine serves as without it.
+Copies go through a fixed staging buffer on the device (`allocate_staging`, `STAGING_BYTES`),
+allocated before the KV cache is sized, so the sizing measures the memory without it and nothing
+is allocated on the device while serving (issue 36); the ledger shows it as a row of its own. Without
+one (its allocation failed, or a page does not fit it) the tier copies per run of pages (slower).
 The tier follows the prefix cache's page layout, so a pool of two token groups (sliding window)
 gets none (not built yet), and says so.
 
@@ -28,6 +32,7 @@ import torch.distributed as dist
 from snugkv.engine.args import EngineArgs
 from snugkv.memory.host_tier import HostCopies, HostKvTier, PageCopies, StreamCopies
 from snugkv.memory.kv_pool import KVPool
+from snugkv.memory.tier_copies import STAGING_BYTES, chunk_pages_of
 from snugkv.memory.vmm import GIB
 from snugkv.memory.vmm_host import available_ram_bytes
 from snugkv.sizing.measure import agree_min
@@ -64,6 +69,23 @@ def host_tier_bytes(args: EngineArgs, device: torch.device, ranks: int) -> tuple
     )
 
 
+def allocate_staging(args: EngineArgs, device: torch.device, ranks: int) -> torch.Tensor | None:
+    """The host tier's copy staging on `device` (`STAGING_BYTES`), when the tier is asked for; call
+    it before the KV cache is sized, which then counts it. None when the tier is off, or when the
+    allocation fails (one warning line: the tier then copies per run of pages)."""
+    if host_tier_bytes(args, device, ranks)[0] <= 0:
+        return None
+    try:
+        return torch.empty(STAGING_BYTES, dtype=torch.uint8, device=device)
+    except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+        logger.warning(
+            "Host KV tier: no copy staging (allocating %.0f MiB failed: %s); it copies per run of pages",
+            STAGING_BYTES / 2**20,
+            str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+        )
+        return None
+
+
 def open_host_tier(
     args: EngineArgs,
     pool: KVPool,
@@ -73,9 +95,11 @@ def open_host_tier(
     group: dist.ProcessGroup | None,
     log: Callable[..., Any],
     copies: PageCopies | None = None,
+    staging: torch.Tensor | None = None,
 ) -> HostKvTier | None:
     """The host tier for `pool`, or None (off, too small, not built for this pool, or pinning
-    failed: one line says which). `copies`: how pages are copied (default: the device's own)."""
+    failed: one line says which). `copies`: when pages are copied (default: the device's own);
+    `staging`: what they are copied through (`allocate_staging`; None: per run of pages)."""
     size_bytes, why = host_tier_bytes(args, device, ranks)
     if size_bytes <= 0:
         return None
@@ -89,6 +113,9 @@ def open_host_tier(
     if pages < 1:
         log("Host KV tier off: %.3f GiB hold no KV page of %d bytes (%s)", size_bytes / GIB, page_bytes, why)
         return None
+    if staging is not None and chunk_pages_of(staging.numel(), page_bytes) < 1:
+        log("Host KV tier: a page of %d bytes does not fit the copy staging; it copies per run", page_bytes)
+        staging = None
     pin = device.type == "cuda"
     started = time.perf_counter()
     tier: HostKvTier | None = None
@@ -99,6 +126,7 @@ def open_host_tier(
             page_size=pool.page_size,
             copies=copies or (StreamCopies(device) if pin else HostCopies()),
             pin_memory=pin,
+            staging=staging,
         )
     except (RuntimeError, MemoryError) as exc:
         logger.warning(
@@ -118,7 +146,7 @@ def open_host_tier(
     tier.write_bytes_per_s = None if agreed < 0 else float(agreed)
     log(
         "Host KV tier: %.2f GiB of %s host memory, %d tokens (%d pages of %.2f MiB) beside %d on the device "
-        "(%s), writes at %s, took %.0f ms",
+        "(%s), writes at %s (%s), took %.0f ms",
         tier.capacity_bytes / GIB,
         "pinned" if pin else "plain",
         tier.capacity_tokens,
@@ -127,6 +155,7 @@ def open_host_tier(
         pool.committed_tokens,
         why,
         "?" if tier.write_bytes_per_s is None else f"{tier.write_bytes_per_s / 1e9:.1f} GB/s",
+        tier.copy_path_text,
         (time.perf_counter() - started) * 1000,
     )
     return tier

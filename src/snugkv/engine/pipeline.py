@@ -40,7 +40,7 @@ from snugkv.distributed.group import TensorParallel, use_tensor_parallel
 from snugkv.engine.args import EngineArgs, InvalidEngineArgs
 from snugkv.engine.blocks import EngineBlocks
 from snugkv.engine.capture import capture_graphs
-from snugkv.engine.host_tier import open_host_tier
+from snugkv.engine.host_tier import allocate_staging, open_host_tier
 from snugkv.engine.kv_sizing import KvSizing, KvTarget, StartGate
 from snugkv.engine.memory_backend import memory_backend, weights_memory
 from snugkv.engine.post_capture_start import start_post_capture
@@ -156,14 +156,19 @@ class Engine:
             start_gate=start_gate,
             log=self._log,
         )
+        # The host tier's copy staging on the device: a fixed buffer, so before the KV cache is sized.
+        staging = allocate_staging(args, self.device, tp.world_size)
         # 2.-7. Reserve, capture, measure, size, commit (`KvSizing.size_after_capture`).
         start = start_post_capture if self.mode is SizingMode.POST_CAPTURE else start_static
         self.kv, sized = start(self._blocks, self._timings)
         self.runner = self.kv.runner
         # The prefix cache's second tier, in (pinned) host memory beside the device's KV cache.
         self.host_tier = open_host_tier(
-            args, self.kv.pool, self.device, ranks=tp.world_size, group=group, log=self._log
+            args, self.kv.pool, self.device, ranks=tp.world_size, group=group, log=self._log, staging=staging
         )
+        # without a tier its staging goes back to torch's cache (the ledger's workspace row)
+        self._blocks.host_tier_staging_bytes = 0 if self.host_tier is None else self.host_tier.staging_bytes
+        del staging
         self.sleeper = EngineSleep(
             mode=self.mode,
             loaded=self.loaded,

@@ -1,25 +1,26 @@
 """The KV cache's second tier: pages of the prefix cache kept in (pinned) host memory.
 
 A device page is `page_size` slots of every KV buffer of a pool; a host page holds the same bytes
-of every buffer, in one host buffer per device buffer (`[host pages + 1, page bytes]`, row 0
-unused, as the device's dummy page). The prefix cache moves whole pages between the two: a device
-eviction writes them here (`write`), a hit on them loads them back (`load`).
+of every buffer (row 0 unused, as the device's dummy page). The prefix cache moves whole pages
+between the two: a device eviction writes them here (`write`), a hit on them loads them back
+(`load`).
 
 This module owns the host pages (which are free: the one host allocator, lowest pages first) and
-the copies; it never decides what moves (the prefix cache does) and never frees a device slot.
+when copies run; it never decides what moves (the prefix cache does) and never frees a device slot.
+How copies are issued, and so how the host pages are laid out, is the copy path's
+(snugkv.memory.tier_copies): with a staging buffer (the engine's default) in chunks through it,
+page-major on the host; without one, one `copy_` per run of pages per buffer (for comparison).
 
 Copies run through a `PageCopies`:
-- on a GPU (`StreamCopies`) on one copy stream of their own, each direct from pages to pages
-  (one `copy_` per run of consecutive pages per buffer: no staging, so a spill under memory
-  pressure allocates no device memory). A load first waits for the work already queued on the
-  compute stream (a slot it fills may still be written by the step in flight, for a request that
-  ended in that step), and the compute stream then waits for the load: the next forward reads the
-  loaded KV, the host never waits. A write waits for nothing on the compute stream: a page the
-  prefix cache holds is never written by a launched step (its KV came from steps whose tokens were
-  read), except by a shrink's page moves, after which `order_after_compute` is called.
-  Every copy returns a `CopyDone`; a device page that was written out goes back to the allocator
-  only after its `wait()`. All copies share the one stream, so a host page reused by a later copy
-  is reused in order.
+- on a GPU (`StreamCopies`) on one copy stream of their own. A load first waits for the work
+  already queued on the compute stream (a slot it fills may still be written by the step in
+  flight, for a request that ended in that step), and the compute stream then waits for the load:
+  the next forward reads the loaded KV, the host never waits. A write waits for nothing on the
+  compute stream: a page the prefix cache holds is never written by a launched step (its KV came
+  from steps whose tokens were read), except by a shrink's page moves, after which
+  `order_after_compute` is called. Every copy returns a `CopyDone`; a device page that was written
+  out goes back to the allocator only after its `wait()`. All copies share the one stream, so a
+  host page, and the staging buffer, reused by a later copy is reused in order.
 - on CPU (`HostCopies`) at once: the same code path, with a 'device' that is host memory too.
 Tests pass a copier of their own to hold copies back and check that nothing reads or reuses a page
 before its copy is done.
@@ -39,6 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from snugkv.memory.allocator import make_allocator
+from snugkv.memory.tier_copies import PerRunCopies, StagedCopies, TierCopyPath
 
 logger = logging.getLogger(__name__)
 
@@ -165,7 +167,9 @@ class TierTraffic:
 class HostKvTier:
     """Host pages for a pool's device pages: `alloc`/`free` them, `write` device pages into them,
     `load` them into device pages. `device_pages` are the pool's buffers seen as
-    `[pool pages, page bytes]` uint8 rows (`KVPool.page_views`)."""
+    `[pool pages, page bytes]` uint8 rows (`KVPool.page_views`). `staging`: a uint8 buffer on the
+    pool's device, allocated once before the KV cache was sized, that copies go through in chunks
+    (`StagedCopies`); None: one copy per run of pages per buffer (`PerRunCopies`)."""
 
     def __init__(
         self,
@@ -175,23 +179,20 @@ class HostKvTier:
         page_size: int,
         copies: PageCopies,
         pin_memory: bool,
+        staging: torch.Tensor | None = None,
     ) -> None:
         if num_pages < 1:
             raise ValueError(f"a host KV tier needs at least one page, got {num_pages}")
         self.page_size = page_size
         self.copies = copies
-        self._device_pages = device_pages
         rows = [view.shape[1] for view in device_pages]
         self.page_bytes = sum(rows)  # one page of every buffer
-        # One allocation, cut into one [pages + 1, row bytes] block per device buffer (row 0 unused).
         flat = torch.empty((num_pages + 1) * self.page_bytes, dtype=torch.uint8, pin_memory=pin_memory)
-        self._host_pages: list[torch.Tensor] = []
-        offset = 0
-        for row_bytes in rows:
-            size = (num_pages + 1) * row_bytes
-            self._host_pages.append(flat[offset : offset + size].view(num_pages + 1, row_bytes))
-            offset += size
-        self._flat: torch.Tensor | None = flat
+        self.path: TierCopyPath = (
+            PerRunCopies(device_pages, flat, num_pages)
+            if staging is None
+            else StagedCopies(device_pages, flat, num_pages, staging)
+        )
         self.pinned = pin_memory
         self._free = make_allocator(num_pages, 1)  # host page p is "slot" p; page 0 is never handed out
         self._bytes = [0, 0]  # to host, to device
@@ -199,6 +200,16 @@ class HostKvTier:
         # device -> host bytes per second, as measured at start-up (the same on every rank: the
         # opener sets the MIN over ranks); None: not measured, a spill has no time budget then
         self.write_bytes_per_s: float | None = None
+
+    @property
+    def staging_bytes(self) -> int:
+        """The device staging the copies go through (0: per run, none)."""
+        return self.path.staging_bytes
+
+    @property
+    def copy_path_text(self) -> str:
+        """How copies are issued, for the start-up log line."""
+        return self.path.describe()
 
     # -- the host pages ---------------------------------------------------------------------
     @property
@@ -237,30 +248,14 @@ class HostKvTier:
     def write(self, device_pages: torch.Tensor, host_pages: torch.Tensor) -> CopyDone:
         """Copy device pages into host pages (same order); the device pages must not be reused
         before the returned `wait()`."""
-        runs = _runs(device_pages, host_pages)
-
-        def copy() -> None:
-            for device, host in zip(self._device_pages, self._host_pages):
-                for first_device, first_host, count in runs:
-                    host[first_host : first_host + count].copy_(
-                        device[first_device : first_device + count], non_blocking=True
-                    )
-
+        copy = self.path.write(device_pages, host_pages)
         self._count(0, int(device_pages.numel()))
         return self.copies.run(copy, load=False)
 
     def load(self, host_pages: torch.Tensor, device_pages: torch.Tensor) -> CopyDone:
         """Copy host pages into device pages (same order); the device's later work reads them after
         the copy, and the host pages must stay as they are until it is done (they do: see `free`)."""
-        runs = _runs(device_pages, host_pages)
-
-        def copy() -> None:
-            for device, host in zip(self._device_pages, self._host_pages):
-                for first_device, first_host, count in runs:
-                    device[first_device : first_device + count].copy_(
-                        host[first_host : first_host + count], non_blocking=True
-                    )
-
+        copy = self.path.load(host_pages, device_pages)
         self._count(1, int(device_pages.numel()))
         return self.copies.run(copy, load=True)
 
@@ -305,22 +300,6 @@ class HostKvTier:
         return TierTraffic(self._bytes[0], self._bytes[1], self._pages[0], self._pages[1], write_s, load_s)
 
     def close(self) -> None:
-        """Drop the host memory and the views of the pool's buffers (before the pool's arena goes)."""
-        self._device_pages = []
-        self._host_pages = []
-        self._flat = None
-
-
-def _runs(first: torch.Tensor, second: torch.Tensor) -> list[tuple[int, int, int]]:
-    """Runs of pages consecutive in both lists: (first's start, second's start, count)."""
-    if first.shape != second.shape or first.dim() != 1:
-        raise ValueError(f"page lists differ: {tuple(first.shape)} and {tuple(second.shape)}")
-    count = int(first.numel())
-    if count == 0:
-        return []
-    a, b = first.to(torch.int64), second.to(torch.int64)
-    breaks = torch.nonzero((a[1:] - a[:-1] != 1) | (b[1:] - b[:-1] != 1)).reshape(-1) + 1
-    starts = [0, *breaks.tolist()]
-    ends = [*starts[1:], count]
-    a_list, b_list = a.tolist(), b.tolist()
-    return [(a_list[s], b_list[s], e - s) for s, e in zip(starts, ends)]
+        """Drop the host memory, the staging and the views of the pool's buffers (before the pool's
+        arena goes)."""
+        self.path = PerRunCopies([], torch.empty(0, dtype=torch.uint8), 0)

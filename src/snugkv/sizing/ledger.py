@@ -37,24 +37,28 @@ def measure_ledger(
     draft_peak_bytes: int = 0,
     headroom_bytes: int,
     guest_room_bytes: int = 0,
+    host_tier_staging_bytes: int = 0,
 ) -> MemoryLedger:
     """The ledger as the device reports it now.
 
     On CUDA, torch's reserved memory minus the weights (and minus the KV cache when it came from
     torch's allocator, as in the static modes) and minus its unused cached blocks (the activation
-    workspace, a row of its own) is the graph pool and persistent buffers; the baseline is what was
-    used before the engine allocated anything. Read without settling: a serving engine keeps its
-    workspace. On CPU the host backend's budget stands for the device, and weights live in general
-    RAM.
+    workspace, a row of its own, and the host tier's copy staging, another) is the graph pool and
+    persistent buffers; the baseline is what was used before the engine allocated anything. Read
+    without settling: a serving engine keeps its workspace. On CPU the host backend's budget stands
+    for the device, and weights and the staging live in general RAM (no row).
     """
     workspace = 0
+    staging = host_tier_staging_bytes if device.type == "cuda" else 0
     if device.type == "cuda":
         free, total = (int(value) for value in torch.cuda.mem_get_info(device))
         baseline = total - baseline_free_bytes
         kv_in_torch = kv_committed_bytes if kv_in_torch_allocator else 0
         weights_in_torch = weights_bytes if weights_in_torch_allocator else 0
         workspace = cached_unused_bytes(device)
-        graphs_and_buffers = torch.cuda.memory_reserved(device) - workspace - weights_in_torch - kv_in_torch
+        graphs_and_buffers = (
+            torch.cuda.memory_reserved(device) - workspace - weights_in_torch - kv_in_torch - staging
+        )
         name = torch.cuda.get_device_name(device)
     else:
         free, total = memory.mem_get_info()
@@ -77,4 +81,5 @@ def measure_ledger(
         weights_in_device_memory=device.type == "cuda" and weights_resident,
         workspace_bytes=workspace,
         guest_room_bytes=guest_room_bytes,
+        host_tier_staging_bytes=staging,
     )

@@ -1,0 +1,258 @@
+"""How the host tier's page copies are issued, and how its host pages are laid out for them.
+
+A page is `page_size` slots of every KV buffer of a pool (one buffer per layer for MHA's fused K/V
+and for MLA), so moving N pages touches N rows of every buffer. Two ways to issue that:
+
+- `PerRunCopies` (the first one built; kept for comparison): host memory buffer-major, one
+  `[pages + 1, row bytes]` block per device buffer, and one `copy_` per run of pages consecutive on
+  both sides per buffer. A fragmented prefix of the Llama-3-8B shape (250 runs x 32 buffers) is
+  ~8,000 copies of 64 KiB: launch-bound, a few GB/s.
+- `StagedCopies` (the default): host memory page-major, `[pages + 1, page bytes]` (a host page
+  holds its rows of every buffer side by side), and copies in chunks through a fixed staging
+  buffer on the device, allocated once at start-up (`STAGING_BYTES`: a line of the memory ledger,
+  counted before the KV cache is sized; nothing is allocated on the device while serving, so a
+  spill under memory pressure asks for no device memory). Per chunk of at most
+  `chunk_pages` pages: the chunk's device page numbers into the staging's index area (a few bytes),
+  then
+    load:  one host -> device copy per run of consecutive host pages (the host allocates lowest
+           first: usually one) into the staging, then one `index_copy_` per buffer from it;
+    write: one `index_select` per buffer into the staging, then one device -> host copy per host run.
+  The 8B example becomes 9 chunks of at most 31 pages (2 MiB each): 9 large copies, 9 index
+  uploads and 9 x 32 gathers/scatters on the device (rows moved as 8-byte words where the rows
+  allow), instead of ~8,000 copies. Why a staging and not a zero-copy kernel: docs/HOST_TIER.md.
+
+Both run everything through the closures they return, which a `PageCopies` runs (on a GPU on its
+one copy stream, in order: the staging is reused by the next chunk and the next copy only after
+the previous one's copies ran, with no wait). On CPU the same code runs with host memory as the
+'device', so CPU tests cover the batched indexing. This module never decides what moves nor
+when (snugkv.memory.host_tier and the prefix cache do).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+import torch
+
+from snugkv.memory.vmm import MIB
+
+STAGING_BYTES = 64 * MIB  # the device staging of the batched path: a chunk's pages and their index
+INDEX_ALIGN_BYTES = 256  # where the staging's index area starts (after the chunk's pages)
+WORD_BYTES = (8, 4, 2, 1)  # rows move as the widest word that every row and offset divides
+
+Copy = Callable[[], None]
+
+
+class TierCopyPath(ABC):
+    """The host pages' layout over one host allocation, and the copies between them and the pool's
+    device pages (`[pool pages, row bytes]` uint8 views, one per buffer)."""
+
+    name: str
+    issued: int  # copies and kernels issued so far (index uploads included)
+    staging_bytes: int = 0  # the device staging held (0: none)
+
+    @abstractmethod
+    def describe(self) -> str:
+        """One phrase for the start-up log line."""
+
+    @abstractmethod
+    def write(self, device_pages: torch.Tensor, host_pages: torch.Tensor) -> Copy:
+        """The copies of device pages into host pages (same order), to run later."""
+
+    @abstractmethod
+    def load(self, host_pages: torch.Tensor, device_pages: torch.Tensor) -> Copy:
+        """The copies of host pages into device pages (same order), to run later."""
+
+
+class PerRunCopies(TierCopyPath):
+    """One `copy_` per run of pages consecutive in both lists, per buffer; host memory buffer-major."""
+
+    name = "per-run"
+
+    def __init__(self, device_views: list[torch.Tensor], host_flat: torch.Tensor, num_pages: int) -> None:
+        self._device = device_views
+        self._host: list[torch.Tensor] = []
+        offset = 0
+        for view in device_views:
+            size = (num_pages + 1) * view.shape[1]
+            self._host.append(host_flat[offset : offset + size].view(num_pages + 1, view.shape[1]))
+            offset += size
+        self.issued = 0
+
+    def describe(self) -> str:
+        return "one copy per run of pages per buffer"
+
+    def write(self, device_pages: torch.Tensor, host_pages: torch.Tensor) -> Copy:
+        runs = page_runs(device_pages, host_pages)
+        self.issued += len(runs) * len(self._device)
+
+        def copy() -> None:
+            for device, host in zip(self._device, self._host):
+                for first_device, first_host, count in runs:
+                    host[first_host : first_host + count].copy_(
+                        device[first_device : first_device + count], non_blocking=True
+                    )
+
+        return copy
+
+    def load(self, host_pages: torch.Tensor, device_pages: torch.Tensor) -> Copy:
+        runs = page_runs(device_pages, host_pages)
+        self.issued += len(runs) * len(self._device)
+
+        def copy() -> None:
+            for device, host in zip(self._device, self._host):
+                for first_device, first_host, count in runs:
+                    device[first_device : first_device + count].copy_(
+                        host[first_host : first_host + count], non_blocking=True
+                    )
+
+        return copy
+
+
+class StagedCopies(TierCopyPath):
+    """Chunks through a fixed staging buffer on the device; host memory page-major. `staging`: uint8
+    on the pool's device, at least one page plus its index (else `ValueError`)."""
+
+    name = "batched"
+
+    def __init__(
+        self,
+        device_views: list[torch.Tensor],
+        host_flat: torch.Tensor,
+        num_pages: int,
+        staging: torch.Tensor,
+    ) -> None:
+        rows = [view.shape[1] for view in device_views]
+        page_bytes = sum(rows)
+        self.chunk_pages = chunk_pages_of(staging.numel(), page_bytes)
+        if self.chunk_pages < 1:
+            raise ValueError(
+                f"a staging buffer of {staging.numel()} bytes holds no page of {page_bytes} bytes and its index"
+            )
+        self._host = host_flat.view(num_pages + 1, page_bytes)
+        self._staged = staging[: self.chunk_pages * page_bytes].view(self.chunk_pages, page_bytes)
+        index_at = _round_up(self.chunk_pages * page_bytes, INDEX_ALIGN_BYTES)
+        self._index = staging[index_at : index_at + 8 * self.chunk_pages].view(torch.int64)
+        self._pin_index = staging.is_cuda  # the index's upload must not make the host wait
+        offsets = [sum(rows[:b]) for b in range(len(rows))]
+        word = next(
+            size
+            for size in WORD_BYTES
+            if all(value % size == 0 for value in (page_bytes, *rows, *offsets))
+            and all(_words_fit(view, size) for view in device_views)
+        )
+        dtype = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[word]
+        self.word_bytes = word
+        # every buffer, and its columns of the staged pages, as rows of words
+        self._device = [view.view(dtype) for view in device_views]
+        self._columns = [
+            self._staged[:, offset : offset + row].view(dtype) for offset, row in zip(offsets, rows)
+        ]
+        self.staging_bytes = int(staging.numel())
+        self.issued = 0
+
+    def describe(self) -> str:
+        return (
+            f"batched through {self.staging_bytes / MIB:.3g} MiB of device staging, "
+            f"{self.chunk_pages} pages a chunk"
+        )
+
+    def write(self, device_pages: torch.Tensor, host_pages: torch.Tensor) -> Copy:
+        chunks = self._chunks(device_pages, host_pages)
+
+        def copy() -> None:
+            for index, runs in chunks:
+                count = self._upload(index)
+                for device, column in zip(self._device, self._columns):
+                    torch.index_select(device, 0, self._index[:count], out=column[:count])
+                for first_host, at, pages in runs:
+                    self._host[first_host : first_host + pages].copy_(
+                        self._staged[at : at + pages], non_blocking=True
+                    )
+
+        return copy
+
+    def load(self, host_pages: torch.Tensor, device_pages: torch.Tensor) -> Copy:
+        chunks = self._chunks(device_pages, host_pages)
+
+        def copy() -> None:
+            for index, runs in chunks:
+                count = self._upload(index)
+                for first_host, at, pages in runs:
+                    self._staged[at : at + pages].copy_(
+                        self._host[first_host : first_host + pages], non_blocking=True
+                    )
+                for device, column in zip(self._device, self._columns):
+                    device.index_copy_(0, self._index[:count], column[:count])
+
+        return copy
+
+    def _chunks(
+        self, device_pages: torch.Tensor, host_pages: torch.Tensor
+    ) -> list[tuple[torch.Tensor, list[tuple[int, int, int]]]]:
+        """Per chunk: its device pages (int64 on the host; pinned on a GPU) and its host runs
+        (first host page, place in the chunk, pages)."""
+        if device_pages.shape != host_pages.shape or device_pages.dim() != 1:
+            raise ValueError(f"page lists differ: {tuple(device_pages.shape)} and {tuple(host_pages.shape)}")
+        device_list = device_pages.to("cpu", torch.int64)
+        host_list = host_pages.to("cpu", torch.int64)
+        chunks = []
+        for start in range(0, int(device_list.numel()), self.chunk_pages):
+            index = device_list[start : start + self.chunk_pages]
+            index = index.pin_memory() if self._pin_index else index.clone()
+            hosts = host_list[start : start + self.chunk_pages]
+            runs = host_runs(hosts)
+            chunks.append((index, runs))
+            self.issued += 1 + len(runs) + len(self._device)
+        return chunks
+
+    def _upload(self, index: torch.Tensor) -> int:
+        count = int(index.numel())
+        self._index[:count].copy_(index, non_blocking=True)
+        return count
+
+
+def chunk_pages_of(staging_bytes: int, page_bytes: int) -> int:
+    """Pages a staging of `staging_bytes` carries at a time (each with its 8-byte index entry)."""
+    return max(0, (staging_bytes - INDEX_ALIGN_BYTES) // (page_bytes + 8))
+
+
+def page_runs(first: torch.Tensor, second: torch.Tensor) -> list[tuple[int, int, int]]:
+    """Runs of pages consecutive in both lists: (first's start, second's start, count)."""
+    if first.shape != second.shape or first.dim() != 1:
+        raise ValueError(f"page lists differ: {tuple(first.shape)} and {tuple(second.shape)}")
+    a, b = first.to(torch.int64), second.to(torch.int64)
+    starts, ends = _run_bounds(int(a.numel()), (a[1:] - a[:-1] != 1) | (b[1:] - b[:-1] != 1))
+    a_list, b_list = a.tolist(), b.tolist()
+    return [(a_list[s], b_list[s], e - s) for s, e in zip(starts, ends)]
+
+
+def host_runs(pages: torch.Tensor) -> list[tuple[int, int, int]]:
+    """Runs of consecutive pages in one list: (first page, its place in the list, count)."""
+    starts, ends = _run_bounds(int(pages.numel()), pages[1:] - pages[:-1] != 1)
+    page_list = pages.tolist()
+    return [(page_list[s], s, e - s) for s, e in zip(starts, ends)]
+
+
+def _run_bounds(count: int, breaks_after: torch.Tensor) -> tuple[list[int], list[int]]:
+    """Where the runs of a list of `count` start and end, from where it breaks (True at i: element
+    i + 1 starts a run)."""
+    if count == 0:
+        return [], []
+    starts = [0, *(torch.nonzero(breaks_after).reshape(-1) + 1).tolist()]
+    return starts, [*starts[1:], count]
+
+
+def _words_fit(view: torch.Tensor, word_bytes: int) -> bool:
+    """Whether a `[pages, row bytes]` uint8 view can be seen as rows of `word_bytes` words."""
+    return (
+        view.stride(1) == 1
+        and view.stride(0) % word_bytes == 0
+        and view.shape[1] % word_bytes == 0
+        and (view.data_ptr() % word_bytes == 0)
+    )
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
