@@ -23,7 +23,7 @@ from snugkv.driver.engine_core import EngineCore
 from snugkv.engine import Engine, EngineArgs
 from snugkv.memory.vmm import MIB, CommitError
 from snugkv.scheduler import elastic
-from snugkv.scheduler.scheduler import MAX_OOM_STREAK, OOM_RETRY_AFTER_S
+from snugkv.scheduler.oom_recovery import MAX_OOM_STREAK, OOM_RETRY_AFTER_S
 from snugkv.sizing.resize import ResizeLimits
 from tests.models.hf_tiny import save_tiny_hf_model
 

@@ -70,16 +70,16 @@ from snugkv.core.structured_output import TokenBitmask
 from snugkv.core.tokenizer import Tokenizer
 from snugkv.core.transfer import to_host
 from snugkv.memory.host_tier import HostKvTier
-from snugkv.memory.no_memory import is_out_of_memory
 from snugkv.runner.model_runner import ModelRunner
-from snugkv.scheduler.detokenizer import detokenize, find_stop
 from snugkv.scheduler.launched import LaunchedStep, ScheduledBatch, StepTimes, clock
+from snugkv.scheduler.oom_recovery import MAX_OOM_STREAK, OOM_RETRY_AFTER_S, OutOfMemoryRecovery
 from snugkv.scheduler.outputs import OutputBuilder, OutputCallback
 from snugkv.scheduler.prompt_scores import split_logits
 from snugkv.scheduler.radix_cache import RadixCache
 from snugkv.scheduler.request import Request
 from snugkv.scheduler.slots import RequestSlots, SlotAccountingError
 from snugkv.scheduler.speculation import Speculation
+from snugkv.scheduler.stops import stop_limits, stop_reason
 from snugkv.speculative.config import SpeculativeConfig
 from snugkv.structured.bitmask import fill_token_bitmask
 from snugkv.structured.grammars import GrammarCache, grammar_cache_for
@@ -88,10 +88,6 @@ from snugkv.structured.matcher import RequestGrammar
 __all__ = ["OutputCallback", "Scheduler", "SlotAccountingError"]
 
 logger = logging.getLogger(__name__)
-
-OOM_RECOVERY_STEPS = 64  # steps without running out of memory before a batch cap doubles again
-MAX_OOM_STREAK = 12  # launches in a row that ran out of memory before the batch is refused (503)
-OOM_RETRY_AFTER_S = 5.0  # what the 503 of a batch that never found memory tells the client
 
 
 class Scheduler:
@@ -139,13 +135,23 @@ class Scheduler:
         self.paused = False  # the engine sleeps: requests wait in the queue and no step runs
         self._in_flight: LaunchedStep | None = None  # launched; its results are not read yet
         self._grammars: GrammarCache | None = None  # structured output's, made on first use
-        self.retry_out_of_memory = True  # a launch out of device memory is retried smaller
-        self.oom_retries = 0
-        self._oom_streak = 0  # launches in a row that ran out of memory
-        self._oom_caps: tuple[int, int] | None = None  # (rows, tokens) per batch after running out
-        self._steps_since_oom = 0
+        self.oom = OutOfMemoryRecovery()  # a launch out of device memory is retried smaller
         # What the KV cache could grow to (an engine that can resize); None: its size is fixed.
         self.could_hold_tokens: int | None = None
+
+    @property
+    def retry_out_of_memory(self) -> bool:
+        """A launch out of device memory is retried smaller (off with tensor parallelism)."""
+        return self.oom.enabled
+
+    @retry_out_of_memory.setter
+    def retry_out_of_memory(self, enabled: bool) -> None:
+        self.oom.enabled = enabled
+
+    @property
+    def oom_retries(self) -> int:
+        """Launches that ran out of device memory and were retried smaller, since start."""
+        return self.oom.retries
 
     @property
     def max_running_requests(self) -> int:
@@ -277,15 +283,15 @@ class Scheduler:
             try:
                 launched = self._launch(batch, previous)
             except Exception as exc:
-                if self._may_retry(exc):
+                if self.oom.may_retry(exc):
                     self._retry_smaller(batch, exc)
                     return
-                if self.retry_out_of_memory and is_out_of_memory(exc):
+                if self.oom.handles(exc):
                     self._refuse_for_memory(batch, exc)
                     return
                 raise
             self._in_flight = launched
-            self._after_launch()
+            self.oom.launched(self.max_running_requests, self.chunked_prefill_size)
             if previous is not None:
                 self._complete(previous)
             if not self.overlap or batch.drafts is not None:  # a verify step is read at once
@@ -311,32 +317,24 @@ class Scheduler:
     # -- running out of device memory ---------------------------------------------------
     def _row_limit(self) -> int:
         """Requests that may run at once: the flag's (re-capped) limit, or less after running out."""
-        if self._oom_caps is None:
-            return self.max_running_requests
-        return min(self.max_running_requests, self._oom_caps[0])
-
-    def _may_retry(self, error: Exception) -> bool:
-        return self.retry_out_of_memory and is_out_of_memory(error) and self._oom_streak < MAX_OOM_STREAK
+        return self.oom.row_limit(self.max_running_requests)
 
     def _retry_smaller(self, batch: ScheduledBatch, error: Exception) -> None:
         """The launch of `batch` ran out of memory: read the step before it, retract every request
         of the batch (the release frees the failed launch's slots too) and cap what runs next."""
-        self.oom_retries += 1
-        self._oom_streak += 1
-        self._steps_since_oom = 0
         self.finish_in_flight()
         self._requeue_after_failure(batch.requests)
         for request in sorted(batch.requests, key=lambda r: -r.seq):
             if not request.finished:
                 self.retract(request)
-        rows = max(1, len(batch.requests) // 2)
         # a decode ran out for its rows; a prefill for its tokens too
         tokens = (
             self.chunked_prefill_size
             if batch.decode
             else max(self.page_size, sum(len(row.token_ids) for row in batch.rows) // 2)
         )
-        self._oom_caps = rows, tokens
+        self.oom.retried(len(batch.requests), tokens)
+        rows = self.oom.row_limit(len(batch.requests))
         logger.warning(
             "a %s step of %d requests ran out of device memory (%s); retracted them, retrying with at most "
             "%d requests and %d tokens per step",
@@ -351,7 +349,7 @@ class Scheduler:
         """`MAX_OOM_STREAK` launches in a row found no memory: end the failed batch's requests with
         a 503 and Retry-After (the client may try again; it is not the request's fault) and let the
         rest go on, the batch caps kept."""
-        self._oom_streak = 0
+        self.oom.refused()
         self.finish_in_flight()
         self._requeue_after_failure(batch.requests)
         logger.warning(
@@ -368,21 +366,6 @@ class Scheduler:
                     "the device has no memory for this request's step now (another process holds it); "
                     "try again later",
                 )
-
-    def _after_launch(self) -> None:
-        """A launch went through: the streak ends, and after a calm run the caps double back."""
-        self._oom_streak = 0
-        if self._oom_caps is None:
-            return
-        self._steps_since_oom += 1
-        if self._steps_since_oom < OOM_RECOVERY_STEPS:
-            return
-        self._steps_since_oom = 0
-        rows, tokens = self._oom_caps
-        if rows >= self.max_running_requests and tokens >= self.chunked_prefill_size:
-            self._oom_caps = None
-        else:
-            self._oom_caps = 2 * rows, 2 * tokens
 
     def _requeue_after_failure(self, batch: list[Request]) -> None:
         """After a step raised: every request of the batch that did not finish is in a queue again
@@ -404,11 +387,7 @@ class Scheduler:
         chunk budget. A request whose earlier chunk is still in flight (overlap) continues after it.
         Room is counted in pages as requests are taken; the slots of the whole batch are allocated
         in one call at the end (one call per request cost ~0.5 ms of host time each)."""
-        budget = (
-            self.chunked_prefill_size
-            if self._oom_caps is None
-            else min(self.chunked_prefill_size, self._oom_caps[1])
-        )
+        budget = self.oom.token_limit(self.chunked_prefill_size)
         row_limit = self._row_limit()
         scoring_budget = PROMPT_LOGITS_PER_STEP
         rows: list[BatchRow] = []
@@ -743,44 +722,11 @@ class Scheduler:
             self.running = [request for request in self.running if not request.finished]
 
     def _stop_limits(self) -> tuple[int, int]:
-        """What `_stop_reason` compares every request with: the longest a request may grow (the
-        context, and what the KV cache could hold with nothing else in it: a cache that can grow
-        back retracts a request past its size of now, which then waits for memory)."""
         kv_tokens = self.could_hold_tokens or self.runner.allocator.capacity_tokens
-        return self.context_length, kv_tokens - self.page_size
+        return stop_limits(self.context_length, kv_tokens, self.page_size)
 
     def _stop_reason(self, request: Request, limits: tuple[int, int]) -> str | None:
-        """Why `request` ends after its newest token, or None; `limits`: (the context length,
-        the KV capacity less a page)."""
-        token = request.output_ids[-1]
-        sampling = request.sampling
-        grammar = request.grammar
-        if grammar is not None and grammar.rejected:
-            request.error = f"structured output: the grammar refused token {grammar.rejected_token}"
-            return "error"
-        if grammar is not None and grammar.terminated:
-            return "stop"
-        if (token in self.eos_token_ids and not sampling.ignore_eos) or token in sampling.stop_token_ids:
-            return "stop"
-        if sampling.stop:
-            searched = len(request.text)
-            detokenize(self.outputs.tokenizer, request)
-            # vLLM's rule: stop strings count from the token after `min_tokens`; text before it is
-            # never searched again, so a stop string inside it does not end the request later.
-            held_back = len(request.output_ids) <= sampling.min_tokens
-            index = None if held_back else find_stop(request.text, sampling.stop, searched)
-            if index is not None:
-                request.text = request.text[:index]
-                request.stopped_by_string = True
-                return "stop"
-        generated = len(request.output_ids)
-        num_tokens = len(request.prompt_ids) + generated
-        context_length, kv_limit = limits
-        if generated >= sampling.max_new_tokens or num_tokens >= context_length:
-            return "length"
-        if num_tokens > kv_limit:
-            return "kv_capacity"  # the KV cache could not hold its next token even with nothing else in it
-        return None
+        return stop_reason(request, limits, self.eos_token_ids, self.outputs.tokenizer)
 
     # -- leaving ------------------------------------------------------------------------
     def _finish(self, request: Request, reason: str) -> None:
