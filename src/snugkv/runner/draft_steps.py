@@ -99,11 +99,12 @@ def run_draft_steps(
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None] | None,
     num_layers: int,
+    *,
+    separate: bool = False,
 ) -> ModelDrafts:
     """Draft `rows[i].draft_len` tokens for each row through the model's first `num_layers`
-    layers, or through the separate draft model when the runner has one (`num_layers` is then
-    its layer count); `params[i]` and `generators[i]` choose row i's tokens. The host waits once,
-    at the end."""
+    layers, or (`separate`) through the runner's separate draft model, all its layers;
+    `params[i]` and `generators[i]` choose row i's tokens. The host waits once, at the end."""
     if not rows:
         return ModelDrafts([], None)
     if any(row.draft_len < 1 for row in rows):
@@ -128,7 +129,7 @@ def run_draft_steps(
         if tokens is not None:  # this step reads the tokens the step before drafted
             fed = to_device([previous[i] for i in active], torch.int64, device)
             forward_batch.input_ids = tokens.index_select(0, fed)
-        logits = draft_logits(runner, forward_batch, num_layers)
+        logits = draft_logits(runner, forward_batch, num_layers, separate=separate)
         step_params = [params[i] for i in active]
         if keeps_probs:
             probs = target_probabilities(logits, step_params, runner.sampler)
@@ -147,13 +148,15 @@ def run_draft_steps(
     return ModelDrafts(token_ids, _row_major(step_probs, order, rows) if keeps_probs else None)
 
 
-def draft_logits(runner: DraftRunner, forward_batch: ForwardBatch, num_layers: int) -> torch.Tensor:
-    """Float32 logits `[rows, vocab]` of a draft step. A separate draft model: eagerly through it,
-    over its own KV layers. Every layer (`self`): the model's own decode path, graphs included;
-    fewer: eagerly through the first `num_layers`."""
-    if runner.draft_model is not None:
-        if runner.draft_kv is None:
-            raise RuntimeError("the runner's draft model has no KV layers in its pool")
+def draft_logits(
+    runner: DraftRunner, forward_batch: ForwardBatch, num_layers: int, *, separate: bool = False
+) -> torch.Tensor:
+    """Float32 logits `[rows, vocab]` of a draft step. `separate`: eagerly through the runner's
+    separate draft model, over its own KV layers. Else every layer (`self`): the model's own decode
+    path, graphs included; fewer: eagerly through the first `num_layers`."""
+    if separate:
+        if runner.draft_model is None or runner.draft_kv is None:
+            raise RuntimeError("this runner has no separate draft model (--draft-model PATH at start-up)")
         forward_batch.kv_pool = runner.draft_kv
         runner.attn_backend.init_forward_metadata(forward_batch)
         draft = runner.draft_model

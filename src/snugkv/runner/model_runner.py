@@ -161,11 +161,6 @@ class ModelRunner:
         return self.req_to_token_pool.req_to_token.device
 
     @property
-    def drafting_model(self) -> CausalLM:
-        """The model `draft_on_device` drafts with: the separate draft model, else the model itself."""
-        return self.model if self.draft_model is None else self.draft_model
-
-    @property
     def max_context_len(self) -> int:
         return int(self.req_to_token_pool.req_to_token.shape[1])
 
@@ -324,11 +319,13 @@ class ModelRunner:
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None] | None,
         num_layers: int,
+        *,
+        separate: bool = False,
     ) -> ModelDrafts:
-        """Draft tokens for `rows` with the model's first `num_layers` layers, or with the separate
-        draft model (snugkv.runner.draft_steps), writing their KV at the rows' speculative slots
-        (allocated first): into the model's buffers, or the draft's own."""
-        return run_draft_steps(self, rows, params, generators, num_layers)
+        """Draft tokens for `rows` with the model's first `num_layers` layers, or (`separate`) with
+        the separate draft model (snugkv.runner.draft_steps), writing their KV at the rows'
+        speculative slots (allocated first): into the model's buffers, or the draft's own."""
+        return run_draft_steps(self, rows, params, generators, num_layers, separate=separate)
 
     @torch.inference_mode()
     def verify_on_device(
