@@ -407,3 +407,69 @@ def test_on_a_gpu_a_separate_draft_runs_beside_the_graphs_and_gives_the_tokens_o
     assert stats["spec_accepted_tokens"] == stats["spec_draft_tokens"] > 0
     assert 2 * ledger.draft_weights_bytes == ledger.weights_bytes
     assert 0 < ledger.draft_peak_bytes <= ledger.activation_peak_bytes
+
+
+def test_prefixes_back_from_the_host_tier_bring_the_drafts_kv_with_them(monkeypatch):
+    """A device cache of 256 tokens and a host tier: returning prompts load their pages back from
+    the host, the draft's KV with the model's (the pool's page views hold both); after every
+    forward the draft's KV at every row's positions equals the model's, and the tokens equal those
+    of the same engine without the host tier."""
+    engine = Engine(
+        draft_args(
+            page_size=4,
+            max_total_tokens=256,
+            max_running_requests=4,
+            chunked_prefill_size=128,
+            kv_chunk_mib=1 / 16,
+            kv_host_tier_gib=0.05,
+        )
+    )
+    try:
+        pool = engine.pool
+        assert isinstance(pool, MHAKVPool) and engine.host_tier is not None
+        assert len(pool.page_views()) == 2 * engine.config.num_layers  # the draft's layers travel too
+        system = [1, *range(500, 515)]
+        prompts = [system + [(977 * s + 31 * i) % 40000 + 100 for i in range(64)] for s in range(6)]
+        order = prompts + prompts[:3]
+        sampling = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+
+        def run_all(host_tier: bool) -> tuple[dict[str, list[int]], Scheduler]:
+            outputs: dict[str, list[int]] = {}
+            core = EngineCore.around(
+                engine,
+                use_host_tier=host_tier,
+                on_output=lambda r, o: outputs.setdefault(o.rid, []).extend(o.token_ids),
+            )
+            for index, prompt in enumerate(order):
+                core.scheduler.add_request(str(index), prompt, sampling)
+                while core.scheduler.has_work:
+                    core.scheduler.step()
+                    core.scheduler.check_slot_accounting()
+            return outputs, core.scheduler
+
+        expected, scheduler = run_all(host_tier=False)
+        scheduler.cache.reset()
+        draft_kv = pool.draft_kv()
+        assert draft_kv is not None
+        table = engine.runner.req_to_token_pool.req_to_token_host
+        real_forward = ModelRunner.forward
+
+        def checking(self, rows, out_cache_loc):
+            logits = real_forward(self, rows, out_cache_loc)
+            for row in rows:
+                slots = table[row.req_pool_idx, : row.seq_len].long()
+                for layer in range(pool.num_layers):
+                    model_kv = torch.cat([buffer[slots] for buffer in pool.get_kv_buffer(layer)], dim=1)
+                    drafts_kv = torch.cat([buffer[slots] for buffer in draft_kv.get_kv_buffer(layer)], dim=1)
+                    torch.testing.assert_close(drafts_kv, model_kv, atol=1e-4, rtol=1e-4)
+            return logits
+
+        monkeypatch.setattr(ModelRunner, "forward", checking)
+        outputs, scheduler = run_all(host_tier=True)
+        stats = scheduler.stats()
+        assert stats.host_tier is not None and stats.host_tier.host_hit_tokens > 0
+        assert outputs == expected
+        assert stats.spec_accepted_tokens == stats.spec_draft_tokens > 0
+        scheduler.cache.reset()
+    finally:
+        engine.close()
