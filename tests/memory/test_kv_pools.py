@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from snugkv.memory.arena import KvArena
-from snugkv.memory.kv_pool import KVPool, KVPoolSpec, MHAKVPool, PoolMode
+from snugkv.memory.kv_pool import DraftKvShape, KVPool, KVPoolSpec, MHAKVPool, PoolMode
 from snugkv.memory.layout import KVLayout
 from snugkv.memory.mla_pool import MLAKVPool
 from snugkv.memory.swa_pool import SWAKVPool
@@ -298,3 +298,43 @@ def test_static_pool_over_plain_memory_needs_no_vmm():
     k, _ = pool.get_kv_buffer(1)
     assert torch.equal(k[64, :, 3], values[1].bfloat16())
     assert pool.committed_tokens == 256
+
+
+@pytest.mark.parametrize("layout", ["nhd", "hnd"])
+def test_a_draft_models_layers_share_the_slots_and_the_bytes_of_the_pool(layout):
+    """A draft of another shape (5 layers of 1 head of 8) beside the model's 2 layers of 3 heads of
+    24: one more token costs both, the draft's layers are addressed from 0 and write only their own
+    buffers, and a page move or a page view carries the draft's bytes with the model's."""
+    spec = KVPoolSpec.of(dtype="float32", page_size=4, layout=layout, device="cpu", mode="static")
+    arena = KvArena(HostVmm(granularity_bytes=GRANULE), 64 * MIB, label="test")
+    plain = MHAKVPool(spec, reserved_tokens=64, num_layers=2, num_kv_heads=3, head_dim=24, arena=arena)
+    pool = MHAKVPool(
+        spec,
+        reserved_tokens=64,
+        num_layers=2,
+        num_kv_heads=3,
+        head_dim=24,
+        arena=KvArena(HostVmm(granularity_bytes=GRANULE), 64 * MIB, label="test"),
+        draft=DraftKvShape(num_layers=5, num_kv_heads=1, head_dim=8),
+    )
+    assert pool.draft_bytes_per_token == 5 * 2 * 1 * 8 * 4
+    assert pool.bytes_per_token == plain.bytes_per_token + pool.draft_bytes_per_token
+    assert plain.draft_bytes_per_token == 0 and plain.draft_kv() is None
+    draft = pool.draft_kv()
+    assert draft is not None
+    slots = torch.tensor([5, 9])
+    k, v = torch.randn(2, 1, 8), torch.randn(2, 1, 8)
+    before = [torch.cat([b[slots] for b in pool.get_kv_buffer(layer)]).clone() for layer in range(2)]
+    draft.set_kv(4, slots, k, v)
+    draft_k, draft_v = draft.get_kv_buffer(4)
+    if layout == "hnd":
+        torch.testing.assert_close(draft_k[slots // 4, :, slots % 4], k)
+        torch.testing.assert_close(draft_v[slots // 4, :, slots % 4], v)
+    else:
+        torch.testing.assert_close(draft_k[slots], k)
+        torch.testing.assert_close(draft_v[slots], v)
+    after = [torch.cat([b[slots] for b in pool.get_kv_buffer(layer)]) for layer in range(2)]
+    assert all(torch.equal(x, y) for x, y in zip(before, after))  # the model's layers untouched
+    assert len(pool.page_views()) == 2 + 5  # a host-tier copy carries the draft's pages too
+    page_bytes = sum(view.shape[1] for view in pool.page_views())
+    assert page_bytes == 4 * pool.bytes_per_token

@@ -44,8 +44,8 @@ REFUSED = [
     (
         ["--speculative", "draft", "--draft-model", "/models/SmolLM2-135M"],
         {"speculative": "draft", "draft_model": "/models/SmolLM2-135M"},
-        "--draft-model /models/SmolLM2-135M: a separate draft model is not built yet (issue 34); use "
-        "--draft-model layers:N or self, which share the model's weights and KV cache",
+        "--draft-model /models/SmolLM2-135M: no such file or directory; pass a .gguf file or a model "
+        "directory (config.json + *.safetensors), or layers:N or self",
     ),
     (["--speculative", "lookahead"], {"speculative": "lookahead"}, "--speculative must be one of ngram, suffix, draft, got 'lookahead'"),
     (

@@ -43,9 +43,15 @@ def proposer(value: str) -> str:
     if value not in PROPOSERS and not value.startswith(DRAFT_PREFIX):
         raise argparse.ArgumentTypeError(f"{value!r} is not ngram, suffix or draft:SPEC (layers:N or self)")
     try:
-        speculative_config(value, num_tokens=1, max_batch_size=1)
+        config = speculative_config(value, num_tokens=1, max_batch_size=1)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+    if config.separate_draft:
+        raise argparse.ArgumentTypeError(
+            f"{value}: a separate draft model is not in this bench yet (it runs beside every step of the "
+            "engine that holds it, plain runs included, so the baseline would pay for it); use "
+            "draft:layers:N or draft:self"
+        )
     return value
 
 

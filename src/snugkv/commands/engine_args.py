@@ -257,8 +257,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="SPEC",
         help="with --speculative draft: layers:N (the model's first N layers, its final norm and LM head: "
-        "no weights or KV of its own) or self (the whole model; every greedy draft is accepted); a "
-        "separate draft checkpoint is not built yet",
+        "no weights or KV of its own), self (the whole model; every greedy draft is accepted) or PATH (a "
+        "separate draft model, a .gguf file or a model directory of the same vocabulary: its own weights, "
+        "its KV beside the model's in the same slots; it runs beside every step)",
     )
     group.add_argument(
         "--num-speculative-tokens",

@@ -54,7 +54,8 @@ class MemoryLedger:
     verify_peak_bytes: int = 0
     # --speculative draft: its --draft-model ("" without a draft model), the measured peak of the
     # largest batch's draft steps (within `activation_peak_bytes`), and what the draft holds of its
-    # own: weights and KV bytes per token (0 for layers:N and self, which share the model's)
+    # own: weights (within `weights_bytes`) and KV bytes per token (within the KV cache's: a slot
+    # holds both); 0 for layers:N and self, which share the model's
     draft_model: str = ""
     draft_peak_bytes: int = 0
     draft_weights_bytes: int = 0
@@ -141,6 +142,11 @@ class MemoryLedger:
         width = max(len(name) for name, _ in self.rows())
         lines = [f"Memory ledger ({self.device}):"]
         lines += [f"  {name:<{width}}  {value / GIB:9.3f} GiB" for name, value in self.rows()]
+        if self.draft_kv_bytes_per_token:  # a per-token figure, not a share of the total
+            lines.append(
+                f"  draft model KV per token ({self.draft_model}; in KV committed): "
+                f"{self.draft_kv_bytes_per_token} bytes"
+            )
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, int | str | bool]:

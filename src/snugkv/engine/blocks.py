@@ -20,8 +20,9 @@ import torch.distributed as dist
 from snugkv.core.reports import MemoryLedger
 from snugkv.distributed.group import TensorParallel
 from snugkv.engine.args import EngineArgs
+from snugkv.engine.draft_model import draft_kv_shape, weights_bytes
 from snugkv.engine.kv_sizing import KvCaps, KvSizing, StartGate
-from snugkv.memory.kv_pool import KVPool, KVPoolSpec, PoolMode
+from snugkv.memory.kv_pool import KVPool, KVPoolSpec, MHAKVPool, PoolMode
 from snugkv.memory.vmm import GIB, MIB, CommitError, VirtualMemory
 from snugkv.memory.vmm_plain import PlainMemory
 from snugkv.models.loader import LoadedModel
@@ -48,6 +49,7 @@ class EngineBlocks:
         tp: TensorParallel,
         group: dist.ProcessGroup | None,
         loaded: LoadedModel,
+        draft: LoadedModel | None = None,
         kv_dtype: torch.dtype | str,  # a name (--kv-dtype) or the weights' dtype
         context_length: int,
         memory: VirtualMemory,
@@ -62,6 +64,7 @@ class EngineBlocks:
         self.tp = tp
         self.group = group
         self.loaded = loaded
+        self.draft = draft  # a separate draft model (--draft-model PATH): KV beside the model's
         self.config = loaded.config
         self.kv_dtype = kv_dtype
         self.context_length = context_length
@@ -121,6 +124,7 @@ class EngineBlocks:
             reserved_tokens=reserved_tokens,
             swa_full_tokens_ratio=self.args.cache.swa_full_tokens_ratio,
             num_kv_heads=self.loaded.model.num_kv_heads_per_rank,  # tp: this rank's
+            draft=None if self.draft is None else draft_kv_shape(self.draft),
         )
 
     def build_runner(self, pool: KVPool) -> ModelRunner:
@@ -132,6 +136,7 @@ class EngineBlocks:
                 max_context_len=self.context_length,
                 attention_backend=self.args.runner.attention_backend,
                 tp=self.tp,
+                draft_model=None if self.draft is None else self.draft.model,
             )
         except CommitError as exc:
             raise SizingError(
@@ -169,8 +174,9 @@ class EngineBlocks:
         outside_torch = self.graph_driver_bytes
         if pool is not None and not isinstance(self.memory, PlainMemory):
             outside_torch += pool.committed_bytes
-        if self.loaded.weights is not None:
-            outside_torch += self.loaded.weights.committed_bytes
+        for loaded in (self.loaded, self.draft):
+            if loaded is not None and loaded.weights is not None:
+                outside_torch += loaded.weights.committed_bytes
         return engine_device_bytes(self.memory, outside_torch, self.baseline_reserved_bytes)
 
     def measure_ledger(self, kv: KvSizing) -> MemoryLedger:
@@ -178,7 +184,7 @@ class EngineBlocks:
             self.device,
             self.memory,
             baseline_free_bytes=self.baseline_free_bytes,
-            weights_bytes=sum(p.numel() * p.element_size() for p in self.loaded.model.parameters()),
+            weights_bytes=weights_bytes(self.loaded) + weights_bytes(self.draft),
             kv_committed_bytes=kv.pool.committed_bytes,
             kv_reserved_va_bytes=kv.pool.arena.reserved_bytes,
             kv_in_torch_allocator=isinstance(self.memory, PlainMemory),
@@ -189,6 +195,8 @@ class EngineBlocks:
             verify_peak_bytes=self.verify_peak_bytes,
             draft_model=self.draft_model,
             draft_peak_bytes=self.draft_peak_bytes,
+            draft_weights_bytes=weights_bytes(self.draft),
+            draft_kv_bytes_per_token=kv.pool.draft_bytes_per_token if isinstance(kv.pool, MHAKVPool) else 0,
             headroom_bytes=kv.headroom_bytes,
             guest_room_bytes=kv.guest_room_bytes,
             host_tier_staging_bytes=self.host_tier_staging_bytes,

@@ -157,12 +157,16 @@ def largest_verify_step(blocks: EngineBlocks, runner: ModelRunner) -> None:
 def largest_draft_steps(blocks: EngineBlocks, runner: ModelRunner) -> None:
     """A draft model's `k` draft steps for the largest speculating batch (`largest_verify_step`'s
     `B` rows), sampled so that each step's probabilities are kept, as serving runs them: through
-    the decode graphs for `--draft-model self`, eagerly through the first `N` layers for `layers:N`.
+    the decode graphs for `--draft-model self`, eagerly through the first `N` layers for `layers:N`,
+    eagerly through the separate draft model for a path (its forward beside each of the model's is
+    in `largest_eager_step`'s measurement: `runner.forward` runs both).
     On the dummy slot (table row 0, the padding row). Nothing on CPU: the host backend keeps no
     headroom and the draft steps leave nothing behind."""
     speculative = blocks.args.speculative
     if speculative is None or not speculative.drafts_with_model or blocks.device.type != "cuda":
         return
     batch, k = min(speculative.max_batch_size, blocks.max_running_requests), speculative.num_tokens
+    separate = speculative.separate_draft  # the separate draft model's own layers, all of them
     layers = speculative.draft_layers(blocks.config.num_layers)
-    runner.draft_on_device([DraftRow(0, 1, 0, k)] * batch, [SAMPLING_EVERY_STAGE] * batch, None, layers)
+    rows, params = [DraftRow(0, 1, 0, k)] * batch, [SAMPLING_EVERY_STAGE] * batch
+    runner.draft_on_device(rows, params, None, layers, separate=separate)

@@ -40,6 +40,7 @@ from snugkv.distributed.group import TensorParallel, use_tensor_parallel
 from snugkv.engine.args import EngineArgs, InvalidEngineArgs
 from snugkv.engine.blocks import EngineBlocks
 from snugkv.engine.capture import capture_graphs
+from snugkv.engine.draft_model import draft_path, find_draft_source, load_draft_model
 from snugkv.engine.host_tier import allocate_staging, open_host_tier
 from snugkv.engine.kv_sizing import KvSizing, KvTarget, StartGate
 from snugkv.engine.memory_backend import memory_backend, weights_memory
@@ -110,6 +111,7 @@ class Engine:
         # 1. Load weights (baseline before, so the ledger can tell them apart). Post-capture places
         # them in virtual memory too, so sleep can release them without breaking a graph.
         self.mode = resolve_mode(args.memory.kv_sizing, self.device)
+        draft_source = find_draft_source(args, tp)  # a bad --draft-model path fails before any load
         baseline_free, _ = device_memory(self.device)
         # What torch held before the engine (other tensors of this process) is not the engine's.
         self.baseline_reserved_bytes = torch_reserved_bytes(self.device)
@@ -137,6 +139,18 @@ class Engine:
                 raise InvalidEngineArgs(str(exc)) from None
         self.kv_dtype = args.cache.kv_dtype or self.loaded.dtype
         self.context_length = args.load.context_length or self.config.max_position_embeddings
+        # A separate draft model (--draft-model PATH): its own weights, its KV beside the model's.
+        self.draft: LoadedModel | None = None
+        if draft_source is not None:
+            self.draft = load_draft_model(
+                args,
+                draft_path(args) or "",
+                draft_source,
+                self.loaded,
+                context_length=self.context_length,
+                weights_memory=weights_memory(self.device, self.mode),
+                tp=tp,
+            )
         self._timings["load_s"] = time.perf_counter() - loading
 
         self.memory = memory_backend(self.device, self.mode, args)
@@ -148,6 +162,7 @@ class Engine:
             tp=tp,
             group=group,
             loaded=self.loaded,
+            draft=self.draft,
             kv_dtype=self.kv_dtype,
             context_length=self.context_length,
             memory=self.memory,
@@ -172,6 +187,7 @@ class Engine:
         self.sleeper = EngineSleep(
             mode=self.mode,
             loaded=self.loaded,
+            draft=self.draft,
             kv=self.kv,
             tp=tp,
             device=self.device,
@@ -381,18 +397,20 @@ class Engine:
         self._release_weights()
 
     def _release_weights(self) -> None:
-        """Give the weights' memory back now, not when the last reference to the model goes: every
-        parameter and buffer is emptied in place (a caller still holding the model, a module or a
-        parameter object keeps an object of no elements), then the weight arena is released. A
-        tensor still viewing the weights themselves keeps them: the arena then goes when that tensor
-        does, and the log says so."""
-        model = self.loaded.model
-        with torch.no_grad():
-            for tensor in (*model.parameters(), *model.buffers()):
-                tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
-        if self.loaded.weights is None:
-            return
-        try:
-            self.loaded.weights.close()
-        except RuntimeError as exc:
-            logger.warning("weights not released yet: %s", exc)
+        """Give the weights' memory back now (the draft model's too), not when the last reference to
+        the model goes: every parameter and buffer is emptied in place (a caller still holding the
+        model, a module or a parameter object keeps an object of no elements), then the weight arena
+        is released. A tensor still viewing the weights themselves keeps them: the arena then goes
+        when that tensor does, and the log says so."""
+        for loaded in (self.loaded, self.draft):
+            if loaded is None:
+                continue
+            with torch.no_grad():
+                for tensor in (*loaded.model.parameters(), *loaded.model.buffers()):
+                    tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+            if loaded.weights is None:
+                continue
+            try:
+                loaded.weights.close()
+            except RuntimeError as exc:
+                logger.warning("weights not released yet: %s", exc)

@@ -58,6 +58,7 @@ class EngineSleep:
         mode: SizingMode,
         loaded: LoadedModel,
         kv: KvSizing,
+        draft: LoadedModel | None = None,
         tp: TensorParallel,
         device: torch.device,
         capture_graphs: Callable[[], object],
@@ -65,6 +66,7 @@ class EngineSleep:
     ) -> None:
         self.mode = mode
         self.loaded = loaded
+        self.draft = draft  # a separate draft model's weights sleep and wake with the model's
         self.kv = kv
         self.tp = tp
         self.device = device
@@ -73,6 +75,9 @@ class EngineSleep:
         self.sleeping_tags: frozenset[str] = frozenset()  # what sleep released
         self.level = 0  # of the last sleep that released the weights: 1 keeps them on the host, 2 drops them
         self._history_vocab: int | None = None  # the token history's, while the KV cache sleeps
+
+    def _models(self) -> list[LoadedModel]:
+        return [self.loaded] if self.draft is None else [self.loaded, self.draft]
 
     @property
     def is_sleeping(self) -> bool:
@@ -85,7 +90,11 @@ class EngineSleep:
             level=self.level if "weights" in self.sleeping_tags else None,
             weights_in_host_memory=weights is not None and weights.holds_host_copy,
             kv_committed_bytes=self.kv.pool.committed_bytes,
-            weights_committed_bytes=weights.committed_bytes if weights is not None else None,
+            weights_committed_bytes=(
+                sum(m.weights.committed_bytes for m in self._models() if m.weights is not None)
+                if weights is not None
+                else None
+            ),
         )
 
     def check(self, level: int, tags: Collection[str] | None) -> frozenset[str]:
@@ -125,7 +134,9 @@ class EngineSleep:
         if "cuda_graph" in chosen:
             self._release_graphs()
         if "weights" in chosen and self.loaded.weights is not None:
-            self.loaded.weights.offload(keep=level == 1)
+            for loaded in self._models():
+                if loaded.weights is not None:
+                    loaded.weights.offload(keep=level == 1)
             self.level = level
         settle(self.device)
         self.sleeping_tags |= chosen
@@ -157,10 +168,11 @@ class EngineSleep:
                 )
         kv = self.kv
         started = time.perf_counter()
-        weights = self.loaded.weights
-        if "weights" in chosen and weights is not None and not weights.restore():
-            with use_tensor_parallel(self.tp):  # level 2: the same files (or seed) again
-                fill_weights(self.loaded)
+        if "weights" in chosen:
+            for loaded in self._models():
+                if loaded.weights is not None and not loaded.weights.restore():
+                    with use_tensor_parallel(self.tp):  # level 2: the same files (or seed) again
+                        fill_weights(loaded)
         if "cuda_graph" in chosen:
             if "kv_cache" in self.sleeping_tags:
                 kv.pool.ensure_prefix()  # graphs write their padding rows' K/V to the dummy page

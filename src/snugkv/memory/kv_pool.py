@@ -29,6 +29,7 @@ from snugkv.memory.vmm_plain import PlainMemory
 logger = logging.getLogger(__name__)
 
 DEFAULT_GROUP = "full"
+DRAFT_BUFFER_PREFIX = "draft"  # a separate draft model's layer buffers: draft0.kv, draft1.kv, ...
 MOVE_STAGING_BYTES = 16 << 20  # a shrink's page copy goes through at most this much at a time
 
 
@@ -346,6 +347,43 @@ class KVPool:
             buffer[loc] = values
 
 
+@dataclass(frozen=True, slots=True)
+class DraftKvShape:
+    """A separate draft model's KV per token: `num_layers` layers of `num_kv_heads` heads of
+    `head_dim` (K and V alike), kept beside the model's in the same pool (`MHAKVPool`)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+
+class DraftKv:
+    """The draft model's layers of an `MHAKVPool`, as attention reads and writes them
+    (snugkv.core.forward.KVCache): the draft's layer `l` is the pool's layer `first_layer + l`,
+    at the same token slots as the model's own layers."""
+
+    def __init__(self, pool: MHAKVPool, first_layer: int) -> None:
+        self.pool = pool
+        self.first_layer = first_layer
+
+    @property
+    def page_size(self) -> int:
+        return self.pool.page_size
+
+    @property
+    def layout(self) -> KVLayout:
+        return self.pool.layout
+
+    def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.pool.get_kv_buffer(self.first_layer + layer_id)
+
+    def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> None:
+        self.pool.set_kv(self.first_layer + layer_id, loc, k, v)
+
+    def slot_map(self, layer_id: int) -> torch.Tensor | None:
+        return None
+
+
 class MHAKVPool(KVPool):
     """K and V of a layer in one buffer (multi-head and grouped-query attention).
 
@@ -355,6 +393,11 @@ class MHAKVPool(KVPool):
     resize maps or unmaps (a driver mapping costs ~35 us to unmap whatever its size:
     docs/bench/elastic.md), so a shrink of 10 GiB takes half the driver calls, and a move copies a
     slot's K and V in one row. Where V's head dim differs from K's, the layer keeps two buffers.
+
+    `draft`: a separate draft model's layers (`--draft-model PATH`) get buffers of their own shape
+    after the model's, as the pool's layers `num_layers ...` (`draft_kv()` addresses them from 0):
+    the same slots, so one allocator hands out both and one arena backs both, and every resize,
+    move, host-tier copy and sleep of the pool moves the draft's KV with the model's.
     """
 
     def __init__(
@@ -367,6 +410,7 @@ class MHAKVPool(KVPool):
         head_dim: int,
         v_head_dim: int | None = None,
         arena: KvArena | None = None,
+        draft: DraftKvShape | None = None,
     ) -> None:
         super().__init__(spec, reserved_tokens=reserved_tokens, arena=arena)
         self.num_layers = num_layers
@@ -374,20 +418,32 @@ class MHAKVPool(KVPool):
         self.head_dim = head_dim
         self.v_head_dim = v_head_dim or head_dim
         self.layer_ids = list(range(num_layers))
+        self.draft = draft
         self.fused = self.v_head_dim == head_dim
         heads = num_kv_heads
         if self.fused:
+            # (kv heads, head dim) of every layer's buffer: the model's, then the draft's
+            shapes = {layer: (heads, head_dim) for layer in self.layer_ids}
+            if draft is not None:
+                draft_shape = (draft.num_kv_heads, draft.head_dim)
+                shapes |= {num_layers + index: draft_shape for index in range(draft.num_layers)}
             layouts = [
                 BufferLayout(
-                    f"layer{layer}.kv", self.dtype, (2 * heads, head_dim), self.page_size, self.layout
+                    f"{_buffer_name(layer, num_layers)}.kv",
+                    self.dtype,
+                    (2 * h, d),
+                    self.page_size,
+                    self.layout,
                 )
-                for layer in self.layer_ids
+                for layer, (h, d) in shapes.items()
             ]
             views = self._place({DEFAULT_GROUP: layouts})
-            self.kv_buffers = [views[f"layer{layer}.kv"] for layer in self.layer_ids]
-            self.k_buffers = {layer: self.kv_buffers[layer][:, :heads] for layer in self.layer_ids}
-            self.v_buffers = {layer: self.kv_buffers[layer][:, heads:] for layer in self.layer_ids}
+            self.kv_buffers = [views[f"{_buffer_name(layer, num_layers)}.kv"] for layer in shapes]
+            self.k_buffers = {layer: self.kv_buffers[layer][:, : shapes[layer][0]] for layer in shapes}
+            self.v_buffers = {layer: self.kv_buffers[layer][:, shapes[layer][0] :] for layer in shapes}
             return
+        if draft is not None:
+            raise ValueError("a draft model's KV needs a pool whose K and V share a head dim")
         layouts = []
         for layer in self.layer_ids:
             layouts.append(
@@ -402,6 +458,19 @@ class MHAKVPool(KVPool):
         self.k_buffers = {layer: views[f"layer{layer}.k"] for layer in self.layer_ids}
         self.v_buffers = {layer: views[f"layer{layer}.v"] for layer in self.layer_ids}
         self.kv_buffers = [*self.k_buffers.values(), *self.v_buffers.values()]
+
+    def draft_kv(self) -> DraftKv | None:
+        """The draft model's layers, addressed from 0 (None: the pool holds no draft)."""
+        return None if self.draft is None else DraftKv(self, self.num_layers)
+
+    @property
+    def draft_bytes_per_token(self) -> int:
+        """Bytes one token's KV takes in the draft's layers (0 without a draft)."""
+        return sum(
+            buffer.layout.slot_bytes
+            for buffer in self._buffers.get(DEFAULT_GROUP, [])
+            if buffer.name.startswith(DRAFT_BUFFER_PREFIX)
+        )
 
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_buffers[layer_id], self.v_buffers[layer_id]
@@ -419,3 +488,8 @@ class MHAKVPool(KVPool):
         self.k_buffers.clear()
         self.v_buffers.clear()
         self.kv_buffers.clear()
+
+
+def _buffer_name(layer: int, num_layers: int) -> str:
+    """`layer{l}` for the model's layers, `draft{l}` for a draft model's (numbered from 0)."""
+    return f"layer{layer}" if layer < num_layers else f"{DRAFT_BUFFER_PREFIX}{layer - num_layers}"

@@ -1,4 +1,4 @@
-"""Draft steps: the forwards of a layer-skip self-draft, its draft tokens and their probabilities.
+"""Draft steps: the forwards of a draft model, its draft tokens and their probabilities.
 
 `--speculative draft` drafts with the model itself: its first `num_layers` decoder layers, then its
 final norm and LM head (`--draft-model layers:N`; `self` runs every layer). A draft step is a
@@ -14,6 +14,13 @@ row's earlier positions, which is what the draft would have written itself. The 
 writes the same values over layers `< N` (and layers `>= N` for the first time), and the slots of
 rejected positions go back as for any draft (`RequestSlots.release_rejected`). The draft holds no
 weights and no KV bytes of its own.
+
+A separate draft model (`--draft-model PATH`, the runner's `draft_model`) runs instead, all its
+layers, eagerly, reading and writing its own KV layers of the same pool (`runner.draft_kv`) at the
+same slots. Its KV at the row's earlier positions is there because the runner runs the draft over
+every batch the model runs (`ModelRunner.forward`); the verify step's batch writes the draft's KV
+of the verified positions again (the same tokens), and of the last drafted token, which no draft
+step fed.
 
 Tokens: a greedy row takes the argmax (the point mass that verification assumes without
 probabilities). A sampled row draws from `q`, the sampler's temperature, top-k, top-p and min-p
@@ -38,6 +45,7 @@ from snugkv.core.sampling import SamplingParams
 from snugkv.core.transfer import to_device
 from snugkv.distributed.group import TensorParallel
 from snugkv.layers.sampler import Sampler, exponential_race
+from snugkv.memory.kv_pool import DraftKv
 from snugkv.memory.req_to_token import ReqToTokenPool
 from snugkv.models.causal_lm import CausalLM
 from snugkv.speculative.verify import target_probabilities
@@ -47,6 +55,8 @@ class DraftRunner(Protocol):
     """What draft steps need of the model runner (snugkv.runner.model_runner.ModelRunner)."""
 
     model: CausalLM
+    draft_model: CausalLM | None  # a separate draft model; None: the model drafts for itself
+    draft_kv: DraftKv | None  # the separate draft's KV layers (same slots as the model's)
     attn_backend: AttentionBackend
     sampler: Sampler
     tp: TensorParallel
@@ -89,9 +99,12 @@ def run_draft_steps(
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None] | None,
     num_layers: int,
+    *,
+    separate: bool = False,
 ) -> ModelDrafts:
     """Draft `rows[i].draft_len` tokens for each row through the model's first `num_layers`
-    layers (`params[i]` and `generators[i]` choose row i's tokens); the host waits once, at the end."""
+    layers, or (`separate`) through the runner's separate draft model, all its layers;
+    `params[i]` and `generators[i]` choose row i's tokens. The host waits once, at the end."""
     if not rows:
         return ModelDrafts([], None)
     if any(row.draft_len < 1 for row in rows):
@@ -116,7 +129,7 @@ def run_draft_steps(
         if tokens is not None:  # this step reads the tokens the step before drafted
             fed = to_device([previous[i] for i in active], torch.int64, device)
             forward_batch.input_ids = tokens.index_select(0, fed)
-        logits = draft_logits(runner, forward_batch, num_layers)
+        logits = draft_logits(runner, forward_batch, num_layers, separate=separate)
         step_params = [params[i] for i in active]
         if keeps_probs:
             probs = target_probabilities(logits, step_params, runner.sampler)
@@ -135,9 +148,19 @@ def run_draft_steps(
     return ModelDrafts(token_ids, _row_major(step_probs, order, rows) if keeps_probs else None)
 
 
-def draft_logits(runner: DraftRunner, forward_batch: ForwardBatch, num_layers: int) -> torch.Tensor:
-    """Float32 logits `[rows, vocab]` of a draft step. Every layer (`self`): the model's own decode
+def draft_logits(
+    runner: DraftRunner, forward_batch: ForwardBatch, num_layers: int, *, separate: bool = False
+) -> torch.Tensor:
+    """Float32 logits `[rows, vocab]` of a draft step. `separate`: eagerly through the runner's
+    separate draft model, over its own KV layers. Else every layer (`self`): the model's own decode
     path, graphs included; fewer: eagerly through the first `num_layers`."""
+    if separate:
+        if runner.draft_model is None or runner.draft_kv is None:
+            raise RuntimeError("this runner has no separate draft model (--draft-model PATH at start-up)")
+        forward_batch.kv_pool = runner.draft_kv
+        runner.attn_backend.init_forward_metadata(forward_batch)
+        draft = runner.draft_model
+        return draft.compute_logits(draft(forward_batch.input_ids, forward_batch.positions, forward_batch))
     model = runner.model
     if num_layers >= model.config.num_layers:
         return runner.forward_batch(forward_batch)

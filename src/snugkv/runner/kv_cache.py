@@ -3,7 +3,9 @@
 MLA models (a `kv_lora_rank` in the config) get the latent pool; models mixing sliding-window
 and full-attention layers get the hybrid SWA pool with the window layers in the smaller
 sub-pool; everything else gets the MHA pool (a model whose every layer slides keeps one pool
-and masks). The allocator always matches the pool: paged or token, SWA over both sub-pools;
+and masks). A separate draft model's KV (`draft`) goes into the MHA pool as buffers of its own
+shape beside the model's, at the same slots; the other pool kinds refuse one. The allocator always
+matches the pool: paged or token, SWA over both sub-pools;
 every allocator resizes by one count (`SlotAllocator.resize`). Allocators hand out slots on the
 CPU, where their free lists live: the runner sends them to the device with its table write, so
 taking slots never waits for the step the GPU is running.
@@ -12,7 +14,7 @@ taking slots never waits for the step the GPU is running.
 from __future__ import annotations
 
 from snugkv.memory.allocator import SlotAllocator, make_allocator
-from snugkv.memory.kv_pool import KVPool, KVPoolSpec, MHAKVPool
+from snugkv.memory.kv_pool import DraftKvShape, KVPool, KVPoolSpec, MHAKVPool
 from snugkv.memory.mla_pool import MLAKVPool
 from snugkv.memory.swa_allocator import SWAAllocator
 from snugkv.memory.swa_pool import SWA_GROUP, SWAKVPool
@@ -26,12 +28,23 @@ def make_kv_pool(
     reserved_tokens: int,
     swa_full_tokens_ratio: float = 0.8,
     num_kv_heads: int | None = None,
+    draft: DraftKvShape | None = None,
 ) -> KVPool:
     """A pool laid out for `reserved_tokens` (the address-space bound; what is backed follows the
     spec's mode). `num_kv_heads`: KV heads per layer on this rank (tensor parallel); default: the
-    config's."""
+    config's. `draft`: a separate draft model's KV, kept at the same slots (MHA pools only)."""
     num_kv_heads = num_kv_heads or config.num_kv_heads
     kv_lora_rank = config.hf.get("kv_lora_rank")
+    windows = config.sliding_windows
+    swa_layers = [layer for layer, window in enumerate(windows) if window is not None]
+    hybrid = bool(swa_layers) and len(swa_layers) < config.num_layers
+    if draft is not None and (kv_lora_rank or hybrid):
+        kind = "latent (MLA)" if kv_lora_rank else "mixed sliding-window"
+        raise ValueError(
+            f"--draft-model PATH: a separate draft model's KV is kept beside a model with plain "
+            f"(multi-head or grouped-query) attention only; {config.architecture} has {kind} attention "
+            "(use --draft-model layers:N or self)"
+        )
     if kv_lora_rank:
         return MLAKVPool(
             spec,
@@ -40,9 +53,7 @@ def make_kv_pool(
             kv_lora_rank=int(kv_lora_rank),
             qk_rope_head_dim=int(config.hf["qk_rope_head_dim"]),
         )
-    windows = config.sliding_windows
-    swa_layers = [layer for layer, window in enumerate(windows) if window is not None]
-    if swa_layers and len(swa_layers) < config.num_layers:
+    if hybrid:
         return SWAKVPool(
             spec,
             reserved_tokens=reserved_tokens,
@@ -58,6 +69,7 @@ def make_kv_pool(
         num_layers=config.num_layers,
         num_kv_heads=num_kv_heads,
         head_dim=config.head_dim,
+        draft=draft,
     )
 
 

@@ -18,6 +18,12 @@ and when a request ends frees its slots (`free_request_slots`, or the prefix cac
 and its table row. Nothing on the decode path makes the host wait for the GPU: slots come from
 the allocator and the table's host copy, and go to the device in one queued copy.
 
+With a separate draft model (`--draft-model PATH`, `draft_model`) every forward that writes the
+model's KV (step 3) runs the draft model over the same batch too, writing the draft's own KV
+layers in the same pool at the same slots (`MHAKVPool`'s draft buffers): whatever slot holds the
+model's KV holds the draft's, so the draft steps always find their KV complete, a prefix-cache
+hit included. The draft's forward is eager (no graph) and computes no logits.
+
 `ModelRunner.build` is the one way to assemble a runner (the engine and the tests use it): the
 pool's dummy page backed, the request-to-token table, the pool's allocator, the attention
 backend. The engine (snugkv.engine) then captures the decode graphs and backs the rest of the pool.
@@ -27,6 +33,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
@@ -38,7 +45,7 @@ from snugkv.core.transfer import to_device
 from snugkv.distributed.group import TensorParallel
 from snugkv.layers.sampler import Sampler
 from snugkv.memory.allocator import SlotAllocator
-from snugkv.memory.kv_pool import KVPool
+from snugkv.memory.kv_pool import DraftKv, KVPool, MHAKVPool
 from snugkv.memory.req_to_token import ReqToTokenPool
 from snugkv.models.causal_lm import CausalLM
 from snugkv.runner.cuda_graph import DecodeCudaGraphs, release_cublas_workspaces
@@ -62,8 +69,15 @@ class ModelRunner:
         allocator: SlotAllocator,
         attn_backend: AttentionBackend,
         tp: TensorParallel | None = None,
+        draft_model: CausalLM | None = None,
     ) -> None:
         self.model = model
+        self.draft_model = draft_model  # a separate draft model (--draft-model PATH), None otherwise
+        self.draft_kv: DraftKv | None = None
+        if draft_model is not None:
+            self.draft_kv = kv_pool.draft_kv() if isinstance(kv_pool, MHAKVPool) else None
+            if self.draft_kv is None:
+                raise ValueError("a separate draft model needs a KV pool built with its layers (draft=)")
         self.tp = tp or TensorParallel()
         self.kv_pool = kv_pool
         self.req_to_token_pool = req_to_token_pool
@@ -85,9 +99,11 @@ class ModelRunner:
         max_context_len: int,
         attention_backend: str = "auto",
         tp: TensorParallel | None = None,
+        draft_model: CausalLM | None = None,
     ) -> ModelRunner:
         """A runner over `kv_pool` with its dummy page backed and an allocator handing out what the
         pool has committed (nothing yet for a post-capture pool: `finalize_kv_pool` after sizing).
+        `draft_model`: a separate draft model whose KV layers `kv_pool` holds (`make_kv_pool(draft=)`).
 
         Raises `CommitError` when even the dummy page cannot be backed.
         """
@@ -95,6 +111,11 @@ class ModelRunner:
             raise ValueError(
                 f"max_context_len={max_context_len} exceeds the positions the model was built for "
                 f"({model.max_position}); load it with a larger max_position"
+            )
+        if draft_model is not None and max_context_len > draft_model.max_position:
+            raise ValueError(
+                f"max_context_len={max_context_len} exceeds the positions the draft model was built for "
+                f"({draft_model.max_position}); load it with a larger max_position"
             )
         kv_pool.ensure_prefix()
         return cls(
@@ -104,6 +125,7 @@ class ModelRunner:
             allocator=make_slot_allocator(kv_pool, kv_pool.committed_tokens),
             attn_backend=make_attention_backend(attention_backend, device_type=kv_pool.device.type),
             tp=tp,
+            draft_model=draft_model,
         )
 
     def finalize_kv_pool(self, num_tokens: int) -> int:
@@ -118,6 +140,7 @@ class ModelRunner:
         A step may still be running (an overlapped scheduler launches one before it reads the
         last): it finishes first."""
         self.release_graphs()
+        self.draft_kv = None
         for name in ("allocator", "kv_pool"):
             if hasattr(self, name):
                 delattr(self, name)
@@ -196,13 +219,27 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, rows: Sequence[BatchRow], out_cache_loc: torch.Tensor) -> torch.Tensor:
-        """Float32 logits `[rows needing logits, vocab]`, in row order."""
+        """Float32 logits `[rows needing logits, vocab]`, in row order. With a separate draft model
+        the draft runs over the same batch after the model, writing its KV at the same slots."""
         forward_batch = self.build_batch(rows, out_cache_loc)
         if forward_batch.reads_future_tokens:
             forward_batch.input_ids = self.future_tokens.resolve(
                 forward_batch.input_ids, forward_batch.req_pool_indices
             )
-        return self.forward_batch(forward_batch)
+        logits = self.forward_batch(forward_batch)
+        if self.draft_model is not None:
+            self.forward_draft_kv(forward_batch)
+        return logits
+
+    def forward_draft_kv(self, forward_batch: ForwardBatch) -> None:
+        """Run the separate draft model over `forward_batch`'s tokens for their KV only (eagerly,
+        no logits): the draft's layers at the batch's slots then hold what the draft computes there."""
+        draft, draft_kv = self.draft_model, self.draft_kv
+        if draft is None or draft_kv is None:
+            raise RuntimeError("this runner has no separate draft model")
+        batch = replace(forward_batch, kv_pool=draft_kv, attn_metadata=None, kv_width=None)
+        self.attn_backend.init_forward_metadata(batch)
+        draft(batch.input_ids, batch.positions, batch)
 
     @torch.inference_mode()
     def forward_batch(self, forward_batch: ForwardBatch) -> torch.Tensor:
@@ -282,10 +319,13 @@ class ModelRunner:
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None] | None,
         num_layers: int,
+        *,
+        separate: bool = False,
     ) -> ModelDrafts:
-        """Draft tokens for `rows` with the model's first `num_layers` layers (snugkv.runner.draft_steps),
-        writing their KV into the model's buffers at the rows' speculative slots (allocated first)."""
-        return run_draft_steps(self, rows, params, generators, num_layers)
+        """Draft tokens for `rows` with the model's first `num_layers` layers, or (`separate`) with
+        the separate draft model (snugkv.runner.draft_steps), writing their KV at the rows'
+        speculative slots (allocated first): into the model's buffers, or the draft's own."""
+        return run_draft_steps(self, rows, params, generators, num_layers, separate=separate)
 
     @torch.inference_mode()
     def verify_on_device(

@@ -93,6 +93,15 @@ class Speculation:
         drafts = scheduled.drafts
         if not self.config.drafts_with_model or drafts is None:
             return None
+        drafting_model = runner.model
+        separate = self.config.separate_draft
+        if separate:
+            if runner.draft_model is None:
+                raise ValueError(
+                    f"--draft-model {self.config.draft_model}: this engine was started without it (a "
+                    "separate draft model is loaded at start-up, its KV beside the model's)"
+                )
+            drafting_model = runner.draft_model
         drafting = [index for index, draft in enumerate(drafts) if draft]
         rows, requests = scheduled.rows, scheduled.requests
         result = runner.draft_on_device(
@@ -102,7 +111,8 @@ class Speculation:
             ],
             [requests[i].sampling for i in drafting],
             [requests[i].generator for i in drafting],
-            self.config.draft_layers(runner.model.config.num_layers),
+            self.config.draft_layers(drafting_model.config.num_layers),
+            separate=separate,
         )
         for index, tokens in zip(drafting, result.token_ids):
             drafts[index][:] = tokens

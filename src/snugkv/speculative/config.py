@@ -8,9 +8,10 @@ line naming the flag. The config decides nothing at run time: the scheduler's sp
 
 `--speculative draft` takes its draft from `--draft-model`: `layers:N`, the model's own first `N`
 decoder layers with its final norm and LM head (a layer-skip self-draft: no weights and no KV of
-its own), or `self`, the whole model as its own draft (every greedy draft is accepted: the test of
-the machinery). A separate draft checkpoint is refused as not built yet. `N` is checked against the
-model once it is loaded (`draft_layers`).
+its own), `self`, the whole model as its own draft (every greedy draft is accepted: the test of
+the machinery), or a path: a separate draft model (a GGUF file or a model directory) with weights
+and KV of its own, loaded beside the model by the engine (snugkv.engine.draft_model). `N` is checked
+against the model once it is loaded (`draft_layers`), a path when the engine loads it.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ DEFAULT_SPECULATIVE_MAX_BATCH_SIZE = 32
 
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
-    """`method`: ngram, suffix or draft; `draft_model`: with draft, `layers:N` or `self`; `num_tokens`: the most draft tokens per row and step (k);
+    """`method`: ngram, suffix or draft; `draft_model`: with draft, `layers:N`, `self` or a path (a
+    separate draft model); `num_tokens`: the most draft tokens per row and step (k);
     `max_batch_size`: a decode step of more running requests does not speculate;
     `min_acceptance`: a row whose recent acceptance (accepted / proposed, averaged over its last
     verify steps) falls below this pauses drafting for `pause_tokens` more tokens, then retries."""
@@ -66,10 +68,16 @@ class SpeculativeConfig:
         """Whether the drafts come from model forwards on the device (`--speculative draft`)."""
         return self.method == "draft"
 
+    @property
+    def separate_draft(self) -> bool:
+        """Whether `--draft-model` names a separate draft model (a path), not `layers:N` or `self`."""
+        return self.draft_model is not None and is_draft_path(self.draft_model)
+
     def draft_layers(self, num_layers: int) -> int:
-        """How many of a `num_layers`-layer model's decoder layers the draft runs (`self`: all);
-        `ValueError` naming the flag when `layers:N` does not fit the model."""
-        if self.draft_model is None or self.draft_model == SELF_DRAFT:
+        """How many of a `num_layers`-layer model's decoder layers the draft runs (`self` and a
+        separate draft model: all of the drafting model's); `ValueError` naming the flag when
+        `layers:N` does not fit the model."""
+        if self.draft_model is None or not self.draft_model.startswith(LAYERS_PREFIX):
             return num_layers
         layers = int(self.draft_model.removeprefix(LAYERS_PREFIX))
         if layers > num_layers:
@@ -109,7 +117,10 @@ def check_draft_model(method: str, draft_model: str | None) -> None:
                 f"--draft-model layers:N needs a whole number N of 1 or more, got {draft_model!r}"
             )
         return
-    raise ValueError(
-        f"--draft-model {draft_model}: a separate draft model is not built yet (issue 34); "
-        "use --draft-model layers:N or self, which share the model's weights and KV cache"
-    )
+    if not draft_model.strip():
+        raise ValueError("--draft-model needs layers:N, self or the path of a draft model, got ''")
+
+
+def is_draft_path(draft_model: str) -> bool:
+    """Whether a `--draft-model` value is a path to a separate model (not `self` nor `layers:N`)."""
+    return draft_model != SELF_DRAFT and not draft_model.startswith(LAYERS_PREFIX)
