@@ -31,7 +31,9 @@ def test_a_half_minute_soak_exercises_every_kind_and_leaks_nothing(tmp_path, cap
         assert report["untimed_by_kind"][kind] in ("200", "client-cut"), (kind, report["untimed_by_kind"])
         row = rows.get(kind, {"5xx": 0, "client-error": 0})
         assert row["5xx"] == row["client-error"] == 0, row
-    assert rows["disconnect"]["client-cut"] > 0 and rows["abort"]["client-cut"] > 0
+    # the cutting kinds cut (their round before the timed load; a loaded machine may not run them
+    # again in the 30 s: at load 2 on 2 cores each kind ran once in all)
+    assert report["untimed_by_kind"]["disconnect"] == report["untimed_by_kind"]["abort"] == "client-cut"
     assert report["totals"]["5xx"] == 0 and report["failures"] == []
     assert (
         report["leaked_slots"]["leaked"] == 0
