@@ -12,6 +12,7 @@ is refused in one line naming the flag."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import pytest
@@ -33,26 +34,33 @@ from snugkv.speculative.config import SpeculativeConfig
 from tests.models.hf_tiny import save_tiny_hf_model
 from tests.speculative.test_speculative_decoding import GREEDY, PROMPTS, Result, make_engine, tokens_of
 
-GGUF = str(default_model.default_model_path())
+
+@functools.cache
+def gguf() -> str:
+    """The embedded SmolLM2 GGUF, resolved on first use (a GPU machine without a network runs this
+    module's CUDA test, which does not need it, and must still collect the module)."""
+    return str(default_model.default_model_path())
+
+
 LONG = " ".join(f"item {index} is {index * 7 % 13} and" for index in range(60))  # ~500 tokens
 SHARED = "You are a careful assistant. Answer briefly and exactly. " * 6
 
 
 def draft_args(page_size: int, **overrides) -> EngineArgs:
     args = dict(
-        model=GGUF,
+        model=gguf(),
         dtype="float32",
         host_kv_gib=0.05,
         max_running_requests=8,
         page_size=page_size,
         speculative="draft",
-        draft_model=GGUF,
+        draft_model=gguf(),
     )
     return EngineArgs.of(**{**args, **overrides})
 
 
 def separate(**options) -> SpeculativeConfig:
-    return SpeculativeConfig("draft", draft_model=GGUF, **options)
+    return SpeculativeConfig("draft", draft_model=gguf(), **options)
 
 
 @pytest.fixture(scope="module")
@@ -248,12 +256,12 @@ def test_start_up_divides_the_kv_budget_by_both_models_bytes_per_token(plain_eng
     ledger = draft_engine.report.ledger
     plain_weights = plain_engine.report.ledger.weights_bytes
     assert (ledger.draft_model, ledger.draft_weights_bytes, ledger.draft_kv_bytes_per_token) == (
-        GGUF,
+        gguf(),
         plain_weights,
         draft_bytes,
     )
     assert ledger.weights_bytes == 2 * plain_weights
-    assert f"draft model KV per token ({GGUF}; in KV committed): {draft_bytes} bytes" in ledger.table()
+    assert f"draft model KV per token ({gguf()}; in KV committed): {draft_bytes} bytes" in ledger.table()
     memory_ledger = draft_engine.report.to_dict()["memory_ledger"]
     assert memory_ledger["draft_kv_bytes_per_token"] == draft_bytes
     assert memory_ledger["draft_weights_bytes"] == plain_weights

@@ -31,6 +31,7 @@ from snugkv.structured.bitmask import bitmask_words
 SAMPLING_EVERY_STAGE = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, min_p=0.05)
 # Each penalty has its own [batch, vocab] temporaries (the H100 run at 7c043ce saw the frequency
 # and presence line ask the allocator for a new segment while serving when only repetition ran).
+SMALL_POOL_BLOCK_BYTES = 1 << 20  # torch's caching allocator serves blocks up to this from its small pool
 PENALISED_EVERY_STAGE = replace(
     SAMPLING_EVERY_STAGE, repetition_penalty=1.1, frequency_penalty=0.2, presence_penalty=0.3, min_tokens=1
 )
@@ -117,6 +118,18 @@ def largest_eager_step(blocks: EngineBlocks, runner: ModelRunner) -> None:
     runner.sample_on_device(
         logits, [penalised] * batch, None, [0] * batch, token_bitmask=TokenBitmask(every_row, allow_all)
     )  # row 0: the padding row
+    # A batch whose [batch, vocab] float32 rows fit torch's small pool (at most 1 MiB a block: one row
+    # of a 151,936-token vocabulary) takes its temporaries from 2 MiB small-pool segments, never from
+    # the large blocks above: the H100 run at 41cd5be saw a batch of one penalised row ask for a new
+    # small segment while serving. The largest such batch leaves segments that every smaller one fits.
+    small = min(batch, max(1, SMALL_POOL_BLOCK_BYTES // (vocab_size * 4)))
+    runner.sample_on_device(
+        torch.randn(small, vocab_size, device=device),
+        [penalised] * small,
+        None,
+        [0] * small,
+        token_bitmask=TokenBitmask(every_row[:small], allow_all[:small]),
+    )
     load_shrink_kernels(runner)
 
 
