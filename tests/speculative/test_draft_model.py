@@ -23,6 +23,9 @@ from snugkv.speculative.config import SpeculativeConfig
 from tests.models.hf_tiny import save_tiny_hf_model
 from tests.speculative.test_speculative_decoding import GREEDY, PROMPTS, make_engine, run, tokens_of
 
+# End to end (make test-fast leaves it out): engines of the embedded model, tens of seconds on 2 cores.
+pytestmark = pytest.mark.slow
+
 SMOLLM2_LAYERS = 30
 
 
