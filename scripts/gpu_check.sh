@@ -172,9 +172,10 @@ for s in $STEPS; do
       timeout "${STARTUP_TIMEOUT:-600}" python3 scripts/startup_check.py --out "$OUT/startup" ${ARGS_startup:-} \
         2>&1 | tee "$OUT/startup.log" || status=1
       ;;
-    retest)  # named CUDA tests again (RETEST="file::test ..."), e.g. after fixing what a run found
+    retest)  # named CUDA tests again (RETEST="file::test ..."; only those marked cuda unless RETEST_MARK says otherwise:
+      # a file's CPU tests need the embedded GGUF, which the networkless device cannot fetch), e.g. after a fix
       step "retest"
-      timeout "${RETEST_TIMEOUT:-200}" python3 -m pytest -q -rA -p no:cacheprovider ${RETEST_WORKERS:+-n $RETEST_WORKERS} ${RETEST:-} \
+      timeout "${RETEST_TIMEOUT:-200}" python3 -m pytest -q -rA -p no:cacheprovider -m "${RETEST_MARK:-cuda}" ${RETEST_WORKERS:+-n $RETEST_WORKERS} ${RETEST:-} \
         2>&1 | tee "$OUT/retest.txt" | grep -E '^\{|^device memory|passed|failed|error' | tail -30 || status=1
       ;;
     fp8-graphs)  # the FP8 graph-against-eager test with each GEMM family alone (which one differs)
