@@ -173,6 +173,11 @@ def largest_verify_step(blocks: EngineBlocks, runner: ModelRunner) -> None:
     device, vocab_size = blocks.device, blocks.config.vocab_size
     batch, k = min(speculative.max_batch_size, blocks.max_running_requests), speculative.num_tokens
     positions = batch * (k + 1)
+    # Serving's draft steps leave their probabilities allocated before the verify forward runs:
+    # allocated after it, they would miss the forward's own peak (the H100 would allocate while serving).
+    draft_probs = None
+    if speculative.drafts_with_model:
+        draft_probs = torch.full((batch * k, vocab_size), 1.0 / vocab_size, device=device)
     if device.type == "cuda":
         # Rows run through whatever serving would use: the piecewise graphs up to their largest
         # bucket, eagerly above; the logits are float32 [positions, vocab] either way.
@@ -180,9 +185,6 @@ def largest_verify_step(blocks: EngineBlocks, runner: ModelRunner) -> None:
         logits = runner.forward(rows, torch.zeros(positions, dtype=torch.int64, device=device))
     else:
         logits = torch.zeros(positions, vocab_size)
-    draft_probs = None
-    if speculative.drafts_with_model:
-        draft_probs = torch.full((batch * k, vocab_size), 1.0 / vocab_size, device=device)
     runner.verify_on_device(
         logits, [[0] * k] * batch, [PENALISED_EVERY_STAGE] * batch, None, [0] * batch, draft_probs=draft_probs
     )  # row 0: the padding row

@@ -125,7 +125,10 @@ def run_draft_steps(
         ]
         positions = torch.tensor([row.prefix_len for row in batch_rows], dtype=torch.int64)
         table_rows = torch.tensor([row.req_pool_idx for row in batch_rows], dtype=torch.int64)
-        forward_batch = runner.build_batch(batch_rows, table[table_rows, positions])
+        # the slots go up queued behind the stream's work: a plain `.to(device)` of the host table's
+        # int32 rows would make the host wait for the step before at every draft step
+        slots = to_device(table[table_rows, positions], torch.int64, device)
+        forward_batch = runner.build_batch(batch_rows, slots)
         if tokens is not None:  # this step reads the tokens the step before drafted
             fed = to_device([previous[i] for i in active], torch.int64, device)
             forward_batch.input_ids = tokens.index_select(0, fed)
