@@ -128,6 +128,7 @@ class Load:
 
     async def _one(self, client: httpx.AsyncClient, body: dict[str, Any]) -> None:
         reason, tokens, got_first = None, None, False
+        began = time.monotonic()
         try:
             async with client.stream("POST", "/v1/completions", json=body) as response:
                 if response.status_code != 200:
@@ -150,8 +151,9 @@ class Load:
                         reason = choice.get("finish_reason") or reason
                     if chunk.get("usage"):
                         tokens = chunk["usage"]["completion_tokens"]
-        except httpx.HTTPError as exc:
-            self._note("client-error", repr(exc))
+        except httpx.HTTPError as exc:  # where it broke: before the first chunk or inside the stream
+            at = "after the first chunk" if got_first else "before any chunk"
+            self._note("client-error", f"{exc!r} {at}, {time.monotonic() - began:.1f} s into the request")
             return
         finally:
             self.streaming -= got_first

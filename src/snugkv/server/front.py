@@ -36,14 +36,13 @@ import httpx
 
 from snugkv.server.errors import SERVER_ERROR
 from snugkv.server.front_http import ClientConnection, Refusal, Request, UpstreamConnection
-from snugkv.server.sockets import BACKLOG
+from snugkv.server.sockets import BACKLOG, KEEP_ALIVE_S
 
 logger = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
 LOAD_POLL_S = 1.0
 LOAD_READ_TIMEOUT_S = 2.0
-IDLE_KEEP_ALIVE_S = 60.0  # a client connection with no request for this long is closed
 START_TIMEOUT_S = 30.0
 RETRY_AFTER_S = 2
 
@@ -200,7 +199,7 @@ class Front:
         """The requests of one client connection, one after another."""
         try:
             while not self.stopping:
-                async with asyncio.timeout(IDLE_KEEP_ALIVE_S):
+                async with asyncio.timeout(KEEP_ALIVE_S):
                     request = await client.read_request(self.options.max_body_bytes)
                 if request is None:
                     break

@@ -22,7 +22,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from snugkv.server.http11 import HttpProtocol
-from snugkv.server.sockets import BACKLOG, bind_socket
+from snugkv.server.sockets import BACKLOG, KEEP_ALIVE_S, bind_socket
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +58,7 @@ def serve(
             http=HttpProtocol,
             log_level=log_level,
             timeout_graceful_shutdown=round(drain_s),
+            timeout_keep_alive=KEEP_ALIVE_S,
             lifespan="off",
         )
         server = _Server(config, on_stop_requested, cut_after_s=drain_s - CUT_MARGIN_S)

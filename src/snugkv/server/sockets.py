@@ -8,6 +8,12 @@ import errno
 import socket
 
 BACKLOG = 2048
+# A client connection with no request for this long is closed by the server. Longer than the idle
+# expiry of common clients (httpx, which the OpenAI SDK uses, drops idle connections after 5 s; a
+# load balancer's idle timeout is often 60 s): with equal timers the client may send a request on
+# a connection the server is closing at that moment, and see the stream cut (uvicorn's own default
+# is 5 s).
+KEEP_ALIVE_S = 75
 MAX_PORT = 65535
 
 
