@@ -13,7 +13,10 @@ Figures: the sum of both KV caches against what one post-capture engine alone wo
 KV after both models' weights and graphs (the first engine's KV alone, less the second's weights,
 graphs and buffers from its ledger); each engine's output tokens/s sharing the GPU, and (unless
 `--skip-alone`) alone on the GPU at the same KV size (`--max-total-tokens` of what it held).
-Everything goes to `OUT/multi_engine.json`; a summary is printed. About 4 minutes on an H200.
+Then (`--phases together`) two replicas of the Llama-3-8B shape start at the same moment: each one's
+start-up KV size (its sizing line, before any rebalance) against the even split, the commit retries
+its log shows, and both serving a load.
+Everything goes to `OUT/multi_engine.json`; a summary is printed. About 5 minutes on an H200.
 """
 
 from __future__ import annotations
@@ -41,6 +44,9 @@ MODELS = {"small": CONFIGS / "qwen3-0.6b", "large": CONFIGS / "llama-3-8b"}
 GIB = 1 << 30
 GRANTED = re.compile(r"Memory share: ([\d.]+) GiB asked and free after ([\d.]+) s")
 OOM = re.compile(r"out of memory|CUDA error|Traceback", re.IGNORECASE)
+SIZED = re.compile(r"Post-capture KV sizing: max_total_num_tokens=(\d+)")
+RETRY = "retrying with fewer tokens"
+PHASES = ("orders", "alone", "together")
 
 
 @dataclass
@@ -65,11 +71,12 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def start(name: str, out: Path, env: dict[str, str], extra: list[str]) -> Server:
+def start(name: str, out: Path, env: dict[str, str], extra: list[str], model: str = "") -> Server:
+    """`name` is the served model name; `model` the shape (default: the shape named `name`)."""
     port = free_port()
     log_path = out / f"{name}-{int(time.time())}.log"
     command = [
-        sys.executable, "-m", "snugkv", "serve", "--model", str(MODELS[name]), "--load-format", "dummy",
+        sys.executable, "-m", "snugkv", "serve", "--model", str(MODELS[model or name]), "--load-format", "dummy",
         "--host", "127.0.0.1", "--port", str(port), "--served-model-name", name, *extra,
     ]  # fmt: skip
     with open(log_path, "wb") as log:
@@ -244,6 +251,42 @@ def run_alone(name: str, tokens: int, out: Path, env: dict[str, str], load_s: fl
     return {"kv_tokens": tokens, "tokens_per_s": rate, "problems": problems}
 
 
+def run_together(out: Path, env: dict[str, str], load_s: float) -> dict[str, Any]:
+    """Two `--kv-elastic` replicas of the 8B shape started at once (issue 36 item 7)."""
+    pair = [start(name, out, env, ["--kv-elastic"], model="large") for name in ("large-a", "large-b")]
+    for server in pair:
+        wait_healthy(server)
+    sized = []
+    for server in pair:
+        match = SIZED.search(server.log())
+        sized.append(int(match.group(1)) if match else None)
+    loads = [Load(server).start() for server in pair]
+    time.sleep(3)
+    for load in loads:
+        load.mark()
+    time.sleep(load_s)
+    rates = [load.tokens_per_s() for load in loads]
+    kv = [kv_of(server) for server in pair]
+    for load in loads:
+        load.finish()
+    problems = [problem for server in pair for problem in check_clean(server)]
+    problems += [failure for load in loads for failure in load.failures]
+    known = [tokens for tokens in sized if tokens is not None]
+    mean = sum(known) / len(known) if known else 0.0
+    result = {
+        "sized_tokens": sized,  # each one's sizing line, before any rebalance
+        "max_off_even": max(abs(tokens - mean) / mean for tokens in known) if known else None,
+        "commit_retries": [server.log().count(RETRY) for server in pair],
+        "serving_after_s": [server.serving_after_s for server in pair],
+        "kv_after_load": kv,
+        "tokens_per_s": rates,
+        "problems": problems,
+    }
+    for server in pair:
+        stop(server)
+    return result
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -251,7 +294,15 @@ def main() -> int:
     parser.add_argument("--out", required=True, type=Path, help="directory for multi_engine.json and logs")
     parser.add_argument("--load-s", type=float, default=12.0, help="seconds of measured load per phase")
     parser.add_argument("--skip-alone", action="store_true", help="skip the alone-at-the-same-KV baselines")
+    parser.add_argument(
+        "--phases", default=",".join(PHASES), help=f"which of {','.join(PHASES)} to run (comma-separated)"
+    )
     args = parser.parse_args()
+    phases = set(args.phases.split(","))
+    if args.skip_alone:
+        phases.discard("alone")
+    if phases - set(PHASES):
+        parser.error(f"--phases: unknown {sorted(phases - set(PHASES))}; choose from {','.join(PHASES)}")
     args.out.mkdir(parents=True, exist_ok=True)
     sys.path.insert(0, str(REPO / "src"))
     from snugkv.bench.harness import environment
@@ -259,15 +310,14 @@ def main() -> int:
     env = {**os.environ, "TQDM_DISABLE": "1", "SNUGKV_RUNTIME_DIR": tempfile.mkdtemp(prefix="snugkv-me-")}
     env.pop("SNUGKV_API_KEY", None)
     results: dict[str, Any] = {"environment": environment(), "orders": []}
-    for first, second in (("small", "large"), ("large", "small")):
+    for first, second in (("small", "large"), ("large", "small")) if "orders" in phases else ():
         results["orders"].append(run_order(first, second, args.out, env, args.load_s))
-    if not args.skip_alone:
+    if "alone" in phases and results["orders"]:
         shared = results["orders"][0]["kv_shared"]
         results["alone_at_same_kv"] = {
             name: run_alone(name, shared[name]["tokens"], args.out, env, args.load_s)
             for name in ("small", "large")
         }
-    (args.out / "multi_engine.json").write_text(json.dumps(results, indent=2, default=str))
     failed = False
     for order in results["orders"]:
         kv = order["kv_shared"]
@@ -288,6 +338,18 @@ def main() -> int:
             f"alone at the same KV ({alone['kv_tokens']} tokens): {name} {alone['tokens_per_s']:.0f} tokens/s"
         )
         failed |= bool(alone["problems"])
+    if "together" in phases:
+        together = results["together"] = run_together(args.out, env, args.load_s)
+        print(
+            f"started together: sized {together['sized_tokens']} tokens (max {together['max_off_even'] or float('nan'):.1%} off even), "
+            f"commit retries {together['commit_retries']}, serving after "
+            f"{', '.join(f'{s:.1f}' for s in together['serving_after_s'])} s; tokens/s "
+            f"{', '.join(f'{r:.0f}' for r in together['tokens_per_s'])}"
+        )
+        for problem in together["problems"][:10]:
+            print(f"  PROBLEM: {problem}")
+        failed |= bool(together["problems"]) or (together["max_off_even"] or 1.0) > 0.10
+    (args.out / "multi_engine.json").write_text(json.dumps(results, indent=2, default=str))
     print(f"wrote {args.out / 'multi_engine.json'}")
     return 1 if failed else 0
 
