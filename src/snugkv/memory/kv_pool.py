@@ -22,6 +22,7 @@ import torch
 from snugkv.memory.arena import ArenaBuffer, KvArena, auto_chunk_bytes
 from snugkv.memory.layout import BufferLayout, KVLayout, parse_kv_dtype
 from snugkv.memory.moves import KvMoves, PageMoves
+from snugkv.memory.views import widest_words
 from snugkv.memory.vmm import GIB, VirtualMemory
 from snugkv.memory.vmm_factory import create_vmm
 from snugkv.memory.vmm_plain import PlainMemory
@@ -322,7 +323,7 @@ class KVPool:
         raw = buffer.view(torch.uint8)  # the bytes themselves, whatever the dtype (fp8, NaN payloads)
         sources, destinations = sources.to(raw.device), destinations.to(raw.device)
         row_bytes = raw[0].numel()
-        rows = _word_rows(raw)
+        rows = widest_words(raw)
         rows_per_copy = max(1, MOVE_STAGING_BYTES // row_bytes)
         for start in range(0, sources.numel(), rows_per_copy):
             end = start + rows_per_copy
@@ -494,17 +495,3 @@ class MHAKVPool(KVPool):
 def _buffer_name(layer: int, num_layers: int) -> str:
     """`layer{l}` for the model's layers, `draft{l}` for a draft model's (numbered from 0)."""
     return f"layer{layer}" if layer < num_layers else f"{DRAFT_BUFFER_PREFIX}{layer - num_layers}"
-
-
-def _word_rows(raw: torch.Tensor) -> torch.Tensor:
-    """`raw` (a buffer's bytes, one row per slot or page along dim 0) as rows of the widest word
-    (8, 4 or 2 bytes) its rows and address allow, or its bytes: a gather or scatter of 1-byte
-    elements moves each row byte by byte (the H100 run at 41cd5be moved 4 GiB of live KV in ~28 ms
-    where the copy at bandwidth takes 2.9 ms)."""
-    if not raw.is_contiguous():
-        return raw
-    rows = raw.view(raw.shape[0], -1)
-    for word, dtype in ((8, torch.int64), (4, torch.int32), (2, torch.int16)):
-        if rows.shape[1] % word == 0 and rows.data_ptr() % word == 0:
-            return rows.view(dtype)
-    return raw

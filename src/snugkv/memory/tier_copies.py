@@ -35,6 +35,7 @@ from collections.abc import Callable
 
 import torch
 
+from snugkv.memory.views import WORD_DTYPES, words_fit
 from snugkv.memory.vmm import MIB
 
 STAGING_BYTES = 64 * MIB  # the device staging of the batched path: a chunk's pages and their index
@@ -140,9 +141,9 @@ class StagedCopies(TierCopyPath):
             size
             for size in WORD_BYTES
             if all(value % size == 0 for value in (page_bytes, *rows, *offsets))
-            and all(_words_fit(view, size) for view in device_views)
+            and all(words_fit(view, size) for view in device_views)
         )
-        dtype = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[word]
+        dtype = WORD_DTYPES[word]
         self.word_bytes = word
         # every buffer, and its columns of the staged pages, as rows of words
         self._device = [view.view(dtype) for view in device_views]
@@ -242,16 +243,6 @@ def _run_bounds(count: int, breaks_after: torch.Tensor) -> tuple[list[int], list
         return [], []
     starts = [0, *(torch.nonzero(breaks_after).reshape(-1) + 1).tolist()]
     return starts, [*starts[1:], count]
-
-
-def _words_fit(view: torch.Tensor, word_bytes: int) -> bool:
-    """Whether a `[pages, row bytes]` uint8 view can be seen as rows of `word_bytes` words."""
-    return (
-        view.stride(1) == 1
-        and view.stride(0) % word_bytes == 0
-        and view.shape[1] % word_bytes == 0
-        and (view.data_ptr() % word_bytes == 0)
-    )
 
 
 def _round_up(value: int, multiple: int) -> int:
