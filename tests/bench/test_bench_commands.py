@@ -123,7 +123,7 @@ def test_the_elastic_bench_clock_counts_a_resizes_driver_calls_and_leaves_no_wra
         assert grown.to_tokens == 4096 and calls.startswith("commit_pieces ") and "decommit" not in calls, (
             calls
         )
-        assert "commit_pieces" not in vars(vmm) and "_synchronize" not in vars(engine.pool.arena)
+        assert "commit_pieces" not in vars(vmm) and "synchronize" not in vars(engine.pool.arena)
     finally:
         engine.close()
 

@@ -61,7 +61,7 @@ class _CallClock:
         "commit_pieces": 1,
         "decommit_many": 0,
     }  # which argument lists extensions
-    ARENA_CALLS = ("_synchronize",)
+    ARENA_CALLS = ("synchronize",)
 
     def __init__(self, engine: Any) -> None:
         self.targets = [(engine.pool.arena.vmm, self.VMM_CALLS), (engine.pool.arena, self.ARENA_CALLS)]

@@ -327,6 +327,8 @@ async def _scenario(
         "moves": len(moves),
         "shrinks": len(shrinks),
         "max_move_ms": round(max((event["took_ms"] for event in moves), default=0.0), 1),
+        # the longest wait for the step in flight before a shrink (not part of the move's ms)
+        "max_wait_ms": round(max((event.get("waited_ms", 0.0) for event in moves), default=0.0), 1),
         "needed_gib": round(sum(needed) / GIB, 3),
         "released_gib": round(sum(released) / GIB, 3),
         "min_released_over_needed": round(min(r / n for r, n in zip(released, needed, strict=True)), 3)
@@ -495,8 +497,9 @@ def run(args: argparse.Namespace) -> int:
                 "from_committed_bytes",
                 "to_committed_bytes",
                 "took_ms",
+                "waited_ms",
             )
-            print(format_table([{key: move[key] for key in columns} for move in detail["_moves"]]))
+            print(format_table([{key: move.get(key) for key in columns} for move in detail["_moves"]]))
         for error in detail["_errors"]:
             print(f"{row['scenario']}: {error}")
     failed = any(

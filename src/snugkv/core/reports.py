@@ -220,11 +220,15 @@ class KvResize:
     )
     dropped_tokens: int = 0  # of evicted_tokens, those kept nowhere (the rest are in the host tier)
     room_ms: float = 0.0  # the scheduler making room before the resize (evictions and their spills)
+    # a shrink first waits for the work already queued on the device (a step in flight reads the
+    # pages it may unmap): not part of `took_ms`, which is the move itself
+    waited_ms: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["took_ms"] = round(self.took_ms, 3)
         data["room_ms"] = round(self.room_ms, 3)
+        data["waited_ms"] = round(self.waited_ms, 3)
         return data
 
     def log_line(self) -> str:
@@ -239,10 +243,12 @@ class KvResize:
         retracted = f", retracted {self.retracted_requests} requests" if self.retracted_requests else ""
         why = PRESSURE_WHY.get(self.reason, "")
         free = f", free {self.free_bytes / GIB:.2f} GiB" if self.free_bytes is not None else ""
+        waited = f" after {self.waited_ms:.1f} ms for the step in flight" if self.waited_ms >= 0.1 else ""
         return (
             f"KV {self.reason}{why}: max_total_num_tokens {self.from_tokens} -> {self.to_tokens}, committed "
             f"{self.from_committed_bytes / GIB:.2f} -> {self.to_committed_bytes / GIB:.2f} GiB{moved}{evicted}"
             f"{retracted}{free}, max_running_requests={self.max_running_requests}, took {self.took_ms:.1f} ms"
+            f"{waited}"
         )
 
 

@@ -415,9 +415,12 @@ class KvSizing:
         a shrink moves the pages in use above the bound below it (`on_move` lets the prefix cache
         follow) and decommits the rest, and is refused when they do not fit. The allocators and the
         request limit follow; graphs stay valid."""
-        started = time.perf_counter()
         tokens = target.tokens
         old_tokens, old_bytes = self.committed_tokens, self.pool.committed_bytes
+        waiting = time.perf_counter()
+        if tokens < old_tokens:  # the step in flight ends first: its time is not the move's
+            self.pool.arena.synchronize()
+        started = time.perf_counter()
         moved = kv_resize.MoveStats()
         if tokens > old_tokens:  # from the driver's free memory: the sizing kept the workspace apart
             self._grow(old_tokens, tokens)
@@ -442,6 +445,7 @@ class KvSizing:
             free_bytes,
             dropped_tokens=dropped_tokens,
             room_ms=room_ms,
+            waited_ms=(started - waiting) * 1e3,
         )
 
     def _grow(self, old_tokens: int, tokens: int) -> None:

@@ -170,7 +170,7 @@ class KvArena:
             for name, size in targets.items()
         ]
         if any(target < buffer.committed_bytes for buffer, target in plans):
-            self._synchronize()  # no queued kernel may touch what is unmapped
+            self.synchronize()  # no queued kernel may touch what is unmapped
         dropped = [extension for buffer, target in plans for extension in self._drop_above(buffer, target)]
         if dropped:  # one batch for every buffer: the backend may merge the driver calls
             self.vmm.decommit_many(dropped)
@@ -233,7 +233,8 @@ class KvArena:
             dropped.append(buffer.extensions.pop())
         return dropped[::-1]
 
-    def _synchronize(self) -> None:
+    def synchronize(self) -> None:
+        """Wait for the work queued on the device (a decommit may not unmap what it reads)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -250,7 +251,7 @@ class KvArena:
                 f"{self.label} arena still has {self._live_views} live tensor view(s); "
                 "release the KV pools and their tensors before closing it"
             )
-        self._synchronize()
+        self.synchronize()
         dropped = [
             extension for buffer in self._buffers.values() for extension in self._drop_above(buffer, 0)
         ]
