@@ -8,6 +8,7 @@ and gives the same text, turn by turn, as the scheduler's own `detokenize` of th
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from pathlib import Path
@@ -210,3 +211,16 @@ def test_the_servers_tokenizer_loads_after_ready_when_the_engine_named_no_source
     source = ModelSource(word_level_tokenizer(tmp_path / "m", 1000), "hf")
     tokenizer = TokenizerLoad().result(source, ())
     assert tokenizer is not None and tokenizer.vocab_size == 1000
+
+
+def test_a_model_without_a_tokenizer_is_looked_at_once_and_left_to_the_engine_to_report(tmp_path, caplog):
+    """The server's copy finds no tokenizer files on its thread: `result` trusts that (no second
+    look) and says nothing, since the engine process logs the one warning line."""
+    (tmp_path / "bare").mkdir()
+    source = ModelSource(tmp_path / "bare", "hf")
+    load = TokenizerLoad()
+    with caplog.at_level(logging.INFO):
+        load.start(source)
+        assert load.result(source, (2,)) is None
+    assert not [record for record in caplog.records if "tokenizer" in record.getMessage()]
+    assert load._finished  # the thread's answer, not a second load

@@ -84,16 +84,22 @@ RETRY_AFTER_S = 5.0  # what a 503 for a request that waited for memory in vain t
 
 
 def load_tokenizer_or_none(
-    source: ModelSource, eos_token_ids: tuple[int, ...] = (), *, warn: bool = False, whose: str = "the"
+    source: ModelSource,
+    eos_token_ids: tuple[int, ...] = (),
+    *,
+    warn: bool = False,
+    whose: str = "the",
+    warn_missing: bool = True,
 ) -> tuple[Tokenizer | None, str | None]:
     """The model's tokenizer, or None and why there is none (a bare config with random weights:
-    prompts are then token ids); `warn` logs the load (with its seconds) or the reason; `whose`
-    names the copy in that line ("the engine's", "the server's")."""
+    prompts are then token ids); `warn` logs the load (with its seconds) or, unless `warn_missing`
+    is off (another copy says it), the reason; `whose` names the copy in that line ("the engine's",
+    "the server's")."""
     started = time.perf_counter()
     try:
         tokenizer = load_tokenizer(source, eos_token_ids)
     except TokenizerUnavailable as exc:
-        if warn:
+        if warn and warn_missing:
             logger.warning("%s", exc)
         return None, str(exc)
     if warn:

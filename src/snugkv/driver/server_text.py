@@ -37,6 +37,7 @@ class TokenizerLoad:
     def __init__(self) -> None:
         self._source: ModelSource | None = None
         self._loaded: LoadedTokenizer | None = None
+        self._finished = False  # the thread loaded `_source`'s tokenizer, or found it has none
         self._thread: threading.Thread | None = None
 
     def start(self, source: ModelSource) -> None:
@@ -48,19 +49,22 @@ class TokenizerLoad:
         self._thread.start()
 
     def _load(self, source: ModelSource) -> None:
-        try:
-            self._loaded, _ = load_tokenizer_or_none(source, warn=True, whose=WHOSE)
+        try:  # a model without one: the engine process says so (one warning line, not two)
+            self._loaded, _ = load_tokenizer_or_none(source, warn=True, whose=WHOSE, warn_missing=False)
+            self._finished = True
         except Exception:  # loaded again in `result`, where its error reaches the caller
             logger.debug("loading the tokenizer ahead of the engine failed", exc_info=True)
 
     def result(self, source: ModelSource, eos_token_ids: tuple[int, ...]) -> LoadedTokenizer | None:
         """The tokenizer of `source` with the model's EOS ids (None: the model ships none); loaded
-        now if the thread loaded another source, or none, or failed."""
+        now if the thread loaded another source or failed."""
         if self._thread is not None:
             self._thread.join()
-        if self._source == source and self._loaded is not None:
-            return self._loaded.with_eos_token_ids(eos_token_ids)
-        tokenizer, _ = load_tokenizer_or_none(source, eos_token_ids, warn=True, whose=WHOSE)
+        if self._source == source and self._finished:
+            return None if self._loaded is None else self._loaded.with_eos_token_ids(eos_token_ids)
+        tokenizer, _ = load_tokenizer_or_none(
+            source, eos_token_ids, warn=True, whose=WHOSE, warn_missing=False
+        )
         return tokenizer
 
 
