@@ -18,6 +18,7 @@ Request checking lives in `prepare`, running on the engine in `serving`, respons
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any
@@ -105,9 +106,12 @@ def create_app(
     )
     async def completions(request: Request) -> Response:
         body = parse_body(await request.body(), CompletionRequest)
-        return await run(
-            prepare_completion(body, client, served_model_name, limit), request, CompletionFormat()
-        )
+        args = (body, client, served_model_name, limit)
+        if _has_text(body.prompt):  # tokenized on a worker thread: the event loop goes on streaming
+            prepared = await asyncio.to_thread(prepare_completion, *args)
+        else:
+            prepared = prepare_completion(*args)
+        return await run(prepared, request, CompletionFormat())
 
     @app.post(
         "/v1/chat/completions",
@@ -116,7 +120,8 @@ def create_app(
     )
     async def chat_completions(request: Request) -> Response:
         body = parse_body(await request.body(), ChatCompletionRequest)
-        prepared = prepare_chat(body, client, served_model_name, limit)
+        # the chat template and the tokenizer run on a worker thread: the event loop goes on streaming
+        prepared = await asyncio.to_thread(prepare_chat, body, client, served_model_name, limit)
         chat_format = ChatFormat() if prepared.tools is None else ToolCallFormat(prepared.tools)
         return await run(prepared, request, chat_format)
 
@@ -169,3 +174,11 @@ def create_app(
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _has_text(prompt: object) -> bool:
+    """Whether a completion's prompt (a string, a list of strings or of token ids, or lists of
+    those) holds text to tokenize."""
+    if isinstance(prompt, str):
+        return True
+    return isinstance(prompt, list) and any(isinstance(item, str) for item in prompt)
