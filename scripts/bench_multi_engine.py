@@ -287,6 +287,10 @@ def run_together(out: Path, env: dict[str, str], load_s: float) -> dict[str, Any
     return result
 
 
+def _percent(fraction: float | None) -> str:
+    return "unknown (no sizing line)" if fraction is None else f"{fraction:.1%}"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -341,14 +345,15 @@ def main() -> int:
     if "together" in phases:
         together = results["together"] = run_together(args.out, env, args.load_s)
         print(
-            f"started together: sized {together['sized_tokens']} tokens (max {together['max_off_even'] or float('nan'):.1%} off even), "
+            f"started together: sized {together['sized_tokens']} tokens (max {_percent(together['max_off_even'])} off even), "
             f"commit retries {together['commit_retries']}, serving after "
             f"{', '.join(f'{s:.1f}' for s in together['serving_after_s'])} s; tokens/s "
             f"{', '.join(f'{r:.0f}' for r in together['tokens_per_s'])}"
         )
         for problem in together["problems"][:10]:
             print(f"  PROBLEM: {problem}")
-        failed |= bool(together["problems"]) or (together["max_off_even"] or 1.0) > 0.10
+        off = together["max_off_even"]
+        failed |= bool(together["problems"]) or off is None or off > 0.10
     (args.out / "multi_engine.json").write_text(json.dumps(results, indent=2, default=str))
     print(f"wrote {args.out / 'multi_engine.json'}")
     return 1 if failed else 0

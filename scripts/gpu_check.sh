@@ -67,7 +67,7 @@ for s in $STEPS; do
       step "core cuda tests"
       workers=${CORE_TEST_WORKERS:+-n $CORE_TEST_WORKERS}
       timeout "${CORE_TESTS_TIMEOUT:-150}" python3 -m pytest -q -m cuda -p no:cacheprovider $workers \
-        tests/driver/test_engine_process.py tests/engine/test_elastic_cuda.py tests/engine/test_no_allocation_cuda.py tests/llm/test_llm.py \
+        tests/driver/test_engine_process.py tests/engine/test_elastic_cuda.py tests/engine/test_no_allocation_cuda.py tests/engine/test_warm_kernels_cuda.py tests/llm/test_llm.py \
         tests/memory_share/test_multi_engine_cuda.py tests/memory/test_cuda_vmm.py tests/runner/test_cuda_graph.py \
         tests/scheduler/test_overlap.py 2>&1 | tee "$OUT/core_cuda_tests.txt" | tail -15 || status=1
       ;;

@@ -105,6 +105,7 @@ def largest_eager_step(blocks: EngineBlocks, runner: ModelRunner) -> None:
     logits = runner.forward(rows, torch.zeros(chunk, dtype=torch.int64, device=device))
     score_tokens(logits, torch.zeros(logits.shape[0], dtype=torch.int64, device=device), MAX_LOGPROBS)
     runner.sample(logits[-1:], [sampling])
+    warm_prefix_extend(blocks, runner)
     sizes = blocks.graph_batch_sizes()
     batch = blocks.max_running_requests
     if not sizes or batch > max(sizes):
@@ -133,6 +134,26 @@ def largest_eager_step(blocks: EngineBlocks, runner: ModelRunner) -> None:
     )
     reserve_small_pool(device)
     load_shrink_kernels(runner)
+
+
+PREFIX_WARM_UP_TOKENS = 16  # new tokens of the warm-up's prefix hit, after a prefix four times as long
+
+
+def warm_prefix_extend(blocks: EngineBlocks, runner: ModelRunner) -> None:
+    """One extend step over a cached prefix longer than its new tokens (GPU only), as a prefix hit,
+    a multi-turn chat's next turn or a long prompt's third chunk runs: its attention takes another
+    launch configuration (`default_extend_launch(prefix_heavy=True)`), another compiled kernel,
+    which would otherwise compile on a fresh machine at the first such request, while it waits.
+    Every position reads and writes slot 0 (table row 0, the padding row)."""
+    if blocks.device.type != "cuda":
+        return
+    new = PREFIX_WARM_UP_TOKENS
+    prefix = min(4 * new, blocks.context_length - new)
+    if prefix <= new:
+        return
+    runner.forward(
+        [BatchRow(0, prefix, [0] * new)], torch.zeros(new, dtype=torch.int64, device=blocks.device)
+    )
 
 
 def reserve_small_pool(device: torch.device) -> None:
