@@ -82,7 +82,10 @@ DEFAULTS: dict[str, tuple[Any, Any]] = {
     "concurrency": (64, 4),
     "fill_tokens": (1024, 64),
     "hog_gib": (10.0, 0.01),
-    "hog_step_mib": (512.0, 1.0),
+    # the other process's step: under pressure the engine keeps free at the driver only its headroom
+    # less the workspace torch holds (~0.44 GiB for the 8B shape on an H100), so a 512 MiB step
+    # could not be taken there, and the H100 run at be28b89 stalled its tier-off row at 1.1 GiB
+    "hog_step_mib": (256.0, 1.0),
     "deadline_s": (120.0, 60.0),
 }
 
