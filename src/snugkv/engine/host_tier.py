@@ -54,9 +54,9 @@ def suggested_host_tier_bytes(ranks: int) -> int:
 def host_tier_bytes(args: EngineArgs, device: torch.device, ranks: int) -> tuple[int, str]:
     """The tier's size in bytes (0: none) and where the figure comes from, for the log line.
 
-    Off unless `--kv-host-tier-gib` asks for it, on a GPU too, until the GPU benchmark of issue 35
-    has measured it: pinning tens of GiB at start-up costs seconds, and a pressure move that spills
-    copies what it evicts before the memory goes back (no time budget yet: docs/HOST_TIER.md)."""
+    Off unless `--kv-host-tier-gib` asks for it, on a GPU too: its first GPU run (issue 35, H100 at
+    be28b89) showed no gain at the bench's sizes yet, and pinning tens of GiB at start-up costs
+    seconds (docs/HOST_TIER.md)."""
     if args.cache.kv_host_tier_gib is not None:
         return int(args.cache.kv_host_tier_gib * GIB), "--kv-host-tier-gib"
     if device.type != "cuda":
