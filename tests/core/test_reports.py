@@ -105,3 +105,10 @@ def test_the_ledger_rows_above_the_total_add_up_to_it_with_the_weights_counted_o
         assert sum("weights" in name for name, _ in ledger.rows()) == 1
     assert on_gpu.unaccounted_bytes == gib - gib // 8  # the workspace is a row of its own
     assert "weights (host RAM, not on the device)" not in dict(on_cpu.total_rows())
+
+
+def test_a_shrinks_wait_for_the_step_in_flight_is_said_apart_from_the_move() -> None:
+    waited = KvResize("pressure", 1024, 512, 4096, 2048, 8, 3.2, waited_ms=412.46)
+    assert waited.log_line().endswith("took 3.2 ms after 412.5 ms for the step in flight")
+    assert waited.to_dict()["took_ms"] == 3.2 and waited.to_dict()["waited_ms"] == 412.46
+    assert CHANGE.log_line().endswith("took 1.2 ms")  # nothing waited for: nothing said
