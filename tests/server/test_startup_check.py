@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -98,7 +99,12 @@ def test_a_tiny_shape_starts_serves_and_stops_with_every_phase_within_the_total(
 
     assert result["request"]["status"] == 200 and result["request"]["completion_tokens"] == 8
     assert result["stop"] == {"exit_code": 0, "seconds": result["stop"]["seconds"]}
-    assert "Starting the engine" in Path(result["log"]).read_text()
+    log = Path(result["log"]).read_text()
+    # the phases before the engine's first line and up to serving say their seconds in the log too
+    assert re.search(r"Starting the engine: .* \(this process started \d+\.\d s ago: its imports\)", log)
+    assert re.search(
+        r"snugkv is serving on \S+ \(Ctrl-C to stop\), \d+\.\d s after this process started", log
+    )
     printed = capsys.readouterr().out
     for _, label in startup_check.ROWS:
         assert label in printed

@@ -93,9 +93,10 @@ class Engine:
         # The first line the engine logs: what comes before it in a start-up is imports (and the
         # spawn of an engine process), which scripts/startup_check.py times by it.
         self._log(
-            "Starting the engine: model=%s, device=%s",
+            "Starting the engine: model=%s, device=%s%s",
             args.load.model or "the default",
             args.parallel.device or "auto",
+            "" if age_s is None else f" (this process started {age_s:.1f} s ago: its imports)",
         )
         self.device = resolve_device(args.parallel.device)
         if self.device.type == "cuda" and (self.device.index is None or tp.enabled):

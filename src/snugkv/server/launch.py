@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 import uvicorn
 from fastapi import FastAPI
 
+from snugkv.core.process_clock import process_age_s
 from snugkv.server.http11 import HttpProtocol
 from snugkv.server.sockets import BACKLOG, KEEP_ALIVE_S, bind_socket
 
@@ -68,7 +69,9 @@ def serve(
             sock.listen(BACKLOG)
         url = _url(host, sock.getsockname()[1])
         with sock, _signals_stop(server):
-            logger.info("snugkv is serving on %s (Ctrl-C to stop)", url)
+            age_s = process_age_s()
+            ready = "" if age_s is None else f", {age_s:.1f} s after this process started"
+            logger.info("snugkv is serving on %s (Ctrl-C to stop)%s", url, ready)
             if on_listening is not None:
                 on_listening(url)
             try:
