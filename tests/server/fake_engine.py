@@ -20,6 +20,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any
 
 from snugkv.core.outputs import GenerateInput, GenerateOutput, TokenLogprob
+from snugkv.core.profiles import ProfileError, ProfileReport
 from snugkv.core.reports import (
     EngineInfo,
     KvInfo,
@@ -280,6 +281,12 @@ class FakeEngine:
 
     async def wake_up(self, *, tags: tuple[str, ...] = ()) -> SleepReply:
         raise self._no_kv_cache()
+
+    async def start_profile(self, *, output_dir: str | None = None, num_steps: int | None = None) -> str:
+        raise ProfileError("the test engine runs no steps to profile")
+
+    async def stop_profile(self) -> ProfileReport:
+        raise ProfileError("no profile is running; POST /start_profile first")
 
     @staticmethod
     def _no_kv_cache() -> KvResizeError:

@@ -16,6 +16,7 @@ from collections.abc import AsyncGenerator, Sequence
 from typing import Protocol
 
 from snugkv.core.outputs import GenerateInput, GenerateOutput
+from snugkv.core.profiles import ProfileReport
 from snugkv.core.reports import (
     EngineInfo,
     KvInfo,
@@ -81,6 +82,15 @@ class EngineClient(Protocol):
     async def sleep(self, *, level: int = 1, tags: tuple[str, ...] = ()) -> SleepReply: ...
 
     async def wake_up(self, *, tags: tuple[str, ...] = ()) -> SleepReply: ...
+
+    # -- profiling (driver.profiling; `ProfileError` when one runs already, or none does) ---------
+    async def start_profile(self, *, output_dir: str | None = None, num_steps: int | None = None) -> str:
+        """Record the next steps with the torch profiler; returns the folder the trace goes to."""
+        ...
+
+    async def stop_profile(self) -> ProfileReport:
+        """End the profile: its trace's path, the steps it covered, where the device time went."""
+        ...
 
     # -- lifetime ---------------------------------------------------------------------------
     def stop(self) -> None:

@@ -42,6 +42,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from snugkv.core.gc_pauses import GC_PAUSES
+from snugkv.core.profiles import ProfileReport
 from snugkv.core.reports import (
     EngineInfo,
     KvInfo,
@@ -68,6 +69,7 @@ from snugkv.driver.commands import (
     WakeUp,
 )
 from snugkv.driver.pressure import relieve_pressure
+from snugkv.driver.profiling import StepProfiler
 from snugkv.engine import Engine, EngineArgs
 from snugkv.engine.kv_sizing import StartGate
 from snugkv.models.loader import ModelSource
@@ -141,6 +143,7 @@ class EngineCore:
         self._next_wait_scan_s = 0.0
         if engine.kv.resizable:  # a prompt the cache could grow to hold waits for memory, not a 400
             scheduler.could_hold_tokens = engine.kv.largest_tokens()
+        self.profiler = StepProfiler(engine.device)  # POST /start_profile: this rank's steps
 
     # -- assembling -------------------------------------------------------------------------
     @classmethod
@@ -356,7 +359,19 @@ class EngineCore:
 
     def _step_scheduler(self) -> None:
         """The one place a step runs, for `step` and `run` alike."""
-        self.scheduler.step()
+        try:
+            self.scheduler.step()
+        finally:
+            self.profiler.on_step()
+
+    # -- profiling (driver.profiling; with tensor parallelism, rank 0's steps) ---------------------
+    def start_profile(self, output_dir: str | None = None, num_steps: int | None = None) -> str:
+        """Record the next steps (`num_steps`, or until `stop_profile`); returns the trace's folder."""
+        return self.profiler.start(output_dir, num_steps)
+
+    def stop_profile(self) -> ProfileReport:
+        """End the profile, write its trace and say where the time went (`ProfileError` if none ran)."""
+        return self.profiler.stop()
 
     # -- a run of its own (a command, a benchmark) ------------------------------------------
     def submit(self, adds: Iterable[Add]) -> list[Request]:

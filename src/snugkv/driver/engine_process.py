@@ -46,6 +46,7 @@ from typing import Any, TypeVar
 
 from snugkv.core.gc_pauses import freeze_startup_objects
 from snugkv.core.outputs import GenerateInput, GenerateOutput
+from snugkv.core.profiles import ProfileReport
 from snugkv.core.reports import EngineInfo, KvInfo, KvResizeReply, MetricsSnapshot, SleepReply, SleepState
 from snugkv.driver import wire
 from snugkv.driver.engine_core import EngineCore
@@ -232,6 +233,12 @@ class EngineProcess:
 
     async def wake_up(self, *, tags: tuple[str, ...] = ()) -> SleepReply:
         return await self.call(wire.WakeEngine(tuple(tags)))
+
+    async def start_profile(self, *, output_dir: str | None = None, num_steps: int | None = None) -> str:
+        return await self.call(wire.StartProfile(output_dir, num_steps))
+
+    async def stop_profile(self) -> ProfileReport:
+        return await self.call(wire.StopProfile())
 
     # -- calls ------------------------------------------------------------------------------
     async def call(self, call: wire.Call[ReplyT]) -> ReplyT:

@@ -29,6 +29,7 @@ from typing import Any, Protocol
 
 from snugkv.core.engine_client import MetricsSink
 from snugkv.core.outputs import GenerateInput, GenerateOutput
+from snugkv.core.profiles import ProfileReport
 from snugkv.core.reports import (
     EngineInfo,
     KvInfo,
@@ -357,6 +358,16 @@ class EngineThread:
 
     def is_sleeping(self) -> bool:
         return self.engine.is_sleeping
+
+    # -- profiling (run on the scheduler thread between steps: driver.profiling) -----------
+    async def start_profile(self, *, output_dir: str | None = None, num_steps: int | None = None) -> str:
+        """Record the next steps; returns the folder the trace goes to (`ProfileError` if one runs)."""
+        folder: str = await self._query(lambda core: core.start_profile(output_dir, num_steps))
+        return folder
+
+    async def stop_profile(self) -> ProfileReport:
+        report: ProfileReport = await self._query(EngineCore.stop_profile)
+        return report
 
     def sleep_state(self) -> SleepState:
         return self.core.sleep_state()

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from snugkv.core.outputs import GenerateInput, GenerateOutput
+from snugkv.core.profiles import ProfileReport
 from snugkv.core.reports import EngineInfo, KvInfo, KvResizeReply, MetricsSnapshot, SleepReply, SleepState
 from snugkv.driver.engine_thread import EngineThread
 from snugkv.models.loader import ModelSource
@@ -137,6 +138,21 @@ class WakeEngine(Call[SleepReply]):
 
     async def answer(self, engine: EngineThread) -> SleepReply:
         return await engine.wake_up(tags=self.tags)
+
+
+@dataclass(frozen=True, slots=True)
+class StartProfile(Call[str]):
+    output_dir: str | None = None
+    num_steps: int | None = None
+
+    async def answer(self, engine: EngineThread) -> str:
+        return await engine.start_profile(output_dir=self.output_dir, num_steps=self.num_steps)
+
+
+@dataclass(frozen=True, slots=True)
+class StopProfile(Call[ProfileReport]):
+    async def answer(self, engine: EngineThread) -> ProfileReport:
+        return await engine.stop_profile()
 
 
 # -- server -> engine -------------------------------------------------------------------------

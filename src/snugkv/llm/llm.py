@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from numbers import Integral
 from typing import Any
 
+from snugkv.core.profiles import ProfileReport
 from snugkv.core.reports import MemoryReport
 from snugkv.core.sampling import InvalidRequest, SamplingParams
 from snugkv.driver.commands import ResetPrefixCache
@@ -108,6 +109,15 @@ class LLM:
         """The scheduler's counters, as the server's /metrics has them (KV cache usage, prefix-cache
         hit rate, retractions, generated tokens)."""
         return self._open().core.stats().to_dict()
+
+    def start_profile(self, output_dir: str | None = None, num_steps: int | None = None) -> str:
+        """Record the next steps (rank 0's) with the torch profiler, `num_steps` of them or until
+        `stop_profile`; returns the folder the trace goes to (default $SNUGKV_PROFILE_DIR)."""
+        return self._open().core.start_profile(output_dir, num_steps)
+
+    def stop_profile(self) -> ProfileReport:
+        """End the profile: the trace's path, the steps it covered, where the time went by kind."""
+        return self._open().core.stop_profile()
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (on every rank); their slots become free."""

@@ -44,6 +44,7 @@ from snugkv.server.prepare import (
     prepare_chat,
     prepare_completion,
 )
+from snugkv.server.profile_routes import install_profile_routes
 from snugkv.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -164,6 +165,7 @@ def create_app(
     install_sleep_routes(app, client)
     install_openapi(app)
     install_load_routes(app, client, metrics)
+    install_profile_routes(app, client)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

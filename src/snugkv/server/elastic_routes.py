@@ -39,7 +39,7 @@ def api_error(exc: KvResizeError) -> APIError:
     return APIError(exc.status, str(exc), param=exc.param, code="kv_resize_refused")
 
 
-async def _json_object(request: Request, example: str) -> dict[str, Any]:
+async def json_object(request: Request, example: str) -> dict[str, Any]:
     raw = await request.body()
     try:
         body = json.loads(raw.decode("utf-8-sig")) if raw.strip() else None
@@ -75,7 +75,7 @@ def with_what_it_freed(result: dict[str, Any]) -> dict[str, Any]:
     return answer
 
 
-def _json_body(properties: dict[str, Any]) -> dict[str, Any]:
+def json_body(properties: dict[str, Any]) -> dict[str, Any]:
     """The OpenAPI `requestBody` of a route that reads a JSON object by hand (server/openapi.py)."""
     schema = {"type": "object", "properties": properties, "additionalProperties": False}
     return {"requestBody": {"required": False, "content": {"application/json": {"schema": schema}}}}
@@ -92,12 +92,12 @@ _TAGS_QUERY = ("tags", {"type": "string", "description": "comma-separated: weigh
 def install_elastic_routes(app: FastAPI, client: EngineClient) -> None:
     @app.post(
         "/kv/resize",
-        openapi_extra=_json_body(
+        openapi_extra=json_body(
             {"max_total_num_tokens": {"type": "integer"}, "free_gib": {"type": "number"}}
         ),
     )
     async def resize_kv(request: Request) -> Any:
-        body = await _json_object(request, RESIZE_EXAMPLE)
+        body = await json_object(request, RESIZE_EXAMPLE)
         known = {"max_total_num_tokens", "free_gib"}
         unknown = sorted(set(body) - known)
         if unknown:
@@ -152,7 +152,7 @@ async def _body_tags(request: Request) -> tuple[tuple[str, ...], object]:
     raw = await request.body()
     if not raw.strip():
         return (), None
-    body = await _json_object(request, '{"tags": ["weights", "kv_cache"]}')
+    body = await json_object(request, '{"tags": ["weights", "kv_cache"]}')
     tags = body.get("tags") or []
     if not isinstance(tags, list) or not all(isinstance(tag, str) for tag in tags):
         raise APIError(400, 'tags must be a list of names such as ["weights", "kv_cache"].', param="tags")
@@ -186,13 +186,13 @@ def install_sleep_routes(app: FastAPI, client: EngineClient) -> None:
 
     @app.post(
         "/release_memory_occupation",
-        openapi_extra=_json_body({"tags": _TAGS, "level": {"type": "integer", "enum": [1, 2]}}),
+        openapi_extra=json_body({"tags": _TAGS, "level": {"type": "integer", "enum": [1, 2]}}),
     )
     async def release_memory_occupation(request: Request) -> Any:
         tags, level = await _body_tags(request)
         return await sleep_with(_level(level if level is not None else 1), tags)
 
-    @app.post("/resume_memory_occupation", openapi_extra=_json_body({"tags": _TAGS}))
+    @app.post("/resume_memory_occupation", openapi_extra=json_body({"tags": _TAGS}))
     async def resume_memory_occupation(request: Request) -> Any:
         tags, _ = await _body_tags(request)
         return await wake_with(tags)
