@@ -355,3 +355,23 @@ def test_a_peer_then_snugkv_serve_both_cases_through_the_same_client(
     assert payload["complete"] and any("snugkv_over" in ratio for ratio in payload["ratios"])
     for name in ("server-vllm-offline.log", "server-snugkv-stress.log", "client-snugkv-offline.log"):
         assert (out / name).is_file(), name
+
+
+@pytest.mark.slow
+def test_a_profile_of_the_engines_steps_is_taken_after_the_offline_passes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--profile-steps`: after the offline passes, the server's next steps are profiled under one
+    load (POST /start_profile, /stop_profile) and summed by kind beside the table."""
+    monkeypatch.setenv("PYTHONPATH", str(REPO_ROOT / "src"))
+    out = tmp_path / "out"
+    code = main(
+        ["bench", "peers", "--dry-run", "--cases", "offline", "--profile-steps", "3", "--out", str(out)]
+    )
+    payload = json.loads((out / "peers-snugkv-smollm2-135m.json").read_text())
+    assert code == 0, payload["problems"]
+    profile = payload["servers"][0]["profile"]
+    assert profile["steps"] == 3 and profile["answered"] == 4, profile
+    assert profile["summary"]["kinds"]["gemm"] > 0 and profile["ms_per_step_by_kind"]["gemm"] > 0
+    assert (out / "profile-snugkv-offline" / profile["trace"]).is_file()
+    assert "| kind (ms per step) | snugkv |" in (out / "peers-snugkv-smollm2-135m.md").read_text()

@@ -17,6 +17,7 @@ from typing import Any
 
 from snugkv.bench import peer_servers
 from snugkv.bench.harness import provenance, save
+from snugkv.bench.peer_profile import profile_table
 from snugkv.bench.peer_servers import PEERS
 from snugkv.version import __version__
 
@@ -170,6 +171,11 @@ class Report:
             "seconds": time.monotonic() - self.started_s,
         }
         save(self.path, payload, _table(self.rows))
+        profiles = profile_table([server["profile"] for server in self.servers if "profile" in server])
+        if profiles:  # after the rows' table: each engine's profiled steps, side by side
+            markdown = self.path.with_suffix(".md")
+            text = "Device time per profiled step, by kind of kernel (bench/peer_profile.py):"
+            markdown.write_text(f"{markdown.read_text()}\n{text}\n\n{profiles}\n")
 
 
 def merge(paths: list[Path], out: Path) -> Path:

@@ -41,7 +41,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from snugkv.bench import peer_servers
+from snugkv.bench import peer_profile, peer_servers
+from snugkv.bench.peer_profile import PROFILE_INPUT, PROFILE_OUTPUT, PROFILE_REQUESTS
 from snugkv.bench.peer_report import Report, ServerFacts, engine_rows, environment, merge, skipped_rows
 from snugkv.bench.peer_servers import PEERS, ServerError, ServerSpec
 from snugkv.distributed.launch import free_port
@@ -51,6 +52,7 @@ CASES = ("offline", "stress")
 # is planned with until this run has seen the engine start.
 START_ESTIMATE_S = {"vllm": 120.0, "sglang": 115.0, "snugkv": 40.0}
 MIN_LOAD_S = 30.0  # a case is not started with less than its start estimate plus this left
+PROFILE_NEED_S = 60.0  # a profile is not begun with less than this left before the deadline
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +143,7 @@ class Plan:
     deadline_s: float
     cleanup_reserve_s: float
     dry_run: bool
+    profile_steps: int = 0  # > 0: after the offline passes, profile this many steps of each engine
 
     @property
     def engines(self) -> tuple[str, ...]:
@@ -170,6 +173,8 @@ class Plan:
             command = peer_servers.peer_command(engine, self.serve_sh, self.model_dir, port, flags)
             pythonpath = None if self.peer_site is None else str(self.peer_site)
             env = peer_servers.engine_env(dict(os.environ), pythonpath)
+        if self.profile_steps and case == "offline":
+            env = peer_profile.profile_env(engine, env, peer_profile.profile_dir(self.out, engine, case))
         return ServerSpec(engine, command, env, port, log_path)
 
 
@@ -230,6 +235,12 @@ def run_engine_case(
         facts = ServerFacts(startup_s, kv_tokens, source, cap)
         record.update(startup_s=startup_s, kv_tokens=kv_tokens, kv_tokens_source=source)
         client_rows, error = run_client(plan, engine, spec.url, case, clock.left_s())
+        if plan.profile_steps and case == "offline" and error is None and clock.left_s() > PROFILE_NEED_S:
+            folder = peer_profile.profile_dir(plan.out, engine, case)
+            shape = (4, 16, 8) if plan.dry_run else (PROFILE_REQUESTS, PROFILE_INPUT, PROFILE_OUTPUT)
+            record["profile"] = peer_profile.profile_server(
+                spec.url, engine, folder, plan.profile_steps, shape
+            )
     except ServerError as exc:
         error = str(exc).splitlines()[0]
         report.problems.append(str(exc))
@@ -335,6 +346,7 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
         deadline_s=args.deadline_s,
         cleanup_reserve_s=args.cleanup_reserve_s,
         dry_run=args.dry_run,
+        profile_steps=args.profile_steps,
     )
 
 
@@ -423,4 +435,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--merge", nargs="+", default=None, help="join these calls' JSON files into OUT/peers.json"
+    )
+    parser.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="after the offline passes, profile this many steps of each engine under one load "
+        "(POST /start_profile; bench/peer_profile.py) and set their device time by kind side by side",
     )

@@ -4,7 +4,9 @@ summed by kind of device kernel, the same way for any engine that writes one (sn
 side by side (issue 33).
 
 Device work is the trace's events of category `kernel`, `gpu_memcpy` and `gpu_memset`; a trace
-without any (a CPU run) is summed over its `cpu_op` events instead, and says so (`device: false`).
+without any (a CPU run) is summed over its `cpu_op` events instead, and says so (`device: false`):
+those nest (`aten::linear` holds `aten::addmm`), so their sums pass the span; a smoke test of the
+path, not a breakdown.
 Each kernel name falls in one kind (`KINDS`, first match); what matches none is `other`.
 """
 
