@@ -254,6 +254,14 @@ def run_alone(name: str, tokens: int, out: Path, env: dict[str, str], load_s: fl
 def run_together(out: Path, env: dict[str, str], load_s: float) -> dict[str, Any]:
     """Two `--kv-elastic` replicas of the 8B shape started at once (issue 36 item 7)."""
     pair = [start(name, out, env, ["--kv-elastic"], model="large") for name in ("large-a", "large-b")]
+    try:
+        return _serve_together(pair, load_s)
+    finally:  # a server that failed to start is stopped too
+        for server in pair:
+            stop(server)
+
+
+def _serve_together(pair: list[Server], load_s: float) -> dict[str, Any]:
     for server in pair:
         wait_healthy(server)
     sized = []
@@ -282,8 +290,6 @@ def run_together(out: Path, env: dict[str, str], load_s: float) -> dict[str, Any
         "tokens_per_s": rates,
         "problems": problems,
     }
-    for server in pair:
-        stop(server)
     return result
 
 
@@ -342,6 +348,8 @@ def main() -> int:
             f"alone at the same KV ({alone['kv_tokens']} tokens): {name} {alone['tokens_per_s']:.0f} tokens/s"
         )
         failed |= bool(alone["problems"])
+    out_json = args.out / "multi_engine.json"
+    out_json.write_text(json.dumps(results, indent=2, default=str))  # the phases so far, if the next fails
     if "together" in phases:
         together = results["together"] = run_together(args.out, env, args.load_s)
         print(

@@ -371,7 +371,8 @@ def test_a_profile_of_the_engines_steps_is_taken_after_the_offline_passes(
     payload = json.loads((out / "peers-snugkv-smollm2-135m.json").read_text())
     assert code == 0, payload["problems"]
     profile = payload["servers"][0]["profile"]
-    assert profile["steps"] == 3 and profile["answered"] == 4, profile
+    assert profile["steps_recorded"] == 3 and profile["steps_source"] == "stop_profile", profile
+    assert profile["answered"] == 4, profile
     assert profile["summary"]["kinds"]["gemm"] > 0 and profile["ms_per_step_by_kind"]["gemm"] > 0
     assert (out / "profile-snugkv-offline" / profile["trace"]).is_file()
     assert "| kind (ms per step) | snugkv |" in (out / "peers-snugkv-smollm2-135m.md").read_text()

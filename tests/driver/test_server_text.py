@@ -213,14 +213,23 @@ def test_the_servers_tokenizer_loads_after_ready_when_the_engine_named_no_source
     assert tokenizer is not None and tokenizer.vocab_size == 1000
 
 
-def test_a_model_without_a_tokenizer_is_looked_at_once_and_left_to_the_engine_to_report(tmp_path, caplog):
+def test_a_model_without_a_tokenizer_is_looked_at_once_and_left_to_the_engine_to_report(
+    tmp_path, caplog, monkeypatch
+):
     """The server's copy finds no tokenizer files on its thread: `result` trusts that (no second
     look) and says nothing, since the engine process logs the one warning line."""
+    from snugkv.driver import server_text
+
     (tmp_path / "bare").mkdir()
     source = ModelSource(tmp_path / "bare", "hf")
+    looks = []
+    look = server_text.load_tokenizer_or_none
+    monkeypatch.setattr(
+        server_text, "load_tokenizer_or_none", lambda *a, **k: looks.append(a) or look(*a, **k)
+    )
     load = TokenizerLoad()
     with caplog.at_level(logging.INFO):
         load.start(source)
         assert load.result(source, (2,)) is None
     assert not [record for record in caplog.records if "tokenizer" in record.getMessage()]
-    assert load._finished  # the thread's answer, not a second load
+    assert len(looks) == 1  # the thread's answer, not a second load

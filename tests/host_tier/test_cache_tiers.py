@@ -227,17 +227,18 @@ def test_a_host_tier_too_small_for_an_entry_drops_it():
     tiers.check()
 
 
-def test_an_eviction_into_the_host_tier_frees_a_batch_not_a_page() -> None:
-    """With a host tier every eviction writes and waits: it frees at least `eviction_floor` tokens
-    (here 1/16 of the cache: the pages are tiny) so that a page short per step is not a copy and a
-    host wait per step; what leaves is still served back from the host tier."""
+def test_an_eviction_for_room_into_the_host_tier_frees_a_batch_not_a_page() -> None:
+    """With a host tier every eviction writes and waits: one for a request's room frees at least
+    `eviction_floor` tokens (here 1/16 of the cache: the pages are tiny) so that a page short per
+    step is not a copy and a host wait per step; what leaves is still served back from the host
+    tier. A budgeted eviction (a pressure move's) frees what it is asked for only."""
     tiers = Tiers(4, "nhd", device_tokens=1024, host_tokens=2048, copies=HostCopies())
-    prompts = [[1000 * index + token for token in range(64)] for index in range(8)]
+    prompts = [[1000 * index + token for token in range(4)] for index in range(40)]  # one page each
     for prompt in prompts:
         tiers.serve(prompt)
     cache = tiers.cache
     assert cache.eviction_floor() == 64  # 1024 / 16
-    freed = cache.evict(1)
-    assert freed >= 64 and cache.spilled_tokens >= 64 and cache.dropped_tokens == 0
-    assert tiers.serve(prompts[0]) == (0, 64)  # the least recently used, now from the host tier
+    assert cache.evict(1) == 4  # asked one page's worth: one entry
+    assert cache.evict_for_room(1) == 64 and cache.dropped_tokens == 0  # sixteen entries, all spilled
+    assert tiers.serve(prompts[1]) == (0, 4)  # among the least recently used: back from the host tier
     assert RadixCache(tiers.allocator).eviction_floor() == 0  # no tier: evictions free what is asked

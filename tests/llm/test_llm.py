@@ -434,3 +434,17 @@ def test_the_readme_example_runs(capsys):
     exec(compile(example, "README.md", "exec"), {})
     printed = capsys.readouterr().out
     assert "Paris" in printed
+
+
+def test_a_profile_of_the_next_steps_is_taken_through_the_api(llm, tmp_path):
+    """`LLM.start_profile` / `stop_profile`: the trace of the steps between, and where their time
+    went (on CPU: the host's ops, gemm among them); a stop with none running is a `ProfileError`."""
+    from snugkv.core.profiles import ProfileError
+
+    assert llm.start_profile(str(tmp_path), num_steps=3) == str(tmp_path)
+    llm.generate(RAW[0], SamplingParams(max_new_tokens=6), use_tqdm=False)
+    report = llm.stop_profile()  # ended by itself after 3 steps; the report waited for this stop
+    assert report.steps == 3 and report.summary.kinds["gemm"] > 0
+    assert report.trace_path.startswith(str(tmp_path)) and report.trace_path.endswith(".trace.json.gz")
+    with pytest.raises(ProfileError, match="no profile is running"):
+        llm.stop_profile()

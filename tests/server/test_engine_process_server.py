@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -113,30 +114,34 @@ def test_info_metrics_and_kv_are_read_from_the_engine_process(server):
 
 def test_a_profile_of_the_engines_steps_is_taken_through_the_server(server, tmp_path):
     """POST /start_profile records the engine process's next steps; /stop_profile writes the trace
-    there and says where the time went (on CPU: the host's ops); a second stop or start out of
-    turn is a 409, a bad field a 400, and serving goes on."""
+    under the server's profile folder and says where the time went (on CPU: the host's ops); a
+    stop with nothing to take or a start while one runs is a 409, a bad field or a folder outside
+    the profile folder a 400, and serving goes on."""
     _, url, _ = server
     assert httpx.post(f"{url}/stop_profile", timeout=30).status_code == 409
     assert httpx.post(f"{url}/start_profile", json={"num_steps": "ten"}, timeout=30).status_code == 400
-    started = httpx.post(f"{url}/start_profile", json={"output_dir": str(tmp_path)}, timeout=30)
-    assert started.status_code == 200 and started.json()["output_dir"] == str(tmp_path)
+    # a client names a folder under the server's profile folder, never a path elsewhere
+    refused = httpx.post(f"{url}/start_profile", json={"output_dir": str(tmp_path)}, timeout=30)
+    assert refused.status_code == 400 and "inside the profile folder" in refused.text
+    folder = f"test-{os.getpid()}"
+    started = httpx.post(f"{url}/start_profile", json={"output_dir": folder}, timeout=30)
+    assert started.status_code == 200 and started.json()["output_dir"].endswith(folder)
     assert httpx.post(f"{url}/start_profile", timeout=30).status_code == 409  # one at a time
     assert completion(url).status_code == 200
     report = httpx.post(f"{url}/stop_profile", timeout=60).json()
-    assert report["steps"] >= 8 and report["trace_path"].startswith(str(tmp_path))
-    assert Path(report["trace_path"]).is_file()
+    trace = Path(report["trace_path"])
+    assert report["steps"] >= 8 and trace.parent.name == folder and trace.is_file()
     summary = report["summary"]
     assert summary["device"] is False and summary["total_us"] > 0 and summary["kinds"].get("gemm", 0) > 0
-    # the steps to record can be counted: the profile ends by itself
-    assert (
-        httpx.post(
-            f"{url}/start_profile", json={"num_steps": 2, "output_dir": str(tmp_path)}, timeout=30
-        ).status_code
-        == 200
-    )
+    assert httpx.post(f"{url}/stop_profile", timeout=30).status_code == 409  # taken already
+    # the steps to record can be counted: the profile ends by itself, its report waits for a stop
+    body = {"num_steps": 2, "output_dir": folder}
+    assert httpx.post(f"{url}/start_profile", json=body, timeout=30).status_code == 200
     assert completion(url).status_code == 200
-    assert httpx.post(f"{url}/stop_profile", timeout=60).json()["steps"] == 2
+    second = httpx.post(f"{url}/stop_profile", timeout=60).json()
+    assert second["steps"] == 2 and second["trace_path"] != report["trace_path"]
     assert completion(url).status_code == 200
+    shutil.rmtree(trace.parent)
 
 
 def test_ctrl_c_stops_the_server_and_its_engine_process(server):

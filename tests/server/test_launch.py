@@ -150,12 +150,15 @@ def test_a_connection_idle_longer_than_an_http_clients_expiry_still_serves(serve
     address = urlsplit(server.base_url)
     connection = http.client.HTTPConnection(address.hostname, address.port, timeout=10)
     try:
+        sockets = []
         for wait_s in (0.0, 6.0):
             time.sleep(wait_s)
             connection.request("GET", "/health")
             response = connection.getresponse()
             response.read()
             assert response.status == 200
-        assert connection.sock is not None  # the same socket served both: it was never reopened
+            assert connection.sock is not None
+            sockets.append(connection.sock.getsockname())
+        assert sockets[0] == sockets[1]  # one connection served both: it was never reopened
     finally:
         connection.close()

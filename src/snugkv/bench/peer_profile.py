@@ -8,8 +8,9 @@ server was started to, `VLLM_TORCH_PROFILER_DIR`, which `profile_env` sets), the
 `ignore_eos`, all at once), `POST /stop_profile` (an engine that stopped at its step count may
 refuse it: the trace is written either way), then the newest trace under the folder is summed by
 kind of kernel with `core.profiles` (the same reading for every engine). Per step figures divide by
-`N`; the engines' steps differ in what they hold (a prefill chunk, a decode batch), so the
-kinds' shares say more than their sums.
+the steps the trace holds: snugkv's `/stop_profile` says; SGLang stops at the `N` asked (the load
+outlasts it); vLLM's count is unknown (its sums only). The engines' steps differ in what they hold
+(a prefill chunk, a decode batch), so the kinds' shares say more than their sums.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 
 import httpx
 
-from snugkv.core.profiles import newest_trace, summarize_trace
+from snugkv.core.profiles import PROFILE_DIR_ENV, newest_trace, summarize_trace
 
 PROFILE_REQUESTS = 64
 PROFILE_INPUT = 512
@@ -35,9 +36,12 @@ def profile_dir(out: Path, engine: str, case: str) -> Path:
 
 
 def profile_env(engine: str, env: dict[str, str], folder: Path) -> dict[str, str]:
-    """The server's environment for a profile later: vLLM reads its trace folder at start-up."""
+    """The server's environment for a profile later: vLLM reads its trace folder at start-up, and
+    snugkv's routes write under theirs only."""
     if engine == "vllm":
         return {**env, "VLLM_TORCH_PROFILER_DIR": str(folder)}
+    if engine == "snugkv":
+        return {**env, PROFILE_DIR_ENV: str(folder)}
     return env
 
 
@@ -93,11 +97,25 @@ def profile_server(
     began = time.monotonic()
     result["answered"] = _load(url, model, shape, seed=7)
     result["load_s"] = round(time.monotonic() - began, 3)
+    recorded: int | None = None
     try:
         stopped = httpx.post(f"{url}/stop_profile", timeout=300)
         result["stop_status"] = stopped.status_code
-    except httpx.HTTPError as exc:
+        if stopped.status_code == 200 and stopped.headers.get("content-type", "").startswith(
+            "application/json"
+        ):
+            reply = stopped.json()
+            recorded = reply.get("steps") if isinstance(reply, dict) else None
+    except (httpx.HTTPError, ValueError) as exc:
         result["stop_status"] = repr(exc)
+    # the steps the trace holds: snugkv says; SGLang stops at the count asked (the load outlasts it);
+    # vLLM records until stopped, a count nobody gave: no per-step figures for it
+    if isinstance(recorded, int) and recorded > 0:
+        result["steps_recorded"], result["steps_source"] = recorded, "stop_profile"
+    elif engine == "sglang":
+        result["steps_recorded"], result["steps_source"] = steps, "asked"
+    else:
+        result["steps_recorded"], result["steps_source"] = None, "unknown"
     deadline = time.monotonic() + TRACE_WAIT_S
     trace = newest_trace(folder)
     while trace is None and time.monotonic() < deadline:
@@ -107,13 +125,17 @@ def profile_server(
         return {**result, "error": f"no trace under {folder} {TRACE_WAIT_S:.0f} s after stop_profile"}
     time.sleep(2.0)  # a trace still being written grows; read it once it has settled
     summary = summarize_trace(trace).to_dict()
-    per_step = {kind: round(us / steps / 1e3, 3) for kind, us in summary["kinds"].items()}
+    recorded = result["steps_recorded"]
+    per_step = (
+        {kind: round(us / recorded / 1e3, 3) for kind, us in summary["kinds"].items()} if recorded else None
+    )
     return {**result, "trace": trace.name, "summary": summary, "ms_per_step_by_kind": per_step}
 
 
 def profile_table(profiles: list[dict[str, Any]]) -> str:
-    """Markdown: each engine's device ms per profiled step by kind, side by side."""
-    found = [profile for profile in profiles if "summary" in profile]
+    """Markdown: each engine's device ms per profiled step by kind, side by side (an engine whose
+    step count is unknown is left out: its sums are in the JSON)."""
+    found = [profile for profile in profiles if "summary" in profile and profile.get("ms_per_step_by_kind")]
     if not found:
         return ""
     kinds = sorted({kind for profile in found for kind in profile["ms_per_step_by_kind"]})
@@ -124,7 +146,7 @@ def profile_table(profiles: list[dict[str, Any]]) -> str:
     for kind in kinds:
         cells = [f"{profile['ms_per_step_by_kind'].get(kind, 0.0):.3f}" for profile in found]
         lines.append(f"| {kind} | " + " | ".join(cells) + " |")
-    totals = [f"{profile['summary']['total_us'] / profile['steps'] / 1e3:.3f}" for profile in found]
+    totals = [f"{profile['summary']['total_us'] / profile['steps_recorded'] / 1e3:.3f}" for profile in found]
     lines.append("| **all device time** | " + " | ".join(totals) + " |")
     busy = [str(profile["summary"].get("busy_fraction")) for profile in found]
     lines.append("| busy fraction of the span | " + " | ".join(busy) + " |")

@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
+import tempfile
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+PROFILE_DIR_ENV = "SNUGKV_PROFILE_DIR"  # where traces go; the HTTP routes write nowhere else
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 # kind: substrings of a lower-cased kernel name, first match wins (order matters: attention before
 # GEMMs, as a split-KV attention kernel's name holds "splitk"; "decode" and "extend" name attention
@@ -52,6 +55,10 @@ KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("sampling", ("sample", "softmax", "argmax", "topk", "top_k", "top_p", "sort", "cumsum", "multinomial")),
     ("elementwise", ("elementwise", "vectorized", "unrolled", "reduce", "index", "cat", "fill", "copy")),
 )
+
+
+def default_profile_dir() -> Path:
+    return Path(os.environ.get(PROFILE_DIR_ENV) or Path(tempfile.gettempdir()) / "snugkv-profile")
 
 
 def kernel_kind(name: str) -> str:

@@ -37,6 +37,7 @@ takes none: it applies and steps on this rank only, and leaves when the work is 
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -369,8 +370,9 @@ class EngineCore:
         """Record the next steps (`num_steps`, or until `stop_profile`); returns the trace's folder."""
         return self.profiler.start(output_dir, num_steps)
 
-    def stop_profile(self) -> ProfileReport:
-        """End the profile, write its trace and say where the time went (`ProfileError` if none ran)."""
+    def stop_profile(self) -> concurrent.futures.Future[ProfileReport]:
+        """End the profile (`ProfileError` if none ran): its report once its trace is written, on a
+        thread of its own (wait for it off the stepping thread)."""
         return self.profiler.stop()
 
     # -- a run of its own (a command, a benchmark) ------------------------------------------

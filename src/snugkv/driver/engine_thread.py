@@ -17,6 +17,7 @@ With tensor parallelism this runs on rank 0; each turn's commands go to the othe
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import queue
@@ -366,8 +367,9 @@ class EngineThread:
         return folder
 
     async def stop_profile(self) -> ProfileReport:
-        report: ProfileReport = await self._query(EngineCore.stop_profile)
-        return report
+        """End the profile between two steps; its trace is written off the scheduler thread."""
+        written: concurrent.futures.Future[ProfileReport] = await self._query(EngineCore.stop_profile)
+        return await asyncio.wrap_future(written)
 
     def sleep_state(self) -> SleepState:
         return self.core.sleep_state()

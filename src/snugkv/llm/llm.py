@@ -117,7 +117,7 @@ class LLM:
 
     def stop_profile(self) -> ProfileReport:
         """End the profile: the trace's path, the steps it covered, where the time went by kind."""
-        return self._open().core.stop_profile()
+        return self._open().core.stop_profile().result()
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (on every rank); their slots become free."""

@@ -207,7 +207,7 @@ class RadixCache:
         try:
             short = match.host_tokens - self.allocator.available_tokens
             if short > 0:
-                self.evict(short)
+                self.evict_for_room(short)
             room, nodes, tokens = self.allocator.available_tokens, [], 0
             for node in match.host_nodes:
                 if tokens + len(node.key) > room:
@@ -307,10 +307,14 @@ class RadixCache:
         """Free at least `num_tokens` device slots (least recently used unlocked entries with
         nothing below them on the device; into the host tier where it has room, and the budget
         where one is given); returns the tokens freed. The slots are back in the allocator when
-        this returns. With a host tier at least `eviction_floor` tokens leave at once."""
-        if num_tokens > 0:
-            num_tokens = max(num_tokens, self.eviction_floor())
+        this returns."""
         return self._leave_device(self._lru_device_leaves(num_tokens), budget=budget)
+
+    def evict_for_room(self, num_tokens: int) -> int:
+        """`evict` for slots a request needs now (a prefill, a decode step, a load back): with a host
+        tier at least `eviction_floor` tokens leave at once. A pressure move's evictions, which a
+        spill budget bounds, take `evict` itself: what they free beyond the need would be dropped."""
+        return self.evict(max(num_tokens, self.eviction_floor()) if num_tokens > 0 else 0)
 
     def eviction_floor(self) -> int:
         """The fewest tokens an eviction frees: with a host tier, what leaves is written there and

@@ -60,7 +60,7 @@ class RequestSlots:
         """Whether `num_tokens` slots are free, evicting prefix-cache entries to free them."""
         allocator = self.runner.allocator
         if allocator.available_tokens < num_tokens:
-            self.cache.evict(num_tokens - allocator.available_tokens)
+            self.cache.evict_for_room(num_tokens - allocator.available_tokens)
         return allocator.available_tokens >= num_tokens
 
     def release_rejected(self, request: Request, end: int) -> None:

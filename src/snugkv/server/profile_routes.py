@@ -6,8 +6,9 @@
                          went, by kind of kernel, and the busiest kernels: core.profiles)
 
 A profile that runs already, or none that could stop, is a 409; a bad field a 400. The trace is
-written by the engine's process, on its machine (`output_dir`, default $SNUGKV_PROFILE_DIR or
-<tmp>/snugkv-profile). Behind the API key like every route.
+written by the engine's process, on its machine, under the profile folder ($SNUGKV_PROFILE_DIR when
+the server starts, else <tmp>/snugkv-profile): `output_dir` names a folder inside it, never one
+elsewhere (a client picks no path on the server's disk). Behind the API key like every route.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 
 from snugkv.core.engine_client import EngineClient
-from snugkv.core.profiles import ProfileError
+from snugkv.core.profiles import PROFILE_DIR_ENV, ProfileError, default_profile_dir
 from snugkv.server.elastic_routes import json_body, json_object
 from snugkv.server.errors import APIError
 
@@ -45,8 +46,17 @@ def install_profile_routes(app: FastAPI, client: EngineClient) -> None:
             raise APIError(400, f"output_dir must be a string; send {START_EXAMPLE}.", param="output_dir")
         if num_steps is not None and (isinstance(num_steps, bool) or not isinstance(num_steps, int)):
             raise APIError(400, f"num_steps must be an integer; send {START_EXAMPLE}.", param="num_steps")
+        root = default_profile_dir().resolve()
+        target = (root / output_dir).resolve() if output_dir else root
+        if not target.is_relative_to(root):  # a client writes traces under the profile folder only
+            raise APIError(
+                400,
+                f"output_dir must lie inside the profile folder {root} (set by {PROFILE_DIR_ENV} when the "
+                "server starts); give a folder name under it, or none.",
+                param="output_dir",
+            )
         try:
-            folder = await client.start_profile(output_dir=output_dir, num_steps=num_steps)
+            folder = await client.start_profile(output_dir=str(target), num_steps=num_steps)
         except ProfileError as exc:
             raise _profile_error(exc) from exc
         steps = f"the next {num_steps} steps" if num_steps else "every step until POST /stop_profile"
