@@ -112,7 +112,9 @@ def engine_process(tmp_path_factory):
     process.stop()
 
 
-def test_every_call_crosses_the_engine_process_and_answers_its_declared_type(engine_process) -> None:
+def test_every_call_crosses_the_engine_process_and_answers_its_declared_type(
+    engine_process, tmp_path
+) -> None:
     kv_tokens = engine_process.server_info().to_dict()["max_total_num_tokens"]
     calls: list[wire.Call[Any]] = [  # in this order: the engine sleeps, then wakes
         wire.ReadHealth(),
@@ -125,6 +127,8 @@ def test_every_call_crosses_the_engine_process_and_answers_its_declared_type(eng
         wire.ResizeKvCache(max_total_num_tokens=kv_tokens),
         wire.SleepEngine(level=1),
         wire.WakeEngine(),
+        wire.StartProfile(output_dir=str(tmp_path), num_steps=None),
+        wire.StopProfile(),
     ]
     assert {type(call) for call in calls} == call_classes(), "give each call an example"
 

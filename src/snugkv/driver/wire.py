@@ -25,9 +25,10 @@ is what the engine process runs for it; `EngineProcess.call` sends any of them.
     ReadMetrics -> MetricsSnapshot                          ReadRecentSteps -> list[StepRecord]
     ReadSleepState -> SleepState                            ReadKvInfo -> KvInfo
     ResizeKvCache -> KvResizeReply                          SleepEngine -> SleepReply
-    WakeEngine -> SleepReply
+    WakeEngine -> SleepReply                                StartProfile -> str (the trace's folder)
+    StopProfile -> ProfileReport
 
-Errors cross as themselves (`crossing`): a `KvResizeError` keeps its status and parameter, a bad
+Errors cross as themselves (`crossing`): a `KvResizeError` or `ProfileError` keeps its status, a bad
 model file is the same one-line error in the server's process; one that does not pickle becomes an
 `EngineProcessError` naming its type, as does a call the engine process does not know. Values and the engine side of each
 call only: nothing here reads or writes the pipe, and nothing here runs in the server's process
