@@ -10,6 +10,7 @@ Both run before any KV beyond the dummy page is backed; this module never sizes 
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import replace
 
@@ -36,6 +37,8 @@ SMALL_POOL_RESERVE_BYTES = 32 << 20  # small-pool blocks kept cached for serving
 PENALISED_EVERY_STAGE = replace(
     SAMPLING_EVERY_STAGE, repetition_penalty=1.1, frequency_penalty=0.2, presence_penalty=0.3, min_tokens=1
 )
+
+logger = logging.getLogger(__name__)
 
 
 def capture_graphs(blocks: EngineBlocks, runner: ModelRunner) -> dict[str, float]:
@@ -151,9 +154,12 @@ def warm_prefix_extend(blocks: EngineBlocks, runner: ModelRunner) -> None:
     prefix = min(4 * new, blocks.context_length - new)
     if prefix <= new:
         return
-    runner.forward(
-        [BatchRow(0, prefix, [0] * new)], torch.zeros(new, dtype=torch.int64, device=blocks.device)
-    )
+    try:
+        runner.forward(
+            [BatchRow(0, prefix, [0] * new)], torch.zeros(new, dtype=torch.int64, device=blocks.device)
+        )
+    except Exception:  # a warm-up: the start goes on, and the first prefix hit meets the same error
+        logger.warning("warming a prefix hit's step failed; the first prefix hit will meet it", exc_info=True)
 
 
 def reserve_small_pool(device: torch.device) -> None:
