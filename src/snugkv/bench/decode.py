@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 from snugkv.bench.harness import copy_bandwidth_bytes_per_s, cuda_missing, emit, graph_seconds, time_cuda
 from snugkv.bench.model_configs import benchmark_model
+from snugkv.core.profiles import kind_of
 from snugkv.core.sampling import SamplingParams
 from snugkv.kernels.moe_direct import direct_max_tokens
 from snugkv.layers import dense_gemm_choice
@@ -67,11 +68,7 @@ KERNEL_KINDS = (
 
 
 def kernel_kind(name: str) -> str:
-    lowered = name.lower()
-    for kind, needles in KERNEL_KINDS:
-        if any(needle in lowered for needle in needles):
-            return kind
-    return "elementwise/other"
+    return kind_of(name, KERNEL_KINDS, "elementwise/other")
 
 
 def kernel_breakdown(step: Any, num_layers: int, repeats: int = 3) -> dict[str, Any]:

@@ -17,6 +17,7 @@ import json
 import os
 import tempfile
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,12 +62,14 @@ def default_profile_dir() -> Path:
     return Path(os.environ.get(PROFILE_DIR_ENV) or Path(tempfile.gettempdir()) / "snugkv-profile")
 
 
-def kernel_kind(name: str) -> str:
+def kind_of(name: str, kinds: Sequence[tuple[str, Sequence[str]]], default: str = "other") -> str:
+    """The first kind of `kinds` one of whose substrings the lower-cased `name` holds."""
     lowered = name.lower()
-    for kind, needles in KINDS:
-        if any(needle in lowered for needle in needles):
-            return kind
-    return "other"
+    return next((kind for kind, needles in kinds if any(needle in lowered for needle in needles)), default)
+
+
+def kernel_kind(name: str) -> str:
+    return kind_of(name, KINDS)
 
 
 @dataclass(frozen=True, slots=True)
