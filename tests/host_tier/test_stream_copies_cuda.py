@@ -55,8 +55,9 @@ def test_batched_copies_round_trip_through_a_small_staging_and_allocate_no_devic
     tier = HostKvTier(
         views, num_pages=32, page_size=16, copies=StreamCopies(device), pin_memory=True, staging=staging
     )
-    assert tier.path.name == "batched" and tier.path.word_bytes == 8
-    source = torch.tensor([3, 4, 5, 9, 12, 13, 30, 2, 40, 41])  # three chunks of at most four pages
+    assert tier.path.name == "batched" and tier.path.word_bytes == 8 and tier.path.lanes == 2
+    # two lanes of two pages: five chunks, each lane's scatter beside the other's host copy
+    source = torch.tensor([3, 4, 5, 9, 12, 13, 30, 2, 40, 41])
     host = tier.alloc(source.numel())
     assert host is not None
     expected = [view[source.to(device)].clone() for view in views]

@@ -183,3 +183,23 @@ def test_runs_split_where_either_list_breaks():
     ]
     assert host_runs(torch.tensor([4, 5, 6, 2, 3])) == [(4, 0, 3), (2, 3, 2)]
     assert page_runs(torch.tensor([], dtype=torch.int64), torch.tensor([], dtype=torch.int64)) == []
+
+
+@pytest.mark.parametrize("lanes", [1, 2, 3])
+def test_lanes_take_the_chunks_in_turn_and_every_page_arrives(lanes):
+    """The staging split into lanes (on a GPU: one chunk's gathers or scatters beside the next one's
+    host copy): each lane carries its share, chunks use them in turn, and every page arrives."""
+    generator = torch.Generator().manual_seed(5)
+    rows = [24, 40]
+    views = [torch.randint(0, 256, (40, row), dtype=torch.uint8, generator=generator) for row in rows]
+    page_bytes = sum(rows)
+    host = torch.zeros((HOST_PAGES + 1) * page_bytes, dtype=torch.uint8)
+    path = StagedCopies(views, host, HOST_PAGES, staging_for(6, page_bytes), lanes=lanes)
+    assert (path.lanes, path.chunk_pages) == (lanes, 6 // lanes)
+    source = torch.tensor([8, 1, 4, 30, 31, 32, 17, 2, 9, 5, 22])  # 11 pages: several chunks a lane
+    host_pages = torch.arange(1, source.numel() + 1)
+    target = torch.tensor([33, 34, 35, 36, 37, 38, 39, 20, 21, 23, 24])
+    expected = [view[source].clone() for view in views]
+    path.write(source, host_pages)()
+    path.load(host_pages, target)()
+    assert all(torch.equal(view[target], want) for view, want in zip(views, expected))
