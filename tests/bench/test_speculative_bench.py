@@ -30,6 +30,7 @@ def test_a_row_reads_acceptance_speedup_and_step_times_against_the_plain_pass():
     assert row["acceptance"] == 0.75 and row["mean_accepted_length"] == 4.0
     assert row["speedup"] == 2.0 and row["tok_per_s"] == 4.0
     assert row["decode_step_ms"] == pytest.approx(12.0) and row["verify_step_ms"] == pytest.approx(25.0)
+    assert row["verify_over_decode"] == pytest.approx(25.0 / 12.0)
     assert row["same_tokens"] and row["verify_steps"] == 2
 
 

@@ -15,7 +15,7 @@ would.
 A row: `acceptance` (accepted / drafted tokens), `mean_accepted_length` (tokens a drafted row emits
 per verify step), `tok_per_s` (output tokens over the pass's wall time, prefill included),
 `speedup` over the plain pass, the median device time of the plain pass's decode steps and of the
-speculating pass's verify steps (`Scheduler.times`), and `same_tokens`: whether every output equals
+speculating pass's verify steps (`Scheduler.times`) and their ratio (`verify_over_decode`), and `same_tokens`: whether every output equals
 the plain pass's token for token (greedy speculation must; each mismatch is printed). A batch above
 `--speculative-max-batch-size` does not speculate (the engine's back-off): its rows show 0 verify
 steps. Multi-turn chat re-sends each conversation's history with the model's own replies in it.
@@ -262,6 +262,7 @@ def _measure(
 def _row(workload: str, batch: int, setting: Setting, done: Pass, plain: Pass) -> dict[str, Any]:
     tok_per_s = done.output_tokens / done.seconds
     plain_tok_per_s = plain.output_tokens / plain.seconds
+    decode_ms, verify_ms = _median_ms(plain.decode_step_s), _median_ms(done.verify_step_s)
     return {
         "proposer": setting.proposer,
         "workload": workload,
@@ -272,8 +273,10 @@ def _row(workload: str, batch: int, setting: Setting, done: Pass, plain: Pass) -
         "tok_per_s": tok_per_s,
         "plain_tok_per_s": plain_tok_per_s,
         "speedup": tok_per_s / plain_tok_per_s,
-        "decode_step_ms": _median_ms(plain.decode_step_s),
-        "verify_step_ms": _median_ms(done.verify_step_s),
+        "decode_step_ms": decode_ms,
+        "verify_step_ms": verify_ms,
+        # issue 34's step target: a verify step of k drafts against a plain decode step, same batch
+        "verify_over_decode": verify_ms / decode_ms if verify_ms and decode_ms else None,
         "verify_steps": len(done.verify_step_s),
         "output_tokens": done.output_tokens,
         "same_tokens": done.token_ids == plain.token_ids,
