@@ -158,7 +158,9 @@ def warm_prefix_extend(blocks: EngineBlocks, runner: ModelRunner) -> None:
         runner.forward(
             [BatchRow(0, prefix, [0] * new)], torch.zeros(new, dtype=torch.int64, device=blocks.device)
         )
-    except Exception:  # a warm-up: the start goes on, and the first prefix hit meets the same error
+    except Exception as exc:  # a warm-up: the start goes on, and the first prefix hit meets the same error
+        if "CUDA error" in str(exc):  # a sticky device error (an illegal address, an assert): nothing goes on
+            raise
         logger.warning("warming a prefix hit's step failed; the first prefix hit will meet it", exc_info=True)
 
 

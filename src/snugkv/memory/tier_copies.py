@@ -17,14 +17,15 @@ and for MLA), so moving N pages touches N rows of every buffer. Two ways to issu
     load:  one host -> device copy per run of consecutive host pages (the host allocates lowest
            first: usually one) into the staging, then one `index_copy_` per buffer from it;
     write: one `index_select` per buffer into the staging, then one device -> host copy per host run.
-  The 8B example becomes 9 chunks of at most 31 pages (2 MiB each): 9 large copies, 9 index
-  uploads and 9 x 32 gathers/scatters on the device (rows moved as 8-byte words where the rows
-  allow), instead of ~8,000 copies. Why a staging and not a zero-copy kernel: docs/HOST_TIER.md.
+  The 8B example becomes 17 chunks of at most 15 pages (2 MiB each; two lanes on a GPU, below):
+  17 large copies, 17 index uploads and 17 x 32 gathers/scatters on the device (rows moved as
+  8-byte words where the rows allow), instead of ~8,000 copies. Why a staging and not a zero-copy kernel: docs/HOST_TIER.md.
 
 Both run everything through the closures they return, which a `PageCopies` runs (on a GPU on its
-one copy stream, in order: the staging is reused by the next chunk and the next copy only after
-the previous one's copies ran, with no wait). On a GPU the staging is split into two lanes that
-consecutive chunks take in turn, and the gathers and scatters run on a second stream: one chunk's
+one copy stream). On a GPU the staging is split into two lanes that consecutive chunks take in
+turn, and the gathers and scatters run on a second stream, ordered against the copy stream by
+per-lane events (a lane is reused only after its last reader ended; a closure joins the second
+stream at its start and its end, so the next copy follows it with no host wait): one chunk's
 scatter runs while the next chunk's host copy does (the H100 run at be28b89 loaded at 41.2 GB/s
 in serving and 45.0 in the micro-bench, against 55.3 for a plain pinned copy, with each chunk's
 32 scatters after its copy). On CPU the same code runs with host memory as the

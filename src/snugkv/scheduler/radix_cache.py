@@ -39,7 +39,7 @@ from snugkv.memory.host_tier import COPIED, CopyDone, HostKvTier
 from snugkv.memory.moves import PageMoves
 
 _ids = itertools.count()
-EVICT_BATCH_BYTES = 64 << 20  # an eviction into the host tier frees at least this much (one staging chunk)
+EVICT_BATCH_BYTES = 64 << 20  # an eviction into the host tier frees at least this much (the staging's size)
 
 
 def _no_slots() -> torch.Tensor:
@@ -320,7 +320,7 @@ class RadixCache:
         """The fewest tokens an eviction frees: with a host tier, what leaves is written there and
         the scheduler waits for the write, so a page or two at a time (a decode batch crossing page
         ends) would pay a copy's launch and a host wait per step; `EVICT_BATCH_BYTES` at once (at
-        most 1/16 of the cache) makes it one staging chunk's copy every several steps. The H100 run
+        most 1/16 of the cache) makes it a few large chunks every several steps. The H100 run
         at be28b89 wrote to the tier at 16.4 GB/s while serving, against 45 for batched copies."""
         tier = self.host_tier
         if tier is None or tier.page_bytes <= 0:
