@@ -16,14 +16,21 @@ from snugkv.memory.tier_copies import INDEX_ALIGN_BYTES
 pytestmark = pytest.mark.cuda
 
 
-@pytest.mark.parametrize("layout", ["nhd", "hnd"])
-def test_pages_round_trip_through_pinned_memory_on_the_copy_stream(layout):
+def random_pool(layout: str, tokens: int, layers: int) -> tuple[MHAKVPool, list[torch.Tensor]]:
+    """A bfloat16 pool of 16-token pages on the GPU, every byte random, and its page views."""
     device = torch.device("cuda")
     spec = KVPoolSpec.of(dtype="bfloat16", page_size=16, layout=layout, device=device, mode="static")
-    pool = MHAKVPool(spec, reserved_tokens=1024, num_layers=4, num_kv_heads=8, head_dim=128)
+    pool = MHAKVPool(spec, reserved_tokens=tokens, num_layers=layers, num_kv_heads=8, head_dim=128)
     views = pool.page_views()
     for view in views:
         view.copy_(torch.randint(0, 255, view.shape, dtype=torch.uint8, device=device))
+    return pool, views
+
+
+@pytest.mark.parametrize("layout", ["nhd", "hnd"])
+def test_pages_round_trip_through_pinned_memory_on_the_copy_stream(layout):
+    device = torch.device("cuda")
+    pool, views = random_pool(layout, 1024, 4)
     tier = HostKvTier(views, num_pages=32, page_size=16, copies=StreamCopies(device), pin_memory=True)
     source = torch.tensor([3, 4, 5, 9, 12, 13])
     host = tier.alloc(source.numel())
@@ -38,18 +45,14 @@ def test_pages_round_trip_through_pinned_memory_on_the_copy_stream(layout):
     traffic = tier.traffic()
     assert traffic.bytes_to_device == traffic.bytes_to_host == 6 * tier.page_bytes
     tier.close()
-    del views, view  # the pool's arena refuses to close under live views of it
+    del views  # the pool's arena refuses to close under live views of it
     pool.close()
 
 
 @pytest.mark.parametrize("layout", ["nhd", "hnd"])
 def test_batched_copies_round_trip_through_a_small_staging_and_allocate_no_device_memory(layout):
     device = torch.device("cuda")
-    spec = KVPoolSpec.of(dtype="bfloat16", page_size=16, layout=layout, device=device, mode="static")
-    pool = MHAKVPool(spec, reserved_tokens=1024, num_layers=4, num_kv_heads=8, head_dim=128)
-    views = pool.page_views()
-    for view in views:
-        view.copy_(torch.randint(0, 255, view.shape, dtype=torch.uint8, device=device))
+    pool, views = random_pool(layout, 1024, 4)
     page_bytes = sum(view.shape[1] for view in views)
     staging = torch.empty(INDEX_ALIGN_BYTES + 4 * (page_bytes + 8), dtype=torch.uint8, device=device)
     tier = HostKvTier(
@@ -78,7 +81,7 @@ def test_batched_copies_round_trip_through_a_small_staging_and_allocate_no_devic
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(loaded, expected))
     tier.close()
-    del views, view, staging  # the pool's arena refuses to close under live views of it
+    del views, staging  # the pool's arena refuses to close under live views of it
     pool.close()
 
 
@@ -100,11 +103,7 @@ def test_many_chunks_written_and_loaded_back_to_back_through_two_lanes_arrive_bi
     a lane's staging or index reused before its last reader (on either stream) ended would show as
     wrong bytes."""
     device = torch.device("cuda")
-    spec = KVPoolSpec.of(dtype="bfloat16", page_size=16, layout="nhd", device=device, mode="static")
-    pool = MHAKVPool(spec, reserved_tokens=16 * 400, num_layers=8, num_kv_heads=8, head_dim=128)
-    views = pool.page_views()
-    for view in views:
-        view.copy_(torch.randint(0, 255, view.shape, dtype=torch.uint8, device=device))
+    pool, views = random_pool("nhd", 16 * 400, 8)
     page_bytes = sum(view.shape[1] for view in views)
     staging = torch.empty(INDEX_ALIGN_BYTES + 6 * (page_bytes + 8), dtype=torch.uint8, device=device)
     tier = HostKvTier(
@@ -129,5 +128,5 @@ def test_many_chunks_written_and_loaded_back_to_back_through_two_lanes_arrive_bi
         got = [view[pages.to(device)] for view in views]
         assert all(torch.equal(a, b) for a, b in zip(got, want))
     tier.close()
-    del views, view, staging
+    del views, staging
     pool.close()

@@ -145,6 +145,17 @@ def assert_every_draft_kept(scheduler: Scheduler, results: dict[str, Result]) ->
     assert all(r.accepted_draft_tokens == r.draft_tokens for r in results.values())
 
 
+def assert_drafts_kv_is_the_models(pool, draft_kv, table, rows) -> None:
+    """Every position of `rows` holds the same K/V in the draft's layers as in the model's (the
+    self-draft writes the model's own KV at the same slots)."""
+    for row in rows:
+        slots = table[row.req_pool_idx, : row.seq_len].long()
+        for layer in range(pool.num_layers):
+            model_kv = torch.cat([buffer[slots] for buffer in pool.get_kv_buffer(layer)], dim=1)
+            drafts_kv = torch.cat([buffer[slots] for buffer in draft_kv.get_kv_buffer(layer)], dim=1)
+            torch.testing.assert_close(drafts_kv, model_kv, atol=1e-4, rtol=1e-4)
+
+
 def test_a_second_instance_of_the_model_drafts_the_tokens_of_plain_decoding(
     plain_engine, draft_engine, tokenizer
 ):
@@ -187,13 +198,8 @@ def test_the_drafts_kv_is_written_wherever_the_models_is_a_prefix_cache_hit_incl
 
     def checking(self, rows, out_cache_loc):
         logits = real_forward(self, rows, out_cache_loc)
-        for row in rows:
-            slots = table[row.req_pool_idx, : row.seq_len].long()
-            for layer in range(pool.num_layers):
-                model_kv = torch.cat([buffer[slots] for buffer in pool.get_kv_buffer(layer)], dim=1)
-                drafts_kv = torch.cat([buffer[slots] for buffer in draft_kv.get_kv_buffer(layer)], dim=1)
-                torch.testing.assert_close(drafts_kv, model_kv, atol=1e-4, rtol=1e-4)
-            checked.append(row.seq_len)
+        assert_drafts_kv_is_the_models(pool, draft_kv, table, rows)
+        checked.extend(row.seq_len for row in rows)
         return logits
 
     prompts = {"first": SHARED + "Name a fruit.", "second": SHARED + "Name a colour."}
@@ -467,12 +473,7 @@ def test_prefixes_back_from_the_host_tier_bring_the_drafts_kv_with_them(monkeypa
 
         def checking(self, rows, out_cache_loc):
             logits = real_forward(self, rows, out_cache_loc)
-            for row in rows:
-                slots = table[row.req_pool_idx, : row.seq_len].long()
-                for layer in range(pool.num_layers):
-                    model_kv = torch.cat([buffer[slots] for buffer in pool.get_kv_buffer(layer)], dim=1)
-                    drafts_kv = torch.cat([buffer[slots] for buffer in draft_kv.get_kv_buffer(layer)], dim=1)
-                    torch.testing.assert_close(drafts_kv, model_kv, atol=1e-4, rtol=1e-4)
+            assert_drafts_kv_is_the_models(pool, draft_kv, table, rows)
             return logits
 
         monkeypatch.setattr(ModelRunner, "forward", checking)
