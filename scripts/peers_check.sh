@@ -27,6 +27,7 @@ trap finish EXIT
 export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 HF_HUB_OFFLINE=1
 echo "=== env ($(date +%T))"
 nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv | tee "$WORK/env.txt"
+echo "cpus: $(nproc) online, cgroup cpu.max: $(cat /sys/fs/cgroup/cpu.max 2>/dev/null || echo none)" | tee -a "$WORK/env.txt"
 
 # snugkv's own server wheels; its PYTHONPATH never reaches the peer (bench peers gives the peer its site alone)
 SNUGKV_PATH="$PWD/src"

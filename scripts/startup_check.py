@@ -15,7 +15,9 @@ this starts a real `python3 -m snugkv serve --model DIR --load-format dummy --po
 - the rest: what is left of the total (the engine's ledger and GC freeze, the tokenizer, the hand-over
   from the engine process, the HTTP server's start, the first /health).
 Then one completion (a token-id prompt: dummy configs ship no tokenizer) checks that it serves, and a
-SIGTERM stops it. Writes OUT/startup.json (after each shape), each server's log beside it, and prints
+SIGTERM stops it. Every server starts cold, as on a fresh machine: Triton's and torch's compile caches
+are empty folders of its own (`--warm` keeps the machine's), and the report lists the Triton kernels
+it compiled (`triton_compiled`: how many, and how many of each kernel). Writes OUT/startup.json (after each shape), each server's log beside it, and prints
 a table. Uses the standard library only (no httpx on the device); exit 1 when a shape did not start,
 serve or stop cleanly.
 """
@@ -26,10 +28,12 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -184,7 +188,10 @@ class Server:
     reader: threading.Thread
 
     @classmethod
-    def start(cls, config: Path, extra_args: list[str], log_dir: Path, log_prefix: str) -> Server:
+    def start(
+        cls, config: Path, extra_args: list[str], log_dir: Path, log_prefix: str, caches: Path | None
+    ) -> Server:
+        """`caches`: a fresh folder for the server's compile caches (None: the machine's own)."""
         label = config.stem if config.is_file() else config.name
         port = free_port()
         command = [
@@ -192,6 +199,10 @@ class Server:
             "--port", str(port), *extra_args,
         ]  # fmt: skip
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        if caches is not None:
+            env.update(
+                TRITON_CACHE_DIR=str(caches / "triton"), TORCHINDUCTOR_CACHE_DIR=str(caches / "inductor")
+            )
         env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(REPO / "src"), env.get("PYTHONPATH"))))
         spawned = time.monotonic()
         process = subprocess.Popen(
@@ -208,10 +219,24 @@ class Server:
         return stopped
 
 
-def check_shape(name: str, out: Path, extra_args: list[str], timeout_s: float) -> dict[str, Any]:
+def triton_compiled(cache: Path) -> dict[str, Any]:
+    """The kernels Triton compiled into `cache`: one metadata JSON per compiled specialization,
+    named after the kernel (the `__grp__` files only list a compilation's artifacts)."""
+    names: dict[str, int] = {}
+    for meta in cache.glob("*/*.json"):
+        if not meta.name.startswith("__grp__"):
+            names[meta.stem] = names.get(meta.stem, 0) + 1
+    ranked = dict(sorted(names.items(), key=lambda item: (-item[1], item[0])))
+    return {"kernels": sum(names.values()), "by_name": ranked}
+
+
+def check_shape(
+    name: str, out: Path, extra_args: list[str], timeout_s: float, cold: bool = True
+) -> dict[str, Any]:
     """Start, time, query, request and stop one server; the shape's entry of startup.json."""
     config = shape_dir(name)
-    server = Server.start(config, extra_args, out, "startup")
+    caches = Path(tempfile.mkdtemp(prefix="snugkv-startup-caches-")) if cold else None
+    server = Server.start(config, extra_args, out, "startup", caches)
     url, process, spawned, log = server.url, server.process, server.spawned, server.log
     result: dict[str, Any] = {
         "shape": server.label,
@@ -248,6 +273,10 @@ def check_shape(name: str, out: Path, extra_args: list[str], timeout_s: float) -
         result["error"] = f"{exc}\n{log.tail()}"
     finally:
         result["stop"] = server.stop()
+        if caches is not None:
+            result["triton_compiled"] = triton_compiled(caches / "triton")
+            shutil.rmtree(caches, ignore_errors=True)
+    result["cold_caches"] = cold
     ok = "error" not in result and result["request"]["status"] == 200 and result["stop"]["exit_code"] == 0
     result["ok"] = ok
     return result
@@ -300,12 +329,18 @@ def table(results: list[dict[str, Any]]) -> str:
             f"{request.get('seconds', 0):.2f} s); SIGTERM: exit {stopped.get('exit_code')} "
             f"in {stopped.get('seconds', 0):.1f} s"
         )
+        compiled = result.get("triton_compiled")
+        if compiled is not None:
+            top = ", ".join(f"{name} x{count}" for name, count in list(compiled["by_name"].items())[:8])
+            lines.append(f"  cold caches: Triton compiled {compiled['kernels']} kernels ({top})")
         if "error" in result:
             lines.append(f"  error: {result['error']}")
     return "\n".join(lines)
 
 
-def run(shapes: list[str], out: Path, extra_args: list[str], timeout_s: float) -> dict[str, Any]:
+def run(
+    shapes: list[str], out: Path, extra_args: list[str], timeout_s: float, cold: bool = True
+) -> dict[str, Any]:
     """Every shape in turn; OUT/startup.json is rewritten after each."""
     out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {
@@ -314,7 +349,7 @@ def run(shapes: list[str], out: Path, extra_args: list[str], timeout_s: float) -
         "shapes": [],
     }
     for name in shapes:
-        report["shapes"].append(check_shape(name, out, extra_args, timeout_s))
+        report["shapes"].append(check_shape(name, out, extra_args, timeout_s, cold))
         (out / "startup.json").write_text(json.dumps(report, indent=2) + "\n")
     report["ok"] = all(result["ok"] for result in report["shapes"])
     (out / "startup.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -336,8 +371,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--timeout", type=float, default=300.0, help="seconds each server may take to be healthy"
     )
+    parser.add_argument(
+        "--warm",
+        action="store_true",
+        help="keep the machine's Triton and torch compile caches (default: empty ones)",
+    )
     args = parser.parse_args(argv)
-    report = run(args.shapes, args.out, shlex.split(args.extra_args), args.timeout)
+    report = run(args.shapes, args.out, shlex.split(args.extra_args), args.timeout, cold=not args.warm)
     print(table(report["shapes"]))
     return 0 if report["ok"] else 1
 

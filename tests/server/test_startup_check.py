@@ -109,3 +109,15 @@ def test_a_tiny_shape_starts_serves_and_stops_with_every_phase_within_the_total(
     for _, label in startup_check.ROWS:
         assert label in printed
     assert "tiny: ok" in printed
+
+
+def test_the_kernels_triton_compiled_are_counted_by_name(startup_check, tmp_path: Path) -> None:
+    # Triton's cache: a folder per compiled specialization, its metadata named after the kernel
+    for folder, name in (("a1", "_decode_kernel"), ("b2", "_decode_kernel"), ("c3", "_rmsnorm")):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / f"{name}.json").write_text("{}")
+        (tmp_path / folder / f"__grp__{name}.json").write_text("{}")
+        (tmp_path / folder / f"{name}.cubin").write_bytes(b"")
+    compiled = startup_check.triton_compiled(tmp_path)
+    assert compiled == {"kernels": 3, "by_name": {"_decode_kernel": 2, "_rmsnorm": 1}}
+    assert startup_check.triton_compiled(tmp_path / "none") == {"kernels": 0, "by_name": {}}

@@ -24,7 +24,7 @@ from typing import Any
 
 import httpx
 
-from snugkv.bench.harness import percentile_ms
+from snugkv.bench.harness import client_limits, percentile_ms
 from snugkv.bench.openai_load import completion_body
 
 TOKEN_LOW, TOKEN_HIGH = 100, 5000  # ids every shipped shape has (SmolLM2's vocabulary is 49,152)
@@ -107,7 +107,7 @@ class Client:
     """Streamed completions of token-id prompts against one server."""
 
     def __init__(self, url: str, concurrency: int) -> None:
-        limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+        limits = client_limits(concurrency + 4)
         self.http = httpx.AsyncClient(base_url=url, timeout=600.0, limits=limits)
         self.model = ""
 

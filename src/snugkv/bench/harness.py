@@ -6,7 +6,8 @@ measured on, and the printed table with its raw JSON beside it.
   (back-to-back replays between one pair of events: ops of a few microseconds, where the launch of
   each replay would otherwise be timed too). `copy_bandwidth_bytes_per_s` and `DENSE_BF16_FLOPS`
   are the two floors the GPU benchmarks divide by.
-- `percentile_ms`, `latency_columns`: the p50/p99 columns of every load generator.
+- `percentile_ms`, `latency_columns`: the p50/p99 columns of every load generator;
+  `client_limits`: the connection pool every HTTP load generator opens.
 - `environment` (date, commit, Python, torch, device) and its torch-free part `provenance`.
 - `emit` prints a benchmark's table and writes OUT/NAME.json (`benchmark`, `environment`, `rows`,
   then the benchmark's own keys) and OUT/NAME.md; `save` writes any other raw JSON (and its table).
@@ -127,6 +128,25 @@ def emit(
 
 
 # -- latency ------------------------------------------------------------------------------------
+# A client drops a connection idle this long, before the server can close it: servers close idle
+# connections after 5 s (uvicorn's default, SGLang and vLLM keep it), and a client whose own expiry
+# is also 5 s (httpx's default) may send a request down a connection the server is closing, which
+# then fails with an empty ReadError (bench peers at e96c0b0: 1 of 256 requests to SGLang).
+CLIENT_KEEPALIVE_S = 2.0
+
+
+def client_limits(connections: int) -> Any:
+    """httpx.Limits for a load generator of `connections` concurrent streams (httpx imported here:
+    the GPU benchmarks run where no HTTP client is installed)."""
+    import httpx
+
+    return httpx.Limits(
+        max_connections=connections,
+        max_keepalive_connections=connections,
+        keepalive_expiry=CLIENT_KEEPALIVE_S,
+    )
+
+
 def percentile_ms(seconds: Sequence[float], fraction: float) -> float | None:
     """The `fraction` percentile of `seconds` (nearest rank, no interpolation) in ms; None when empty."""
     if not seconds:

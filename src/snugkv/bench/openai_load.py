@@ -45,7 +45,7 @@ from typing import Any
 
 import httpx
 
-from snugkv.bench.harness import emit, latency_columns
+from snugkv.bench.harness import client_limits, emit, latency_columns
 from snugkv.bench.serving import workload
 
 logger = logging.getLogger(__name__)
@@ -245,7 +245,7 @@ def chat_body(messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]
 
 
 def _client(connections: int) -> httpx.AsyncClient:
-    limits = httpx.Limits(max_connections=connections + 8, max_keepalive_connections=connections + 8)
+    limits = client_limits(connections + 8)
     return httpx.AsyncClient(timeout=CLIENT_TIMEOUT_S, limits=limits)
 
 

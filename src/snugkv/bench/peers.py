@@ -235,7 +235,8 @@ def run_engine_case(
         facts = ServerFacts(startup_s, kv_tokens, source, cap)
         record.update(startup_s=startup_s, kv_tokens=kv_tokens, kv_tokens_source=source)
         client_rows, error = run_client(plan, engine, spec.url, case, clock.left_s())
-        if plan.profile_steps and case == "offline" and error is None and clock.left_s() > PROFILE_NEED_S:
+        # profiled while the server runs, even when some request of the measured passes failed
+        if plan.profile_steps and case == "offline" and client_rows and clock.left_s() > PROFILE_NEED_S:
             folder = peer_profile.profile_dir(plan.out, engine, case)
             shape = (4, 16, 8) if plan.dry_run else (PROFILE_REQUESTS, PROFILE_INPUT, PROFILE_OUTPUT)
             record["profile"] = peer_profile.profile_server(

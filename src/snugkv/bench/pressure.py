@@ -44,7 +44,7 @@ from typing import IO, Any
 
 import httpx
 
-from snugkv.bench.harness import emit, format_table
+from snugkv.bench.harness import client_limits, emit, format_table
 from snugkv.bench.serving_http import stop_server
 from snugkv.distributed.launch import free_port
 from snugkv.memory.host_device import HOST_DEVICE_ENV, HOST_HEADROOM_ENV, RUNTIME_DIR_ENV
@@ -232,7 +232,7 @@ async def _scenario(
     """Run the load and the other process's part of `name`; `tenant` is one already holding
     memory (the start scenario's), `start_tokens` the size to come back to (default: now)."""
     tenant_given = tenant is not None
-    limits = httpx.Limits(max_connections=args.long + args.short + 8)
+    limits = client_limits(args.long + args.short + 8)
     _progress(f"scenario {name}: the load starts")
     async with httpx.AsyncClient(base_url=url, timeout=600.0, limits=limits) as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]

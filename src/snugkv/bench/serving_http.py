@@ -26,7 +26,7 @@ from typing import IO, Any
 
 import httpx
 
-from snugkv.bench.harness import percentile_ms
+from snugkv.bench.harness import client_limits, percentile_ms
 from snugkv.bench.idle import gc_figures, step_figures
 from snugkv.distributed.launch import free_port
 
@@ -79,7 +79,7 @@ def stop_server(process: subprocess.Popen[bytes]) -> None:
 
 
 async def _drive(url: str, requests: list[tuple[list[int], int]], stream: bool = True) -> dict[str, Any]:
-    limits = httpx.Limits(max_connections=len(requests) + 8, max_keepalive_connections=len(requests) + 8)
+    limits = client_limits(len(requests) + 8)
     async with httpx.AsyncClient(base_url=url, timeout=3600.0, limits=limits) as client:
         served = (await client.get("/v1/models")).json()["data"][0]["id"]
         bodies = [_body(served, prompt, max_tokens, stream) for prompt, max_tokens in requests]

@@ -47,7 +47,7 @@ from typing import Any
 
 import httpx
 
-from snugkv.bench.harness import emit, environment, format_table, save
+from snugkv.bench.harness import client_limits, emit, environment, format_table, save
 from snugkv.bench.serving_http import serve_command, start_server, stop_server
 from snugkv.bench.soak_controls import DRAIN_TIMEOUT_S, SoakState, control_call, run_controls
 from snugkv.bench.soak_load import KINDS, OUTCOMES, TEXT_KINDS, Target, send
@@ -134,7 +134,7 @@ async def _soak(
     args: argparse.Namespace, url: str, server_pid: int | None, hog_env: dict[str, str]
 ) -> dict[str, Any]:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limits = httpx.Limits(max_connections=args.concurrency + 8)
+    limits = client_limits(args.concurrency + 8)
     async with httpx.AsyncClient(base_url=url, timeout=300.0, limits=limits, headers=headers) as client:
         target = await _probe_target(client, url, args.served_model)
         skipped = {kind: "the server has no tokenizer (token-id prompts only)" for kind in sorted(TEXT_KINDS)}

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from snugkv.core.gc_pauses import freeze_startup_objects, thaw
+from snugkv.core.host_threads import limit_for_device
 from snugkv.core.process_clock import process_age_s
 from snugkv.core.reports import KvCacheView, KvResize, MemoryLedger, SleepState, StartupReport
 from snugkv.distributed.group import TensorParallel, use_tensor_parallel
@@ -210,6 +211,7 @@ class Engine:
         )
         self._log("%s", ledger.table())
         freeze_startup_objects()  # a full collection no longer walks the model and the graphs
+        limit_for_device(self.device)  # the scheduler's CPU ops on one thread (core.host_threads)
 
     @property
     def pool(self) -> KVPool:
