@@ -136,6 +136,31 @@ def test_many_streams_at_once_each_get_their_own_text(word_level, smollm2):
             assert "".join(chunks[rid]) == tokenizer.decode(ids), rid
 
 
+def test_a_message_that_merged_turns_gives_each_output_its_own_text_in_order(smollm2):
+    # the engine process's writer merges the turns it could not send yet: a stream's outputs follow
+    # one another in one message, and each gets the text its own tokens add
+    streams = {
+        rid: smollm2.encode(text, add_special_tokens=False) for rid, text in (("a", TEXT), ("b", TEXT * 2))
+    }
+    rng = random.Random(3)
+    pieces = {rid: turns(ids, rng) for rid, ids in streams.items()}
+    turn_by_turn = stream_through_server(smollm2, streams, seed=3)
+    texts = StreamTexts(smollm2)
+    for rid in streams:
+        texts.open(rid)
+    merged: list[GenerateOutput] = []
+    for turn in range(max(len(left) for left in pieces.values())):
+        merged += [
+            output(rid, left[turn], finished=turn == len(left) - 1)
+            for rid, left in pieces.items()
+            if turn < len(left)
+        ]
+    assert texts.fill(merged) == []
+    for rid, ids in streams.items():
+        chunks = [item.text for item in merged if item.rid == rid]
+        assert chunks == turn_by_turn[rid] and "".join(chunks) == smollm2.decode(ids), rid
+
+
 def test_a_stream_with_an_incomplete_character_at_its_end_flushes_it(smollm2):
     ids = smollm2.encode("ok 🙂", add_special_tokens=False)
     cut = ids[:-1]  # the emoji's last byte never comes

@@ -110,9 +110,21 @@ class StreamTexts:
             self._streams.clear()
 
     def fill(self, outputs: Sequence[GenerateOutput]) -> list[str]:
-        """Give each output of a stream opened here the text its tokens add (all at once); returns
-        the ids of requests whose tokens the tokenizer could not decode: their output is now an
-        error, and the engine should be told to abort them."""
+        """Give each output of a stream opened here the text its tokens add (one batched decode per
+        round: a message that merged several turns holds a stream's outputs in order, one per
+        round); returns the ids of requests whose tokens the tokenizer could not decode: their
+        output is now an error, and the engine should be told to abort them."""
+        rounds: list[list[GenerateOutput]] = []
+        seen: dict[str, int] = {}
+        for output in outputs:
+            index = seen.get(output.rid, 0)
+            seen[output.rid] = index + 1
+            if index == len(rounds):
+                rounds.append([])
+            rounds[index].append(output)
+        return [rid for outputs_of_round in rounds for rid in self._fill_round(outputs_of_round)]
+
+    def _fill_round(self, outputs: Sequence[GenerateOutput]) -> list[str]:
         moved: list[tuple[TextStream, GenerateOutput]] = []
         with self._lock:
             for output in outputs:
