@@ -59,6 +59,10 @@ def test_kinds_of_names_other_engines_use() -> None:
     assert kernel_kind("reshape_and_cache_flash_kernel") == "kv-store"
     assert kernel_kind("act_and_mul_kernel") == "activation"
     assert kernel_kind("something_new") == "other"
+    # names seen in SGLang's trace on the H100 (bench peers at e86cb6c)
+    assert kernel_kind("void flashinfer::norm::FusedAddRMSNormKernel<8u, __nv_bfloat16>") == "norm"
+    assert kernel_kind("_fwd_grouped_kernel_stage1") == kernel_kind("_fwd_kernel") == "attention"
+    assert kernel_kind("_rms_norm_kernel") == "norm"
 
 
 def test_a_profile_error_keeps_its_status_across_a_process_boundary() -> None:

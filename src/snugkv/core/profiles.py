@@ -30,7 +30,12 @@ DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("copy", ("memcpy", "memset")),
     ("kv-store", ("reshape_and_cache", "set_kv", "kv_store", "store_kv")),  # before "flash" in their names
-    ("attention", ("attn", "attention", "flash", "decode", "extend", "fmha", "mla")),
+    ("norm", ("rmsnorm", "layernorm", "rms_norm")),  # before "flash": flashinfer's norm kernels
+    # SGLang's Triton attention kernels are `_fwd_kernel` (extend) and `_fwd_grouped_kernel_stage1/2`
+    (
+        "attention",
+        ("attn", "attention", "flash", "decode", "extend", "fmha", "mla", "_fwd_kernel", "_fwd_grouped"),
+    ),
     (
         "gemm",
         (
