@@ -135,6 +135,20 @@ def test_info_metrics_and_elastic_calls_cross_the_pipe(engine_process):
     assert not awake["is_sleeping"] and not engine_process.is_sleeping()
 
 
+def test_whether_the_engine_sleeps_is_known_without_a_call(engine_process, monkeypatch):
+    # every request asks: after the first answer and each sleep or wake, no call crosses the pipe
+    engine_process.is_sleeping()
+    calls = []
+    real_call = engine_process.call_blocking
+    monkeypatch.setattr(
+        engine_process, "call_blocking", lambda call, **kw: calls.append(call) or real_call(call, **kw)
+    )
+    assert not engine_process.is_sleeping()
+    assert asyncio.run(engine_process.sleep(level=1)).state.is_sleeping and engine_process.is_sleeping()
+    assert not asyncio.run(engine_process.wake_up()).state.is_sleeping and not engine_process.is_sleeping()
+    assert calls == []
+
+
 def test_leaving_a_stream_aborts_it_and_a_reused_id_is_refused_while_it_runs(engine_process):
     async def scenario() -> tuple[list, list]:
         stream = engine_process.generate(request("long", [5, 6, 7], 200))

@@ -46,6 +46,7 @@ from typing import Any
 import httpx
 
 from snugkv.bench.harness import client_limits, emit, latency_columns
+from snugkv.bench.idle import step_figures
 from snugkv.bench.serving import workload
 
 logger = logging.getLogger(__name__)
@@ -353,27 +354,34 @@ def summarize(records: list[RequestRecord], started_s: float, ended_s: float) ->
     return row
 
 
-def _device_busy_s(target: Target) -> float | None:
-    """snugkv's device-busy seconds so far (`/server_info`), None from any other server."""
+def _server_info(target: Target, steps: bool = False) -> dict[str, Any]:
+    """snugkv's `/server_info` (with `?steps=true` its recent steps), {} from any other server."""
     try:
-        response = httpx.get(f"{target.url}/server_info", headers=target.headers, timeout=10.0)
-        busy = (
-            response.json().get("step_times", {}).get("device_busy_s")
-            if response.status_code == 200
-            else None
+        response = httpx.get(
+            f"{target.url}/server_info",
+            headers=target.headers,
+            params={"steps": "true"} if steps else None,
+            timeout=10.0,
         )
-    except (httpx.HTTPError, ValueError, AttributeError):
-        return None
-    return float(busy) if isinstance(busy, int | float) else None
+        info = response.json() if response.status_code == 200 else {}
+    except (httpx.HTTPError, ValueError):
+        return {}
+    return info if isinstance(info, dict) and isinstance(info.get("step_times"), dict) else {}
 
 
 def _measured(target: Target, coroutine: Any) -> dict[str, Any]:
-    busy_before = _device_busy_s(target)
+    """Run a pass and summarize it; against snugkv, with the share of the pass the GPU sat idle and
+    where (before the first step, between steps, before prefill steps: `bench.idle.step_figures`
+    over the steps the server launched within the pass; one monotonic clock on one machine)."""
+    before = _server_info(target).get("step_times", {})
     records, started, ended = asyncio.run(coroutine)
     row = summarize(records, started, ended)
-    busy_after = _device_busy_s(target)
-    if busy_before is not None and busy_after is not None and row["seconds"] > 0:
+    info = _server_info(target, steps=True)
+    after = info.get("step_times", {})
+    busy_before, busy_after = before.get("device_busy_s"), after.get("device_busy_s")
+    if isinstance(busy_before, int | float) and isinstance(busy_after, int | float) and row["seconds"] > 0:
         row["gpu_idle_fraction"] = max(0.0, 1 - (busy_after - busy_before) / row["seconds"])
+        row.update(step_figures(info.get("recent_steps", []), started, ended))
     return row
 
 

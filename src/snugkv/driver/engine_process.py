@@ -114,6 +114,7 @@ class EngineProcess:
         self._call_ids = itertools.count()
         self._gone: str | None = None  # why the engine process cannot serve any more
         self._stopping = False
+        self._sleeping: bool | None = None  # None: not known here yet (`is_sleeping` asks once)
         self.died: str | None = None  # why the engine process ended unasked, if it did
         self._on_exit = on_exit
         tokenizer_load = TokenizerLoad()
@@ -221,7 +222,13 @@ class EngineProcess:
         return self.call_blocking(wire.ReadRecentSteps())
 
     def is_sleeping(self) -> bool:
-        return self.call_blocking(wire.ReadSleeping())
+        """Known in this process, without a call: only this server's sleep and wake calls change it,
+        and their replies say what sleeps after them. (Every request asks; a blocking call per request
+        held the event loop while requests arrived: bench http on a stub-device engine at ee1d60a.)
+        After a sleep or wake call that failed, the engine is asked once."""
+        if self._sleeping is None:
+            self._sleeping = self.call_blocking(wire.ReadSleeping())
+        return self._sleeping
 
     def sleep_state(self) -> SleepState:
         return self.call_blocking(wire.ReadSleepState())
@@ -235,10 +242,16 @@ class EngineProcess:
         return await self.call(wire.ReadKvInfo())
 
     async def sleep(self, *, level: int = 1, tags: tuple[str, ...] = ()) -> SleepReply:
-        return await self.call(wire.SleepEngine(level, tuple(tags)))
+        return await self._sleep_or_wake(wire.SleepEngine(level, tuple(tags)))
 
     async def wake_up(self, *, tags: tuple[str, ...] = ()) -> SleepReply:
-        return await self.call(wire.WakeEngine(tuple(tags)))
+        return await self._sleep_or_wake(wire.WakeEngine(tuple(tags)))
+
+    async def _sleep_or_wake(self, call: wire.Call[SleepReply]) -> SleepReply:
+        self._sleeping = None  # asked again until the reply says
+        reply = await self.call(call)
+        self._sleeping = reply.state.is_sleeping
+        return reply
 
     async def start_profile(self, *, output_dir: str | None = None, num_steps: int | None = None) -> str:
         return await self.call(wire.StartProfile(output_dir, num_steps))
