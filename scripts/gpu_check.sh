@@ -68,7 +68,7 @@ for s in $STEPS; do
       step "core cuda tests"
       workers=${CORE_TEST_WORKERS:+-n $CORE_TEST_WORKERS}
       timeout "${CORE_TESTS_TIMEOUT:-150}" python3 -m pytest -q -m cuda -p no:cacheprovider $workers \
-        tests/driver/test_engine_process.py tests/engine/test_elastic_cuda.py tests/engine/test_no_allocation_cuda.py tests/engine/test_warm_kernels_cuda.py tests/llm/test_llm.py \
+        tests/driver/test_engine_process.py tests/engine/test_elastic_cuda.py tests/engine/test_no_allocation_cuda.py tests/engine/test_warm_kernels_cuda.py tests/kernels/test_compile_ahead.py tests/llm/test_llm.py \
         tests/memory_share/test_multi_engine_cuda.py tests/memory/test_cuda_vmm.py tests/runner/test_cuda_graph.py \
         tests/scheduler/test_overlap.py 2>&1 | tee "$OUT/core_cuda_tests.txt" | tail -15 || status=1
       ;;
@@ -169,6 +169,7 @@ for s in $STEPS; do
       [ "$(cat "$SOAK_DIR/rc" 2>/dev/null)" = 0 ] || { echo "soak rc: $(cat "$SOAK_DIR/rc" 2>/dev/null || echo 'not finished')"; status=1; }
       ;;
     startup)  # snugkv serve of both shipped shapes timed to healthy, with the breakdown (scripts/startup_check.py); needs the server wheels (.whl)
+      # every server starts with empty compile caches; SNUGKV_COMPILE_AHEAD=1 compiles the graphs' Triton kernels side by side
       step "startup"
       timeout "${STARTUP_TIMEOUT:-600}" python3 scripts/startup_check.py --out "$OUT/startup" ${ARGS_startup:-} \
         2>&1 | tee "$OUT/startup.log" || status=1

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from snugkv.kernels import compile_ahead
 from snugkv.kernels.dense_gemv import MAX_ROWS, linear_rows_triton
 from snugkv.kernels.device import runs_triton
 from snugkv.layers.gemm_timing import interleaved_seconds
@@ -101,6 +102,13 @@ class GemmChooser:
             return chosen
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             return CUBLAS  # measuring would synchronize; warm-up measures before every capture
+        if compile_ahead.active():  # no kernel runs in that pass: compile the candidates, choose later
+            for candidate in CANDIDATES:
+                try:
+                    candidate.run(x, weight, bias)
+                except Exception:  # the warm-up's measuring says why
+                    continue
+            return CUBLAS
         chosen = self._measure(key, x, weight, bias)
         self.choices[key] = chosen
         return chosen

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from snugkv.core.forward import AttentionBackend, ForwardBatch, ForwardMode, KVCache
+from snugkv.kernels import compile_ahead
 
 logger = logging.getLogger(__name__)
 
@@ -154,6 +155,11 @@ class DecodeCudaGraphs:
         free_before = torch.cuda.mem_get_info()[0]
         self.memory_pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
+        sizes = sorted(self.batch_sizes, reverse=True)
+        with torch.cuda.stream(stream):  # every size's kernels compiled at once (SNUGKV_COMPILE_AHEAD=1)
+            compile_ahead.run(
+                lambda: [self.forward(self._batch(size)) for size in sizes], "the decode graphs"
+            )
         warm_up_s = 0.0
         for index, batch_size in enumerate(
             tqdm(sorted(self.batch_sizes, reverse=True), desc="Capturing decode CUDA graphs", unit="graph")

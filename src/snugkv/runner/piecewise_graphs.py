@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from snugkv.core.forward import AttentionBackend, AttentionLayer, ForwardBatch, ForwardMode, KVCache
+from snugkv.kernels import compile_ahead
 from snugkv.runner.cuda_graph import borrowed_view, release_cublas_workspaces
 
 logger = logging.getLogger(__name__)
@@ -201,12 +202,12 @@ class PiecewiseGraphs:
         self.out_cache_loc.zero_()
         self.memory_pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):  # every bucket's kernels compiled at once (SNUGKV_COMPILE_AHEAD=1)
+            compile_ahead.run(self._warm_up_all, "the piecewise graphs")
         for num_tokens in sorted(self.token_buckets, reverse=True):
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                warmup = self._batch(num_tokens, self.attn_backend)  # compiles, sizes workspaces
-                self.attn_backend.init_forward_metadata(warmup)
-                self.forward(warmup)
+                self._warm_up(num_tokens)  # compiles, sizes workspaces
                 splitter = _SplittingBackend(self.memory_pool, self.statics)
                 batch = self._batch(num_tokens, splitter)
                 release_cublas_workspaces()  # the pieces' workspace comes from their pool
@@ -226,6 +227,17 @@ class PiecewiseGraphs:
             time.perf_counter() - started,
             (free_before - torch.cuda.mem_get_info()[0]) / 2**30,
         )
+
+    def _warm_up(self, num_tokens: int) -> None:
+        """An eager forward of `num_tokens` through the whole model (attention included)."""
+        batch = self._batch(num_tokens, self.attn_backend)
+        self.attn_backend.init_forward_metadata(batch)
+        self.forward(batch)
+
+    def _warm_up_all(self) -> None:
+        """Every bucket's warm-up forward, largest first (what `capture` runs before each capture)."""
+        for num_tokens in sorted(self.token_buckets, reverse=True):
+            self._warm_up(num_tokens)
 
     def can_run(self, forward_batch: ForwardBatch) -> bool:
         return bool(self.buckets) and forward_batch.num_tokens <= self.max_tokens
