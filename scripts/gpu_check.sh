@@ -170,9 +170,10 @@ for s in $STEPS; do
       ;;
     startup)  # snugkv serve of both shipped shapes timed to healthy, with the breakdown (scripts/startup_check.py); needs the server wheels (.whl)
       # every server starts with empty compile caches; SNUGKV_COMPILE_AHEAD=1 compiles the graphs' Triton kernels side by side
+      # (its results then go to $OUT/startup-ahead: both ways fit one call)
       step "startup"
-      timeout "${STARTUP_TIMEOUT:-600}" python3 scripts/startup_check.py --out "$OUT/startup" ${ARGS_startup:-} \
-        2>&1 | tee "$OUT/startup.log" || status=1
+      timeout "${STARTUP_TIMEOUT:-600}" python3 scripts/startup_check.py --out "$OUT/startup${SNUGKV_COMPILE_AHEAD:+-ahead}" ${ARGS_startup:-} \
+        2>&1 | tee "$OUT/startup${SNUGKV_COMPILE_AHEAD:+-ahead}.log" || status=1
       ;;
     retest)  # named CUDA tests again (RETEST="file::test ..."; only those marked cuda unless RETEST_MARK says otherwise:
       # a file's CPU tests need the embedded GGUF, which the networkless device cannot fetch), e.g. after a fix
