@@ -189,7 +189,7 @@ class Server:
 
     @classmethod
     def start(
-        cls, config: Path, extra_args: list[str], log_dir: Path, log_prefix: str, caches: Path | None
+        cls, config: Path, extra_args: list[str], log_dir: Path, log_prefix: str, caches: Path | None = None
     ) -> Server:
         """`caches`: a fresh folder for the server's compile caches (None: the machine's own)."""
         label = config.stem if config.is_file() else config.name
