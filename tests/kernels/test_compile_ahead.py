@@ -66,7 +66,7 @@ def test_the_dense_gemm_chooser_compiles_its_candidates_and_keeps_no_choice_in_t
 
 
 SCRIPT = r"""
-import json, logging
+import json, logging, os
 from snugkv.bench.model_configs import benchmark_model
 from snugkv.core.sampling import SamplingParams
 from snugkv.driver.commands import Add
@@ -80,12 +80,14 @@ class Keep(logging.Handler):
         lines.append(record.getMessage())
 logging.getLogger("snugkv").addHandler(Keep())
 logging.getLogger("snugkv").setLevel(logging.INFO)
-engine = Engine(EngineArgs.of(model=benchmark_model("qwen3-0.6b"), load_format="dummy", device="cuda",
-                              max_running_requests=8, cuda_graph_max_bs=8, chunked_prefill_size=256,
+saved = os.environ.get("SAVED_MODEL")  # a tiny MoE checkpoint, else the 0.6B shape with random weights
+model = dict(model=saved) if saved else dict(model=benchmark_model("qwen3-0.6b"), load_format="dummy")
+engine = Engine(EngineArgs.of(**model, device="cuda",
+                              max_running_requests=8, cuda_graph_max_bs=8, chunked_prefill_size=128,
                               prefill_graph_max_tokens=256, max_total_tokens=1 << 14, weights_seed=3))
 core = EngineCore.around(engine, tokenizer=None)
 greedy = SamplingParams(max_new_tokens=12, ignore_eos=True)
-requests = core.submit([Add("long", [5, 6, 7, 8] * 100, greedy), Add("short", [9, 10, 11], greedy)])
+requests = core.submit([Add("long", [5, 6, 7, 8] * 50, greedy), Add("short", [9, 10, 11], greedy)])
 core.run()
 print(json.dumps({"ahead": [line for line in lines if "ahead" in line], "choices": len(CHOOSER.choices),
                   "tokens": [list(request.output_ids) for request in requests],
@@ -95,13 +97,22 @@ engine.close()
 
 
 @pytest.mark.cuda
-def test_an_engine_that_compiled_ahead_starts_and_serves(tmp_path: Path) -> None:
+@pytest.mark.parametrize("model", ["qwen3-0.6b", "qwen3_moe"])
+def test_an_engine_that_compiled_ahead_starts_and_serves(tmp_path: Path, model: str) -> None:
+    """The MoE case checks that no torch op reads what a skipped Triton launch left unwritten."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU (run scripts/gpu_check.sh on the device)")
+    saved = {}
+    if model == "qwen3_moe":
+        from tests.models.hf_tiny import save_tiny_hf_model
+
+        save_tiny_hf_model(model, tmp_path / "model")
+        saved = {"SAVED_MODEL": str(tmp_path / "model")}
     results = {}
     for switch in ("0", "1"):
         env = {
             **os.environ,
+            **saved,
             "SNUGKV_COMPILE_AHEAD": switch,
             "TRITON_CACHE_DIR": str(tmp_path / f"triton-{switch}"),  # cold, as on a fresh machine
             "PYTHONPATH": f"{REPO / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
