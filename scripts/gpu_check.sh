@@ -53,6 +53,7 @@ for s in $STEPS; do
       step env
       nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv | tee "$OUT/env.txt"
       echo "cpus: $(nproc) online, cgroup cpu.max: $(cat /sys/fs/cgroup/cpu.max 2>/dev/null || echo none)" | tee -a "$OUT/env.txt"
+      echo "host RAM: $(grep -E "MemTotal|MemAvailable" /proc/meminfo | tr -s " " | tr "\n" " ")cgroup memory.max: $(cat /sys/fs/cgroup/memory.max 2>/dev/null || echo none)" | tee -a "$OUT/env.txt"
       python3 -c "import torch, triton, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/env.txt"
       ;;
     tests)

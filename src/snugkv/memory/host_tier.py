@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from snugkv.memory.allocator import make_allocator
+from snugkv.memory.pinned import PinnedHostBytes
 from snugkv.memory.tier_copies import PerRunCopies, StagedCopies, TierCopyPath
 
 logger = logging.getLogger(__name__)
@@ -187,7 +188,9 @@ class HostKvTier:
         self.copies = copies
         rows = [view.shape[1] for view in device_pages]
         self.page_bytes = sum(rows)  # one page of every buffer
-        flat = torch.empty((num_pages + 1) * self.page_bytes, dtype=torch.uint8, pin_memory=pin_memory)
+        size_bytes = (num_pages + 1) * self.page_bytes
+        self._pinned = PinnedHostBytes(size_bytes) if pin_memory else None
+        flat = self._pinned.tensor if self._pinned is not None else torch.empty(size_bytes, dtype=torch.uint8)
         self.path: TierCopyPath = (
             PerRunCopies(device_pages, flat, num_pages)
             if staging is None
@@ -303,3 +306,6 @@ class HostKvTier:
         """Drop the host memory, the staging and the views of the pool's buffers (before the pool's
         arena goes)."""
         self.path = PerRunCopies([], torch.empty(0, dtype=torch.uint8), 0)
+        if self._pinned is not None:
+            torch.cuda.synchronize()  # no copy in flight reads or writes what is unregistered
+            self._pinned.close()
