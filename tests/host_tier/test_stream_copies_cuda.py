@@ -150,3 +150,38 @@ def test_pinned_host_bytes_are_exactly_the_size_asked_and_copy_asynchronously():
     print(f"pinned {size / 2**30:.3f} GiB in {took:.2f} s ({size / took / 1e9:.1f} GB/s)")
     pinned.close()
     assert pinned.tensor.numel() == 0
+
+
+def test_pages_written_out_go_back_without_a_host_wait_and_the_device_reuses_them_after_the_write():
+    """An eviction's write queued behind a load, which follows the step in flight (here a kernel
+    that sleeps ~0.5 s): the slots are handed back at once, and a kernel that overwrites them runs
+    after the write, so the host copy holds the old bytes."""
+    import time
+
+    device = torch.device("cuda")
+    pool, views = random_pool("hnd", 1024, 4)
+    tier = HostKvTier(views, num_pages=32, page_size=16, copies=StreamCopies(device), pin_memory=True)
+    loaded_host = tier.alloc(2)
+    evicted_host = tier.alloc(3)
+    assert loaded_host is not None and evicted_host is not None
+    tier.write(torch.tensor([1, 2]), loaded_host).wait()
+    evicted = torch.tensor([10, 11, 12])
+    expected = [view[evicted.to(device)].clone() for view in views]
+    torch.cuda.synchronize()
+    torch.cuda._sleep(1_000_000_000)  # the step in flight (about half a second on an H100)
+    tier.load(loaded_host, torch.tensor([20, 21]))  # follows that step on the copy stream
+    started = time.perf_counter()
+    tier.write(evicted, evicted_host).before_device_reuse()
+    handed_back_s = time.perf_counter() - started
+    for view in views:  # the next step writes new KV into the slots just handed back
+        view[evicted.to(device)] = 0
+    torch.cuda.synchronize()
+    waited_s = time.perf_counter() - started
+    assert handed_back_s < 0.05 < waited_s, (handed_back_s, waited_s)
+    target = torch.tensor([30, 31, 29])
+    tier.load(evicted_host, target)
+    torch.cuda.synchronize()
+    assert all(torch.equal(view[target.to(device)], old) for view, old in zip(views, expected))
+    tier.close()
+    del views
+    pool.close()

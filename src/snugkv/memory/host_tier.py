@@ -55,6 +55,13 @@ class CopyDone(ABC):
     @abstractmethod
     def wait(self) -> None: ...
 
+    def before_device_reuse(self) -> None:
+        """The device pages this copy reads or fills may be handed out again now: whatever the
+        device does with them later runs after the copy. A GPU orders its compute stream after the
+        copy, with no host wait (a host wait here would also wait for the step in flight whenever a
+        load, which follows that step, is queued ahead on the copy stream); by default, a wait."""
+        self.wait()
+
 
 class _Done(CopyDone):
     def wait(self) -> None:
@@ -101,11 +108,17 @@ class HostCopies(PageCopies):
 
 
 class _EventDone(CopyDone):
-    def __init__(self, event: torch.cuda.Event) -> None:
+    def __init__(self, event: torch.cuda.Event, device: torch.device) -> None:
         self.event = event
+        self.device = device
 
     def wait(self) -> None:
         self.event.synchronize()
+
+    def before_device_reuse(self) -> None:
+        # Every later use of device pages is compute-stream work, or a copy on the copy stream
+        # (which follows this one): ordering the compute stream is enough.
+        torch.cuda.current_stream(self.device).wait_event(self.event)
 
 
 class StreamCopies(PageCopies):
@@ -135,7 +148,7 @@ class StreamCopies(PageCopies):
         self._timed.append((load, start, end))
         if len(self._timed) > 1024:  # nobody read the times lately: fold the finished ones in
             self.elapsed_s()
-        return _EventDone(end)
+        return _EventDone(end, self.device)
 
     def order_after_compute(self) -> None:
         self._after = torch.cuda.Event()

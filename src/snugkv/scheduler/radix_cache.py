@@ -10,7 +10,7 @@ nodes on the device, then some in the host tier only.
 Requests lock the path they reuse (`lock`/`unlock`), so locked nodes never leave the device.
 Eviction takes unlocked nodes with nothing below them on the device, least recently used first.
 With a host tier their pages are written there first and their device slots go back to the
-allocator once written (`_leave_device`); without one, or when the host tier has no room for them
+allocator at once, the device ordered after the writes (`_leave_device`); without one, or when the host tier has no room for them
 even after dropping its own entries used before them (its LRU), they are dropped. A copy is made
 only under a parent that stays somewhere (on the device or in the host tier): a host-only node
 below a dropped one could never be matched. A move with a `SpillBudget` (memory pressure: what
@@ -402,8 +402,9 @@ class RadixCache:
     ) -> int:
         """Take `nodes` (unlocked, on the device, each after its descendants there) off the device:
         write their pages into the host tier where it has room (`keep_in_host`) and `budget` allows,
-        parents first, each under a parent that stays somewhere; wait for those writes (a page is
-        not reused before it is written), free their slots, and drop the nodes kept nowhere.
+        parents first, each under a parent that stays somewhere; free their slots with the device's
+        later work ordered after those writes (`CopyDone.before_device_reuse`: a page is not reused
+        before it is written, and the host does not wait), and drop the nodes kept nowhere.
         Returns the tokens freed on the device."""
         tier = self.host_tier if keep_in_host else None
         sources, targets = [], []
@@ -434,11 +435,11 @@ class RadixCache:
         written = (
             tier.write(torch.cat(sources), torch.cat(targets)) if tier is not None and sources else COPIED
         )
-        written.wait()
+        written.before_device_reuse()  # the slots go back now; the device reuses them after the write
         freed = 0
         for node in nodes:
-            if node.loading is not None:  # a load may still fill these slots: never reuse them before it ends
-                node.loading.wait()
+            if node.loading is not None:  # a load may still fill these slots: reused only after it
+                node.loading.before_device_reuse()
                 node.loading = None
             self.allocator.free(node.value)
             freed += len(node.key)
