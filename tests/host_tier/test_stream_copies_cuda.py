@@ -153,9 +153,9 @@ def test_pinned_host_bytes_are_exactly_the_size_asked_and_copy_asynchronously():
 
 
 def test_pages_written_out_go_back_without_a_host_wait_and_the_device_reuses_them_after_the_write():
-    """An eviction's write queued behind a load, which follows the step in flight (here a kernel
-    that sleeps ~0.5 s): the slots are handed back at once, and a kernel that overwrites them runs
-    after the write, so the host copy holds the old bytes."""
+    """An eviction's write while a step is in flight (here a kernel that sleeps ~0.5 s): the slots
+    are handed back at once, and a kernel that overwrites them runs after the write, so the host
+    copy holds the old bytes."""
     import time
 
     device = torch.device("cuda")
@@ -169,7 +169,7 @@ def test_pages_written_out_go_back_without_a_host_wait_and_the_device_reuses_the
     expected = [view[evicted.to(device)].clone() for view in views]
     torch.cuda.synchronize()
     torch.cuda._sleep(1_000_000_000)  # the step in flight (about half a second on an H100)
-    tier.load(loaded_host, torch.tensor([20, 21]))  # follows that step on the copy stream
+    tier.load(loaded_host, torch.tensor([20, 21]))
     started = time.perf_counter()
     tier.write(evicted, evicted_host).before_device_reuse()
     handed_back_s = time.perf_counter() - started
@@ -183,5 +183,32 @@ def test_pages_written_out_go_back_without_a_host_wait_and_the_device_reuses_the
     torch.cuda.synchronize()
     assert all(torch.equal(view[target.to(device)], old) for view, old in zip(views, expected))
     tier.close()
-    del views
+    del views, view  # the loop's last view too: the arena refuses to close under a live view
+    pool.close()
+
+
+def test_a_load_runs_beside_the_step_in_flight_and_the_next_step_reads_what_it_loaded():
+    """Free pages are used by no queued work (the scheduler holds back the slots of requests in an
+    unread step), so a load need not wait for the step in flight (~0.5 s of sleep here)."""
+    device = torch.device("cuda")
+    pool, views = random_pool("nhd", 1024, 4)
+    tier = HostKvTier(views, num_pages=32, page_size=16, copies=StreamCopies(device), pin_memory=True)
+    host = tier.alloc(4)
+    assert host is not None
+    source = torch.tensor([1, 2, 3, 4])
+    tier.write(source, host).wait()
+    expected = [view[source.to(device)].clone() for view in views]
+    torch.cuda.synchronize()
+    in_flight = torch.cuda.Event()
+    torch.cuda._sleep(1_000_000_000)
+    in_flight.record()
+    target = torch.tensor([40, 41, 42, 43])
+    done = tier.load(host, target)
+    done.wait()  # on the copy stream alone: it does not wait for the sleeping step
+    assert not in_flight.query(), "the load waited for the step in flight"
+    loaded = [view[target.to(device)].clone() for view in views]  # the next step, after the load
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(loaded, expected))
+    tier.close()
+    del views, loaded
     pool.close()

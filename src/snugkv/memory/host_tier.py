@@ -76,8 +76,11 @@ class PageCopies(ABC):
 
     @abstractmethod
     def run(self, copy: Callable[[], None], *, load: bool) -> CopyDone:
-        """Run `copy` (a series of `copy_` calls). A load runs only after the work already queued
-        for the device, and the device's later work waits for it; a write waits for neither."""
+        """Run `copy` (a series of `copy_` calls). Neither a load nor a write waits for the device's
+        queued work: the pages a load fills are free, which no queued work uses (the scheduler holds
+        back the slots of requests in an unread step: `RequestSlots.release`), and the pages a write
+        reads hold finished KV; both wait for what `order_after_compute` marked. The device's later
+        work waits for a load."""
 
     @abstractmethod
     def order_after_compute(self) -> None:
@@ -134,11 +137,9 @@ class StreamCopies(PageCopies):
     def run(self, copy: Callable[[], None], *, load: bool) -> CopyDone:
         compute = torch.cuda.current_stream(self.device)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        if load:
-            self.stream.wait_stream(compute)
-        elif self._after is not None:
+        if self._after is not None:  # pages were moved on the compute stream: after the move
             self.stream.wait_event(self._after)
-        self._after = None
+            self._after = None
         with torch.cuda.stream(self.stream):
             start.record(self.stream)
             copy()

@@ -21,11 +21,13 @@ counts a request's launched tokens (their slots lie past `kv_len`, so a release 
 prefilled request joins `running`, a non-final chunk goes back to `waiting`. The next decode
 batch is built from that state: a request whose token is still on the device gets
 `FUTURE_TOKEN`, which the runner fills in on the device from what the sampler stored. A request
-that ends at step N is already in step N+1: that extra token is never read, and its slot is
-freed with the request (it is in `in_flight`); a request aborted meanwhile is skipped alike.
+that ends at step N is already in step N+1: that extra token is never read, and its slots go
+back once step N+1 is read (`RequestSlots.release` holds them back until then: the device may still
+write them, and a host-tier load into free slots does not wait for the device's queued work); a
+request aborted meanwhile is skipped and held back alike.
 
 A prefill is launched while step N runs too: the waiting requests are admitted on what step N
-leaves (a request that ends in N frees its slots one step later), and a prompt whose chunk is in
+leaves (a request that ends in N frees its slots two steps later), and a prompt whose chunk is in
 flight continues at `kv_len + in_flight`. The host reads step N before launching (a synchronous
 step) only when nothing can be launched without it: no prefill fits and the decode batch would
 need a retraction (which must choose among the requests step N leaves running). Overlapped or
@@ -291,6 +293,7 @@ class Scheduler:
                     return
                 raise
             self._in_flight = launched
+            self.slots.launched(id(launched), batch.requests)
             self.oom.launched(self.max_running_requests, self.chunked_prefill_size)
             if previous is not None:
                 self._complete(previous)
@@ -632,6 +635,7 @@ class Scheduler:
             self._complete_verify(launched)
             return
         tokens, log_probs = launched.results()
+        self.slots.read_back(id(launched))
         self.times.add(launched)
         rows, batch = launched.batch.rows, launched.batch.requests
         sampled = [batch[index] for index in launched.sampled_rows]
@@ -679,6 +683,7 @@ class Scheduler:
         tokens it kept before its newest token; the slots of the rest go back."""
         emitted = launched.emitted()
         _, log_probs = launched.results()
+        self.slots.read_back(id(launched))
         self.times.add(launched)
         speculation = self.speculation
         assert speculation is not None and launched.batch.drafts is not None
@@ -745,6 +750,7 @@ class Scheduler:
         """End every request with `message` (after a step failed) and give back their slots,
         those of a step in flight too (its results are never read)."""
         self._in_flight = None
+        self.slots.forget_unread()
         for queue in (self.waiting, self.running):
             while queue:
                 request = queue.pop()

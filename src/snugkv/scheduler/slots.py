@@ -5,8 +5,9 @@ Slot ownership along a request's table row: `[0, prefix_len)` belongs to the pre
 slots of launched steps whose results the host has not taken yet). Admission gives a request
 a table row and its cached prefix; room for new tokens comes from the allocator, evicting prefix
 cache entries (into its host tier, if it has one) when it runs short; release hands computed KV to
-the cache and duplicates, the
-partial last page and the slots of a failed step back to the allocator.
+the cache and duplicates, the partial last page and the slots of a failed step back to the
+allocator, once no launched step that the host has not read holds the request (`launched`,
+`read_back`): a free slot is then one no queued device work touches.
 `check_accounting` proves free + cached + held == capacity. This module decides nothing about
 which requests run (the scheduler's policy) and never touches outputs.
 """
@@ -29,6 +30,13 @@ class RequestSlots:
         self.runner = runner
         self.cache = cache
         self.page_size = runner.allocator.page_size
+        # Launched steps whose results the host has not read: key -> ids of their requests. A
+        # request released while one of them holds it (it finished at the step before, or was
+        # aborted) is released once that step is read: the step may still write its slots and read
+        # its prefix, so nothing else (a host-tier load above all, which does not wait for the
+        # device's queued work) may get them before.
+        self._unread: dict[int, set[int]] = {}
+        self._held_back: dict[int, tuple[int, Request]] = {}  # id(request) -> (step key, request)
 
     def new_slots(self, kv_len: int, num_tokens: int) -> int:
         """Slots `num_tokens` more tokens take from the pool: whole pages, minus the room left in
@@ -75,9 +83,39 @@ class RequestSlots:
         slots = self.runner.req_to_token_pool.slots_of(request.req_pool_idx, end)[first:]
         self.runner.allocator.free(slots)
 
+    def launched(self, key: int, requests: Iterable[Request]) -> None:
+        """A step of `requests` was launched (`key`: the step's own, until `read_back(key)`)."""
+        self._unread[key] = {id(request) for request in requests}
+
+    def read_back(self, key: int) -> None:
+        """The step `key` is read back (done on the device): what was held back for it goes."""
+        self._unread.pop(key, None)
+        for rid, (waits_for, request) in list(self._held_back.items()):
+            if waits_for not in self._unread:
+                del self._held_back[rid]
+                self._release_now(request)
+
+    def forget_unread(self) -> None:
+        """No launched step will be read (a step failed): release what was held back now."""
+        self._unread.clear()
+        self.read_back(-1)
+
+    @property
+    def held_back(self) -> list[Request]:
+        return [request for _, request in self._held_back.values()]
+
     def release(self, request: Request) -> None:
         """Give a request's slots back: computed KV to the prefix cache, the rest (including slots of
-        a step that failed before computing them) to the allocator."""
+        a step that failed before computing them) to the allocator; once no unread step holds it."""
+        if request.req_pool_idx is None or id(request) in self._held_back:
+            return
+        for key in reversed(self._unread):  # the latest launch first
+            if id(request) in self._unread[key]:
+                self._held_back[id(request)] = (key, request)
+                return
+        self._release_now(request)
+
+    def _release_now(self, request: Request) -> None:
         row = request.req_pool_idx
         if row is None:
             return
@@ -103,7 +141,7 @@ class RequestSlots:
 
     def check_accounting(self, requests: Iterable[Request]) -> None:
         allocator = self.runner.allocator
-        held = self.held_tokens(requests)
+        held = self.held_tokens([*requests, *self.held_back])
         total = allocator.available_tokens + self.cache.cached_tokens + held
         if total != allocator.capacity_tokens:
             raise SlotAccountingError(
