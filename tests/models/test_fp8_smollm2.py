@@ -25,7 +25,7 @@ from snugkv.layers.fp8_linear import emulate_fp8_activations
 from snugkv.models.loader import load_model
 from tests.models.fp8_reference import dequantized_state_dict, fp8_checkpoint_script, transformers_with
 from tests.models.test_smollm2 import save_hf_directory
-from tests.models.test_teacher_forced_agreement import agreement, engine_logits
+from tests.models.test_teacher_forced_agreement import agreement, engine_prompt_logits
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -92,7 +92,9 @@ def _logits_of(model: str, ids: torch.Tensor, **flags) -> torch.Tensor:
         EngineArgs.of(model=model, device="cpu", host_kv_gib=0.1, max_running_requests=BATCH, **flags)
     )
     try:
-        return engine_logits(engine, ids, PREFIX)
+        return engine_prompt_logits(
+            engine, ids, PREFIX
+        )  # one scoring forward: weights, not decode paths, are compared
     finally:
         engine.close()
 

@@ -33,6 +33,23 @@ def engine_logits(engine: Engine, ids: torch.Tensor, prefix: int) -> torch.Tenso
     return torch.stack(outputs, dim=1)
 
 
+def engine_prompt_logits(engine: Engine, ids: torch.Tensor, prefix: int) -> torch.Tensor:
+    """The logits `engine_logits` returns, from one forward that scores every row's tokens
+    (`prompt_logits`): the same positions, each fed the true tokens before it, without a decode
+    step per position (what a CPU test that compares weights, not decode paths, can afford)."""
+    runner = engine.runner
+    batch, length = ids.shape
+    rows_idx = [runner.req_to_token_pool.alloc() for _ in range(batch)]
+    rows = [
+        BatchRow(row, 0, ids[b, : length - 1].tolist(), prompt_logits=True) for b, row in enumerate(rows_idx)
+    ]
+    logits = runner.forward(rows, runner.allocate_slots(rows)).float()
+    for row in rows_idx:
+        runner.free_request_slots(row, length - 1)
+        runner.req_to_token_pool.free(row)
+    return logits.view(batch, length - 1, -1)[:, prefix - 1 :].clone()
+
+
 DECISIVE_MARGIN = 0.5  # in units of the reference logits' std
 
 
