@@ -735,7 +735,7 @@ class Scheduler:
 
     # -- leaving ------------------------------------------------------------------------
     def _finish(self, request: Request, reason: str) -> None:
-        self.slots.release(request)
+        self.slots.release(request, ending=True)
         if self.speculation is not None:
             self.speculation.finish(request, reason)
         if request.grammar is not None:

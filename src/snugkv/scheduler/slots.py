@@ -104,12 +104,14 @@ class RequestSlots:
     def held_back(self) -> list[Request]:
         return [request for _, request in self._held_back.values()]
 
-    def release(self, request: Request) -> None:
+    def release(self, request: Request, *, ending: bool = False) -> None:
         """Give a request's slots back: computed KV to the prefix cache, the rest (including slots of
-        a step that failed before computing them) to the allocator; once no unread step holds it."""
+        a step that failed before computing them) to the allocator. A request `ending` (it will not
+        come back) that an unread step holds is released once that step is read; one that goes back
+        to the queue (a retraction) is released now: its callers read the step in flight first."""
         if request.req_pool_idx is None or id(request) in self._held_back:
             return
-        for key in reversed(self._unread):  # the latest launch first
+        for key in reversed(self._unread) if ending else ():  # the latest launch first
             if id(request) in self._unread[key]:
                 self._held_back[id(request)] = (key, request)
                 return
