@@ -136,20 +136,20 @@ def test_pinned_host_bytes_are_exactly_the_size_asked_and_copy_asynchronously():
     """Not a power of two (torch's pinned allocator would have rounded 3 GiB + 2 MiB up to 4 GiB)."""
     import time
 
-    from snugkv.memory.pinned import PinnedHostBytes
+    from snugkv.memory.pinned import HostBytes
 
     size = 3 * 2**30 + 2 * 2**20
     started = time.perf_counter()
-    pinned = PinnedHostBytes(size)
+    pinned = HostBytes(size)
     took = time.perf_counter() - started
-    assert pinned.tensor.numel() == size and pinned.tensor.is_pinned()
+    assert pinned.pinned and pinned.tensor.numel() == size and pinned.tensor.is_pinned()
     device = torch.randint(0, 255, (size,), dtype=torch.uint8, device="cuda")
     pinned.tensor.copy_(device, non_blocking=True)
     torch.cuda.synchronize()
     assert torch.equal(pinned.tensor[-4096:].cuda(), device[-4096:])
     print(f"pinned {size / 2**30:.3f} GiB in {took:.2f} s ({size / took / 1e9:.1f} GB/s)")
     pinned.close()
-    assert pinned.tensor.numel() == 0
+    assert not pinned.pinned and pinned.tensor.numel() == 0
 
 
 def test_pages_written_out_go_back_without_a_host_wait_and_the_device_reuses_them_after_the_write():

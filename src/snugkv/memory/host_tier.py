@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from snugkv.memory.allocator import make_allocator
-from snugkv.memory.pinned import PinnedHostBytes
+from snugkv.memory.pinned import HostBytes
 from snugkv.memory.tier_copies import PerRunCopies, StagedCopies, TierCopyPath
 
 logger = logging.getLogger(__name__)
@@ -203,8 +203,8 @@ class HostKvTier:
         rows = [view.shape[1] for view in device_pages]
         self.page_bytes = sum(rows)  # one page of every buffer
         size_bytes = (num_pages + 1) * self.page_bytes
-        self._pinned = PinnedHostBytes(size_bytes) if pin_memory else None
-        flat = self._pinned.tensor if self._pinned is not None else torch.empty(size_bytes, dtype=torch.uint8)
+        self._host = HostBytes(size_bytes, pin=pin_memory, what="the host KV tier")
+        flat = self._host.tensor
         self.path: TierCopyPath = (
             PerRunCopies(device_pages, flat, num_pages)
             if staging is None
@@ -320,6 +320,6 @@ class HostKvTier:
         """Drop the host memory, the staging and the views of the pool's buffers (before the pool's
         arena goes)."""
         self.path = PerRunCopies([], torch.empty(0, dtype=torch.uint8), 0)
-        if self._pinned is not None:
+        if self._host.pinned:
             torch.cuda.synchronize()  # no copy in flight reads or writes what is unregistered
-            self._pinned.close()
+        self._host.close()

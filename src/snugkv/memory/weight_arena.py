@@ -5,8 +5,7 @@ allocator can only give their memory back by being freed, which would leave ever
 freed memory; tensors placed here keep their addresses while the physical memory behind them is
 decommitted (the engine sleeps) and committed again (it wakes), so the graphs stay valid without
 being captured again. `offload(keep=True)` first copies the bytes to host memory (page-locked on a
-GPU with `cudaHostRegister`, exactly their size, so the copy back runs at full bandwidth; torch's
-pinned allocator would round 16 GB up to 32) and `restore` copies them back; with `keep=False`
+GPU, exactly their size: `memory/pinned.py`, so the copy back runs at full bandwidth) and `restore` copies them back; with `keep=False`
 they are dropped and the loader fills the same tensors again from the model files.
 
 This module owns the range and the bytes; it never knows which tensor is which (the loader places
@@ -21,6 +20,7 @@ import torch
 
 from snugkv.memory.arena import DEFAULT_CHUNK_BYTES, KvArena
 from snugkv.memory.layout import BufferLayout
+from snugkv.memory.pinned import HostBytes
 from snugkv.memory.vmm import GIB, VirtualMemory
 
 logger = logging.getLogger(__name__)
@@ -46,8 +46,7 @@ class WeightArena:
         self._buffer = self._arena.add_buffer(layout, size_bytes - 1)
         self._arena.commit({_NAME: size_bytes})
         self._bytes: torch.Tensor | None = self._arena.view(self._buffer)
-        self._host: torch.Tensor | None = None
-        self._pinned = False
+        self._host: HostBytes | None = None
         self.resident = True
 
     @property
@@ -90,10 +89,14 @@ class WeightArena:
         if not self.resident:
             return 0
         if keep:
-            self._host = torch.empty(self.size_bytes, dtype=torch.uint8)
-            if self.device.type == "cuda":
-                self._pinned = _pin(self._host)
-            self._host.copy_(self._view())
+            self._host = HostBytes(
+                self.size_bytes,
+                pin=self.device.type == "cuda",
+                required=False,
+                touch=False,
+                what="the weights' host copy",
+            )
+            self._host.tensor.copy_(self._view())
         released = self.committed_bytes
         self._arena.commit({_NAME: 0})  # synchronises first: the copy above has landed
         self.resident = False
@@ -109,40 +112,19 @@ class WeightArena:
         self.resident = True
         if self._host is None:
             return False
-        self._view().copy_(self._host, non_blocking=True)
+        self._view().copy_(self._host.tensor, non_blocking=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._drop_host_copy()
         return True
 
     def _drop_host_copy(self) -> None:
-        if self._host is not None and self._pinned:
-            _unpin(self._host)
-        self._host, self._pinned = None, False
+        if self._host is not None:
+            self._host.close()
+        self._host = None
 
     def close(self) -> None:
         """Release the range; every tensor from `tensor` must be gone (the arena refuses otherwise)."""
         self._bytes = None
         self._drop_host_copy()
         self._arena.close()
-
-
-def _pin(host: torch.Tensor) -> bool:
-    """Page-lock `host` for fast copies; False (a slower, pageable copy) where the runtime refuses."""
-    try:
-        cudart = torch.cuda.cudart()
-        done = cudart.cudaHostRegister(host.data_ptr(), host.numel() * host.element_size(), 0)
-        return bool(done == cudart.cudaError.success)
-    except Exception as exc:  # an old runtime, or no room to lock that much memory
-        logger.warning(
-            "could not page-lock the weights' host copy (%s); copying through pageable memory", exc
-        )
-        return False
-
-
-def _unpin(host: torch.Tensor) -> None:
-    try:
-        cudart = torch.cuda.cudart()
-        cudart.cudaHostUnregister(host.data_ptr())
-    except Exception as exc:  # the memory is freed next either way
-        logger.warning("cudaHostUnregister of the weights' host copy failed: %s", exc)
