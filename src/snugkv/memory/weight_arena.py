@@ -5,8 +5,9 @@ allocator can only give their memory back by being freed, which would leave ever
 freed memory; tensors placed here keep their addresses while the physical memory behind them is
 decommitted (the engine sleeps) and committed again (it wakes), so the graphs stay valid without
 being captured again. `offload(keep=True)` first copies the bytes to host memory (page-locked on a
-GPU, exactly their size: `memory/pinned.py`, so the copy back runs at full bandwidth) and `restore` copies them back; with `keep=False`
-they are dropped and the loader fills the same tensors again from the model files.
+GPU, exactly their size: `memory/pinned.py`, so the copy back runs at full bandwidth) and `restore`
+copies them back; with `keep=False` they are dropped and the loader fills the same tensors again
+from the model files.
 
 This module owns the range and the bytes; it never knows which tensor is which (the loader places
 parameters at offsets through `tensor`).

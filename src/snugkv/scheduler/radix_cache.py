@@ -10,8 +10,9 @@ nodes on the device, then some in the host tier only.
 Requests lock the path they reuse (`lock`/`unlock`), so locked nodes never leave the device.
 Eviction takes unlocked nodes with nothing below them on the device, least recently used first.
 With a host tier their pages are written there first and their device slots go back to the
-allocator at once, the device ordered after the writes (`_leave_device`); without one, or when the host tier has no room for them
-even after dropping its own entries used before them (its LRU), they are dropped. A copy is made
+allocator at once, the device's later work ordered after the writes (`_leave_device`); without one,
+or when the host tier has no room for them even after dropping its own entries used before them
+(its LRU), they are dropped. A copy is made
 only under a parent that stays somewhere (on the device or in the host tier): a host-only node
 below a dropped one could never be matched. A move with a `SpillBudget` (memory pressure: what
 its time budget writes at the host tier's measured bandwidth) keeps copies, parents first, until
