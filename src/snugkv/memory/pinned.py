@@ -35,13 +35,11 @@ class HostBytes:
             return
         if touch:  # fault every page in here, on torch's threads, not inside the register call
             self.tensor.zero_()
-        code = _register(self.tensor.data_ptr(), size_bytes)
-        if code == 0:
+        refused = _register(self.tensor.data_ptr(), size_bytes)
+        if refused is None:
             self.pinned = True
             return
-        text = (
-            f"cudaHostRegister of {size_bytes / 2**30:.2f} GiB{f' ({what})' if what else ''} failed: {code}"
-        )
+        text = f"cudaHostRegister of {size_bytes / 2**30:.2f} GiB{f' ({what})' if what else ''} failed: {refused}"
         if required:
             self.tensor = torch.empty(0, dtype=torch.uint8)
             raise RuntimeError(text)
@@ -58,15 +56,15 @@ class HostBytes:
             self.close()
 
 
-def _register(address: int, size_bytes: int) -> str | int:
-    """0 when the range is page-locked now, else what the runtime said."""
+def _register(address: int, size_bytes: int) -> str | None:
+    """Page-lock the range: None when done, else what the runtime said."""
     try:
         runtime = torch.cuda.cudart()
         code = int(runtime.cudaHostRegister(address, size_bytes, 0))
     except Exception as exc:  # an old runtime, or none
         return f"{type(exc).__name__}: {exc}"
     if code == 0:
-        return 0
+        return None
     with contextlib.suppress(Exception):
         return f"{runtime.cudaGetErrorString(runtime.cudaError(code))} ({code})"
     return f"cudaError {code}"

@@ -90,15 +90,19 @@ class RequestSlots:
     def read_back(self, key: int) -> None:
         """The step `key` is read back (done on the device): what was held back for it goes."""
         self._unread.pop(key, None)
-        for rid, (waits_for, request) in list(self._held_back.items()):
-            if waits_for not in self._unread:
-                del self._held_back[rid]
-                self._release_now(request)
+        self._release_held_back()
 
     def forget_unread(self) -> None:
         """No launched step will be read (a step failed): release what was held back now."""
         self._unread.clear()
-        self.read_back(-1)
+        self._release_held_back()
+
+    def _release_held_back(self) -> None:
+        """Release each held-back request whose step is no longer unread."""
+        for rid, (waits_for, request) in list(self._held_back.items()):
+            if waits_for not in self._unread:
+                del self._held_back[rid]
+                self._release_now(request)
 
     @property
     def held_back(self) -> list[Request]:
