@@ -62,6 +62,49 @@ def test_prefill_then_decode_matches_the_torch_backend(layout, page_size):
     torch.testing.assert_close(triton_out, torch_out, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize(("layout", "page_size"), [("nhd", 1), ("hnd", 4)])
+def test_a_mixed_step_runs_its_decode_rows_and_prompt_chunks_as_the_torch_backend(layout, page_size):
+    """Decode rows ahead of prompt chunks (one of them continuing a prefix): the decode rows go to
+    the decode kernel, the rest to the extend kernel, and together they match the oracle."""
+    pool = MHAKVPool(
+        KVPoolSpec.of(dtype="float32", page_size=page_size, layout=layout, device="cpu"),
+        reserved_tokens=256,
+        num_layers=1,
+        num_kv_heads=2,
+        head_dim=32,
+    )
+    allocator = make_allocator(256, page_size)
+    table = ReqToTokenPool(6, 64)
+    layer = PagedAttention(0, num_heads=4, num_kv_heads=2, head_dim=32)
+    a, b, c, d = (table.alloc() for _ in range(4))
+    prefill = [BatchRow(a, 0, list(range(9))), BatchRow(b, 0, list(range(6))), BatchRow(c, 0, list(range(4)))]
+    run_both(pool, layer, prefill, table, allocator, seed=5)
+    mixed = [
+        BatchRow(a, 9, [1]),
+        BatchRow(b, 6, [2]),
+        BatchRow(c, 4, list(range(5))),  # the next chunk of a prompt
+        BatchRow(d, 0, list(range(7))),  # a new prompt
+    ]
+    batch = ForwardBatch.build(
+        mixed,
+        torch.zeros(14, dtype=torch.int64),
+        req_to_token=table.req_to_token,
+        kv_pool=pool,
+        attn_backend=TritonAttentionBackend(),
+    )
+    assert not batch.is_decode and batch.num_decode_rows == 2
+    torch_out, triton_out = run_both(pool, layer, mixed, table, allocator, seed=6)
+    torch.testing.assert_close(triton_out, torch_out, rtol=1e-4, atol=1e-4)
+    # then a verify step: a row per position through the decode kernel, rows of one request side by side
+    verify = [
+        BatchRow(a, 10, [1, 2, 3], draft_len=2),
+        BatchRow(b, 7, [4], draft_len=0),
+        BatchRow(d, 7, [5, 6], draft_len=1),
+    ]
+    torch_out, triton_out = run_both(pool, layer, verify, table, allocator, seed=7)
+    torch.testing.assert_close(triton_out, torch_out, rtol=1e-4, atol=1e-4)
+
+
 def test_sliding_window_layer_reads_through_the_swa_mapping():
     pool = SWAKVPool(
         KVPoolSpec.of(dtype="float32", page_size=1, layout="nhd", device="cpu"),

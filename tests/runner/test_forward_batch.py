@@ -41,8 +41,9 @@ def test_all_single_token_rows_make_a_decode_batch():
         ([], "at least one row"),
         ([BatchRow(1, 0, [])], "adds no tokens"),
         ([BatchRow(1, -1, [3])], "prefix_len"),
-        ([BatchRow(1, 0, [3, FUTURE_TOKEN])], "only a decode batch"),
-        ([BatchRow(1, 2, [FUTURE_TOKEN], need_logits=False)], "only a decode batch"),
+        ([BatchRow(1, 0, [3, FUTURE_TOKEN])], "only a decode row"),
+        ([BatchRow(1, 2, [FUTURE_TOKEN], need_logits=False)], "only a decode row"),
+        ([BatchRow(1, 0, [3, 4]), BatchRow(2, 2, [FUTURE_TOKEN])], "only a decode row"),  # behind a chunk
     ],
 )
 def test_malformed_rows_are_rejected(rows, message):
@@ -82,6 +83,61 @@ def test_allocate_slots_refuses_rows_longer_than_the_context():
     row = runner.req_to_token_pool.alloc()
     with pytest.raises(ValueError, match="context holds 8"):
         runner.allocate_slots([BatchRow(row, 0, [1] * 9)])
+
+
+def test_a_mixed_steps_decode_rows_lead_and_may_read_the_previous_steps_token():
+    fb = _build([BatchRow(1, 4, [FUTURE_TOKEN]), BatchRow(2, 3, [8]), BatchRow(3, 0, [5, 6, 7])])
+    assert fb.mode is ForwardMode.EXTEND and fb.num_decode_rows == 2 and fb.reads_future_tokens
+    assert fb.logits_indices.tolist() == [0, 1, 4]
+    assert _build([BatchRow(1, 0, [5, 6]), BatchRow(2, 3, [8])]).num_decode_rows == 0
+
+
+def test_a_mixed_step_reads_the_previous_steps_token_as_a_decode_step_does():
+    """The same decode row, alone and ahead of a prompt, gives the same logits (its token read on
+    the device both times); the prompt beside it gives what it gives alone."""
+    runner = tiny_runner(page_size=4)
+    a, b = (runner.req_to_token_pool.alloc() for _ in range(2))
+    first = [BatchRow(a, 0, [5, 6, 7])]
+    logits = runner.forward(first, runner.allocate_slots(first))
+    runner.sample_on_device(logits, [SamplingParams()], None, [a])
+    alone = [BatchRow(a, 3, [FUTURE_TOKEN])]
+    decode_logits = runner.forward(alone, runner.allocate_slots(alone)).clone()
+    runner.free_request_slots(a, 4)
+    logits = runner.forward(first, runner.allocate_slots(first))
+    runner.sample_on_device(logits, [SamplingParams()], None, [a])
+    prompt = [BatchRow(b, 0, [9, 10, 11, 12])]
+    prompt_logits = runner.forward(prompt, runner.allocate_slots(prompt)).clone()
+    runner.free_request_slots(b, 4)
+    mixed = [BatchRow(a, 3, [FUTURE_TOKEN]), BatchRow(b, 0, [9, 10, 11, 12])]
+    both = runner.forward(mixed, runner.allocate_slots(mixed))
+    torch.testing.assert_close(both[:1], decode_logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(both[1:], prompt_logits, rtol=1e-5, atol=1e-5)
+
+
+def test_a_verify_step_is_a_decode_batch_of_one_row_per_position():
+    fb = _build([BatchRow(1, 3, [7, 8, 9], draft_len=2), BatchRow(2, 5, [4], draft_len=0)])
+    assert fb.is_decode and fb.batch_size == 4 and fb.num_decode_rows == 0
+    assert fb.req_pool_indices.tolist() == [1, 1, 1, 2]
+    assert fb.positions.tolist() == [3, 4, 5, 5] and fb.seq_lens.tolist() == [4, 5, 6, 6]
+    assert fb.input_ids.tolist() == [7, 8, 9, 4] and fb.logits_indices.tolist() == [0, 1, 2, 3]
+
+
+def test_a_verify_step_gives_the_logits_of_its_positions_as_a_prompt_scored_extend_does():
+    runner = tiny_runner(page_size=4)
+    a, b = (runner.req_to_token_pool.alloc() for _ in range(2))
+    prompts = [BatchRow(a, 0, [5, 6, 7]), BatchRow(b, 0, [9, 10])]
+    runner.forward(prompts, runner.allocate_slots(prompts))
+    verify = [BatchRow(a, 3, [11, 12, 13], draft_len=2), BatchRow(b, 2, [14, 15], draft_len=1)]
+    assert runner.build_batch(verify, torch.zeros(5, dtype=torch.int64)).is_decode
+    decoded = runner.forward(verify, runner.allocate_slots(verify)).clone()
+    runner.free_request_slots(a, 6)
+    runner.free_request_slots(b, 4)
+    runner.forward(prompts, runner.allocate_slots(prompts))
+    scored = [BatchRow(a, 3, [11, 12, 13], prompt_logits=True), BatchRow(b, 2, [14, 15], prompt_logits=True)]
+    assert not runner.build_batch(scored, torch.zeros(5, dtype=torch.int64)).is_decode
+    torch.testing.assert_close(
+        runner.forward(scored, runner.allocate_slots(scored)), decoded, rtol=1e-5, atol=1e-5
+    )
 
 
 def test_a_decode_row_reads_the_token_the_previous_step_sampled_on_the_device():

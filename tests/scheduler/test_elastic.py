@@ -113,7 +113,7 @@ def test_shrink_and_grow_under_live_requests_give_the_tokens_of_an_unresized_run
 
 def test_a_shrink_below_what_is_in_use_retracts_the_newest_and_every_request_still_finishes(model_dir):
     engine = start(model_dir)
-    outputs, results = run(engine, resizes={12: 120})
+    outputs, results = run(engine, resizes={8: 120})
     assert results[0].retracted_requests > 0 and results[0].to_tokens == 120
     assert [len(tokens) for tokens in outputs] == [8, 24, 12, 24, 8, 24]
     assert engine.report.max_running_requests == 8  # 120 tokens still hold 30 pages

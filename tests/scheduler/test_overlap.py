@@ -53,10 +53,11 @@ def mixed_workload(seed: int) -> list[tuple[str, list[int], SamplingParams]]:
     return requests
 
 
-def run_mixed(directory, *, overlap: bool, **engine) -> tuple[dict, int]:
+def run_mixed(directory, *, overlap: bool, mixed_steps: bool = True, **engine) -> tuple[dict, int]:
     """The mixed workload, fed in three waves while earlier requests decode, one request aborted
-    mid-flight; slot accounting is checked after every step."""
+    mid-flight; slot accounting is checked after every step. `mixed_steps`: `Scheduler.mixed`."""
     _, scheduler, outputs = make_scheduler(directory, tokenizer=Letters(), overlap=overlap, **engine)
+    scheduler.mixed = mixed_steps
     workload = mixed_workload(seed=3)
     waves = [workload[:6], workload[6:10], workload[10:]]
     steps = 0
@@ -129,6 +130,20 @@ def test_overlapped_and_synchronous_scheduling_give_clients_the_same_outputs(tin
     reasons = [o[-1].finish_reason for o in synchronous.values()]
     assert reasons.count("stop") >= 3 and {"length", "abort"} <= set(reasons), reasons
     assert any(o.logprobs for items in synchronous.values() for o in items)
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "synchronous"])
+def test_mixed_and_prefill_only_steps_give_clients_the_same_outputs(tiny, overlap):
+    """The waves arrive while earlier requests decode: with mixed steps those decode inside the
+    waves' prefill steps (a step earlier), and every client reads what prefill-only steps give."""
+    directory, _ = tiny
+    engine = {"page_size": 4, "chunk": 32}
+    mixed, _ = run_mixed(directory, overlap=overlap, **engine)
+    alone, _ = run_mixed(directory, overlap=overlap, mixed_steps=False, **engine)
+    assert mixed.keys() == alone.keys()
+    for rid in alone:
+        if rid != "m1":  # aborted after as many step() calls: how far it got depends on the steps
+            assert_same_client_view(mixed[rid], alone[rid], rid)
 
 
 def test_the_next_decode_step_is_launched_before_the_last_step_is_read(tiny):
@@ -247,11 +262,14 @@ def test_an_abort_while_its_step_is_in_flight_frees_the_step_and_skips_its_token
     engine.close()
 
 
-def test_a_waiting_request_is_prefilled_while_the_step_in_flight_runs_and_joins_as_it_would(tiny):
+@pytest.mark.parametrize("mixed", [True, False], ids=["mixed", "prefill-only"])
+def test_a_waiting_request_is_prefilled_while_the_step_in_flight_runs_and_joins_as_it_would(tiny, mixed):
     """A request that arrives while others decode is prefilled at the next step, launched before
-    the host reads the step in flight (then read), and generates what it would alone."""
+    the host reads the step in flight (then read), and generates what it would alone. Mixed: the
+    running request decodes in that step too, its input the token still on the device."""
     directory, model = tiny
     engine, scheduler, outputs = make_scheduler(directory)
+    scheduler.mixed = mixed
     first, second = prompts(2, seed=4)
     scheduler.add_request("first", first, SamplingParams(max_new_tokens=10, ignore_eos=True))
     for _ in range(3):
@@ -261,6 +279,10 @@ def test_a_waiting_request_is_prefilled_while_the_step_in_flight_runs_and_joins_
     scheduler.step()  # launches the prefill of "second", then reads the step in flight
     launched = scheduler._in_flight
     assert not launched.batch.decode and launched.overlapped
+    assert [r.rid for r in launched.batch.requests] == (["first", "second"] if mixed else ["second"])
+    assert launched.batch.decode_rows == int(mixed)
+    if mixed:
+        assert launched.batch.rows[0].token_ids == [FUTURE_TOKEN]  # "first"'s token is still on the device
     assert len(collected(outputs)["first"]) == sent + 1
     assert not scheduler.waiting and len(scheduler.running) == 2
     while scheduler.has_work:
@@ -275,12 +297,13 @@ def test_a_waiting_request_is_prefilled_while_the_step_in_flight_runs_and_joins_
     assert [r.launched_at for r in records] == sorted(r.launched_at for r in records)
     assert records[0].gap_s is None and all(r.gap_s >= 0 for r in records[1:])
     prefills = [r for r in records if not r.decode]
-    assert [r.tokens for r in prefills] == [len(first), len(second)] and all(r.rows == 1 for r in prefills)
+    assert [r.tokens for r in prefills] == [len(first), len(second) + mixed]
+    assert [r.rows for r in prefills] == [1, 1 + mixed]
     assert max(r.rows for r in records if r.decode) == 2  # both decode together after the join
     engine.close()
 
 
-def test_the_overlap_flag_reaches_the_scheduler(tiny):
+def test_the_overlap_and_mixed_flags_reach_the_scheduler(tiny):
     import argparse
 
     from snugkv.commands.engine_args import add_engine_arguments, engine_args_from
@@ -290,13 +313,18 @@ def test_the_overlap_flag_reaches_the_scheduler(tiny):
     parser = argparse.ArgumentParser()
     add_engine_arguments(parser)
     directory, _ = tiny
-    for flags, overlap in (([], True), (["--disable-overlap-schedule"], False)):
+    for flags, overlap, mixed in (
+        ([], True, True),
+        (["--disable-overlap-schedule"], False, True),
+        (["--disable-mixed-steps"], True, False),
+    ):
         args = engine_args_from(
             parser.parse_args(["--model", str(directory), "--host-kv-gib", "0.02", *flags])
         )
         assert args.scheduler.disable_overlap_schedule is not overlap
         engine = Engine(args)
-        assert EngineCore.around(engine).scheduler.overlap is overlap
+        scheduler = EngineCore.around(engine).scheduler
+        assert scheduler.overlap is overlap and scheduler.mixed is mixed
         engine.close()
 
 
@@ -397,3 +425,30 @@ def test_on_a_gpu_overlapped_decode_steps_never_wait_for_the_gpu_and_match_synch
     engine.close()
     for rid in synchronous:
         assert_same_client_view(overlapped[rid], synchronous[rid], rid)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_on_a_gpu_mixed_steps_give_the_tokens_of_prefill_only_steps(tiny, page_size):
+    """Requests that arrive while others decode: the prefill steps that take the decode rows along
+    (the decode kernel for those rows, the extend kernel for the chunks, through the piecewise
+    graphs) give every request the tokens of prefill-only steps, and every slot comes back."""
+    directory, _ = tiny
+    views = {}
+    for mixed in (True, False):
+        engine, scheduler, outputs = gpu_scheduler(directory, page_size=page_size, overlap=True)
+        scheduler.mixed = mixed
+        workload = mixed_workload(seed=5)[:8]
+        for index, (rid, prompt, sampling) in enumerate(workload):
+            scheduler.add_request(rid, prompt, dataclasses.replace(sampling, max_new_tokens=12 + 3 * index))
+            for _ in range(2):  # the next request arrives while these decode
+                scheduler.step()
+        while scheduler.has_work:
+            scheduler.step()
+        scheduler.check_slot_accounting()
+        prefill_rows = [r.rows for r in scheduler.times.records if not r.decode]
+        assert (max(prefill_rows) > 1) is mixed  # each prompt arrived alone: more rows are decode rows
+        engine.close()
+        views[mixed] = outputs
+    for rid in views[False]:
+        assert_same_client_view(views[True][rid], views[False][rid], rid)

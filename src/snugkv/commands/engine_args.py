@@ -151,6 +151,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "step while the host handles the last one's tokens)",
     )
     group.add_argument(
+        "--disable-mixed-steps",
+        action="store_true",
+        help="prefill steps run prompt chunks only (default: the running requests decode in the same "
+        "step, ahead of the chunks)",
+    )
+    group.add_argument(
         "--gpu-memory-utilization",
         type=float,
         default=None,

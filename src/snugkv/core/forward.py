@@ -11,8 +11,15 @@ Two modes:
   (the CPU mirrors may be None), so the forward can be captured in a CUDA graph. A decode row's
   token may be `FUTURE_TOKEN`: the token the previous step sampled for that request, not yet on
   the host; the runner fills it in on the device before the forward (runner.future_tokens).
+  A speculative verify step (every row its last token and its draft, logits at every position)
+  is a DECODE batch too, of one row per position: position j of a request is a row of its own with
+  `seq_len = prefix_len + j + 1`, which is exactly what it attends to, so verification replays
+  the decode graphs (`ForwardBatch.build` unrolls the rows; the logits keep the rows' order).
 - EXTEND: anything else (prefill, prefix-cached extend, chunked prefill, rows mixed with decode
-  rows). Backends may read the CPU mirrors of the lengths.
+  rows). Backends may read the CPU mirrors of the lengths. A mixed step puts the running
+  requests' decode rows first: the leading `num_decode_rows` rows each add one sampled token on
+  top of a prefix, may take `FUTURE_TOKEN` as a decode row does, and a backend may run them
+  through its decode kernel and only the rows after them through its extend kernel.
 
 `AttentionBackend.forward(q, k, v, layer, forward_batch)`:
 - Inputs are the new tokens of the batch, concatenated row-major (docs/ARCHITECTURE.md):
@@ -148,6 +155,8 @@ class ForwardBatch:
     batches leave it None (meaning `max(seq_lens)`). `attn_metadata` is the attention backend's
     own per-batch state, set by `AttentionBackend.init_forward_metadata`. `reads_future_tokens`:
     some decode row's input id is `FUTURE_TOKEN`, filled in on the device before the forward.
+    `num_decode_rows`: of an EXTEND batch, how many leading rows are decode rows (one sampled
+    token on a prefix: a mixed step's running requests); 0 for a DECODE batch (all of it decodes).
     """
 
     mode: ForwardMode
@@ -169,6 +178,7 @@ class ForwardBatch:
     kv_width: int | None = None
     attn_metadata: Any = None
     reads_future_tokens: bool = False
+    num_decode_rows: int = 0
 
     @property
     def batch_size(self) -> int:
@@ -204,7 +214,18 @@ class ForwardBatch:
         prefix_lens = [row.prefix_len for row in rows]
         extend_lens = [len(row.token_ids) for row in rows]
         seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
-        decode = all(e == 1 for e in extend_lens) and all(r.need_logits for r in rows)
+        decode_rows = _leading_decode_rows(rows)
+        decode = decode_rows == len(rows)
+        if not decode and all(_verifies(row) for row in rows):  # a row per position (module docstring)
+            rows = [
+                BatchRow(row.req_pool_idx, row.prefix_len + j, [token])
+                for row in rows
+                for j, token in enumerate(row.token_ids)
+            ]
+            prefix_lens = [row.prefix_len for row in rows]
+            extend_lens = [1] * len(rows)
+            seq_lens = [p + 1 for p in prefix_lens]
+            decode = True
         if decode:  # the hot path: one token per row, no per-row ranges
             total = len(rows)
             starts = list(range(total))
@@ -218,10 +239,10 @@ class ForwardBatch:
                 total += length
             positions = [position for p, s in zip(prefix_lens, seq_lens) for position in range(p, s)]
             input_ids = [t for row in rows for t in row.token_ids]
-            if min(input_ids) < 0:
+            if min(input_ids[decode_rows:], default=0) < 0:
                 raise ValueError(
-                    "only a decode batch (one token per row, every row sampled) may take the "
-                    "previous step's token (FUTURE_TOKEN)"
+                    "only a decode row (one sampled token on a prefix, ahead of every other row) may "
+                    "take the previous step's token (FUTURE_TOKEN)"
                 )
             logits_rows = []
             for row, start, length in zip(rows, starts, extend_lens):
@@ -264,5 +285,22 @@ class ForwardBatch:
             seq_lens_cpu=tuple(seq_lens),
             prefix_lens_cpu=tuple(prefix_lens),
             extend_lens_cpu=tuple(extend_lens),
-            reads_future_tokens=decode and min(input_ids) < 0,
+            reads_future_tokens=decode_rows > 0 and min(input_ids[:decode_rows]) < 0,
+            num_decode_rows=0 if decode else decode_rows,
         )
+
+
+def _verifies(row: BatchRow) -> bool:
+    """A verify step's row: its last token and its draft (maybe empty), every position sampled."""
+    return row.need_logits and row.draft_len == len(row.token_ids) - 1 and min(row.token_ids) >= 0
+
+
+def _leading_decode_rows(rows: Sequence[BatchRow]) -> int:
+    """How many rows, from the first, add one token whose logits are sampled (a row that only
+    scores a one-token prompt counts too: its one logits row is the same)."""
+    count = 0
+    for row in rows:
+        if len(row.token_ids) != 1 or not row.need_logits:
+            break
+        count += 1
+    return count

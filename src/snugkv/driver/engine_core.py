@@ -245,6 +245,7 @@ class EngineCore:
             enable_prefix_cache=args.cache.enable_prefix_cache,
             on_output=on_output,
             overlap=not args.scheduler.disable_overlap_schedule if overlap is None else overlap,
+            mixed=not args.scheduler.disable_mixed_steps,
             host_tier=engine.host_tier if use_host_tier else None,
             speculative=args.speculative,
         )

@@ -183,6 +183,7 @@ class SchedulerConfig:
     max_running_requests: int
     chunked_prefill_size: int  # prefill tokens per step
     disable_overlap_schedule: bool = False  # the scheduler reads each step's tokens before the next
+    disable_mixed_steps: bool = False  # a prefill step does not take the running requests' decode rows along
     queue_timeout_s: float = 30.0  # how long a request waits for KV memory the cache does not hold now
 
     def __post_init__(self) -> None:

@@ -24,5 +24,10 @@ class FutureTokens:
         self.tokens[req_pool_indices] = tokens
 
     def resolve(self, input_ids: torch.Tensor, req_pool_indices: torch.Tensor) -> torch.Tensor:
-        """A decode batch's input ids with every placeholder (< 0) replaced by its row's token."""
-        return torch.where(input_ids < 0, self.tokens[req_pool_indices], input_ids)
+        """A batch's input ids with every placeholder (< 0) replaced by its row's token. The first
+        `len(req_pool_indices)` ids are decode rows' (one token each, in row order: a decode batch,
+        or the leading rows of a mixed step); the ids after them are never placeholders."""
+        rows = req_pool_indices.numel()
+        head = input_ids[:rows]
+        resolved = torch.where(head < 0, self.tokens[req_pool_indices], head)
+        return resolved if rows == input_ids.numel() else torch.cat([resolved, input_ids[rows:]])

@@ -223,8 +223,9 @@ class ModelRunner:
         the draft runs over the same batch after the model, writing its KV at the same slots."""
         forward_batch = self.build_batch(rows, out_cache_loc)
         if forward_batch.reads_future_tokens:
+            decode_rows = forward_batch.num_decode_rows or forward_batch.batch_size
             forward_batch.input_ids = self.future_tokens.resolve(
-                forward_batch.input_ids, forward_batch.req_pool_indices
+                forward_batch.input_ids, forward_batch.req_pool_indices[:decode_rows]
             )
         logits = self.forward_batch(forward_batch)
         if self.draft_model is not None:

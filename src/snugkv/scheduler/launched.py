@@ -43,6 +43,7 @@ class ScheduledBatch:
     slots: torch.Tensor
     decode: bool
     drafts: list[list[int]] | None = None
+    decode_rows: int = 0  # a mixed prefill step: its leading rows are running requests' decode rows
 
 
 def clock(device: torch.device) -> Any:

@@ -1,8 +1,10 @@
 """Continuous batching over one model runner.
 
 Every step either prefills (new requests and chunks of long prompts, up to a token budget) or
-decodes every running request by one token (through the decode CUDA graphs). New requests join
-at every step. Memory: admission only takes what is free after evicting the prefix cache, keeps
+decodes every running request by one token (through the decode CUDA graphs). A prefill step is
+mixed: the running requests decode in it too, their rows ahead of the prompt chunks, so a prompt
+that arrives does not stop them for a step (`_schedule_prefill` says when it is not). New requests
+join at every step. Memory: admission only takes what is free after evicting the prefix cache, keeps
 one page per running request in reserve, and when decode still runs short, the newest request
 is retracted (its KV goes to the prefix cache, it waits to be recomputed) — never a crash, never
 a dropped request. After any workload every slot is back: `check_slot_accounting()`.
@@ -104,6 +106,7 @@ class Scheduler:
         enable_prefix_cache: bool = True,
         on_output: OutputCallback | None = None,
         overlap: bool = True,
+        mixed: bool = True,
         request_cap: Callable[[], int] | None = None,
         host_tier: HostKvTier | None = None,
         speculative: SpeculativeConfig | None = None,
@@ -112,9 +115,11 @@ class Scheduler:
         limit for the KV cache's size now (its one owner: the KV sizing's recap, which every resize,
         pressure move and wake updates), and the lower of the two holds. `host_tier`: where the
         prefix cache keeps what leaves the device (None: it is dropped). `speculative`: decode
-        steps speculate with this config (`scheduler.speculation`); None: they never do."""
+        steps speculate with this config (`scheduler.speculation`); None: they never do. `mixed`:
+        a prefill step takes the running requests' decode rows along (`_schedule_prefill`)."""
         self.runner = runner
         self.overlap = overlap
+        self.mixed = mixed
         self.eos_token_ids = frozenset(eos_token_ids)
         runner.sampler.eos_token_ids = tuple(sorted(self.eos_token_ids))  # what min_tokens holds back
         self.request_limit = max_running_requests
@@ -389,7 +394,13 @@ class Scheduler:
         """The next chunk of prompt tokens of the waiting requests, first come first served, up to the
         chunk budget. A request whose earlier chunk is still in flight (overlap) continues after it.
         Room is counted in pages as requests are taken; the slots of the whole batch are allocated
-        in one call at the end (one call per request cost ~0.5 ms of host time each)."""
+        in one call at the end (one call per request cost ~0.5 ms of host time each).
+
+        A mixed step (`self.mixed`): every running request decodes in the same step, its row ahead
+        of the prompt chunks, and the chunks take what is left of the token budget; so a prompt
+        arriving never stops the running requests for a step. Not mixed: a step that speculates
+        next (its drafts need the last tokens on the host), decode rows that would take over half
+        the budget, or decode rows the pool has no room for (the decode step retracts)."""
         budget = self.oom.token_limit(self.chunked_prefill_size)
         row_limit = self._row_limit()
         scoring_budget = PROMPT_LOGITS_PER_STEP
@@ -398,8 +409,17 @@ class Scheduler:
         admitted_here: list[bool] = []
         taken = 0  # slots the rows taken so far will take
         reserve = len(self.running) * self.page_size
+        if self._mixes(budget):
+            rows = self._decode_rows(self.running)
+            batch = list(self.running)
+            decode_slots = sum(self.slots.new_slots(row.prefix_len, 1) for row in rows)
+            if self.slots.make_room(decode_slots + reserve):
+                taken, budget = decode_slots, budget - len(rows)
+            else:
+                rows, batch = [], []
+        decode_rows = len(rows)
         waiting_for_memory: list[Request] = []  # passed over: they go back to the queue's head in order
-        while self.waiting and budget > 0 and len(self.running) + len(batch) < row_limit:
+        while self.waiting and budget > 0 and len(self.running) + len(batch) - decode_rows < row_limit:
             request = self.waiting[0]
             if self.waits_for_memory(request):
                 waiting_for_memory.append(self.waiting.popleft())
@@ -432,18 +452,36 @@ class Scheduler:
             budget -= chunk
             scoring_budget -= chunk if scoring else 0
             reserve += self.page_size
-        slots = self.runner.allocate_slots(rows) if rows else None
-        while slots is None and rows:  # the pool counts differently (a window sub-pool): fewer rows
+        slots = self.runner.allocate_slots(rows) if len(rows) > decode_rows else None
+        while slots is None and len(rows) > decode_rows:  # the pool counts differently (a window sub-pool)
             rows.pop()
             request = batch.pop()
             if admitted_here.pop():
                 self.slots.release(request)
             self.waiting.appendleft(request)
-            slots = self.runner.allocate_slots(rows) if rows else None
+            slots = self.runner.allocate_slots(rows) if len(rows) > decode_rows else None
         self.waiting.extendleft(reversed(waiting_for_memory))
-        if slots is None:
+        if slots is None:  # no prompt chunk fits: the running requests decode on their own
             return None
-        return ScheduledBatch(rows, batch, slots, decode=False)
+        return ScheduledBatch(rows, batch, slots, decode=False, decode_rows=decode_rows)
+
+    def _mixes(self, budget: int) -> bool:
+        """Whether this prefill step takes the running requests' decode rows along."""
+        return (
+            self.mixed
+            and bool(self.running)
+            and len(self.running) * 2 <= budget
+            and not self._may_speculate()
+        )
+
+    @staticmethod
+    def _decode_rows(requests: list[Request]) -> list[BatchRow]:
+        """A row of one token per request: its last token, or `FUTURE_TOKEN` when that token is
+        still on the device (a step in flight sampled it)."""
+        return [
+            BatchRow(r.table_row, r.kv_len + r.in_flight, [FUTURE_TOKEN] if r.in_flight else [r.last_token])
+            for r in requests
+        ]
 
     def _schedule_decode(self, *, retract: bool) -> ScheduledBatch | None:
         """Every running request by one token. A request whose last token is still on the device
@@ -455,12 +493,7 @@ class Scheduler:
             verify = self._schedule_verify() if self._may_speculate() else None
             if verify is not None:
                 return verify
-            rows = [
-                BatchRow(
-                    r.table_row, r.kv_len + r.in_flight, [FUTURE_TOKEN] if r.in_flight else [r.last_token]
-                )
-                for r in self.running
-            ]
+            rows = self._decode_rows(self.running)
             self.slots.make_room(len(rows) * self.page_size)
             slots = self.runner.allocate_slots(rows)
             if slots is not None:
@@ -548,7 +581,7 @@ class Scheduler:
                 [r.generator for r in sampled],
                 [r.table_row for r in sampled],
                 # after a prefill, the penalties' token history starts from the request's tokens
-                history_starts=() if scheduled.decode else [(r.prompt_ids, r.output_ids) for r in sampled],
+                history_starts=() if scheduled.decode else self._history_starts(scheduled, sampled_rows),
                 token_bitmask=self._token_bitmask(sampled, previous),
             )
             log_probs = self.outputs.log_prob_rows(logits, sampled)
@@ -562,13 +595,27 @@ class Scheduler:
             prompt_scores=prompt_scores,
         )
         launched.finish_launch(device)
-        if not scheduled.decode:
-            for row, request in zip(rows, batch):
+        if not scheduled.decode:  # a mixed step's decode rows are running already
+            for row, request in zip(rows[scheduled.decode_rows :], batch[scheduled.decode_rows :]):
                 if row.need_logits:
                     self.running.append(request)
                 else:
                     self.waiting.appendleft(request)  # the rest of its prompt comes next step
         return launched
+
+    @staticmethod
+    def _history_starts(
+        scheduled: ScheduledBatch, sampled_rows: list[int]
+    ) -> list[tuple[list[int], list[int]] | None]:
+        """Per sampled row of a prefill step, where its penalties' token history starts: the
+        request's prompt and output so far; None for a mixed step's decode rows (theirs runs on)."""
+        requests = scheduled.requests
+        return [
+            None
+            if index < scheduled.decode_rows
+            else (requests[index].prompt_ids, requests[index].output_ids)
+            for index in sampled_rows
+        ]
 
     def _launch_verify(
         self, scheduled: ScheduledBatch, logits: torch.Tensor, started: Any, draft_probs: torch.Tensor | None
