@@ -2,11 +2,13 @@
 
 Offline: 256 requests, input and output lengths uniform in [100, 1024], random prompt ids,
 `ignore_eos`, all submitted at once, side by side on one engine: straight to a scheduler of the
-benchmark's own with overlapped scheduling and without it, and through `LLM.generate` (the Python
-API, the same scheduler behind it); then through a real `snugkv serve` and the openai client.
+benchmark's own with overlapped scheduling and without it, with prefill-only steps (no decode rows
+in a prefill step: `--disable-mixed-steps`), and through `LLM.generate` (the Python API, the same
+scheduler behind it); then through a real `snugkv serve` and the openai client.
 `gpu_idle_fraction` is 1 - (time the GPU spent in steps, from CUDA events around each) / wall time:
 the share of the run the GPU waited for the host.
-Online: Poisson arrivals at several rates; TTFT and TPOT percentiles. Then a side-by-side
+Online: Poisson arrivals at several rates, with mixed steps and prefill-only ones; TTFT and TPOT
+percentiles. Then a side-by-side
 subset with one fixed output length through snugkv and through transformers' own continuous
 batching (`generate_batch`), since that API takes one generation config. The bandwidth floor
 reads every weight once per decode step plus every active request's KV.
@@ -67,6 +69,7 @@ def run_scheduler(
     arrivals: list[float] | None = None,
     overlap: bool = True,
     tokenizer: Any = None,
+    mixed: bool = True,
 ) -> dict[str, Any]:
     from snugkv.driver.commands import Add
     from snugkv.driver.engine_core import EngineCore
@@ -79,6 +82,7 @@ def run_scheduler(
         overlap=overlap,
     )
     scheduler = core.scheduler
+    scheduler.mixed = mixed
     tracked = []
     gc_before = GC_PAUSES.as_dict()
     start = time.monotonic()
@@ -119,6 +123,7 @@ def run_scheduler(
         **latency_columns(ttft, tpot),
         "retractions": scheduler.num_retractions,
         "overlap": "on" if overlap else "off",
+        "mixed_steps": "on" if mixed else "off",
         "gpu_idle_fraction": times["device_idle_fraction"],
         "host_wait_s": times["host_wait_s"],
         "overlapped_steps": f"{times['overlapped_steps']}/{times['steps']}",
@@ -230,6 +235,7 @@ def run(args: argparse.Namespace) -> int:
         ("snugkv (overlap)", run_scheduler(engine, offline)),
         ("snugkv LLM.generate", run_llm(llm, offline)),
         ("snugkv (no overlap)", run_scheduler(engine, offline, overlap=False)),
+        ("snugkv (prefill-only steps)", run_scheduler(engine, offline, mixed=False)),
     ):
         rows.append(
             {
@@ -240,9 +246,10 @@ def run(args: argparse.Namespace) -> int:
                 "fraction_of_floor": result["output_tok_per_s"] / floor,
             }
         )
-    overlapped, through_llm, synchronous = (row["output_tok_per_s"] for row in rows[-3:])
+    overlapped, through_llm, synchronous, prefill_only = (row["output_tok_per_s"] for row in rows[-4:])
     extra["llm_generate_over_scheduler_direct"] = through_llm / overlapped
     extra["overlap_speedup"] = overlapped / synchronous
+    extra["mixed_steps_speedup"] = overlapped / prefill_only
     for rate in args.rates:
         online = workload(args.online_requests, seed=int(rate * 10), vocab=vocab)
         rng = random.Random(int(rate))
@@ -250,13 +257,14 @@ def run(args: argparse.Namespace) -> int:
         for _ in online:
             clock += rng.expovariate(rate)
             arrivals.append(clock)
-        rows.append(
-            {
-                "engine": "snugkv",
-                "case": f"online Poisson {rate} req/s, {args.online_requests} req",
-                **run_scheduler(engine, online, arrivals),
-            }
-        )
+        for name, mixed in (("snugkv", True), ("snugkv (prefill-only steps)", False)):
+            rows.append(
+                {
+                    "engine": name,
+                    "case": f"online Poisson {rate} req/s, {args.online_requests} req",
+                    **run_scheduler(engine, online, arrivals, mixed=mixed),
+                }
+            )
     fixed = workload(args.compare_requests, seed=2, vocab=vocab, fixed_output=args.compare_output)
     rows.append(
         {
