@@ -75,3 +75,20 @@ def test_a_draft_model_proposer_is_taken_and_a_bad_one_refused_in_one_line():
     for bad, message in refused:
         with pytest.raises(argparse.ArgumentTypeError, match=message):
             proposer(bad)
+
+
+def test_step_costs_time_a_decode_and_a_verify_step_per_batch_and_k(tmp_path):
+    from snugkv.cli import main
+    from tests.models.hf_tiny import save_tiny_hf_model
+
+    save_tiny_hf_model("llama", tmp_path / "model")
+    code = main(
+        ["bench", "speculative", "--model", str(tmp_path / "model"), "--load-format", "dummy", "--step-costs",
+         "--batch", "1", "3", "--k", "2", "--context", "40", "--out", str(tmp_path)]
+    )  # fmt: skip
+    report = json.loads((tmp_path / "speculative_steps.json").read_text())
+    assert code == 0 and report["benchmark"] == "speculative_steps"
+    assert [(row["batch"], row["k"], row["context"]) for row in report["rows"]] == [(1, 2, 40), (3, 2, 40)]
+    for row in report["rows"]:
+        assert row["decode_step_ms"] > 0 and row["verify_step_ms"] > 0
+        assert row["verify_over_decode"] == pytest.approx(row["verify_step_ms"] / row["decode_step_ms"])

@@ -211,9 +211,13 @@ def default_decode_launch(k_head_dim: int, device: torch.device) -> DecodeLaunch
 def decode_splits(batch_size: int, num_kv_heads: int, programs_wanted: int = 512) -> int:
     """Splits of each request's keys: enough programs to fill the GPU when the batch is small,
     few (less partial-result traffic) when the batch alone fills it. Depends only on the batch
-    size, so a captured graph keeps it."""
+    size, so a captured graph keeps it. A power of two (2 to 16; the kernels take it as a
+    compile-time constant): the decode graphs' capture compiles these few values at start-up,
+    so a mixed step's decode rows, whatever their count, compile nothing while serving. (With any
+    value from 2 to 16, the first workload of a fresh server ran at half the speed of the same
+    workload on a second server that found the kernels in Triton's disk cache: H100, a767e07.)"""
     splits = programs_wanted // max(batch_size * num_kv_heads, 1)
-    return min(max(splits, 2), 16)
+    return 1 << (min(max(splits, 2), 16).bit_length() - 1)
 
 
 def decode_workspace(

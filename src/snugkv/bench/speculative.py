@@ -99,6 +99,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-total-tokens", type=int, default=None, help="(default: CPU 16384, GPU sized)")
     parser.add_argument("--cuda-graph-max-bs", type=int, default=None, help="GPU: fewer graphs start faster")
     parser.add_argument("--prefill-graph-max-tokens", type=int, default=None)
+    parser.add_argument(
+        "--step-costs",
+        action="store_true",
+        help="only the device time of a plain decode step and of a verify step per batch and k, at "
+        "--context tokens a row (no proposer, no text: any weights do)",
+    )
+    parser.add_argument("--context", type=int, default=1024, help="--step-costs: tokens cached per row")
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +162,11 @@ def run(args: argparse.Namespace) -> int:
     settings = [Setting(None, 0)] + [Setting(p, k) for p in args.proposers for k in ks]
     rows: list[dict[str, Any]] = []
     mismatches = 0
+    if args.step_costs:
+        with LLM(args.model, **options) as llm:
+            rows = [_step_cost(llm, batch, k, args.context) for batch in batches for k in ks]
+        emit("speculative_steps", rows, args.out, {"model": args.model, "load_format": args.load_format})
+        return 0
     with LLM(args.model, **options) as llm:
         encoder = _tokenizer(llm, args.tokenizer)
         speculative = llm.engine.args.speculative
@@ -192,6 +204,91 @@ def run(args: argparse.Namespace) -> int:
     }
     emit("speculative", rows, args.out, extra)
     return 1 if mismatches else 0
+
+
+STEP_COST_ITERATIONS = 30
+
+
+def _step_cost(llm: Any, batch: int, k: int, context: int) -> dict[str, Any]:
+    """Median device time of a plain decode step (forward + greedy sampling) and of a verify step
+    (forward over the last token and `k` draft tokens a row + verification), `batch` rows of
+    `context` cached tokens each, as the scheduler launches them (graphs where they hold the batch)."""
+    from snugkv.core.forward import BatchRow
+    from snugkv.core.sampling import SamplingParams
+
+    runner = llm.engine.runner
+    table = runner.req_to_token_pool
+    greedy = [SamplingParams(temperature=0.0)] * batch
+    rows: list[int] = []
+    held: dict[int, int] = {}  # slots each row holds, to give back
+    try:
+        for _ in range(batch):  # one prompt at a time: a step of batch * context tokens may not fit
+            row = table.alloc()
+            if row is None:
+                raise RuntimeError(f"no {batch} free request rows for --step-costs")
+            rows.append(row)
+            held[row] = 0
+            prompt = [BatchRow(row, 0, [(7 * row + j) % 1000 + 10 for j in range(context)])]
+            slots = runner.allocate_slots(prompt)
+            if slots is None:
+                raise RuntimeError("the KV cache has no room for --step-costs' rows")
+            held[row] = context
+            runner.forward(prompt, slots)
+        decode = [BatchRow(row, context, [11]) for row in rows]
+        verify = [BatchRow(row, context, [11, *range(12, 12 + k)], draft_len=k) for row in rows]
+        verify_slots = runner.allocate_slots(verify)
+        if verify_slots is None:
+            raise RuntimeError("the KV cache has no room for --step-costs' rows")
+        held = dict.fromkeys(rows, context + k + 1)
+        decode_slots = verify_slots[:: k + 1]  # each row's first verify position is its decode position
+
+        def plain() -> None:
+            logits = runner.forward(decode, decode_slots)
+            runner.sample_on_device(logits, greedy, None, rows)
+
+        def verified() -> None:
+            logits = runner.forward(verify, verify_slots)
+            runner.verify_on_device(logits, [row.token_ids[1:] for row in verify], greedy, None, rows)
+
+        decode_ms, verify_ms = _device_ms(plain), _device_ms(verified)
+    finally:
+        for row in rows:
+            runner.free_request_slots(row, held[row])
+            table.free(row)
+    return {
+        "batch": batch,
+        "k": k,
+        "context": context,
+        "decode_step_ms": decode_ms,
+        "verify_step_ms": verify_ms,
+        "verify_over_decode": verify_ms / decode_ms,
+        "decode_graph": runner.cuda_graphs is not None
+        and runner.cuda_graphs.can_run(runner.build_batch(decode, decode_slots)),
+        "verify_graph": runner.cuda_graphs is not None
+        and runner.cuda_graphs.can_run(runner.build_batch(verify, verify_slots)),
+    }
+
+
+def _device_ms(step: Any) -> float:
+    """Median milliseconds of `step()` on the device (CUDA events; host clock on a CPU)."""
+    import torch
+
+    for _ in range(3):
+        step()
+    times = []
+    for _ in range(STEP_COST_ITERATIONS):
+        if torch.cuda.is_available():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            started = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - started) * 1e3)
+    return statistics.median(times)
 
 
 def _tokenizer(llm: Any, directory: str | None) -> Any:
