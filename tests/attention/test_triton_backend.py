@@ -126,3 +126,30 @@ def test_sliding_window_layer_reads_through_the_swa_mapping():
     torch.testing.assert_close(triton_out, torch_out, rtol=1e-4, atol=1e-4)
     torch_out, triton_out = run_both(pool, layer, [BatchRow(row, 9, [5])], table, allocator, seed=4)
     torch.testing.assert_close(triton_out, torch_out, rtol=1e-4, atol=1e-4)
+
+
+def test_a_mixed_steps_extend_rows_get_tensors_of_their_own_16_bytes_aligned():
+    """After an odd count of decode rows a slice of the row tensors is off a 16-byte boundary, for
+    which Triton would compile the extend kernel again while serving: the rows get aligned copies."""
+    table = ReqToTokenPool(6, 64)
+    rows = [BatchRow(1, 9, [1]), BatchRow(2, 6, [2]), BatchRow(3, 4, [3]), BatchRow(4, 0, [5, 6, 7])]
+    pool = MHAKVPool(
+        KVPoolSpec.of(dtype="float32", page_size=1, layout="nhd", device="cpu"),
+        reserved_tokens=64,
+        num_layers=1,
+        num_kv_heads=1,
+        head_dim=8,
+    )
+    backend = TritonAttentionBackend()
+    batch = ForwardBatch.build(
+        rows,
+        torch.zeros(6, dtype=torch.int64),
+        req_to_token=table.req_to_token,
+        kv_pool=pool,
+        attn_backend=backend,
+    )
+    backend.init_forward_metadata(batch)
+    assert batch.num_decode_rows == 3
+    req, prefix, extend, starts = batch.attn_metadata["extend_rows"]
+    assert [req.tolist(), prefix.tolist(), extend.tolist(), starts.tolist()] == [[4], [0], [3], [0]]
+    assert all(tensor.data_ptr() % 16 == 0 for tensor in (req, prefix, extend, starts))

@@ -37,10 +37,22 @@ class TritonAttentionBackend(AttentionBackend):
             "max_extend_len": max_extend_len,
             "max_prefix_len": max_prefix_len,
             "workspace": {},
-            # a mixed step's extend rows: their starts on the T axis after the decode rows' tokens
-            "extend_start_loc": forward_batch.extend_start_loc[decode_rows:] - decode_rows
+            # a mixed step's extend rows, in tensors of their own: a slice at an odd int64 offset is
+            # not 16-byte aligned, and Triton compiles another variant of a kernel for that (on an
+            # H100 the first mixed steps of a fresh server stalled for seconds, d8b0d66)
+            "extend_rows": (
+                forward_batch.req_pool_indices[decode_rows:].clone(),
+                forward_batch.prefix_lens[decode_rows:].clone(),
+                forward_batch.extend_lens[decode_rows:].clone(),
+                forward_batch.extend_start_loc[decode_rows:] - decode_rows,  # after the decode rows' tokens
+            )
             if decode_rows
-            else forward_batch.extend_start_loc,
+            else (
+                forward_batch.req_pool_indices,
+                forward_batch.prefix_lens,
+                forward_batch.extend_lens,
+                forward_batch.extend_start_loc,
+            ),
         }
 
     def forward(
@@ -89,6 +101,7 @@ class TritonAttentionBackend(AttentionBackend):
         if k is None or v is None:
             raise ValueError("the Triton extend kernel reads new K/V from the call: pass k and v, not None")
         metadata = forward_batch.attn_metadata
+        req_pool_indices, prefix_lens, extend_lens, extend_start_loc = metadata["extend_rows"]
         extend_attention(
             q[decode_rows:],
             k[decode_rows:],
@@ -97,10 +110,10 @@ class TritonAttentionBackend(AttentionBackend):
             k_buffer,
             v_buffer,
             forward_batch.req_to_token,
-            forward_batch.req_pool_indices[decode_rows:],
-            forward_batch.prefix_lens[decode_rows:],
-            forward_batch.extend_lens[decode_rows:],
-            metadata["extend_start_loc"],
+            req_pool_indices,
+            prefix_lens,
+            extend_lens,
+            extend_start_loc,
             max_extend_len=metadata["max_extend_len"],
             max_prefix_len=metadata["max_prefix_len"],
             sm_scale=layer.scaling,

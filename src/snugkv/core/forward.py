@@ -252,7 +252,9 @@ class ForwardBatch:
                     logits_rows.append(start + length - 1)
         if out_cache_loc.numel() != total:
             raise ValueError(f"out_cache_loc holds {out_cache_loc.numel()} slots for {total} new tokens")
-        # Every index tensor goes to the device in one copy, then is split into views.
+        # Every index tensor goes to the device in one copy, then is split into views. Each view
+        # starts 16 bytes in (an odd part is padded): Triton compiles a kernel again for a pointer
+        # that is not 16-byte aligned, which a batch of an odd row count would otherwise hand it.
         parts = (
             input_ids,
             positions,
@@ -263,10 +265,18 @@ class ForwardBatch:
             starts,
             logits_rows,
         )
-        packed = torch.tensor([value for part in parts for value in part], dtype=torch.int64)
+        sizes = [len(part) for part in parts]
+        values: list[int] = []
+        for part, size in zip(parts, sizes):
+            values.extend(part)
+            if size % 2:
+                values.append(0)
+        packed = torch.tensor(values, dtype=torch.int64)
         if device.type == "cuda":
             packed = packed.pin_memory().to(device, non_blocking=True)
-        views = torch.split(packed, [len(part) for part in parts])
+        views = [
+            view[:size] for view, size in zip(torch.split(packed, [size + size % 2 for size in sizes]), sizes)
+        ]
         mode = ForwardMode.DECODE if decode else ForwardMode.EXTEND
         return cls(
             mode=mode,
