@@ -41,8 +41,9 @@ def run_both(pool, layer: PagedAttention, rows: list[BatchRow], table: ReqToToke
     return outputs
 
 
-@pytest.mark.parametrize(("layout", "page_size"), [("nhd", 1), ("hnd", 4)])
-def test_prefill_then_decode_matches_the_torch_backend(layout, page_size):
+def small_pool(layout: str, page_size: int, requests: int):
+    """A one-layer float32 pool of 256 slots (2 KV heads of 32), its allocator, a table of
+    `requests` rows and a GQA layer (4 query heads) over it."""
     pool = MHAKVPool(
         KVPoolSpec.of(dtype="float32", page_size=page_size, layout=layout, device="cpu"),
         reserved_tokens=256,
@@ -50,9 +51,13 @@ def test_prefill_then_decode_matches_the_torch_backend(layout, page_size):
         num_kv_heads=2,
         head_dim=32,
     )
-    allocator = make_allocator(256, page_size)
-    table = ReqToTokenPool(4, 64)
     layer = PagedAttention(0, num_heads=4, num_kv_heads=2, head_dim=32)
+    return pool, make_allocator(256, page_size), ReqToTokenPool(requests, 64), layer
+
+
+@pytest.mark.parametrize(("layout", "page_size"), [("nhd", 1), ("hnd", 4)])
+def test_prefill_then_decode_matches_the_torch_backend(layout, page_size):
+    pool, allocator, table, layer = small_pool(layout, page_size, 4)
     a, b = table.alloc(), table.alloc()
     prefill = [BatchRow(a, 0, list(range(7))), BatchRow(b, 0, list(range(5)))]
     torch_out, triton_out = run_both(pool, layer, prefill, table, allocator, seed=1)
@@ -66,16 +71,7 @@ def test_prefill_then_decode_matches_the_torch_backend(layout, page_size):
 def test_a_mixed_step_runs_its_decode_rows_and_prompt_chunks_as_the_torch_backend(layout, page_size):
     """Decode rows ahead of prompt chunks (one of them continuing a prefix): the decode rows go to
     the decode kernel, the rest to the extend kernel, and together they match the oracle."""
-    pool = MHAKVPool(
-        KVPoolSpec.of(dtype="float32", page_size=page_size, layout=layout, device="cpu"),
-        reserved_tokens=256,
-        num_layers=1,
-        num_kv_heads=2,
-        head_dim=32,
-    )
-    allocator = make_allocator(256, page_size)
-    table = ReqToTokenPool(6, 64)
-    layer = PagedAttention(0, num_heads=4, num_kv_heads=2, head_dim=32)
+    pool, allocator, table, layer = small_pool(layout, page_size, 6)
     a, b, c, d = (table.alloc() for _ in range(4))
     prefill = [BatchRow(a, 0, list(range(9))), BatchRow(b, 0, list(range(6))), BatchRow(c, 0, list(range(4)))]
     run_both(pool, layer, prefill, table, allocator, seed=5)

@@ -228,9 +228,15 @@ def test_large_batches_do_not_speculate_and_rows_that_keep_failing_pause(engine,
     drafter.record(3, 0, num_tokens=6)  # 0.25: paused for 5 tokens
     assert not drafter.may_draft(10) and drafter.propose([1, 2, 1, 2, 1, 2], 3) == []
     assert drafter.may_draft(11) and (drafter.proposed_tokens, drafter.accepted_tokens) == (6, 0)
+    # a row whose proposer finds nothing pauses 2, 4, then 5 (pause_tokens) tokens; a draft resets it
     nothing = RowDrafter(SpeculativeConfig("ngram", pause_tokens=5), [1, 2, 3], None)
-    assert [nothing.propose([1, 2, 3, *range(10, 10 + n)], 3) for n in range(4)] == [[]] * 4
-    assert not nothing.may_draft(10) and nothing.may_draft(11)  # 4 empty proposals: paused 5 tokens
+    resumes = []
+    for length in (3, 5, 9):
+        assert nothing.may_draft(length) and nothing.propose([1, 2, 3, *range(10, 10 + length - 3)], 3) == []
+        resumes.append(nothing.resume_at_tokens)
+    assert resumes == [5, 9, 14] and not nothing.may_draft(13) and nothing.may_draft(14)
+    assert nothing.propose([1, 2, 3, *range(10, 21), 1, 2], 3) == [3, 10, 11]  # found: the count starts again
+    assert nothing.propose([1, 2, 3, *range(10, 21), 1, 2, 99], 3) == [] and nothing.resume_at_tokens == 17 + 2
 
 
 def test_a_constrained_row_runs_beside_speculating_rows(engine, tokenizer):

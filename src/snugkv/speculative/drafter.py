@@ -11,8 +11,11 @@ Back-off: after each verify step that judged a draft, the row's recent acceptanc
 `min_acceptance` the row drafts nothing until it has `pause_tokens` more tokens (counted in tokens,
 so a pause ends whether or not the steps between speculated), then tries again from the threshold
 itself (one more poor step pauses it again), so a text that turns repetitive later still gets drafts.
-A row whose proposer found nothing `EMPTY_BEFORE_PAUSE` times in a row pauses the same way: a step
-that may speculate is not overlapped, which open text that never matches would pay for nothing.
+A row whose proposer found nothing pauses too, for 2, 4, 8, ... tokens after the 1st, 2nd, 3rd, ...
+empty proposal in a row (at most `pause_tokens`; a draft found starts the count again): a step that
+may speculate is not overlapped, which open text that never matches would pay at every step. (Until
+2026-12-06 a row paused only after 4 empty proposals in a row, for `pause_tokens`: a fifth of open
+text's steps ran unoverlapped, and open text at batch 1 ran at 0.84x on an H100, SmolLM2.)
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ from snugkv.speculative.ngram import NgramProposer
 from snugkv.speculative.suffix import SuffixProposer, SuffixStore
 
 DECAY = 0.5  # weight of the earlier steps in a row's recent acceptance
-EMPTY_BEFORE_PAUSE = 4  # proposals in a row that found no draft before the row pauses
 
 
 class RowDrafter:
@@ -62,10 +64,12 @@ class RowDrafter:
             draft = list(proposer.propose(k).token_ids)
         else:
             draft = proposer.propose(k)
-        self.empty_proposals = 0 if draft else self.empty_proposals + 1
-        if self.empty_proposals >= EMPTY_BEFORE_PAUSE:
+        if draft:
             self.empty_proposals = 0
-            self.resume_at_tokens = len(token_ids) + self.config.pause_tokens
+        else:  # pause 2, 4, 8, ... tokens, at most pause_tokens
+            self.empty_proposals += 1
+            pause = min(2 ** min(self.empty_proposals, 30), self.config.pause_tokens)
+            self.resume_at_tokens = len(token_ids) + pause
         return draft
 
     def record(self, proposed: int, accepted: int, num_tokens: int) -> None:
