@@ -236,7 +236,9 @@ def test_large_batches_do_not_speculate_and_rows_that_keep_failing_pause(engine,
         resumes.append(nothing.resume_at_tokens)
     assert resumes == [5, 9, 14] and not nothing.may_draft(13) and nothing.may_draft(14)
     assert nothing.propose([1, 2, 3, *range(10, 21), 1, 2], 3) == [3, 10, 11]  # found: the count starts again
-    assert nothing.propose([1, 2, 3, *range(10, 21), 1, 2, 99], 3) == [] and nothing.resume_at_tokens == 17 + 2
+    assert (
+        nothing.propose([1, 2, 3, *range(10, 21), 1, 2, 99], 3) == [] and nothing.resume_at_tokens == 17 + 2
+    )
 
 
 def test_a_constrained_row_runs_beside_speculating_rows(engine, tokenizer):
