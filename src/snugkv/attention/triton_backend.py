@@ -5,9 +5,10 @@ reads the cached prefix through the request-to-token table and the new tokens fr
 directly. A mixed step (a prefill with the running requests' decode rows ahead of it) runs both:
 its decode rows through the decode kernel, the rows after them through the extend kernel (one
 query token per program over a long prefix would read each KV head once per query head, and
-without splitting the keys one long row would hold up the step). SWA window layers pass the pool's `full_to_swa` table as `kv_slot_map`, so the
-kernels translate slots on the device. Nothing here syncs with the host on a decode batch:
-the decode workspace is allocated per batch shape (inside the graph's pool when captured).
+without splitting the keys one long row would hold up the step). SWA window layers pass the
+pool's `full_to_swa` table as `kv_slot_map`, so the kernels translate slots on the device.
+Nothing here syncs with the host on a decode batch: the decode workspace is allocated per batch
+shape (inside the graph's pool when captured).
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ class TritonAttentionBackend(AttentionBackend):
             "max_prefix_len": max_prefix_len,
             "workspace": {},
             # a mixed step's extend rows, in tensors of their own: a slice at an odd int64 offset is
-            # not 16-byte aligned, and Triton compiles another variant of a kernel for that (on an
-            # H100 the first mixed steps of a fresh server stalled for seconds, d8b0d66)
+            # not 16-byte aligned, and Triton compiles another variant of a kernel for that, on the
+            # serving thread (the likely cause of a fresh H100 server's slow first mixed steps, d8b0d66)
             "extend_rows": (
                 forward_batch.req_pool_indices[decode_rows:].clone(),
                 forward_batch.prefix_lens[decode_rows:].clone(),
