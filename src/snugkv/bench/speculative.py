@@ -270,24 +270,20 @@ def _step_cost(llm: Any, batch: int, k: int, context: int) -> dict[str, Any]:
 
 
 def _device_ms(step: Any) -> float:
-    """Median milliseconds of `step()` on the device (CUDA events; host clock on a CPU)."""
+    """Median milliseconds of `step()`: CUDA events on a GPU (`harness.time_cuda`), the host clock on a CPU."""
     import torch
 
+    from snugkv.bench.harness import time_cuda
+
+    if torch.cuda.is_available():
+        return time_cuda(step, iterations=STEP_COST_ITERATIONS, warmup=3) * 1e3
     for _ in range(3):
         step()
     times = []
     for _ in range(STEP_COST_ITERATIONS):
-        if torch.cuda.is_available():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            started = time.perf_counter()
-            step()
-            times.append((time.perf_counter() - started) * 1e3)
+        started = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - started) * 1e3)
     return statistics.median(times)
 
 
