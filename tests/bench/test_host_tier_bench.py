@@ -28,6 +28,10 @@ def test_the_tier_on_serves_chat_and_pressure_rows_from_the_host_and_nothing_fai
         assert row["failed"] == 0 and row["server_alive"] and row["requests"] > 0, row
         assert row["output_tok_per_s"] > 0 and row["median_ttft_ms"] is not None, row
     assert rows[("chat", "off")]["host_hit_rate"] is None
+    for tier in ("off", "on"):  # the chat rows say where the server's device time went
+        chat = rows[("chat", tier)]
+        assert chat["steps"] > 0 and chat["prefill_busy_s"] > 0 and chat["decode_busy_s"] >= 0, chat
+        assert chat["prefill_step_tokens"] >= chat["requests"], chat
     assert rows[("chat", "on")]["host_hit_rate"] > 0.1, rows[("chat", "on")]
     pressure = rows[("pressure", "on")]
     assert pressure["shrinks"] >= 1 and pressure["taken_gib"] > 0, pressure

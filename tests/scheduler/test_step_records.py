@@ -21,6 +21,8 @@ def test_the_summary_counts_only_the_span_and_splits_the_idle_time():
     assert summary["mean_decode_rows"] == 2.5
     assert abs(summary["first_step_after_s"] - 0.2) < 1e-9
     assert abs(summary["device_busy_s"] - 0.02) < 1e-9
+    assert abs(summary["prefill_busy_s"] - 0.01) < 1e-9 and abs(summary["decode_busy_s"] - 0.01) < 1e-9
+    assert summary["prefill_tokens"] == 300 and summary["decode_tokens"] == 5
     assert abs(summary["gap_s"] - 0.005) < 1e-9  # not the 1.0 s before the first step
     assert abs(summary["gap_before_prefill_s"] - 0.004) < 1e-9
     assert abs(summary["largest_gap_ms"] - 4.0) < 1e-9

@@ -62,6 +62,7 @@ from snugkv.bench.chat_load import (
 )
 from snugkv.bench.harness import emit, format_table
 from snugkv.bench.host_tier_copies import copy_micro_bench
+from snugkv.bench.idle import step_figures
 from snugkv.bench.model_configs import benchmark_model
 from snugkv.bench.pressure import CoTenant
 from snugkv.bench.serving_http import start_server, stop_server
@@ -172,11 +173,22 @@ def _chat(
     _progress(f"tier {server.tier}: {workload}, {shape.sessions} sessions x {shape.turns} turns "
               f"of {shape.user_tokens} + {shape.output_tokens} tokens")  # fmt: skip
     before = server.get("/server_info")
+    start = time.monotonic()
     result = asyncio.run(
         run_chat(server.url, shape, concurrency=min(args.concurrency, shape.sessions),
                  deadline_s=args.deadline_s, salt=salt)
     )  # fmt: skip
-    return _row(workload, server, shape, result, before, server.get("/server_info"))
+    end = time.monotonic()
+    after = server.get("/server_info?steps=true")
+    row = _row(workload, server, shape, result, before, after)
+    # where the row's device time went (the server's last steps): prefill (mixed steps count
+    # here) against decode steps, and the device idle between them
+    row.update(step_figures(after.get("recent_steps", []), start, end))
+    host_wait = after.get("step_times", {}).get("host_wait_s", 0.0) - before.get("step_times", {}).get(
+        "host_wait_s", 0.0
+    )
+    row["host_wait_s"] = host_wait  # the scheduler waiting for step results: near zero when the host bounds
+    return row
 
 
 def _warm_up(server: Server, fits: ChatShape, args: argparse.Namespace) -> None:

@@ -169,8 +169,10 @@ def _between(earlier: Any, later: Any) -> float:
 
 def summarize_steps(records: list[StepRecord] | list[list[Any]], start: float, end: float) -> dict[str, Any]:
     """Where the device's time went between `start` and `end` (time.monotonic()): the steps launched
-    in that span, their kinds, and the device's idle time: before the first step (requests still
-    arriving), between steps (the host late), and before prefill steps among those."""
+    in that span, their kinds, the device time and new tokens of each kind (a prefill step's
+    tokens count the decode rows a mixed step takes along), and the device's idle time: before the
+    first step (requests still arriving), between steps (the host late), and before prefill steps
+    among those."""
     steps = [StepRecord(*record) for record in records]
     steps = [step for step in steps if start <= step.launched_at <= end]
     if not steps:
@@ -183,6 +185,10 @@ def summarize_steps(records: list[StepRecord] | list[list[Any]], start: float, e
         "mean_decode_rows": sum(step.rows for step in decode) / len(decode) if decode else 0.0,
         "first_step_after_s": steps[0].launched_at - start,
         "device_busy_s": sum(step.busy_s for step in steps),
+        "prefill_busy_s": sum(step.busy_s for step in steps if not step.decode),
+        "prefill_tokens": sum(step.tokens for step in steps if not step.decode),
+        "decode_busy_s": sum(step.busy_s for step in decode),
+        "decode_tokens": sum(step.tokens for step in decode),
         "gap_s": sum(gaps),
         "gap_before_prefill_s": sum(step.gap_s or 0.0 for step in steps[1:] if not step.decode),
         "largest_gap_ms": max(gaps, default=0.0) * 1e3,
