@@ -242,3 +242,43 @@ def test_an_eviction_for_room_into_the_host_tier_frees_a_batch_not_a_page() -> N
     assert cache.evict_for_room(1) == 64 and cache.dropped_tokens == 0  # sixteen entries, all spilled
     assert tiers.serve(prompts[1]) == (0, 4)  # among the least recently used: back from the host tier
     assert RadixCache(tiers.allocator).eviction_floor() == 0  # no tier: evictions free what is asked
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_multi_turn_sessions_through_both_tiers_keep_every_index_and_slot_right(page_size) -> None:
+    """Sessions that re-send their history, more of them than both tiers hold, and evictions of
+    random sizes between: the cache's kept indexes (device leaves, host copies) match a walk of the
+    tree after every request, and every hit is served bit for bit (`serve` checks the KV)."""
+    import random
+
+    rng = random.Random(page_size)
+    tiers = Tiers(page_size, "nhd", device_tokens=96, host_tokens=128, copies=HostCopies())
+    histories: list[list[int]] = [[] for _ in range(12)]
+    host_hits = 0
+    for turn in range(6):
+        for session in rng.sample(range(len(histories)), len(histories)):
+            turn_tokens = [session * 1000 + turn * 10 + index for index in range(rng.randrange(3, 10))]
+            histories[session] = histories[session] + turn_tokens
+            host_hits += tiers.serve(histories[session])[1]
+            tiers.check()
+            if rng.random() < 0.2:
+                tiers.cache.evict(rng.randrange(1, 24))
+                tiers.check()
+    assert host_hits > 0 and tiers.cache.spilled_tokens > tiers.tier.capacity_tokens  # the tier filled
+
+
+def test_a_full_host_tier_frees_a_batch_of_its_oldest_entries_at_once() -> None:
+    """When the host tier is full, room for a newcomer drops 1/64 of the tier at once (least
+    recently used first), not just the newcomer's pages, so that its scan of the entries is not
+    paid for every page that comes in."""
+    tiers = Tiers(1, "nhd", device_tokens=8, host_tokens=1024, copies=HostCopies())
+    prompts = [[1000 * index, 1000 * index + 1] for index in range(520)]  # one entry of 2 pages each
+    for prompt in prompts[:516]:  # the device holds 4; 512 went to the host tier: full
+        tiers.serve(prompt)
+    assert tiers.tier.free_pages == 0 and tiers.cache.host_cached_tokens == 1024
+    tiers.serve(prompts[516])  # one more entry leaves the device: 16 pages freed (1024 / 64), 2 used
+    tiers.check()
+    assert tiers.tier.free_pages == 14 and tiers.cache.host_cached_tokens == 1024 - 14
+    assert tiers.cache.dropped_tokens == 0  # the newcomer was kept; the 8 oldest entries left the tier
+    assert all(tiers.cache.match_prefix(prompt).host_nodes == () for prompt in prompts[:8])
+    assert tiers.cache.match_prefix(prompts[8]).host_nodes != ()

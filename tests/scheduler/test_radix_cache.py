@@ -92,6 +92,7 @@ def test_random_workload_keeps_free_plus_cached_equal_to_capacity(page_size):
         assert slots.unique().numel() == slots.numel()
         assert cache.cached_tokens + cache.allocator.available_tokens == cache.allocator.capacity_tokens
         cache.allocator.check_integrity()
+        cache.check_indexes()
 
 
 def test_evict_at_or_above_drops_unlocked_entries_reaching_the_bound_and_keeps_locked_ones():

@@ -41,6 +41,7 @@ from snugkv.memory.moves import PageMoves
 
 _ids = itertools.count()
 EVICT_BATCH_BYTES = 64 << 20  # an eviction into the host tier frees at least this much (the staging's size)
+HOST_ROOM_BATCH_DIVISOR = 64  # a full host tier frees 1/64 of itself at once (`_host_room`)
 
 
 def _no_slots() -> torch.Tensor:
@@ -107,6 +108,10 @@ class RadixCache:
         self.dropped_tokens = 0  # left the device with no copy kept
         self.budget_dropped_tokens = 0  # of those, dropped because a move's spill budget was spent
         self._protected: set[int] = set()  # node ids the host tier's LRU must not drop now
+        # kept as the tree changes, so that an eviction walks no tree: the nodes on the device with
+        # no child there (`_mark`), and the nodes with a host copy
+        self._device_leaves: dict[int, TreeNode] = {}
+        self._host_nodes: dict[int, TreeNode] = {}
         self._clock = itertools.count(1)  # one tick per lookup or insert: LRU order without wall time
 
     # -- accounting -------------------------------------------------------------------
@@ -191,6 +196,8 @@ class RadixCache:
             loading=node.loading,
         )
         node.parent.children[self._page_key(upper.key, 0)] = upper
+        if upper.host_pages is not None:
+            self._host_nodes[upper.node_id] = upper
         node.key, node.value, node.parent = node.key[at:], node.value[at:], upper
         node.host_pages = None if host is None else host[pages_at:]
         upper.children[self._page_key(node.key, 0)] = node
@@ -228,15 +235,15 @@ class RadixCache:
         for node in nodes:
             node.value, node.loading = slots[offset : offset + len(node.key)], done
             offset += len(node.key)
+        self._mark_around(nodes)
         self._cached_tokens += tokens
         if count_stats:
             self.host_hit_tokens += tokens
         return PrefixMatch(torch.cat([match.slots, slots]), nodes[-1], match.host_nodes[len(nodes) :])
 
     def _alloc_pages(self, tokens: int) -> torch.Tensor | None:
-        """`tokens` device slots in whole pages (a page-aligned span of one request's row)."""
-        one = torch.ones(1, dtype=torch.int64)
-        return self.allocator.alloc_extend(0 * one, tokens * one, -one)
+        """`tokens` device slots in whole pages (a page multiple), lowest pages first."""
+        return self.allocator.alloc(tokens)
 
     # -- updates ----------------------------------------------------------------------
     def insert(self, token_ids: Sequence[int], slots: torch.Tensor) -> int:
@@ -252,6 +259,7 @@ class RadixCache:
             return 0
         slots = slots[:usable].to("cpu", torch.int64)
         node, done, on_device = self.root, 0, None
+        refilled: list[TreeNode] = []  # host-only nodes on the device again
         now = next(self._clock)
         while done < usable:
             child = node.children.get(self._page_key(token_ids, done))
@@ -264,6 +272,7 @@ class RadixCache:
                 )
                 node.children[self._page_key(leaf.key, 0)] = leaf
                 self._cached_tokens += usable - done
+                self._mark_around([*refilled, leaf])
                 return done if on_device is None else on_device
             shared = self._shared_len(child.key, token_ids, done, usable)
             if shared < len(child.key):
@@ -273,8 +282,10 @@ class RadixCache:
                 on_device = done if on_device is None else on_device
                 child.value = slots[done : done + shared].clone()
                 self._cached_tokens += shared
+                refilled.append(child)
             done += shared
             node = child
+        self._mark_around(refilled)
         return done if on_device is None else on_device
 
     def lock(self, node: TreeNode) -> None:
@@ -374,10 +385,8 @@ class RadixCache:
         used first, each after every one of its descendants on the device."""
         heap = [
             (leaf.last_access, leaf.node_id, leaf)
-            for leaf in self._walk()
-            if leaf.on_device
-            and leaf.lock_count == 0
-            and not any(c.on_device for c in leaf.children.values())
+            for leaf in self._device_leaves.values()
+            if leaf.lock_count == 0
         ]
         heapq.heapify(heap)
         chosen: list[TreeNode] = []
@@ -427,6 +436,7 @@ class RadixCache:
             pages = self._host_room(tokens // self.page_size, node, leaving)
             if pages is not None:
                 node.host_pages = pages
+                self._host_nodes[node.node_id] = node
                 self._host_tokens += tokens
                 self.spilled_tokens += tokens
                 if budget is not None:
@@ -438,19 +448,35 @@ class RadixCache:
         )
         written.before_device_reuse()  # the slots go back now; the device reuses them after the write
         freed = 0
+        if nodes:  # one free for all (each free checks its slots against the allocator's pages)
+            self.allocator.free(torch.cat([node.value for node in nodes]))
         for node in nodes:
             if node.loading is not None:  # a load may still fill these slots: reused only after it
                 node.loading.before_device_reuse()
                 node.loading = None
-            self.allocator.free(node.value)
             freed += len(node.key)
             node.value = _no_slots()
             if node.host_pages is None:
                 self.dropped_tokens += len(node.key)
                 self.budget_dropped_tokens += len(node.key) if node.node_id in over_budget else 0
                 self._drop(node)
+        self._mark_around(nodes)
         self._cached_tokens -= freed
         return freed
+
+    def _mark(self, node: TreeNode) -> None:
+        """Keep `_device_leaves` right for `node` after a change to it or to its children."""
+        if node.on_device and node is not self.root and not any(c.on_device for c in node.children.values()):
+            self._device_leaves[node.node_id] = node
+        else:
+            self._device_leaves.pop(node.node_id, None)
+
+    def _mark_around(self, nodes: Iterable[TreeNode]) -> None:
+        """`_mark` the nodes that came onto or left the device, and their parents."""
+        for node in nodes:
+            self._mark(node)
+            if node.parent is not None:
+                self._mark(node.parent)
 
     # -- the host tier's own LRU ------------------------------------------------------
     def _host_room(self, num_pages: int, newcomer: TreeNode, leaving: set[int]) -> torch.Tensor | None:
@@ -472,9 +498,14 @@ class RadixCache:
                 and (node.on_device or not node.children)
             )
 
-        heap = [(node.last_access, node.node_id, node) for node in self._walk() if may_drop(node)]
+        heap = [
+            (node.last_access, node.node_id, node) for node in self._host_nodes.values() if may_drop(node)
+        ]
         heapq.heapify(heap)
-        while tier.free_pages < num_pages and heap:
+        # a batch at once (at most 1/64 of the tier), so that the entries' scan above is not paid
+        # for every page that comes in while the tier is full
+        want = min(max(num_pages, tier.capacity_pages // HOST_ROOM_BATCH_DIVISOR), tier.capacity_pages)
+        while tier.free_pages < want and heap:
             _, _, node = heapq.heappop(heap)
             parent = node.parent
             if node.on_device:
@@ -490,6 +521,7 @@ class RadixCache:
             self.host_tier.free(node.host_pages)
             self._host_tokens -= len(node.key)
         node.host_pages = None
+        self._host_nodes.pop(node.node_id, None)
 
     def _drop(self, node: TreeNode) -> None:
         """Remove `node` and everything below it (none of it on the device) from the tree."""
@@ -502,6 +534,7 @@ class RadixCache:
             if current.on_device:
                 raise RuntimeError(f"prefix-cache node {current.node_id} dropped while on the device")
             self._forget_host_copy(current)
+            self._device_leaves.pop(current.node_id, None)
             stack.extend(current.children.values())
 
     # -- shrinks, resets and checks ---------------------------------------------------
@@ -538,8 +571,27 @@ class RadixCache:
             elif parent is self.root or parent.on_device:  # the top of a host-only subtree
                 self._drop(node)
 
+    def check_indexes(self) -> None:
+        """The sets kept as the tree changes are what a walk of the tree finds."""
+        nodes = list(self._walk())
+        leaves = {
+            node.node_id
+            for node in nodes
+            if node.on_device and not any(child.on_device for child in node.children.values())
+        }
+        if set(self._device_leaves) != leaves:
+            raise RuntimeError(
+                f"prefix cache: device leaves {sorted(self._device_leaves)}, the tree has {sorted(leaves)}"
+            )
+        hosted = {node.node_id for node in nodes if node.host_pages is not None}
+        if set(self._host_nodes) != hosted:
+            raise RuntimeError(
+                f"prefix cache: host copies {sorted(self._host_nodes)}, the tree has {sorted(hosted)}"
+            )
+
     def check_host_tier(self) -> None:
         """The host tier's pages in use are exactly the cache's host copies."""
+        self.check_indexes()
         tier = self.host_tier
         if tier is None:
             return
