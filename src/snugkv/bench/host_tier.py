@@ -66,6 +66,7 @@ from snugkv.bench.idle import step_figures
 from snugkv.bench.model_configs import benchmark_model
 from snugkv.bench.pressure import CoTenant
 from snugkv.bench.serving_http import start_server, stop_server
+from snugkv.core.stack_sampler import SAMPLE_ENV
 from snugkv.memory.host_device import HOST_DEVICE_ENV, HOST_HEADROOM_ENV, RUNTIME_DIR_ENV
 from snugkv.memory.vmm import GIB, MIB
 
@@ -299,6 +300,8 @@ def _one_server(
     log_path = runtime / f"server-tier-{tier}.log"
     with open(log_path, "wb") as log:
         _progress(f"tier {tier}: starting the server")
+        if args.sample_scheduler:  # where the scheduler thread's wall time goes, for the server's life
+            env = {**env, SAMPLE_ENV: str(runtime / f"scheduler-tier-{tier}.txt")}
         process, url = start_server(_serve_command(args, tier_gib), timeout_s=600.0, env=env, log=log)
         server = Server(tier, process, url, log_path)
         try:
@@ -491,3 +494,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--copy-tokens", type=int, default=4000,
                         help="the copy micro-benchmark's tokens, in scattered pages (GPU, default: 4000)")  # fmt: skip
     parser.add_argument("--serve-args", default="", help="more `snugkv serve` flags for both servers")
+    parser.add_argument("--sample-scheduler", action="store_true",
+                        help="sample each server's scheduler thread (core/stack_sampler.py) into "
+                        "scheduler-tier-{off,on}.txt beside the server logs")  # fmt: skip

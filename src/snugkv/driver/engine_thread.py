@@ -42,6 +42,7 @@ from snugkv.core.reports import (
     SlotAccounting,
 )
 from snugkv.core.sampling import InvalidRequest
+from snugkv.core.stack_sampler import StackSampler
 from snugkv.driver.commands import Abort, AbortAll, Add, Command, ResizeKV, Sleep, Stop, WakeUp
 from snugkv.driver.engine_core import EngineCore
 from snugkv.scheduler.launched import StepRecord
@@ -410,12 +411,19 @@ class EngineThread:
 
     # -- scheduler thread ---------------------------------------------------------------
     def _loop(self) -> None:
+        sampler = StackSampler.from_env(threading.get_ident())  # SNUGKV_SAMPLE_SCHEDULER=path
+        if sampler is not None:
+            logger.info("sampling the scheduler thread's stack into %s", sampler.path)
+            sampler.start()
         try:
             self._turns()
         except BaseException as exc:  # a bug outside a step (steps catch their own failures)
             logger.exception("the scheduler loop died; the engine takes no more requests")
             self._broken = f"the engine stopped after an internal error: {type(exc).__name__}: {exc}"
             self._fail_every_stream(self._broken)
+        finally:
+            if sampler is not None:
+                sampler.stop()
 
     def _fail_every_stream(self, message: str) -> None:
         """End every open stream, every request still in the inbox and every waiting control or
