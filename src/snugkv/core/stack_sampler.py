@@ -18,7 +18,7 @@ import os
 import sys
 import threading
 import time
-from collections import Counter
+from collections import defaultdict
 from pathlib import Path
 
 SAMPLE_ENV = "SNUGKV_SAMPLE_SCHEDULER"
@@ -44,8 +44,8 @@ class StackSampler:
         self.write_every_s = write_every_s
         self.samples = 0
         self.seconds = 0.0
-        self.inclusive: Counter[str] = Counter()  # seconds
-        self.innermost: Counter[str] = Counter()
+        self.inclusive: dict[str, float] = defaultdict(float)  # seconds
+        self.innermost: dict[str, float] = defaultdict(float)
         self._last: float | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="snugkv-stack-sampler", daemon=True)
@@ -103,9 +103,8 @@ class StackSampler:
         for title, counts in (("inclusive (function anywhere on the stack)", self.inclusive),
                               ("innermost line", self.innermost)):  # fmt: skip
             lines.append(f"\n# {title}: seconds, share")
-            lines.extend(
-                f"{count:9.3f} {count / total:6.3f}  {name}" for name, count in counts.most_common(top)
-            )
+            ranked = sorted(counts.items(), key=lambda item: -item[1])[:top]
+            lines.extend(f"{seconds:9.3f} {seconds / total:6.3f}  {name}" for name, seconds in ranked)
         return "\n".join(lines) + "\n"
 
     def write(self) -> None:

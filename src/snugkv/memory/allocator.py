@@ -76,6 +76,10 @@ class SlotAllocator(Protocol):
     @property
     def available_tokens(self) -> int: ...
 
+    def alloc(self, num_tokens: int) -> torch.Tensor | None:
+        """`num_tokens` slots in whole pages (a multiple of page_size); None when they do not fit."""
+        ...
+
     def alloc_extend(
         self, prefix_lens: torch.Tensor, seq_lens: torch.Tensor, last_loc: torch.Tensor
     ) -> torch.Tensor | None:
