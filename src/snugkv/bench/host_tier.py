@@ -309,11 +309,10 @@ def _one_server(
             shapes = shapes or _shapes(args, info)
             asyncio.run(run_prompts(url, [[7 + i, *range(10, 70)] for i in range(8)], 4, concurrency=8))
             _warm_up(server, shapes.fits, args)
-            rows = [
-                _chat(server, "fits", shapes.fits, args, salt=1),
-                _chat(server, "chat", shapes.chat, args, salt=2),
-                _pressure(server, args, env),
-            ]
+            workloads = args.workloads.split(",")
+            rows = [_chat(server, "fits", shapes.fits, args, salt=1)] if "fits" in workloads else []
+            rows += [_chat(server, "chat", shapes.chat, args, salt=2)] if "chat" in workloads else []
+            rows += [_pressure(server, args, env)] if "pressure" in workloads else []
             for row in rows:
                 row["server_alive"] = process.poll() is None
             summary = {
@@ -397,6 +396,9 @@ def _run(args: argparse.Namespace) -> int:
             setattr(args, name, on_gpu if gpu else on_cpu)
     if args.model is None and gpu:
         args.model = "llama-3-8b"
+    unknown = set(args.workloads.split(",")) - {"fits", "chat", "pressure"}
+    if unknown:
+        raise SystemExit(f"--workloads: no such workload {sorted(unknown)}; choose among fits, chat, pressure")
     rows: list[dict[str, Any]] = []
     servers: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="snugkv-host-tier-") as directory:
@@ -410,7 +412,7 @@ def _run(args: argparse.Namespace) -> int:
             env[RUNTIME_DIR_ENV] = str(Path(directory) / "run")
         shapes: Shapes | None = None
         try:
-            for tier in ("off", "on"):
+            for tier in args.tiers.split(","):
                 tier_rows, shapes, servers[tier] = _one_server(args, env, tier, runtime, shapes)
                 rows += tier_rows
         except Exception:
@@ -418,9 +420,9 @@ def _run(args: argparse.Namespace) -> int:
                 print(f"{log.name} ends:\n{log.read_text(errors='replace')[-4000:]}", file=sys.stderr)
             raise
         logs = "".join(log.read_text(errors="replace") for log in sorted(runtime.glob("server-tier-*.log")))
-    pinned = _pinned_copies(args.copy_gib) if gpu else {}
+    pinned = _pinned_copies(args.copy_gib) if gpu and args.copy_gib > 0 else {}
     paths: dict[str, Any] = {}
-    if gpu:
+    if gpu and args.copy_gib > 0:
         try:  # the servers' rows are what the run is for: a failed micro-benchmark is a line in the JSON
             paths = _copy_paths(args)
         except Exception as exc:
@@ -490,7 +492,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         f"{default('hog_gib')}")  # fmt: skip
     parser.add_argument("--hog-step-mib", type=float, default=None,
                         help=f"pressure: the other process's step {default('hog_step_mib')}")  # fmt: skip
-    parser.add_argument("--copy-gib", type=float, default=1.0, help="the plain pinned copy (GPU, default: 1)")
+    parser.add_argument("--copy-gib", type=float, default=1.0,
+                        help="the plain pinned copy (GPU, default: 1; 0: neither it nor the copy micro-benchmark)")  # fmt: skip
+    parser.add_argument("--tiers", default="off,on", choices=["off,on", "on", "off"],
+                        help="the servers to run (default: off,on; one alone is a diagnostic, no ratio)")  # fmt: skip
+    parser.add_argument("--workloads", default="fits,chat,pressure",
+                        help="which rows, comma-separated (default: fits,chat,pressure)")  # fmt: skip
     parser.add_argument("--copy-tokens", type=int, default=4000,
                         help="the copy micro-benchmark's tokens, in scattered pages (GPU, default: 4000)")  # fmt: skip
     parser.add_argument("--serve-args", default="", help="more `snugkv serve` flags for both servers")
