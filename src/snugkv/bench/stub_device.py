@@ -91,10 +91,11 @@ def stub_engine_args(directory: Path, args: argparse.Namespace) -> Any:
         dtype="float32",
         page_size=16,
         max_running_requests=args.max_batch,
-        max_total_tokens=args.max_batch * 2200,
+        max_total_tokens=getattr(args, "max_total_tokens", None) or args.max_batch * 2200,
         chunked_prefill_size=args.chunk,
         host_kv_gib=1.0,
         disable_cuda_graph=True,
+        kv_host_tier_gib=getattr(args, "kv_host_tier_gib", None),
     )
 
 
@@ -120,6 +121,8 @@ def add_stub_arguments(parser: argparse.ArgumentParser, *, with_step: bool = Tru
     parser.add_argument("--prefill-us-per-token", type=float, default=3.0)
     parser.add_argument("--max-batch", type=int, default=256)
     parser.add_argument("--chunk", type=int, default=8192)
+    parser.add_argument("--max-total-tokens", type=int, default=None, help="KV tokens (default: 2,200 a row)")
+    parser.add_argument("--kv-host-tier-gib", type=float, default=None, help="a host tier for the KV cache")
     parser.add_argument(
         "--tokenizer", default=None, help="detokenize with this model's tokenizer (default: none, as on GPU)"
     )
