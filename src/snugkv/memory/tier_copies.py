@@ -15,8 +15,11 @@ and for MLA), so moving N pages touches N rows of every buffer. Two ways to issu
   `chunk_pages` pages: the chunk's device page numbers into the staging's index area (a few bytes),
   then
     load:  one host -> device copy per run of consecutive host pages (the host allocates lowest
-           first: usually one) into the staging, then one `index_copy_` per buffer from it;
-    write: one `index_select` per buffer into the staging, then one device -> host copy per host run.
+           first: usually one) into the staging, then the rows scattered into every buffer;
+    write: the rows gathered from every buffer into the staging, then one device -> host copy per
+           host run.
+  The gathers and scatters take one launch for all buffers on a GPU (memory/page_copy.py; a launch
+  per buffer, `index_select` / `index_copy_`, where the buffers' rows differ or on CPU).
   The 8B example becomes 17 chunks of at most 15 pages (2 MiB each; two lanes on a GPU, below):
   17 large copies, 17 index uploads and 17 x 32 gathers/scatters on the device (rows moved as
   8-byte words where the rows allow), instead of ~8,000 copies. Why a staging and not a zero-copy kernel: docs/HOST_TIER.md.
@@ -35,13 +38,17 @@ when (snugkv.memory.host_tier and the prefix cache do).
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
 import torch
 
+from snugkv.memory.page_copy import buffer_table, gather_pages, scatter_pages, uniform_rows
 from snugkv.memory.views import WORD_DTYPES, words_fit
 from snugkv.memory.vmm import MIB
+
+logger = logging.getLogger(__name__)
 
 STAGING_BYTES = 64 * MIB  # the device staging of the batched path: a chunk's pages and their index
 INDEX_ALIGN_BYTES = 256  # where the staging's index area starts (after the chunk's pages)
@@ -134,6 +141,7 @@ class StagedCopies(TierCopyPath):
         num_pages: int,
         staging: torch.Tensor,
         lanes: int | None = None,
+        one_launch: bool | None = None,
     ) -> None:
         rows = [view.shape[1] for view in device_views]
         page_bytes = sum(rows)
@@ -175,11 +183,28 @@ class StagedCopies(TierCopyPath):
             self._lane_free = [torch.cuda.Event() for _ in range(self.lanes)]  # its last reader ended
         self.staging_bytes = int(staging.numel())
         self.issued = 0
+        # every buffer's rows of a chunk in one launch (memory/page_copy.py), where the rows allow:
+        # by default on a GPU (a launch per buffer per chunk is host time on the scheduler's thread)
+        self._table: torch.Tensor | None = None
+        if (staging.is_cuda if one_launch is None else one_launch) and uniform_rows(self._device):
+            self._table = buffer_table(self._device)
+            self._row_words = int(self._device[0].shape[1])
+            self._staged_words = [lane_pages.view(dtype) for lane_pages in self._staged]
+            try:  # built now, at start-up: page 0 (the pool's dummy page) there and back
+                first = torch.zeros(1, dtype=torch.int64, device=staging.device)
+                gather_pages(self._staged_words[0], first, self._table, self._row_words)
+                scatter_pages(self._staged_words[0], first, self._table, self._row_words)
+            except Exception as exc:  # a Triton that cannot build it: the launch per buffer
+                logger.warning(
+                    "Host KV tier: a launch per buffer per chunk (%s: %s)", type(exc).__name__, exc
+                )
+                self._table = None
 
     def describe(self) -> str:
+        launches = "one launch for all buffers" if self._table is not None else "a launch per buffer"
         return (
             f"batched through {self.staging_bytes / MIB:.3g} MiB of device staging, "
-            f"{self.lanes} lane(s) of {self.chunk_pages} pages"
+            f"{self.lanes} lane(s) of {self.chunk_pages} pages, {launches} a chunk"
         )
 
     def write(self, device_pages: torch.Tensor, host_pages: torch.Tensor) -> Copy:
@@ -187,6 +212,11 @@ class StagedCopies(TierCopyPath):
 
         def gather(lane: int, index: torch.Tensor) -> None:
             count = self._upload(index, lane)
+            if self._table is not None:
+                gather_pages(
+                    self._staged_words[lane], self._index[lane][:count], self._table, self._row_words
+                )
+                return
             for device, column in zip(self._device, self._columns[lane]):
                 torch.index_select(device, 0, self._index[lane][:count], out=column[:count])
 
@@ -229,6 +259,11 @@ class StagedCopies(TierCopyPath):
             return count
 
         def scatter(lane: int, count: int) -> None:
+            if self._table is not None:
+                scatter_pages(
+                    self._staged_words[lane], self._index[lane][:count], self._table, self._row_words
+                )
+                return
             for device, column in zip(self._device, self._columns[lane]):
                 device.index_copy_(0, self._index[lane][:count], column[:count])
 
@@ -270,7 +305,7 @@ class StagedCopies(TierCopyPath):
             hosts = host_list[start : start + self.chunk_pages]
             runs = host_runs(hosts)
             chunks.append((index, runs))
-            self.issued += 1 + len(runs) + len(self._device)
+            self.issued += 1 + len(runs) + (1 if self._table is not None else len(self._device))
         return chunks
 
     def _upload(self, index: torch.Tensor, lane: int) -> int:
