@@ -21,8 +21,8 @@ and for MLA), so moving N pages touches N rows of every buffer. Two ways to issu
   The gathers and scatters take one launch for all buffers on a GPU (memory/page_copy.py; a launch
   per buffer, `index_select` / `index_copy_`, where the buffers' rows differ or on CPU).
   The 8B example becomes 17 chunks of at most 15 pages (2 MiB each; two lanes on a GPU, below):
-  17 large copies, 17 index uploads and 17 x 32 gathers/scatters on the device (rows moved as
-  8-byte words where the rows allow), instead of ~8,000 copies. Why a staging and not a zero-copy kernel: docs/HOST_TIER.md.
+  17 large copies, 17 index uploads and 17 gathers or scatters on the device (17 x 32 with a
+  launch per buffer; rows moved as 8-byte words where the rows allow), instead of ~8,000 copies. Why a staging and not a zero-copy kernel: docs/HOST_TIER.md.
 
 Both run everything through the closures they return, which a `PageCopies` runs (on a GPU on its
 one copy stream). On a GPU the staging is split into two lanes that consecutive chunks take in
