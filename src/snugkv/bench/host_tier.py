@@ -398,7 +398,9 @@ def _run(args: argparse.Namespace) -> int:
         args.model = "llama-3-8b"
     unknown = set(args.workloads.split(",")) - {"fits", "chat", "pressure"}
     if unknown:
-        raise SystemExit(f"--workloads: no such workload {sorted(unknown)}; choose among fits, chat, pressure")
+        raise SystemExit(
+            f"--workloads: no such workload {sorted(unknown)}; choose among fits, chat, pressure"
+        )
     rows: list[dict[str, Any]] = []
     servers: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="snugkv-host-tier-") as directory:
