@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -54,8 +55,6 @@ def main() -> None:
             "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src"),
             SAMPLE_ENV: str(args.out / f"scheduler-{tier}.txt"),
         }
-        import os
-
         env = {**os.environ, "OMP_NUM_THREADS": "1", **env}  # as a GPU engine keeps its intra-op threads few
         with open(args.out / f"server-{tier}.log", "wb") as log:
             process, url = start_server(command, timeout_s=300.0, env=env, log=log)
