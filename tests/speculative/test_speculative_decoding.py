@@ -159,6 +159,31 @@ def test_paged_kv_and_synchronous_steps_give_the_same_tokens_and_free_every_page
         engine.close()
 
 
+def test_rows_draft_behind_a_step_in_flight_and_keep_plain_decodings_tokens(
+    engine, tokenizer, plain, monkeypatch
+):
+    # Overlapped: a verify step is launched while the step before it (which computes the row's last
+    # token) is still unread; the draft follows the proposer's guess of that token. The repetitive
+    # prompt's guesses hold, so such steps keep drafts; greedy tokens stay plain decoding's.
+    launched_behind: list[bool] = []
+    launch_verify = Scheduler._launch_verify
+
+    def recording(self, scheduled, logits, started, draft_probs, previous):
+        launched_behind.append(previous is not None)
+        return launch_verify(self, scheduled, logits, started, draft_probs, previous)
+
+    monkeypatch.setattr(Scheduler, "_launch_verify", recording)
+    results, scheduler = run(engine, tokenizer, {"repeat": GREEDY}, speculative=SpeculativeConfig("ngram"))
+    assert tokens_of(results) == tokens_of({"repeat": plain["repeat"]})
+    assert any(launched_behind) and results["repeat"].accepted_draft_tokens > NEW_TOKENS // 2
+    assert scheduler.times.overlapped_steps >= sum(launched_behind)
+
+    # the guess of the unread token is dropped: [1, 2, 3, 1, 2] continues 3, 1, 2, 3, ...
+    drafter = RowDrafter(SpeculativeConfig("ngram"), [1, 2, 3, 1, 2], None)
+    assert drafter.propose([1, 2, 3, 1, 2], 3, unread=1) == [1, 2, 3]
+    assert drafter.propose([1, 2, 3, 1, 2, 3], 3) == [1, 2, 3]
+
+
 def test_stops_and_max_tokens_cut_the_emitted_tokens_inside_an_accepted_draft(engine, tokenizer):
     four = tokenizer.encode(" four")[-1]
     requests = {

@@ -225,7 +225,7 @@ class ForwardBatch:
             prefix_lens = [row.prefix_len for row in rows]
             extend_lens = [1] * len(rows)
             seq_lens = [p + 1 for p in prefix_lens]
-            decode = True
+            decode, decode_rows = True, len(rows)
         if decode:  # the hot path: one token per row, no per-row ranges
             total = len(rows)
             starts = list(range(total))
@@ -301,8 +301,10 @@ class ForwardBatch:
 
 
 def _verifies(row: BatchRow) -> bool:
-    """A verify step's row: its last token and its draft (maybe empty), every position sampled."""
-    return row.need_logits and row.draft_len == len(row.token_ids) - 1 and min(row.token_ids) >= 0
+    """A verify step's row: its last token (maybe `FUTURE_TOKEN`, still on the device) and its draft
+    (maybe empty), every position sampled."""
+    tokens = row.token_ids
+    return row.need_logits and row.draft_len == len(tokens) - 1 and min(tokens[1:], default=0) >= 0
 
 
 def _leading_decode_rows(rows: Sequence[BatchRow]) -> int:

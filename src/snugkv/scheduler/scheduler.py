@@ -279,8 +279,8 @@ class Scheduler:
         try:
             if previous is not None and self.overlap:  # schedule while the device runs `previous`
                 batch = self._schedule_prefill() if self._prefill_may_run() else None
-                if batch is None and not self._may_speculate():  # drafts need `previous`'s tokens
-                    batch = self._schedule_decode(retract=False)
+                if batch is None and (self._drafts_in_flight() or not self._may_speculate()):
+                    batch = self._schedule_decode(retract=False)  # a draft model needs `previous`'s tokens
             if batch is None:
                 self.finish_in_flight()
                 previous = None
@@ -321,6 +321,9 @@ class Scheduler:
     def _may_speculate(self) -> bool:
         speculation = self.speculation
         return speculation is not None and speculation.may_speculate(self.running, self.context_length)
+
+    def _drafts_in_flight(self) -> bool:
+        return self.speculation is not None and self.speculation.drafts_in_flight
 
     # -- running out of device memory ---------------------------------------------------
     def _row_limit(self) -> int:
@@ -505,15 +508,21 @@ class Scheduler:
 
     def _schedule_verify(self) -> ScheduledBatch | None:
         """Every running request by its last token and its draft (`scheduler.speculation`), or None
-        where no request drafts or the pool has no room for the drafts. Needs every last token on
-        the host: no step in flight."""
+        where no request drafts or the pool has no room for the drafts. A request whose last token
+        a step in flight computes (`in_flight`) takes it on the device (`FUTURE_TOKEN`), as a
+        decode row does, its draft behind it."""
         assert self.speculation is not None
         requests = list(self.running)
         drafts = self.speculation.drafts(requests, self.context_length)
         if not any(drafts):
             return None
         rows = [
-            BatchRow(r.table_row, r.kv_len, [r.last_token, *draft], draft_len=len(draft))
+            BatchRow(
+                r.table_row,
+                r.kv_len + r.in_flight,
+                [FUTURE_TOKEN if r.in_flight else r.last_token, *draft],
+                draft_len=len(draft),
+            )
             for r, draft in zip(requests, drafts)
         ]
         needed = sum(self.slots.new_slots(row.prefix_len, len(row.token_ids)) for row in rows)
@@ -570,7 +579,7 @@ class Scheduler:
             draft_probs = self.speculation.draft_on_device(self.runner, scheduled)
         logits, prompt_scores = split_logits(self.runner.forward(rows, scheduled.slots), rows, batch)
         if scheduled.drafts is not None:
-            return self._launch_verify(scheduled, logits, started, draft_probs)
+            return self._launch_verify(scheduled, logits, started, draft_probs, previous)
         sampled_rows = [index for index, row in enumerate(rows) if row.need_logits]
         tokens = log_probs = None
         if sampled_rows:
@@ -618,7 +627,12 @@ class Scheduler:
         ]
 
     def _launch_verify(
-        self, scheduled: ScheduledBatch, logits: torch.Tensor, started: Any, draft_probs: torch.Tensor | None
+        self,
+        scheduled: ScheduledBatch,
+        logits: torch.Tensor,
+        started: Any,
+        draft_probs: torch.Tensor | None,
+        previous: LaunchedStep | None,
     ) -> LaunchedStep:
         """The rest of `_launch` for a speculative step: verification in place of sampling (with a
         draft model's `draft_probs`), and the log-probabilities of every position of the rows that
@@ -631,7 +645,7 @@ class Scheduler:
             [r.sampling for r in batch],
             [r.generator for r in batch],
             [r.table_row for r in batch],
-            token_bitmask=self._token_bitmask(batch, None, positions=_first_positions(drafts)),
+            token_bitmask=self._token_bitmask(batch, previous, positions=_first_positions(drafts)),
             draft_probs=draft_probs,
         )
         log_probs = self.outputs.log_prob_rows(logits, _per_position(batch, drafts))
@@ -642,6 +656,7 @@ class Scheduler:
             tokens=None,
             log_probs=None if log_probs is None else to_host(log_probs),
             started=started,
+            overlapped=previous is not None,
             verified=to_host(verified),
         )
         launched.finish_launch(self.runner.device)

@@ -7,7 +7,10 @@ masks would have to follow the draft token by token), its recent acceptance has 
 (`RowDrafter`), and it may still emit two tokens or more (`max_new_tokens`, the context). Such a
 step runs each row with a draft as its last token plus the draft, and the runner verifies instead
 of sampling (`ModelRunner.verify_on_device`); rows without a draft in it are sampled through the
-same verification (k = 0). A step that does not speculate is an ordinary decode step.
+same verification (k = 0). A step that does not speculate is an ordinary decode step. A host
+proposer drafts behind a step still in flight too: a row whose last token that step computes
+drafts from the tokens before it, past the proposer's guess of that token (`drafts`), so the
+verify step is launched before the step in flight is read (docs/SPECULATIVE.md, item 7).
 
 Each request gets a `RowDrafter` at its first decode step that may speculate; with the suffix
 method every drafter reads one `SuffixStore` of this scheduler, which a request's output joins
@@ -63,26 +66,36 @@ class Speculation:
         self.store = SuffixStore() if config.method == "suffix" else None
         self.counts = SpeculationCounts()
 
+    @property
+    def drafts_in_flight(self) -> bool:
+        """Whether a row drafts while its last token is still on the device (a host proposer
+        guesses it); a draft model needs the token itself, so its steps read the step before."""
+        return not self.config.drafts_with_model
+
     def may_speculate(self, requests: Sequence[Request], context_length: int) -> bool:
-        """Whether a decode step of `requests` should try drafts: it then runs non-overlapped, so
-        asked while a step is in flight too (whose tokens the drafts will need)."""
+        """Whether a decode step of `requests` should try drafts (a verify step is read at once)."""
         if len(requests) > self.config.max_batch_size:
             return False
         return any(self._draft_room(request, context_length) > 0 for request in requests)
 
     def drafts(self, requests: Sequence[Request], context_length: int) -> list[list[int]]:
-        """Each request's draft for this step (empty where it drafts nothing). The requests' last
-        tokens must be on the host (no step in flight)."""
+        """Each request's draft for this step (empty where it drafts nothing). A request whose last
+        token a step in flight is still computing (`in_flight`) drafts from the tokens before it
+        with a host proposer (`RowDrafter.propose`'s `unread`: the proposer's guess of that token
+        is dropped, the draft follows it), and not at all with a draft model."""
         drafts: list[list[int]] = []
         for request in requests:
-            room = 0 if request.in_flight else self._draft_room(request, context_length)
+            unread = 1 if request.in_flight else 0
+            room = self._draft_room(request, context_length)
+            if unread and not self.drafts_in_flight:
+                room = 0
             drafter = self._drafter(request) if room > 0 else None
             if drafter is None:
                 drafts.append([])
             elif self.config.drafts_with_model:
                 drafts.append([DRAFT_PENDING] * room)
             else:
-                drafts.append(drafter.propose(request.all_ids, room))
+                drafts.append(drafter.propose(request.all_ids, room, unread))
         return drafts
 
     def draft_on_device(self, runner: ModelRunner, scheduled: ScheduledBatch) -> torch.Tensor | None:
@@ -135,16 +148,16 @@ class Speculation:
 
     def _draft_room(self, request: Request, context_length: int) -> int:
         """The longest draft worth verifying for `request` now: every emitted token (the draft's and
-        the one after) must fit in its `max_new_tokens` and the context."""
+        the one after, behind the token a step in flight computes) must fit in its
+        `max_new_tokens` and the context."""
         if request.grammar is not None:
             return 0
+        num_tokens = request.num_tokens + (1 if request.in_flight else 0)
         drafter = request.drafter
-        if drafter is not None and not drafter.may_draft(request.num_tokens):
+        if drafter is not None and not drafter.may_draft(num_tokens):
             return 0
-        left = min(
-            request.sampling.max_new_tokens - len(request.output_ids),
-            context_length - request.num_tokens,
-        )
+        generated = num_tokens - len(request.prompt_ids)
+        left = min(request.sampling.max_new_tokens - generated, context_length - num_tokens)
         return min(self.config.num_tokens, left - 1)
 
     def _drafter(self, request: Request) -> RowDrafter:
