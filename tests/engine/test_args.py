@@ -66,3 +66,20 @@ def test_every_setting_is_a_field_of_its_group() -> None:
             assert setting.name in {
                 f.name for f in dataclasses.fields(getattr(EngineArgs.of(device="cpu"), setting.group))
             }
+
+
+def test_decode_graphs_hold_a_verify_step_of_every_request_that_may_speculate():
+    # a verify step runs k + 1 decode rows a request: 8 requests with k = 4 need graphs of 40 rows
+    from types import SimpleNamespace
+
+    from snugkv.engine.blocks import EngineBlocks
+
+    def sizes(**flags):
+        args = EngineArgs.of(model="m", device="cuda", max_running_requests=8, **flags)
+        return EngineBlocks.graph_batch_sizes(SimpleNamespace(args=args, max_running_requests=8))
+
+    assert sizes() == [1, 2, 4, 8]
+    assert max(sizes(speculative="ngram", num_speculative_tokens=4)) == 40
+    assert max(sizes(speculative="ngram", num_speculative_tokens=4, cuda_graph_max_bs=32)) == 32
+    assert max(sizes(speculative="suffix", num_speculative_tokens=4, speculative_max_batch_size=2)) == 10
+    assert sizes(speculative="ngram", disable_cuda_graph=True) == []

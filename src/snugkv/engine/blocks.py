@@ -99,8 +99,17 @@ class EngineBlocks:
         return self.args.scheduler.chunked_prefill_size
 
     def graph_batch_sizes(self) -> list[int]:
+        """The decode graphs' batches: up to the rows a decode step can have, at most the flag's. A
+        verify step is a decode batch of a row per position (docs/SPECULATIVE.md, item 8): with
+        speculation a step of up to `--speculative-max-batch-size` requests runs `k + 1` rows each."""
         largest = self.args.runner.decode_graph_max_bs
-        return default_cuda_graph_batch_sizes(min(largest, self.max_running_requests)) if largest else []
+        if not largest:
+            return []
+        rows = self.max_running_requests
+        speculative = self.args.speculative
+        if speculative is not None:
+            rows = max(rows, min(rows, speculative.max_batch_size) * (speculative.num_tokens + 1))
+        return default_cuda_graph_batch_sizes(min(largest, rows))
 
     def prefill_graph_buckets(self) -> list[int]:
         largest = self.args.runner.prefill_graph_tokens
