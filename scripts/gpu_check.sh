@@ -7,7 +7,9 @@
 #   bench pressure on the MoE and FP8 shapes: STEPS="env pressure-shapes" (PRESSURE_SHAPES="qwen3-30b-a3b:all-but,start")
 #   speculative decoding on SmolLM2's real weights over two calls: the `speculative` step below
 #   memory pressure only: STEPS="env pressure" (ARGS_pressure="--chunk-mib 16" for small extensions)
-#   the KV host tier (issue 35; carry .whl): STEPS="env host-tier" (ARGS_host_tier="--sessions 256" to scale)
+#   the KV host tier (issue 35; carry .whl): STEPS="env host-tier" (ARGS_host_tier="--sessions 256" to scale);
+#   its fits row alone, repeated: STEPS="env host-tier-fits" (FITS_REPEATS=3)
+#   verify steps behind a step in flight against after a read (random weights): STEPS="env spec-probe"
 #   MoE only: STEPS="env moe" (MOE_MODEL=mixtral-8x7b for another shape; the tuned table lands in $OUT/work/moe)
 #   parts of a step: MOE_PARTS="decode" (of "tests tune decode prefill"), FP8_TESTS=0, FP8_SHAPES=llama-3-8b
 #   the engine core's CUDA tests alone (drivers, elastic engine, LLM, graphs, VMM): STEPS="env core"
@@ -244,6 +246,21 @@ for s in $STEPS; do
       timeout "${BENCH_TIMEOUT_host_tier:-420}" python3 -m snugkv bench host-tier --out "$OUT/host-tier" \
         --deadline-s "${HOST_TIER_DEADLINE_S:-90}" ${ARGS_host_tier:-} 2>&1 | tee "$OUT/bench_host_tier.log" \
         | grep -v "^Capturing" || status=1
+      ;;
+    host-tier-fits)  # the host tier's `fits` row alone, FITS_REPEATS times (fresh servers each: a 2% bound
+      # needs more than one 5-second closed loop per server); needs .whl
+      for i in $(seq "${FITS_REPEATS:-3}"); do
+        step "bench host-tier fits ($i)"
+        timeout "${BENCH_TIMEOUT_host_tier:-150}" python3 -m snugkv bench host-tier --workloads fits --copy-gib 0 \
+          --out "$OUT/host-tier-fits-$i" 2>&1 | tee "$OUT/bench_host_tier_fits_$i.log" | grep "^| fits" || status=1
+      done
+      ;;
+    spec-probe)  # verify steps launched behind a step in flight and after a read (scripts/spec_overlap_probe.py)
+      step "speculation probe"
+      for shape in "--batch 8 --k 4" "--batch 1 --k 8"; do
+        timeout 200 python3 scripts/spec_overlap_probe.py --model "${SPEC_SHAPE:-qwen3-0.6b}" $shape --tokens 128 \
+          2>&1 | grep "^{" | tee -a "$OUT/spec_overlap_probe.txt" || status=1
+      done
       ;;
     pressure)  # another process takes memory below the headroom while an 8B shape serves (scripts/pressure_check.py)
       step "pressure"
