@@ -20,13 +20,15 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(VENV)/bin/snugkv generate --chat --max-tokens 64 "In two sentences, why does a KV cache speed up text generation?"
 
+# CI's command: the whole suite over TEST_WORKERS pytest-xdist workers (TEST_WORKERS=0: one
+# process). OMP_NUM_THREADS=1 for every process the tests start too (servers, engines, tp ranks):
+# two workers on 2 cores each with torch's threads on both cores would fight over them.
+TEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest -q --durations=15
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=15
 
 # The inner loop: the suite without the end-to-end tests marked `slow` (server processes, tp ranks,
-# the LLM against transformers), over TEST_WORKERS pytest-xdist workers; CI runs `make test`, the
-# whole suite, in one process (its end-to-end tests time servers, which parallel workers would slow).
-TEST_WORKERS ?= 2
+# the LLM against transformers), over TEST_WORKERS pytest-xdist workers.
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS)
 
