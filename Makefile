@@ -30,7 +30,7 @@ test: setup
 # The inner loop: the suite without the end-to-end tests marked `slow` (server processes, tp ranks,
 # the LLM against transformers), over TEST_WORKERS pytest-xdist workers.
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS)
 
 lint: setup
 	$(VENV)/bin/ruff check src tests
