@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 from pathlib import Path
@@ -118,7 +117,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    if not torch.cuda.is_available() and not os.environ.get("SPEC_PROBE_ON_CPU"):
+    if not torch.cuda.is_available():
         raise SystemExit("spec_overlap_probe: needs a CUDA GPU")
     RowDrafter.propose = always_draft  # type: ignore[method-assign]
     results = [run(args, in_flight, profile=in_flight) for in_flight in (False, True)]

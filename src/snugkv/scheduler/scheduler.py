@@ -279,8 +279,9 @@ class Scheduler:
         try:
             if previous is not None and self.overlap:  # schedule while the device runs `previous`
                 batch = self._schedule_prefill() if self._prefill_may_run() else None
+                # a draft model's drafts need `previous`'s tokens: such a step reads it first
                 if batch is None and (self._drafts_in_flight() or not self._may_speculate()):
-                    batch = self._schedule_decode(retract=False)  # a draft model needs `previous`'s tokens
+                    batch = self._schedule_decode(retract=False)
             if batch is None:
                 self.finish_in_flight()
                 previous = None

@@ -85,10 +85,8 @@ class Speculation:
         is dropped, the draft follows it), and not at all with a draft model."""
         drafts: list[list[int]] = []
         for request in requests:
-            unread = 1 if request.in_flight else 0
-            room = self._draft_room(request, context_length)
-            if unread and not self.drafts_in_flight:
-                room = 0
+            unread = _unread(request)
+            room = 0 if unread and not self.drafts_in_flight else self._draft_room(request, context_length)
             drafter = self._drafter(request) if room > 0 else None
             if drafter is None:
                 drafts.append([])
@@ -152,7 +150,7 @@ class Speculation:
         `max_new_tokens` and the context."""
         if request.grammar is not None:
             return 0
-        num_tokens = request.num_tokens + (1 if request.in_flight else 0)
+        num_tokens = request.num_tokens + _unread(request)
         drafter = request.drafter
         if drafter is not None and not drafter.may_draft(num_tokens):
             return 0
@@ -164,3 +162,9 @@ class Speculation:
         if request.drafter is None:
             request.drafter = RowDrafter(self.config, request.all_ids, self.store)
         return request.drafter
+
+
+def _unread(request: Request) -> int:
+    """Tokens of `request` a step in flight is computing: its next token (1), or none (0). A verify
+    step, whose count varies, is always read before the next step is scheduled."""
+    return 1 if request.in_flight else 0
