@@ -12,6 +12,7 @@
 #   verify steps behind a step in flight against after a read (random weights): STEPS="env spec-probe"
 #   SmolLM2's acceptance on the 8B shape's steps (a tracked trace, random weights): STEPS="env spec-replay"
 #   the most the proposers could give on SmolLM2's text, GPU step costs (needs the GGUF parts): STEPS="spec-bound"
+#   KV tokens with speculation on against the ledger, and a load of 2x the KV cache: STEPS="env spec-sizing"
 #   MoE only: STEPS="env moe" (MOE_MODEL=mixtral-8x7b for another shape; the tuned table lands in $OUT/work/moe)
 #   parts of a step: MOE_PARTS="decode" (of "tests tune decode prefill"), FP8_TESTS=0, FP8_SHAPES=llama-3-8b
 #   the engine core's CUDA tests alone (drivers, elastic engine, LLM, graphs, VMM): STEPS="env core"
@@ -279,6 +280,11 @@ for s in $STEPS; do
         --replay "${SPEC_TRACE:-docs/bench/raw/speculative-trace-smollm2.json}" --k 4 8 --batch 1 8 64 \
         --repeats 2 --cuda-graph-max-bs 80 --out "$OUT/spec-replay" ${ARGS_spec_replay:-} 2>&1 \
         | tee "$OUT/bench_spec_replay.log" | grep -v "^Capturing" || status=1
+      ;;
+    spec-sizing)  # issue 34's sizing with speculation on: KV tokens against the ledger, a 2x KV load to the end
+      step "speculation sizing"
+      timeout "${SPEC_SIZING_TIMEOUT:-400}" python3 scripts/spec_sizing_check.py --out "$OUT/spec-sizing" ${ARGS_spec_sizing:-} \
+        2>&1 | tee "$OUT/spec_sizing.log" | grep -E "^\{|Error|error" || status=1
       ;;
     spec-probe)  # verify steps launched behind a step in flight and after a read (scripts/spec_overlap_probe.py)
       step "speculation probe"
