@@ -417,3 +417,60 @@ class AllocatorMachine(RuleBasedStateMachine):
 
 TestAllocatorSequences = AllocatorMachine.TestCase
 TestAllocatorSequences.settings = settings(max_examples=50, stateful_step_count=30, deadline=None)
+
+
+def _extend_scenario(page_size: int, seed: int) -> list[list[int]]:
+    """Random extensions (some continuing a partial page, some of several requests at once) and
+    frees on one allocator; the slots each extension got."""
+    import random
+
+    rng = random.Random(seed)
+    alloc = PagedAllocator(page_size * 64, page_size)
+    requests: list[list[int]] = [[] for _ in range(4)]
+    got: list[list[int]] = []
+    for _ in range(40):
+        chosen = rng.sample(range(4), rng.randint(1, 3))
+        prefix = [len(requests[r]) for r in chosen]
+        seq = [p + rng.randint(0, 2 * page_size + 1) for p in prefix]
+        last = [requests[r][-1] if requests[r] else -1 for r in chosen]
+        slots = alloc.alloc_extend(t(prefix), t(seq), t(last))
+        if slots is None:
+            got.append([])
+        else:
+            got.append(slots.tolist())
+            start = 0
+            for r, p, s in zip(chosen, prefix, seq):
+                requests[r] += slots[start : start + s - p].tolist()
+                start += s - p
+        if rng.random() < 0.2:
+            r = rng.randrange(4)
+            alloc.free(requests[r]) if requests[r] else None
+            requests[r] = []
+        alloc.check_integrity()
+    got.append(sorted(alloc.allocated_pages().tolist()))
+    return got
+
+
+@pytest.mark.parametrize("page_size", [2, 4, 16])
+def test_a_few_tokens_in_python_take_the_slots_and_pages_the_tensor_path_takes(
+    page_size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Extensions of up to SMALL_EXTEND_TOKENS tokens run in plain Python (a verify step's rows);
+    with that path off every one runs through the tensor ops: the same slots, the same pages."""
+    from snugkv.memory import allocator as allocator_module
+
+    few = [_extend_scenario(page_size, seed) for seed in range(5)]
+    monkeypatch.setattr(allocator_module, "SMALL_EXTEND_TOKENS", -1)
+    assert few == [_extend_scenario(page_size, seed) for seed in range(5)]
+
+
+def test_a_few_tokens_are_checked_as_the_tensor_path_checks_them() -> None:
+    alloc = PagedAllocator(64, 4)
+    with pytest.raises(ValueError, match="need 0 <= prefix_len <= seq_len"):
+        alloc.alloc_extend(t([3]), t([2]), t([-1]))
+    with pytest.raises(ValueError, match="last_loc has 2 entries"):
+        alloc.alloc_extend(t([0]), t([2]), t([-1, -1]))
+    with pytest.raises(ValueError, match="is not an allocated slot"):
+        alloc.alloc_extend(t([2]), t([3]), t([9]))  # continues a partial page it does not hold
+    with pytest.raises(TypeError, match="must hold integers"):
+        alloc.alloc_extend(torch.tensor([0.0]), t([2]), t([-1]))
