@@ -6,8 +6,9 @@ For each configuration (a separate draft model, random weights of a small Llama 
 vocabulary, whose KV lives beside the model's; the n-gram proposer), one engine of the 8B shape
 (random weights) starts, and the script prints:
 - `kv_tokens` (`max_total_num_tokens`) against `expected_tokens` = (KV committed + free after sizing
-  - headroom) / bytes per token, from the ledger's independent counts (free memory as the device
-  reports it), and their ratio (target: within 1%);
+  + the activation workspace torch holds - headroom - guest room) / bytes per token, from the
+  ledger's independent counts (free memory as the device reports it), and their ratio (target:
+  within 1%);
 - then `--requests` greedy requests whose prompts and outputs add up to `--demand` times the KV
   cache's tokens, all at once, `speculative_max_batch_size` = `max_running_requests` so every decode
   step may speculate: whether every request finished with all its tokens, the error if one did
@@ -65,7 +66,11 @@ def check(model: str, method: str, draft: str | None, args: argparse.Namespace) 
         memory = llm.memory()
         ledger = memory.ledger
         bytes_per_token = llm.engine.pool.bytes_per_token
-        expected = (ledger.kv_committed_bytes + ledger.free_bytes - ledger.headroom_bytes) / bytes_per_token
+        # what was free after capture, less what the sizing keeps: the headroom (the activation peak,
+        # verify and draft steps in it; the workspace torch holds counts toward it) and the guest room
+        free_after_capture = ledger.kv_committed_bytes + ledger.free_bytes + ledger.workspace_bytes
+        kept = ledger.headroom_bytes + ledger.guest_room_bytes
+        expected = (free_after_capture - kept) / bytes_per_token
         kv_tokens = memory.sizing.max_total_num_tokens
         result.update(
             kv_tokens=kv_tokens,
