@@ -365,7 +365,6 @@ class PageFreeList(ABC):
 # verify step's rows, a short chunk; larger ones (prefill chunks) by tensor ops, whose fixed cost
 # amortizes over their tokens.
 SMALL_EXTEND_TOKENS = 256
-_NO_PAGES = torch.empty(0, dtype=torch.int64)
 
 
 def _merge_sorted(free_pages: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
@@ -413,7 +412,7 @@ def _int_list(values: torch.Tensor | list[int], what: str) -> list[int]:
     if isinstance(values, torch.Tensor):
         if values.dtype.is_floating_point or values.dtype == torch.bool:
             raise TypeError(f"{what} must hold integers, got dtype {values.dtype}")
-        return [int(v) for v in values.reshape(-1).tolist()]
+        return values.reshape(-1).tolist()
     return as_cpu_int64(values, what).tolist()
 
 
@@ -505,10 +504,10 @@ class PagedAllocator(PageFreeList):
             if end > start and start % size and not self._is_last_loc(loc, start - 1):
                 self._check_last_loc(torch.tensor([row]), torch.tensor([loc]), torch.tensor([start - 1]))
             new_pages += -(-end // size) - -(-start // size)
-        taken = self._take_pages(new_pages) if new_pages else _NO_PAGES
-        if taken is None:
+        taken = self._take_pages(new_pages) if new_pages else None
+        if new_pages and taken is None:
             return None
-        pages = iter(taken.tolist())
+        pages = iter(taken.tolist() if taken is not None else ())
         slots: list[int] = []
         for start, end, loc in zip(prefix, seq, last):
             partial_end = min(end, -(-start // size) * size)  # the rest of the partial last page
