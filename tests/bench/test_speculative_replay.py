@@ -13,9 +13,11 @@ from snugkv.bench.speculative_replay import (
     ReplayProposer,
     TraceItem,
     bound_steps,
+    policy_steps,
     read_trace,
     write_trace,
 )
+from snugkv.speculative.config import SpeculativeConfig
 
 COPYABLE = TraceItem("code-edit", (1, 2, 3, 4, 5, 6, 1, 2), (3, 4, 5, 6, 7))  # "1 2" occurred: 3 4 5 6 follow
 NOVEL = TraceItem("open", (9, 8), (7, 6))  # nothing to copy
@@ -28,6 +30,19 @@ def test_the_bound_takes_one_token_a_plain_step_and_the_kept_ones_plus_one_a_ver
     assert steps == BoundSteps(plain_steps=2, verify_steps=1, accepted_tokens=4, output_tokens=7)
     assert steps.speedup(decode_ms=1.0, verify_ms=2.0) == pytest.approx(7 / (2 * 1.0 + 1 * 2.0))
     assert bound_steps([NOVEL], "suffix", 4).verify_steps == 0
+
+
+def test_the_policy_steps_follow_the_engines_overlap_and_back_off():
+    # COPYABLE's first token comes from the prefill step and is in flight: the first decode step
+    # drafts on the guess 4 of it (after "1 2 3"), room 3 (the last token can't be drafted): 5 6 7
+    # kept, then one token left. The same with a poorly guessing row reads it first.
+    config = SpeculativeConfig("ngram", num_tokens=4, break_even=0.5)
+    steps = policy_steps([COPYABLE], config)
+    assert (steps.plain_steps, steps.verify_steps, steps.accepted_tokens, steps.output_tokens) == (0, 1, 3, 5)
+    assert (steps.guesses, steps.guesses_held, steps.reads_first) == (1, 1, 0)
+    novel = policy_steps([NOVEL], config)
+    assert (novel.plain_steps, novel.verify_steps, novel.guesses) == (1, 0, 0)
+    assert steps.speedup_with_host(decode_ms=1.0, verify_ms=2.0, host_ms=0.5) == pytest.approx(5 / 2.5)
 
 
 def test_a_draft_the_trace_keeps_becomes_this_models_tokens_and_the_rest_tokens_it_does_not_emit():
@@ -64,7 +79,9 @@ def test_replaying_the_models_own_trace_keeps_what_its_real_proposers_keep(tmp_p
     """The embedded SmolLM2's trace replayed onto itself: every mapped draft token is the real
     proposer's (its own tokens are the trace's), so drafts, kept tokens and verify steps are the
     real bench's, with rows drafting behind a step in flight (batch 1)."""
+    # the back-off fixed: measured step times would make the two runs' pauses differ
     common = ["--k", "4", "--batch", "1", "--workloads", "code-edit", "--proposers", "ngram", "suffix"]
+    common += ["--break-even", "0.5"]
     assert bench("--bound", "--max-tokens", "24", *common, "--out", str(tmp_path / "trace")) == 0
     bound = json.loads((tmp_path / "trace" / "speculative_bound.json").read_text())["rows"]
     assert {r["proposer"] for r in bound} == {"ngram", "suffix"}
@@ -77,3 +94,10 @@ def test_replaying_the_models_own_trace_keeps_what_its_real_proposers_keep(tmp_p
     keys = ("proposer", "batch", "k", "acceptance", "mean_accepted_length", "verify_steps", "output_tokens")
     assert [{k: r[k] for k in keys} for r in replayed] == [{k: r[k] for k in keys} for r in real]
     assert all(r["same_tokens"] for r in replayed) and any(r["acceptance"] > 0 for r in replayed)
+    # the engine's steps over the trace's first text, replayed off the engine, are the real bench's
+    first = [item for item in read_trace(trace)[0] if item.workload == "code-edit"][:1]
+    for row in real:
+        steps = policy_steps(first, SpeculativeConfig(row["proposer"], num_tokens=4, break_even=0.5))
+        accepted = round((row["mean_accepted_length"] - 1) * row["verify_steps"])
+        assert (steps.verify_steps, steps.accepted_tokens) == (row["verify_steps"], accepted)
+        assert steps.reads_first == row["reads_first"] and steps.output_tokens == row["output_tokens"]

@@ -140,13 +140,15 @@ def test_draft_steps_write_the_kv_the_verify_step_writes_for_their_layers_and_no
 
 
 def test_sampled_rows_pass_the_drafts_distribution_to_verification(engine, tokenizer, monkeypatch):
-    """Each drafted token of a sampled row has a probability row in `draft_probs` (a distribution
-    in which the drafted token has mass); a step of greedy rows only passes none."""
+    """Each drafted token of a step in which a sampled row drafts has a probability row in
+    `draft_probs` (a distribution in which the drafted token has mass); a step in which only greedy
+    rows draft passes none."""
     calls: list[tuple[list[list[int]], torch.Tensor | None, bool]] = []
     real = ModelRunner.verify_on_device
 
     def recording(self, logits, drafts, params, *args, **kwargs):
-        calls.append(([list(d) for d in drafts], kwargs.get("draft_probs"), all(p.greedy for p in params)))
+        greedy = all(p.greedy for p, d in zip(params, drafts) if d)  # of the rows that drafted
+        calls.append(([list(d) for d in drafts], kwargs.get("draft_probs"), greedy))
         return real(self, logits, drafts, params, *args, **kwargs)
 
     monkeypatch.setattr(ModelRunner, "verify_on_device", recording)

@@ -246,15 +246,27 @@ def test_large_batches_do_not_speculate_and_rows_that_keep_failing_pause(engine,
     assert scheduler.stats().spec_draft_tokens == 0
     assert all(result.draft_tokens == 0 for result in results.values())
 
-    drafter = RowDrafter(SpeculativeConfig("ngram", min_acceptance=0.3, pause_tokens=5), [1, 2, 1, 2], None)
+    # a row pauses once its recent verify steps average fewer accepted tokens than pay for them
+    drafter = RowDrafter(SpeculativeConfig("ngram", num_tokens=3, pause_tokens=5), [1, 2, 1, 2], None)
+    drafter.break_even = 0.5
     assert drafter.propose([1, 2, 1, 2], 3) == [1, 2, 1]
-    drafter.record(3, 0, num_tokens=5)  # acceptance 1.0 -> 0.5
-    assert drafter.may_draft(5)
-    drafter.record(3, 0, num_tokens=6)  # 0.25: paused for 5 tokens
-    assert not drafter.may_draft(10) and drafter.propose([1, 2, 1, 2, 1, 2], 3) == []
-    assert drafter.may_draft(11) and (drafter.proposed_tokens, drafter.accepted_tokens) == (6, 0)
-    # a row whose proposer finds nothing pauses 2, 4, then 5 (pause_tokens) tokens; a draft resets it
+    drafter.record(3, 0, num_tokens=5)  # recent accepted 3 -> 1.5
+    drafter.record(3, 0, num_tokens=6)  # 0.75
+    assert drafter.may_draft(6)
+    drafter.record(3, 0, num_tokens=7)  # 0.375 < 0.5: paused for 5 tokens
+    assert not drafter.may_draft(11) and drafter.propose([1, 2, 1, 2, 1, 2, 1, 2, 1, 2, 1], 3) == []
+    assert drafter.may_draft(12) and (drafter.proposed_tokens, drafter.accepted_tokens) == (9, 0)
+    assert drafter.recent_accepted == 0.5  # from the break-even: one more poor step pauses it again
+    drafter.record(3, 1, num_tokens=14)  # 0.75: drafts on
+    assert drafter.may_draft(14)
+    # a proposer that finds nothing costs only its lookup where verify steps are cheap ...
+    cheap = RowDrafter(SpeculativeConfig("ngram", pause_tokens=5), [1, 2, 3], None)
+    for length in (3, 4, 5):
+        assert cheap.may_draft(length) and cheap.propose([1, 2, 3, *range(10, 10 + length - 3)], 3) == []
+    # ... where a verify step costs more than a decode step's token, such a row pauses 2, 4, then 5
+    # (pause_tokens) tokens; a draft resets it
     nothing = RowDrafter(SpeculativeConfig("ngram", pause_tokens=5), [1, 2, 3], None)
+    nothing.break_even = 1.3
     resumes = []
     for length in (3, 5, 9):
         assert nothing.may_draft(length) and nothing.propose([1, 2, 3, *range(10, 10 + length - 3)], 3) == []
@@ -264,6 +276,30 @@ def test_large_batches_do_not_speculate_and_rows_that_keep_failing_pause(engine,
     assert (
         nothing.propose([1, 2, 3, *range(10, 21), 1, 2, 99], 3) == [] and nothing.resume_at_tokens == 17 + 2
     )
+
+
+def test_the_break_even_comes_from_the_measured_decode_verify_and_host_times():
+    from snugkv.scheduler.launched import StepRecord
+    from snugkv.scheduler.speculation import StepCosts
+    from snugkv.speculative.config import DEFAULT_BREAK_EVEN
+
+    costs = StepCosts()
+    assert costs.break_even(1) == DEFAULT_BREAK_EVEN
+
+    def step(rows: int, tokens: int, busy_ms: float, gap_ms: float = 0.05, decode: bool = True) -> None:
+        costs.observe(StepRecord(0.0, decode, rows, tokens, busy_ms / 1e3, gap_ms / 1e3, 0.0))
+
+    step(1, 1, 5.8)  # a plain decode step of one row
+    assert costs.break_even(1) == DEFAULT_BREAK_EVEN  # no verify step timed yet
+    step(1, 5, 6.7)  # a verify step of 4 drafts
+    step(1, 1, 5.8, gap_ms=0.7)  # the host's 0.7 ms after it
+    assert costs.break_even(1) == pytest.approx((6.7 + 0.7 - 5.8) / 5.8)
+    assert costs.break_even(3) == DEFAULT_BREAK_EVEN  # another batch size: its own steps
+    step(1, 300, 40.0, gap_ms=9.0, decode=False)  # a prefill step's gap is not a verify's host work
+    assert costs.break_even(1) == pytest.approx((6.7 + 0.7 - 5.8) / 5.8)
+    step(1, 5, 6.7)
+    step(1, 1, 5.8, gap_ms=500.0)  # a stall (no request for a while) counts as at most a step
+    assert costs.break_even(1) == pytest.approx((6.7 + (0.9 * 0.7 + 0.1 * 5.8) - 5.8) / 5.8)
 
 
 def test_a_constrained_row_runs_beside_speculating_rows(engine, tokenizer):
@@ -281,3 +317,70 @@ def test_a_constrained_row_runs_beside_speculating_rows(engine, tokenizer):
     assert tokens_of(results) == tokens_of(expected)
     assert results["colours:choice"].text in (" red", " blue") and results["colours:choice"].draft_tokens == 0
     assert results["repeat"].accepted_draft_tokens > 0
+
+
+def test_a_row_whose_guesses_fail_reads_the_step_in_flight_first_and_keeps_plain_tokens(
+    engine, tokenizer, plain, monkeypatch
+):
+    # Every guess of a token in flight is made wrong (the draft itself stays the proposer's): after
+    # the first one is read, the row's drafts wait for the step in flight instead of riding on a
+    # guess; they are then made from the token itself, so the repetitive prompt still accepts most.
+    launched_behind: list[bool] = []
+    launch_verify, propose = Scheduler._launch_verify, RowDrafter.propose
+
+    def recording(self, scheduled, logits, started, draft_probs, previous):
+        launched_behind.append(previous is not None)
+        return launch_verify(self, scheduled, logits, started, draft_probs, previous)
+
+    def guessing_wrong(self, token_ids, k, unread=0):
+        draft = propose(self, token_ids, k, unread)
+        if self._guess is not None:
+            self._guess = (self._guess[0], -1)  # no token is -1
+        return draft
+
+    monkeypatch.setattr(Scheduler, "_launch_verify", recording)
+    monkeypatch.setattr(RowDrafter, "propose", guessing_wrong)
+    results, scheduler = run(engine, tokenizer, {"repeat": GREEDY}, speculative=SpeculativeConfig("ngram"))
+    assert tokens_of(results) == tokens_of({"repeat": plain["repeat"]})
+    counts = scheduler.speculation.counts
+    assert counts.guesses >= 2 and counts.guesses_held == 0 and counts.reads_first >= 1
+    # one verify step rode on a guess before the first was read wrong; after it, none or one more
+    assert 1 <= sum(launched_behind) <= 2 < len(launched_behind)
+    assert results["repeat"].accepted_draft_tokens > NEW_TOKENS // 2
+
+
+def test_a_guess_is_counted_once_its_token_is_read():
+    drafter = RowDrafter(SpeculativeConfig("ngram"), [1, 2, 3, 1, 2], None)
+    assert drafter.propose([1, 2, 3, 1, 2], 3, unread=1) == [1, 2, 3]  # guessed 3 at position 5
+    assert drafter.read_guess([1, 2, 3, 1, 2]) is None  # not read yet
+    assert drafter.read_guess([1, 2, 3, 1, 2, 3]) is True
+    assert drafter.read_guess([1, 2, 3, 1, 2, 3]) is None  # counted once
+    assert (drafter.guesses, drafter.guesses_held, drafter.guesses_well) == (1, 1, True)
+    drafter.propose([1, 2, 3, 1, 2, 3], 2, unread=1)  # guesses 1 at position 6
+    drafter.propose([1, 2, 3, 1, 2, 3, 9], 2)  # the token was 9: read by the next proposal
+    assert (drafter.guesses, drafter.guesses_held, drafter.guesses_well) == (2, 1, False)
+    assert drafter.recent_guess_rate == 0.5
+    # a proposal read from the token itself guesses nothing
+    drafter.propose([1, 2, 3, 1, 2, 3, 9, 1], 2)
+    assert drafter.read_guess([1, 2, 3, 1, 2, 3, 9, 1, 2]) is None
+
+
+def test_a_step_reads_first_when_half_or_more_of_its_guessing_rows_guess_poorly():
+    from types import SimpleNamespace
+
+    from snugkv.scheduler.speculation import Speculation
+
+    speculation = Speculation(SpeculativeConfig("ngram"))
+
+    def row(in_flight: int, rate: float) -> SimpleNamespace:
+        drafter = RowDrafter(SpeculativeConfig("ngram"), [1], None)
+        drafter.recent_guess_rate = rate
+        return SimpleNamespace(in_flight=in_flight, drafter=drafter)
+
+    good, poor, read = row(1, 1.0), row(1, 0.25), row(0, 0.25)
+    assert not speculation.reads_first([good, good], [[5], [5]])
+    assert speculation.reads_first([good, poor], [[5], [5]])  # half
+    assert not speculation.reads_first([good, good, poor], [[5], [5], [5]])
+    assert not speculation.reads_first([good, poor], [[5], []])  # the poor row drafts nothing
+    assert not speculation.reads_first([good, read], [[5], [5]])  # its token is read: no guess
+    assert speculation.counts.reads_first == 1

@@ -56,13 +56,19 @@ def proposer(value: str) -> str:
     return value
 
 
-def speculative_config(proposer: str, *, num_tokens: int, max_batch_size: int) -> Any:
+def speculative_config(
+    proposer: str, *, num_tokens: int, max_batch_size: int, break_even: float | None = None
+) -> Any:
     """The `SpeculativeConfig` of a `--proposers` value."""
     from snugkv.speculative.config import SpeculativeConfig
 
     method, _, draft_model = proposer.partition(":")
     return SpeculativeConfig(
-        method, num_tokens=num_tokens, max_batch_size=max_batch_size, draft_model=draft_model or None
+        method,
+        num_tokens=num_tokens,
+        max_batch_size=max_batch_size,
+        draft_model=draft_model or None,
+        break_even=break_even,
     )
 
 
@@ -108,6 +114,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--context", type=int, default=1024, help="--step-costs: tokens cached per row")
     parser.add_argument(
+        "--host-ms",
+        type=float,
+        default=0.7,
+        help="--bound: the host's work after a verify step, for the engine's back-off replayed over "
+        "the text (policy_* columns; 0.65-0.75 ms on a stub device since 07a4cb7)",
+    )
+    parser.add_argument(
+        "--break-even",
+        type=float,
+        default=None,
+        help="fix the accepted tokens a verify step must average to pay (default: measured from the "
+        "engine's step times, as in serving; fixed, passes with the same outputs take the same steps)",
+    )
+    parser.add_argument(
         "--bound",
         action="store_true",
         help="the most the proposers could give on this model's text (every position proposed, no "
@@ -142,6 +162,9 @@ class Pass:
     drafted_rows: int
     decode_step_s: list[float]
     verify_step_s: list[float]
+    guesses: int = 0  # drafts made behind a step in flight whose guess was read
+    guesses_held: int = 0
+    reads_first: int = 0  # steps that read the step in flight first (poor guesses)
 
     @property
     def output_tokens(self) -> int:
@@ -201,7 +224,9 @@ def run(args: argparse.Namespace) -> int:
                 best: dict[Setting, Pass] = {}
                 for _ in range(repeats):
                     for setting in settings:
-                        done = _measure(llm, encoder, conversations, setting, max_tokens, max_batch_size)
+                        done = _measure(
+                            llm, encoder, conversations, setting, max_tokens, max_batch_size, args.break_even
+                        )
                         if setting not in best or done.seconds < best[setting].seconds:
                             best[setting] = done
                 plain = best[settings[0]]
@@ -330,6 +355,7 @@ def _measure(
     setting: Setting | None,
     max_tokens: int,
     max_batch_size: int = 1,
+    break_even: float | None = None,
 ) -> Pass:
     """One pass: every turn of `conversations` (all conversations' turn t in one batch), greedy,
     from an empty prefix cache and a fresh speculation state of `setting` (None or no proposer:
@@ -339,7 +365,9 @@ def _measure(
 
     speculation = None
     if setting is not None and setting.proposer is not None:
-        config = speculative_config(setting.proposer, num_tokens=setting.k, max_batch_size=max_batch_size)
+        config = speculative_config(
+            setting.proposer, num_tokens=setting.k, max_batch_size=max_batch_size, break_even=break_even
+        )
         speculation = Speculation(config)
     params = SamplingParams(max_tokens=max_tokens)
 
@@ -386,6 +414,9 @@ def measure_pass(llm: Any, speculation: Any, generate: Callable[[], tuple[list[l
         drafted_rows=counts.drafted_rows if counts else 0,
         decode_step_s=[r.busy_s for r in records if r.decode and r.tokens == r.rows],
         verify_step_s=[r.busy_s for r in records if r.decode and r.tokens > r.rows],
+        guesses=counts.guesses if counts else 0,
+        guesses_held=counts.guesses_held if counts else 0,
+        reads_first=counts.reads_first if counts else 0,
     )
 
 
@@ -408,6 +439,10 @@ def _row(workload: str, batch: int, setting: Setting, done: Pass, plain: Pass) -
         # issue 34's step target: a verify step of k drafts against a plain decode step, same batch
         "verify_over_decode": verify_ms / decode_ms if verify_ms and decode_ms else None,
         "verify_steps": len(done.verify_step_s),
+        "plain_steps": len(done.decode_step_s),
+        # drafts made behind a step in flight: how often the guess of its token held
+        "guess_rate": done.guesses_held / done.guesses if done.guesses else None,
+        "reads_first": done.reads_first,
         "output_tokens": done.output_tokens,
         "same_tokens": done.token_ids == plain.token_ids,
     }

@@ -10,6 +10,11 @@ Two parts of `snugkv bench speculative`:
   these proposers could give on this model's text if every step's host work hid behind the device.
   Prefill is left out of both sides, so a measured end-to-end ratio can only be lower. The outputs
   are written as a trace (`speculative-trace.json`: prompts and outputs, token ids) for the replay.
+  Beside it, the engine's own back-off over the same text (`policy_steps`: the scheduler's overlap
+  and `RowDrafter`'s pauses at batch 1, the break-even from the measured steps and `--host-ms`):
+  `policy_speedup`, what the engine should reach, so that the bound's gap splits into what the
+  back-off leaves and what the host adds. At batch 1 `policy_steps` takes exactly the engine's
+  steps (a slow test replays the real bench).
 
 - **The replay** (`--replay TRACE`): any model (the 8B shape with random weights: real step costs
   but no text worth drafting from) runs the trace's prompts (token ids; every id of a smaller
@@ -116,6 +121,80 @@ def bound_steps(items: Iterable[TraceItem], method: str, k: int) -> BoundSteps:
             proposer.finish()
         total += len(output)
     return BoundSteps(plain, verify, accepted, total)
+
+
+@dataclass(frozen=True, slots=True)
+class PolicySteps(BoundSteps):
+    """The steps a row takes over one text under the engine's own back-off at batch 1, overlapped as
+    the scheduler runs it: `reads_first` of the verify steps waited for the step before them
+    (poor guesses), `guesses` drafts rode on a guess of the token in flight, `guesses_held` held."""
+
+    reads_first: int = 0
+    guesses: int = 0
+    guesses_held: int = 0
+
+    def speedup_with_host(self, decode_ms: float, verify_ms: float, host_ms: float) -> float:
+        """As `speedup`, with `host_ms` of host work showing before every step that follows a verify
+        step or reads first (a plain step's hides behind the device)."""
+        spent_ms = (
+            self.plain_steps * decode_ms
+            + self.verify_steps * (verify_ms + host_ms)
+            + self.reads_first * host_ms
+        )
+        return self.output_tokens * decode_ms / spent_ms if spent_ms else 0.0
+
+
+def policy_steps(items: Iterable[TraceItem], config: SpeculativeConfig) -> PolicySteps:
+    """Each item's output as the engine emits it at batch 1 with `config`, drafts judged against the
+    text: the prefill step's token is in flight when the first decode step is scheduled; a plain
+    step's token stays in flight while the next step drafts (on a guess of it, `RowDrafter.propose`'s
+    `unread`, or after reading it where the row guesses poorly: `Speculation.reads_first`); a verify
+    step is read at once. The same `RowDrafter` as the engine's, so its pauses and back-off, with
+    `config.break_even` (`DEFAULT_BREAK_EVEN` where None: nothing is timed here)."""
+    from snugkv.speculative.config import DEFAULT_BREAK_EVEN
+    from snugkv.speculative.drafter import RowDrafter
+
+    break_even = DEFAULT_BREAK_EVEN if config.break_even is None else config.break_even
+
+    store = SuffixStore() if config.method == "suffix" else None
+    plain = verify = accepted = total = reads = guesses = held = 0
+    for item in items:
+        text = list(item.prompt_ids) + list(item.output_ids)
+        end = len(text)
+        known, in_flight = len(item.prompt_ids) + 1, True  # tokens emitted; the last one unread
+        drafter: RowDrafter | None = None
+        while known < end:
+            room = min(config.num_tokens, end - known - 1)
+            if drafter is not None and not drafter.may_draft(known):
+                room = 0
+            draft: list[int] = []
+            if room > 0:
+                unread = int(in_flight)
+                if drafter is None:
+                    drafter = RowDrafter(config, text[: known - unread], store)
+                    drafter.break_even = break_even
+                draft = drafter.propose(text[: known - unread], room, unread)
+                if draft and unread and not drafter.guesses_well:
+                    reads += 1
+                    draft = drafter.propose(text[:known], room)
+            if draft:
+                keep = kept(draft, text, known)
+                known += keep + 1
+                drafter.record(len(draft), keep, known)  # type: ignore[union-attr]
+                verify += 1
+                accepted += keep
+                in_flight = False
+            else:
+                known += 1
+                plain += 1
+                in_flight = True
+        if drafter is not None:
+            drafter.read_guess(text)
+            guesses += drafter.guesses
+            held += drafter.guesses_held
+            drafter.finish()
+        total += len(item.output_ids)
+    return PolicySteps(plain, verify, accepted, total, reads, guesses, held)
 
 
 class ReplayProposer:
@@ -252,6 +331,9 @@ def run_bound(llm: Any, args: Any, ks: Sequence[int], max_tokens: int) -> int:
             for k in ks:
                 steps = bound_steps(mine, method, k)
                 decode_ms, verify_ms = costs[k]["decode_step_ms"], costs[k]["verify_step_ms"]
+                host_ms = args.host_ms
+                break_even = max(0.0, (verify_ms + host_ms - decode_ms) / decode_ms)
+                policy = policy_steps(mine, SpeculativeConfig(method, num_tokens=k, break_even=break_even))
                 rows.append(
                     {
                         "proposer": method,
@@ -268,6 +350,13 @@ def run_bound(llm: Any, args: Any, ks: Sequence[int], max_tokens: int) -> int:
                         "decode_step_ms": decode_ms,
                         "verify_step_ms": verify_ms,
                         "bound_speedup": steps.speedup(decode_ms, verify_ms),
+                        # the engine's back-off over the same text at this break-even (host_ms of
+                        # host work after each verify step)
+                        "host_ms": host_ms,
+                        "break_even": break_even,
+                        "policy_plain_steps": policy.plain_steps,
+                        "policy_verify_steps": policy.verify_steps,
+                        "policy_speedup": policy.speedup_with_host(decode_ms, verify_ms, host_ms),
                     }
                 )
     env = environment()
@@ -318,7 +407,10 @@ def run_replay(llm: Any, args: Any, ks: Sequence[int], batches: Sequence[int], r
                     speculation = None
                     if setting.proposer is not None:
                         config = speculative_config(
-                            setting.proposer, num_tokens=setting.k, max_batch_size=max_batch_size
+                            setting.proposer,
+                            num_tokens=setting.k,
+                            max_batch_size=max_batch_size,
+                            break_even=args.break_even,
                         )
                         speculation = replay_speculation(config, requests, own)
                     done = measure_pass(llm, speculation, generate)

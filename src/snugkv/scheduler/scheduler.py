@@ -58,6 +58,7 @@ engine core ends it with a 503 and Retry-After when `--queue-timeout` passes fir
 
 from __future__ import annotations
 
+import enum
 import itertools
 import logging
 import time
@@ -92,6 +93,15 @@ from snugkv.structured.matcher import RequestGrammar
 __all__ = ["OutputCallback", "Scheduler", "SlotAccountingError"]
 
 logger = logging.getLogger(__name__)
+
+
+class _ReadFirst(enum.Enum):
+    """A speculating step's drafts rest on guesses that fail too often: read the step in flight."""
+
+    READ_FIRST = enum.auto()
+
+
+READ_FIRST = _ReadFirst.READ_FIRST
 
 
 class Scheduler:
@@ -280,6 +290,7 @@ class Scheduler:
             if previous is not None and self.overlap:  # schedule while the device runs `previous`
                 batch = self._schedule_prefill() if self._prefill_may_run() else None
                 # a draft model's drafts need `previous`'s tokens: such a step reads it first
+                # (so does one whose rows guess `previous`'s tokens poorly: None from the decode)
                 if batch is None and (self._drafts_in_flight() or not self._may_speculate()):
                     batch = self._schedule_decode(retract=False)
             if batch is None:
@@ -492,9 +503,11 @@ class Scheduler:
         (a step in flight) reads it there (`FUTURE_TOKEN`). When the pool runs short: retract the
         newest request and try again, or (`retract=False`) give up and return None. A step that
         speculates (`_schedule_verify`) is tried first; without room for its drafts it is an
-        ordinary decode step."""
+        ordinary decode step; None too where its drafts should wait for the step in flight."""
         while self.running:
             verify = self._schedule_verify() if self._may_speculate() else None
+            if verify is READ_FIRST:  # the caller reads the step in flight, then schedules again
+                return None
             if verify is not None:
                 return verify
             rows = self._decode_rows(self.running)
@@ -507,16 +520,19 @@ class Scheduler:
             self._retract(max(self.running, key=lambda r: r.seq))  # the newest; never wall time
         return None
 
-    def _schedule_verify(self) -> ScheduledBatch | None:
+    def _schedule_verify(self) -> ScheduledBatch | _ReadFirst | None:
         """Every running request by its last token and its draft (`scheduler.speculation`), or None
         where no request drafts or the pool has no room for the drafts. A request whose last token
         a step in flight computes (`in_flight`) takes it on the device (`FUTURE_TOKEN`), as a
-        decode row does, its draft behind it."""
+        decode row does, its draft behind it; `READ_FIRST` where such drafts rest on guesses that
+        have failed too often of late (`Speculation.reads_first`)."""
         assert self.speculation is not None
         requests = list(self.running)
         drafts = self.speculation.drafts(requests, self.context_length)
         if not any(drafts):
             return None
+        if self.speculation.reads_first(requests, drafts):
+            return READ_FIRST
         rows = [
             BatchRow(
                 r.table_row,
@@ -699,7 +715,7 @@ class Scheduler:
             return
         tokens, log_probs = launched.results()
         self.slots.read_back(id(launched))
-        self.times.add(launched)
+        self._add_times(launched)
         rows, batch = launched.batch.rows, launched.batch.requests
         sampled = [batch[index] for index in launched.sampled_rows]
         logprobs = self.outputs.logprobs(log_probs, sampled, tokens)
@@ -739,6 +755,12 @@ class Scheduler:
         if finished_any:
             self.running = [request for request in self.running if not request.finished]
 
+    def _add_times(self, launched: LaunchedStep) -> None:
+        """Count a step read back; speculation's back-off learns its step costs from it."""
+        self.times.add(launched)
+        if self.speculation is not None:
+            self.speculation.costs.observe(self.times.records[-1])
+
     def _complete_verify(self, launched: LaunchedStep) -> None:
         """Read a verify step and move each request on by the tokens it emitted, one at a time:
         each is checked for a stop as a sampled token is, and the first stop ends the request there
@@ -747,7 +769,7 @@ class Scheduler:
         emitted = launched.emitted()
         _, log_probs = launched.results()
         self.slots.read_back(id(launched))
-        self.times.add(launched)
+        self._add_times(launched)
         speculation = self.speculation
         assert speculation is not None and launched.batch.drafts is not None
         rows, batch, drafts = launched.batch.rows, launched.batch.requests, launched.batch.drafts

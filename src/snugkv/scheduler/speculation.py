@@ -10,7 +10,9 @@ of sampling (`ModelRunner.verify_on_device`); rows without a draft in it are sam
 same verification (k = 0). A step that does not speculate is an ordinary decode step. A host
 proposer drafts behind a step still in flight too: a row whose last token that step computes
 drafts from the tokens before it, past the proposer's guess of that token (`drafts`), so the
-verify step is launched before the step in flight is read (docs/SPECULATIVE.md, item 7).
+verify step is launched before the step in flight is read (docs/SPECULATIVE.md, item 7), unless
+the rows drafting so guess that token poorly of late (`reads_first`): then the step in flight is
+read and the rows draft again from the token itself.
 
 Each request gets a `RowDrafter` at its first decode step that may speculate; with the suffix
 method every drafter reads one `SuffixStore` of this scheduler, which a request's output joins
@@ -33,9 +35,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from snugkv.runner.draft_steps import DraftRow
-from snugkv.scheduler.launched import ScheduledBatch
+from snugkv.scheduler.launched import ScheduledBatch, StepRecord
 from snugkv.scheduler.request import Request
-from snugkv.speculative.config import SpeculativeConfig
+from snugkv.speculative.config import DEFAULT_BREAK_EVEN, SpeculativeConfig
 from snugkv.speculative.drafter import RowDrafter
 from snugkv.speculative.suffix import SuffixStore
 
@@ -43,6 +45,48 @@ if TYPE_CHECKING:
     from snugkv.runner.model_runner import ModelRunner
 
 DRAFT_PENDING = -2  # a draft model's token until its forwards run at launch (never fed to a forward)
+COST_WEIGHT = 0.1  # weight of a new step's time in the running averages
+
+
+class StepCosts:
+    """Running averages, per batch size (1, 2-3, 4-7, ...), of the device time of a plain decode
+    step and of a verify step, and of the device's idle time before the step after a verify step
+    (the host's work then: a verify step is read before the next step is scheduled), from the
+    scheduler's step records. `break_even(rows)`: the accepted draft tokens a row's verify step must
+    average so that it emits tokens faster than plain steps would, `(verify + host - decode) /
+    decode`: a verify step emits `accepted + 1` tokens in `verify + host`, a plain step one in
+    `decode` (its host work hides behind the device)."""
+
+    def __init__(self) -> None:
+        self._decode: dict[int, float] = {}
+        self._verify: dict[int, float] = {}
+        self._host: dict[int, float] = {}
+        self._after_verify = False
+
+    def observe(self, record: StepRecord) -> None:
+        """One step read back (`StepTimes.records`' newest); prefill steps only end a verify's gap."""
+        bucket = record.rows.bit_length()
+        if self._after_verify and record.decode and record.gap_s is not None:
+            decode = self._decode.get(bucket)
+            gap = record.gap_s if decode is None else min(record.gap_s, decode)  # not a stall's
+            self._host[bucket] = _average(self._host.get(bucket), gap)
+        verify = record.decode and record.tokens > record.rows
+        self._after_verify = verify
+        if record.decode:
+            times = self._verify if verify else self._decode
+            times[bucket] = _average(times.get(bucket), record.busy_s)
+
+    def break_even(self, rows: int) -> float:
+        """For a step of `rows` rows: `DEFAULT_BREAK_EVEN` until both kinds of step were timed."""
+        bucket = rows.bit_length()
+        decode, verify = self._decode.get(bucket), self._verify.get(bucket)
+        if not decode or verify is None:
+            return DEFAULT_BREAK_EVEN
+        return max(0.0, (verify + self._host.get(bucket, 0.0) - decode) / decode)
+
+
+def _average(mean: float | None, value: float) -> float:
+    return value if mean is None else (1 - COST_WEIGHT) * mean + COST_WEIGHT * value
 
 
 @dataclass(slots=True)
@@ -53,6 +97,9 @@ class SpeculationCounts:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     drafted_rows: int = 0
+    guesses: int = 0  # drafts made behind a step in flight whose guess of its token was read
+    guesses_held: int = 0  # of those, the ones whose guess was that token
+    reads_first: int = 0  # steps that read the step in flight before drafting (poor guesses)
 
     @property
     def mean_accepted_length(self) -> float:
@@ -65,6 +112,7 @@ class Speculation:
         self.config = config
         self.store = SuffixStore() if config.method == "suffix" else None
         self.counts = SpeculationCounts()
+        self.costs = StepCosts()
 
     @property
     def drafts_in_flight(self) -> bool:
@@ -84,17 +132,42 @@ class Speculation:
         with a host proposer (`RowDrafter.propose`'s `unread`: the proposer's guess of that token
         is dropped, the draft follows it), and not at all with a draft model."""
         drafts: list[list[int]] = []
+        counts = self.counts
+        break_even = self.config.break_even
+        if break_even is None:
+            break_even = self.costs.break_even(len(requests))
         for request in requests:
             unread = _unread(request)
             room = 0 if unread and not self.drafts_in_flight else self._draft_room(request, context_length)
             drafter = self._drafter(request) if room > 0 else None
             if drafter is None:
                 drafts.append([])
-            elif self.config.drafts_with_model:
+                continue
+            drafter.break_even = break_even
+            if self.config.drafts_with_model:
                 drafts.append([DRAFT_PENDING] * room)
             else:
-                drafts.append(drafter.propose(request.all_ids, room, unread))
+                token_ids = request.all_ids
+                held = drafter.read_guess(token_ids)
+                if held is not None:
+                    counts.guesses += 1
+                    counts.guesses_held += held
+                drafts.append(drafter.propose(token_ids, room, unread))
         return drafts
+
+    def reads_first(self, requests: Sequence[Request], drafts: Sequence[Sequence[int]]) -> bool:
+        """Whether a step whose `drafts` were made behind a step in flight should instead read that
+        step first and draft again: half or more of the rows that drafted on a guess guess poorly
+        of late (`RowDrafter.guesses_well`; a wrong guess loses the row's whole draft)."""
+        guessing = poor = 0
+        for request, draft in zip(requests, drafts):
+            if draft and request.in_flight and request.drafter is not None:
+                guessing += 1
+                poor += not request.drafter.guesses_well
+        if poor == 0 or 2 * poor < guessing:
+            return False
+        self.counts.reads_first += 1
+        return True
 
     def draft_on_device(self, runner: ModelRunner, scheduled: ScheduledBatch) -> torch.Tensor | None:
         """A verify step about to launch with `--speculative draft`: run the draft model for its rows

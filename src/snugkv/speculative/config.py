@@ -29,6 +29,11 @@ MAX_NUM_SPECULATIVE_TOKENS = 16  # a draft longer than this is almost never acce
 # Above this many running requests a decode step does not speculate (flag's default): the verify
 # step's extra tokens cost more than acceptance saves once a batch already fills the device.
 DEFAULT_SPECULATIVE_MAX_BATCH_SIZE = 32
+# The accepted draft tokens a row's verify step must average to pay for itself, until the engine has
+# timed a plain decode step and a verify step of the batch's size (snugkv.scheduler.speculation's
+# `StepCosts`). Measured on an H100 (batch 1, k = 4): 0.28 for the 8B shape in bf16, 0.78 in float32,
+# 1.3 for SmolLM2-135M (from the step costs in docs/bench/speculative.md and ~0.7 ms of host work).
+DEFAULT_BREAK_EVEN = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,15 +41,17 @@ class SpeculativeConfig:
     """`method`: ngram, suffix or draft; `draft_model`: with draft, `layers:N`, `self` or a path (a
     separate draft model); `num_tokens`: the most draft tokens per row and step (k);
     `max_batch_size`: a decode step of more running requests does not speculate;
-    `min_acceptance`: a row whose recent acceptance (accepted / proposed, averaged over its last
-    verify steps) falls below this pauses drafting for `pause_tokens` more tokens, then retries."""
+    `pause_tokens`: a row whose recent verify steps accepted fewer tokens than pays for them
+    (snugkv.speculative.drafter's back-off) drafts nothing for this many more tokens, then retries;
+    `break_even`: the accepted tokens a verify step must average to pay, fixed (None: measured from
+    this engine's step times, which makes the back-off, not the tokens, vary from run to run)."""
 
     method: str
     num_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
     max_batch_size: int = DEFAULT_SPECULATIVE_MAX_BATCH_SIZE
-    min_acceptance: float = 0.2
-    pause_tokens: int = 16
+    pause_tokens: int = 8
     draft_model: str | None = None
+    break_even: float | None = None
 
     def __post_init__(self) -> None:
         check_method(self.method)
@@ -58,8 +65,10 @@ class SpeculativeConfig:
                 f"--speculative-max-batch-size must be at least 1, got {self.max_batch_size} "
                 "(leave --speculative out to turn speculation off)"
             )
-        if not 0.0 <= self.min_acceptance <= 1.0:
-            raise ValueError(f"min_acceptance must be between 0 and 1, got {self.min_acceptance}")
+        if self.break_even is not None and not 0.0 <= self.break_even <= MAX_NUM_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"break_even must be 0 to {MAX_NUM_SPECULATIVE_TOKENS} accepted tokens, got {self.break_even}"
+            )
         if self.pause_tokens < 0:
             raise ValueError(f"pause_tokens must be 0 or more, got {self.pause_tokens}")
 
