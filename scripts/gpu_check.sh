@@ -11,6 +11,7 @@
 #   its fits row alone, repeated: STEPS="env host-tier-fits" (FITS_REPEATS=3)
 #   verify steps behind a step in flight against after a read (random weights): STEPS="env spec-probe"
 #   SmolLM2's acceptance on the 8B shape's steps (a tracked trace, random weights): STEPS="env spec-replay"
+#   (bf16 needs ARGS_spec_replay="--margin 256": random weights' near ties; spec-replay-fp32 needs none)
 #   the most the proposers could give on SmolLM2's text, GPU step costs (needs the GGUF parts): STEPS="spec-bound"
 #   KV tokens with speculation on against the ledger, and a load of 2x the KV cache: STEPS="env spec-sizing"
 #   MoE only: STEPS="env moe" (MOE_MODEL=mixtral-8x7b for another shape; the tuned table lands in $OUT/work/moe)
@@ -280,6 +281,14 @@ for s in $STEPS; do
         --replay "${SPEC_TRACE:-docs/bench/raw/speculative-trace-smollm2.json}" --k 4 8 --batch 1 8 64 \
         --repeats 2 --cuda-graph-max-bs 80 --out "$OUT/spec-replay" ${ARGS_spec_replay:-} 2>&1 \
         | tee "$OUT/bench_spec_replay.log" | grep -v "^Capturing" || status=1
+      ;;
+    spec-replay-fp32)  # the same in float32 (random weights' near ties hold without --margin), batch 1
+      step "bench speculative --replay, float32"
+      timeout "${BENCH_TIMEOUT:-400}" python3 -m snugkv --log-level WARNING bench speculative \
+        --model "src/snugkv/bench/configs/${SPEC_SHAPE:-llama-3-8b}" --load-format dummy --dtype float32 \
+        --replay "${SPEC_TRACE:-docs/bench/raw/speculative-trace-smollm2.json}" --k 4 8 --batch 1 \
+        --workloads code-edit summarize --repeats 2 --cuda-graph-max-bs 16 --out "$OUT/spec-replay-fp32" \
+        ${ARGS_spec_replay_fp32:-} 2>&1 | tee "$OUT/bench_spec_replay_fp32.log" | grep -v "^Capturing" || status=1
       ;;
     spec-sizing)  # issue 34's sizing with speculation on: KV tokens against the ledger, a 2x KV load to the end
       step "speculation sizing"

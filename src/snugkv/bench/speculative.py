@@ -114,6 +114,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--context", type=int, default=1024, help="--step-costs: tokens cached per row")
     parser.add_argument(
+        "--margin",
+        type=float,
+        default=1.0,
+        help="--replay on random weights: scale the token embeddings by this (e.g. 64) so that verify "
+        "and decode steps keep the same greedy tokens in bf16 (random weights leave near ties)",
+    )
+    parser.add_argument(
         "--host-ms",
         type=float,
         default=0.7,

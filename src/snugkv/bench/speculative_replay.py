@@ -302,6 +302,21 @@ def read_trace(path: Path) -> tuple[list[TraceItem], dict[str, Any]]:
     return items, data.get("environment", {})
 
 
+def widen_margins(llm: Any, scale: float) -> None:
+    """Scale random weights' token embeddings by `scale` (after capture: the graphs read the same
+    memory), so that the residual stream is mostly the token's embedding and each layer adds a
+    small part: the greedy token then stands clear of the next one by more than a verify step's and
+    a decode step's rounding differ by. Random bf16 weights otherwise leave near ties that the two
+    kinds of step break differently (every speculating row of the 8B shape left the plain text on
+    an H100 at 593e777). A step's time does not depend on the weights' values."""
+    import torch
+
+    model = llm._runtime.scheduler.runner.model  # the bench changes weights it loaded at random
+    weight = model.model.embed_tokens.weight
+    with torch.no_grad():
+        weight.mul_(scale)
+
+
 def run_bound(llm: Any, args: Any, ks: Sequence[int], max_tokens: int) -> int:
     """`--bound`: the plain greedy outputs of the single-turn workloads, each proposer's steps over
     them, and the bound from this engine's step costs at batch 1; the outputs go to the trace."""
@@ -383,6 +398,8 @@ def run_replay(llm: Any, args: Any, ks: Sequence[int], batches: Sequence[int], r
     from snugkv.core.sampling import SamplingParams
 
     items, trace_env = read_trace(args.replay)
+    if args.margin != 1.0:
+        widen_margins(llm, args.margin)
     speculative = llm.engine.args.speculative
     max_batch_size = speculative.max_batch_size if speculative is not None else 32
     methods = [p for p in args.proposers if p in PROPOSERS]
