@@ -301,6 +301,30 @@ def test_the_break_even_comes_from_the_measured_decode_verify_and_host_times():
     step(1, 1, 5.8, gap_ms=500.0)  # a stall (no request for a while) counts as at most a step
     assert costs.break_even(1) == pytest.approx((6.7 + (0.9 * 0.7 + 0.1 * 5.8) - 5.8) / 5.8)
 
+    # what a row's drafter is given: the measured figure, a fixed one, or (ranks: each times its own
+    # steps, all must pause alike) the default
+    from types import SimpleNamespace
+
+    from snugkv.scheduler.speculation import Speculation
+
+    def given(speculation: Speculation) -> float:
+        speculation.costs = costs
+        request = SimpleNamespace(
+            in_flight=0,
+            grammar=None,
+            drafter=None,
+            num_tokens=3,
+            prompt_ids=[1, 2, 3],
+            all_ids=[1, 2, 3],
+            sampling=SamplingParams(max_new_tokens=8),
+        )
+        speculation.drafts([request], 64)
+        return request.drafter.break_even
+
+    assert given(Speculation(SpeculativeConfig("ngram"))) == costs.break_even(1)
+    assert given(Speculation(SpeculativeConfig("ngram", break_even=2.0))) == 2.0
+    assert given(Speculation(SpeculativeConfig("ngram"), measure_costs=False)) == DEFAULT_BREAK_EVEN
+
 
 def test_a_constrained_row_runs_beside_speculating_rows(engine, tokenizer):
     pytest.importorskip("xgrammar")

@@ -140,7 +140,11 @@ class Scheduler:
         self.cache = RadixCache(runner.allocator, enabled=enable_prefix_cache, host_tier=host_tier)
         self.slots = RequestSlots(runner, self.cache)
         self.outputs = OutputBuilder(tokenizer, on_output)
-        self.speculation = Speculation(speculative) if speculative is not None else None
+        # every rank must pause the same rows: step times differ between ranks, so there the
+        # back-off keeps a fixed break-even
+        self.speculation = (
+            Speculation(speculative, measure_costs=not runner.tp.enabled) if speculative is not None else None
+        )
         self.outputs.reports_drafts = self.speculation is not None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []

@@ -108,11 +108,15 @@ class SpeculationCounts:
 
 
 class Speculation:
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, *, measure_costs: bool = True) -> None:
+        """`measure_costs=False` (tensor parallelism: each rank times its own steps, and every rank
+        must pause the same rows): the back-off's break-even is `config.break_even`, else
+        `DEFAULT_BREAK_EVEN`, never measured."""
         self.config = config
         self.store = SuffixStore() if config.method == "suffix" else None
         self.counts = SpeculationCounts()
         self.costs = StepCosts()
+        self.measure_costs = measure_costs
 
     @property
     def drafts_in_flight(self) -> bool:
@@ -135,7 +139,7 @@ class Speculation:
         counts = self.counts
         break_even = self.config.break_even
         if break_even is None:
-            break_even = self.costs.break_even(len(requests))
+            break_even = self.costs.break_even(len(requests)) if self.measure_costs else DEFAULT_BREAK_EVEN
         for request in requests:
             unread = _unread(request)
             room = 0 if unread and not self.drafts_in_flight else self._draft_room(request, context_length)
