@@ -10,7 +10,13 @@ from snugkv.core.sampling import SamplingParams
 from snugkv.core.structured_output import TokenBitmask
 from snugkv.layers.sampler import Sampler, TokenRows
 from snugkv.speculative.ngram import NgramConfig, NgramProposer
-from snugkv.speculative.verify import position_token_rows, rejection_sample, verify
+from snugkv.speculative.verify import (
+    _point_masses,
+    greedy_verification,
+    position_token_rows,
+    rejection_sample,
+    verify,
+)
 
 SAMPLES = 200_000
 # A 6-token target at 4 positions (k = 3) and a draft that disagrees with it in places.
@@ -200,6 +206,28 @@ def test_a_greedy_row_keeps_the_drafted_tokens_that_are_the_argmax_then_emits_th
     assert with_q.token_lists() == result.token_lists()
     everything = verify(logits, [best[:3]], [SamplingParams()], sampler=Sampler())
     assert everything.token_lists() == [best] and int(everything.accepted_lens[0]) == 3
+
+
+def test_the_greedy_shortcut_gives_what_the_rule_gives_with_point_masses():
+    # random batches of greedy rows with drafts of 0 to 5 tokens, some copying the argmax for a while
+    generator = torch.Generator().manual_seed(11)
+    for _ in range(200):
+        lens = torch.randint(
+            0, 6, (int(torch.randint(1, 6, (1,), generator=generator)),), generator=generator
+        )
+        logits = torch.randn(int(lens.sum()) + len(lens), 7, generator=generator)
+        targets = logits.argmax(dim=-1)
+        width = int(lens.max())
+        drafts = torch.randint(0, 7, (len(lens), width), generator=generator)
+        start = 0
+        for row, k in enumerate(lens.tolist()):
+            copied = int(torch.randint(0, k + 1, (1,), generator=generator))
+            drafts[row, :copied] = targets[start : start + copied]
+            start += k + 1
+        fast = greedy_verification(targets, drafts, lens)
+        rule = rejection_sample(_point_masses(logits), drafts, lens, None, torch.rand(len(lens), width))
+        assert torch.equal(fast.accepted_lens, rule.accepted_lens)
+        assert fast.token_lists() == rule.token_lists()
 
 
 def test_a_greedy_row_beside_sampled_rows_is_still_exact():

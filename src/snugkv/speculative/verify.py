@@ -95,10 +95,14 @@ def verify(
         processed = sampler.process(logits, position_params, history)
     if token_bitmask is not None:
         processed = apply_token_bitmask(processed, token_bitmask)
-    target_probs = target_probabilities(processed, position_params, sampler)
     device, width = logits.device, max(draft_lens, default=0)
     padded = [token for draft in draft_token_ids for token in (*draft, *[0] * (width - len(draft)))]
     drafts = to_device(padded, torch.int64, device).reshape(len(params), width)
+    if all(p.greedy for p in params):  # no draws: the argmax decides (a few ops, not ~30)
+        return greedy_verification(
+            torch.argmax(processed, dim=-1), drafts, to_device(draft_lens, torch.int64, device)
+        )
+    target_probs = target_probabilities(processed, position_params, sampler)
     uniforms = _uniforms(draft_lens, width, generators, device)
     return rejection_sample(
         target_probs, drafts, to_device(draft_lens, torch.int64, device), draft_probs, uniforms, generators
@@ -125,6 +129,26 @@ def _point_masses(logits: torch.Tensor) -> torch.Tensor:
     """Float32 one-hot rows on each row's argmax (the greedy draw's token)."""
     masses = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
     return masses.scatter_(1, torch.argmax(logits, dim=-1, keepdim=True), 1.0)
+
+
+def greedy_verification(
+    targets: torch.Tensor, draft_token_ids: torch.Tensor, draft_lens: torch.Tensor
+) -> Verification:
+    """The rule for a batch of greedy rows, from each position's argmax `targets` `[sum(k_i + 1)]`:
+    a row keeps its drafted tokens while each equals the argmax before it, then emits the argmax
+    (what `rejection_sample` gives with point masses, without a vocabulary-wide tensor or a draw)."""
+    width = draft_token_ids.shape[1]
+    device = targets.device
+    row_starts = torch.cumsum(draft_lens + 1, dim=0) - (draft_lens + 1)
+    offsets = torch.arange(width + 1, device=device)
+    positions = (row_starts[:, None] + offsets[None, :]).clamp_max(targets.shape[0] - 1)
+    argmaxes = targets[positions]  # [B, K + 1]: each position's greedy token
+    drafted = offsets[None, :width] < draft_lens[:, None]
+    accepted = (argmaxes[:, :width] == draft_token_ids) & drafted
+    accepted_lens = accepted.long().cumprod(dim=1).sum(dim=1)
+    # kept drafted tokens equal the argmax at their positions: the emitted tokens are the argmaxes
+    token_ids = torch.where(offsets[None, :] <= accepted_lens[:, None], argmaxes, -1)
+    return Verification(accepted_lens=accepted_lens, token_ids=token_ids)
 
 
 def rejection_sample(
