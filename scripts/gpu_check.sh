@@ -11,7 +11,7 @@
 #   its fits row alone, repeated: STEPS="env host-tier-fits" (FITS_REPEATS=3)
 #   verify steps behind a step in flight against after a read (random weights): STEPS="env spec-probe"
 #   SmolLM2's acceptance on the 8B shape's steps (a tracked trace, random weights): STEPS="env spec-replay"
-#   (bf16 needs ARGS_spec_replay="--margin 256": random weights' near ties; spec-replay-fp32 needs none)
+#   (bf16 needs ARGS_spec_replay="--force-text": random weights' near ties; spec-replay-fp32 needs none)
 #   the most the proposers could give on SmolLM2's text, GPU step costs (needs the GGUF parts): STEPS="spec-bound"
 #   KV tokens with speculation on against the ledger, and a load of 2x the KV cache: STEPS="env spec-sizing"
 #   MoE only: STEPS="env moe" (MOE_MODEL=mixtral-8x7b for another shape; the tuned table lands in $OUT/work/moe)

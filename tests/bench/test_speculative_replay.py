@@ -101,3 +101,40 @@ def test_replaying_the_models_own_trace_keeps_what_its_real_proposers_keep(tmp_p
         accepted = round((row["mean_accepted_length"] - 1) * row["verify_steps"])
         assert (steps.verify_steps, steps.accepted_tokens) == (row["verify_steps"], accepted)
         assert steps.reads_first == row["reads_first"] and steps.output_tokens == row["output_tokens"]
+
+
+def test_a_forced_replay_emits_the_traces_text_in_the_steps_the_policy_predicts(tmp_path):
+    """`--force-text` on random weights (bf16, where a random model's own greedy text would not hold
+    between verify and decode steps): both passes emit the trace's text token for token, and the
+    speculating pass takes the verify steps `policy_steps` predicts for it."""
+    from snugkv.bench.model_configs import write_tiny_llama_config
+
+    repeat = (5, 6, 7, 8, 9, 10, 11, 12)
+    items = [
+        TraceItem("code-edit", (1, 2, *repeat, 3), (*repeat, 4, *repeat[:5], 13, 14, *repeat)),
+        TraceItem("code-edit", (40, 41, 42, 43), (44, 45, 40, 41, 42, 43, 44, 45, 46)),
+    ]
+    trace = tmp_path / "trace.json"
+    write_trace(trace, items, {"model": "made up"})
+    model = write_tiny_llama_config(tmp_path, 512, 64)
+    common = ["--model", model, "--load-format", "dummy", "--dtype", "bfloat16", "--replay", str(trace)]
+    common += ["--k", "4", "--batch", "1", "--proposers", "ngram", "--workloads", "code-edit"]
+    common += ["--force-text", "--break-even", "0.5", "--out", str(tmp_path / "out")]
+    assert bench(*common) == 0
+    (row,) = json.loads((tmp_path / "out" / "speculative_replay.json").read_text())["rows"]
+    assert row["same_tokens"] and row["output_tokens"] == sum(len(i.output_ids) for i in items[:1])
+    steps = policy_steps(items[:1], SpeculativeConfig("ngram", num_tokens=4, break_even=0.5))
+    assert steps.verify_steps == row["verify_steps"] > 0
+    assert steps.accepted_tokens == round((row["mean_accepted_length"] - 1) * row["verify_steps"]) > 0
+
+    # the text itself is the trace's, not the random model's own
+    from snugkv import LLM, SamplingParams
+    from snugkv.bench.speculative_replay import force_text
+
+    with LLM(model, load_format="dummy", dtype="bfloat16", device="cpu", max_total_tokens=2048) as llm:
+        params = [SamplingParams(max_tokens=len(i.output_ids), ignore_eos=True) for i in items]
+        prompts = [list(i.prompt_ids) for i in items]
+        own = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        force_text(llm, items)
+        forced = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert forced == [list(i.output_ids) for i in items] != own

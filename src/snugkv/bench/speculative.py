@@ -114,11 +114,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--context", type=int, default=1024, help="--step-costs: tokens cached per row")
     parser.add_argument(
-        "--margin",
-        type=float,
-        default=1.0,
-        help="--replay on random weights: scale the token embeddings by this (e.g. 64) so that verify "
-        "and decode steps keep the same greedy tokens in bf16 (random weights leave near ties)",
+        "--force-text",
+        action="store_true",
+        help="--replay on random weights: every greedy choice is the trace's token (the steps run as "
+        "ever); needed in bf16, where a verify and a decode step round random weights' near ties apart",
     )
     parser.add_argument(
         "--host-ms",

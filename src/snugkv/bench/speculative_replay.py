@@ -302,19 +302,47 @@ def read_trace(path: Path) -> tuple[list[TraceItem], dict[str, Any]]:
     return items, data.get("environment", {})
 
 
-def widen_margins(llm: Any, scale: float) -> None:
-    """Scale random weights' token embeddings by `scale` (after capture: the graphs read the same
-    memory), so that the residual stream is mostly the token's embedding and each layer adds a
-    small part: the greedy token then stands clear of the next one by more than a verify step's and
-    a decode step's rounding differ by. Random bf16 weights otherwise leave near ties that the two
-    kinds of step break differently (every speculating row of the 8B shape left the plain text on
-    an H100 at 593e777). A step's time does not depend on the weights' values."""
+def force_text(llm: Any, items: Sequence[TraceItem]) -> None:
+    """Make every greedy choice of `llm`'s engine the trace's token (bench only, random weights):
+    after each forward, the logits row that picks the token at position `p` of a request whose
+    prompt is a trace item's gets the largest value at that item's token there. The forward, the
+    sampling and the verification run as ever, so a step costs what it costs; only the choice is
+    the trace's. A random model's own greedy text cannot stand in for it in bf16: a verify step and
+    a decode step round its near ties differently (every speculating row of the 8B shape left the
+    plain text on an H100 at 593e777, and still did with the token embeddings scaled 256x at
+    e0aaee8)."""
     import torch
 
-    model = llm._runtime.scheduler.runner.model  # the bench changes weights it loaded at random
-    weight = model.model.embed_tokens.weight
-    with torch.no_grad():
-        weight.mul_(scale)
+    from snugkv.core.transfer import to_device
+
+    scheduler = llm._runtime.scheduler  # the bench steers the logits of an engine it loaded at random
+    runner = scheduler.runner
+    texts = {item.prompt_ids: item.prompt_ids + item.output_ids for item in items}
+    forward = runner.forward
+
+    def forced_forward(rows: Sequence[Any], slots: Any) -> Any:
+        logits = forward(rows, slots)
+        by_row = {r.req_pool_idx: r for r in scheduler.requests.values() if r.req_pool_idx is not None}
+        picks: list[int] = []
+        tokens: list[int] = []
+        offset = 0
+        for row in rows:
+            count = row.draft_len + 1 if row.need_logits else 0
+            request = by_row.get(row.req_pool_idx)
+            text = texts.get(tuple(request.prompt_ids)) if request is not None else None
+            first = row.prefix_len + len(row.token_ids) - count + 1  # the position the first row picks
+            for j in range(count):
+                if text is not None and first + j < len(text):
+                    picks.append(offset + j)
+                    tokens.append(text[first + j])
+            offset += count
+        if picks:
+            with torch.inference_mode():  # the forward's logits are an inference tensor
+                index = to_device(picks, torch.int64, logits.device)
+                logits[index, to_device(tokens, torch.int64, logits.device)] = torch.finfo(logits.dtype).max
+        return logits
+
+    runner.forward = forced_forward
 
 
 def run_bound(llm: Any, args: Any, ks: Sequence[int], max_tokens: int) -> int:
@@ -398,8 +426,8 @@ def run_replay(llm: Any, args: Any, ks: Sequence[int], batches: Sequence[int], r
     from snugkv.core.sampling import SamplingParams
 
     items, trace_env = read_trace(args.replay)
-    if args.margin != 1.0:
-        widen_margins(llm, args.margin)
+    if args.force_text:
+        force_text(llm, items)
     speculative = llm.engine.args.speculative
     max_batch_size = speculative.max_batch_size if speculative is not None else 32
     methods = [p for p in args.proposers if p in PROPOSERS]
