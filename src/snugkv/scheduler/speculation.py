@@ -137,9 +137,7 @@ class Speculation:
         is dropped, the draft follows it), and not at all with a draft model."""
         drafts: list[list[int]] = []
         counts = self.counts
-        break_even = self.config.break_even
-        if break_even is None:
-            break_even = self.costs.break_even(len(requests)) if self.measure_costs else DEFAULT_BREAK_EVEN
+        break_even = self.break_even(len(requests))
         for request in requests:
             unread = _unread(request)
             room = 0 if unread and not self.drafts_in_flight else self._draft_room(request, context_length)
@@ -158,6 +156,13 @@ class Speculation:
                     counts.guesses_held += held
                 drafts.append(drafter.propose(token_ids, room, unread))
         return drafts
+
+    def break_even(self, rows: int) -> float:
+        """The accepted tokens a verify step of `rows` rows must average to pay (the drafters'
+        back-off): the config's, else measured (`StepCosts`), else `DEFAULT_BREAK_EVEN`."""
+        if self.config.break_even is not None:
+            return self.config.break_even
+        return self.costs.break_even(rows) if self.measure_costs else DEFAULT_BREAK_EVEN
 
     def reads_first(self, requests: Sequence[Request], drafts: Sequence[Sequence[int]]) -> bool:
         """Whether a step whose `drafts` were made behind a step in flight should instead read that

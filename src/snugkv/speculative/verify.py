@@ -98,15 +98,12 @@ def verify(
     device, width = logits.device, max(draft_lens, default=0)
     padded = [token for draft in draft_token_ids for token in (*draft, *[0] * (width - len(draft)))]
     drafts = to_device(padded, torch.int64, device).reshape(len(params), width)
+    lens = to_device(draft_lens, torch.int64, device)
     if all(p.greedy for p in params):  # no draws: the argmax decides (a few ops, not ~30)
-        return greedy_verification(
-            torch.argmax(processed, dim=-1), drafts, to_device(draft_lens, torch.int64, device)
-        )
+        return greedy_verification(torch.argmax(processed, dim=-1), drafts, lens)
     target_probs = target_probabilities(processed, position_params, sampler)
     uniforms = _uniforms(draft_lens, width, generators, device)
-    return rejection_sample(
-        target_probs, drafts, to_device(draft_lens, torch.int64, device), draft_probs, uniforms, generators
-    )
+    return rejection_sample(target_probs, drafts, lens, draft_probs, uniforms, generators)
 
 
 def target_probabilities(
