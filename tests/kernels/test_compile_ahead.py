@@ -1,6 +1,8 @@
 """Triton kernels compiled ahead in a compile-only pass (snugkv.kernels.compile_ahead): the switch,
-the pass's bounds and errors, and the GEMM choosers that must not choose inside it (CPU); on a GPU,
-an engine started with it serves the same tokens as one started without (`cuda`, run on the device)."""
+the pass's bounds and errors, its worker processes compiling into Triton's cache what the warm-up
+then finds, and the GEMM choosers that must not choose inside it (CPU); on a GPU, an engine started
+with it serves the same tokens as one started without and compiles nothing the workers did not
+(`cuda`, run on the device)."""
 
 from __future__ import annotations
 
@@ -26,10 +28,108 @@ def test_switched_off_the_pass_does_not_run(monkeypatch: pytest.MonkeyPatch) -> 
     assert compile_ahead.run(lambda: ran.append(1), "nothing") is None and ran == []
 
 
+HAND_OVER = r"""
+import inspect, json, logging, os, sys
+import triton
+from triton import knobs
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.compiler.compiler import make_backend
+from triton.runtime import jit
+from triton.runtime.jit import JITFunction, JitFunctionInfo
+from snugkv.kernels import compile_ahead, norm
+
+# A specialization of the RMSNorm kernel as a launch on an sm_90 GPU would make it.
+fn = norm._rms_norm_kernel
+names = [param.name for param in fn.params]
+pointers = ("X", "Residual", "PreNormWeight", "Weight", "Out", "ResidualOut")
+kinds = {name: "*bf16" for name in pointers} | {"eps": "fp32"}
+constexprs = {"HAS_RESIDUAL": True, "HAS_PRE_NORM": False, "GEMMA": False, "BLOCK": 1024}
+signature = {name: "constexpr" if name in constexprs else kinds.get(name, "i32") for name in names}
+constants = {(names.index(name),): value for name, value in constexprs.items()}
+attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in pointers}
+target = GPUTarget("cuda", 90, 32)
+options = make_backend(target).parse_options({"num_warps": 2})
+arguments = [fn._fn_name, signature, constants, attrs, options, "a key"]
+if "target" in inspect.signature(jit.serialize_specialization_data).parameters:  # Triton 3.9
+    arguments.append(target)
+spec = jit.serialize_specialization_data(*arguments)  # what Triton's compile hook hands over
+
+lines, answers = [], []
+class Keep(logging.Handler):
+    def emit(self, record):
+        lines.append(record.getMessage())
+logging.getLogger("snugkv").addHandler(Keep())
+logging.getLogger("snugkv").setLevel(logging.INFO)
+original_run, original_hook = JITFunction.run, knobs.runtime.jit_cache_hook
+
+def work():  # a launch, played as JITFunction._do_compile calls the hook: twice, the same kernel
+    assert compile_ahead.active() and JITFunction.run is not original_run
+    for _ in range(2):
+        answers.append(knobs.runtime.jit_cache_hook(
+            key="a key", repr="_rms_norm_kernel", fn=JitFunctionInfo(fn.fn.__module__, fn.fn.__qualname__, fn),
+            compile={"key": "a key", "specialization_data": spec}, is_manual_warmup=False, already_compiled=False))
+
+sent = compile_ahead.run(work, "a test", target=target)
+compile_ahead.stop_workers()
+cache = os.environ["TRITON_CACHE_DIR"]
+compiled = sorted(os.listdir(cache))
+# the warm-up's launch compiles the same specialization from the same source: a cache hit
+kernel = triton.compile(ASTSource(fn, signature, constants, attrs), target=target, options=options.__dict__)
+print(json.dumps({"sent": sent, "answers": answers, "lines": lines, "compiled": compiled,
+                  "after": sorted(os.listdir(cache)), "name": kernel.name,
+                  "restored": [JITFunction.run is original_run, knobs.runtime.jit_cache_hook is original_hook,
+                               compile_ahead.active()]}))
+"""
+
+
+def test_a_pass_hands_each_kernel_to_the_workers_and_the_warm_up_finds_it_compiled(tmp_path: Path) -> None:
+    """On a CPU too (the workers compile for an sm_90 target), in a fresh interpreter: the tests run
+    Triton's interpreter, whose kernels are no `JITFunction`."""
+    pytest.importorskip("triton")
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env |= {
+        "SNUGKV_COMPILE_AHEAD": "1",
+        "TRITON_CACHE_DIR": str(tmp_path / "triton-cache"),
+        "PYTHONPATH": f"{REPO / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", HAND_OVER], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    assert seen["sent"] == 1 and seen["answers"] == [True, True]  # a launch then returns uncompiled
+    assert seen["restored"] == [True, True, False]
+    assert any(line.startswith("Compiled 1 Triton kernels for a test ahead in ") for line in seen["lines"]), (
+        seen
+    )
+    assert seen["compiled"] and seen["name"] == "_rms_norm_kernel"
+    assert seen["after"] == seen["compiled"]  # the warm-up's compile added nothing to the cache
+
+
+def test_a_specialization_no_worker_can_compile_is_left_to_the_warm_up(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    pytest.importorskip("triton")
+    monkeypatch.setenv("SNUGKV_COMPILE_AHEAD", "1")
+    monkeypatch.setenv("PYTHONPATH", f"{REPO / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    workers = compile_ahead.start_workers(count=1)
+    assert workers is not None
+    try:
+        workers.submit(
+            {"module": "snugkv.kernels.norm", "name": "no_such_kernel", "spec": "{}", "target": []}
+        )
+        assert workers.wait(60)
+    finally:
+        compile_ahead.stop_workers()
+    assert workers.answers[0]["ok"] is False and "AttributeError" in workers.answers[0]["error"]
+
+
 def test_the_pass_is_bounded_and_its_errors_are_logged_not_raised(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    pytest.importorskip("triton.runtime._async_compile")
+    pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
     from triton.runtime.jit import JITFunction
 
     monkeypatch.setenv("SNUGKV_COMPILE_AHEAD", "1")
@@ -41,11 +141,11 @@ def test_the_pass_is_bounded_and_its_errors_are_logged_not_raised(
         raise RuntimeError("a forward that stopped half way")
 
     caplog.set_level(logging.INFO, logger="snugkv.kernels.compile_ahead")
-    assert compile_ahead.run(work, "a test", workers=2) == 0
+    assert compile_ahead.run(work, "a test", target=GPUTarget("cuda", 90, 32)) == 0
     assert seen == [(True, True)]  # inside: this thread's launches compile only
     assert not compile_ahead.active() and JITFunction.run is original  # after: as before
     assert "compiling a test ahead stopped (RuntimeError: a forward that stopped half way)" in caplog.text
-    assert "Compiled 0 Triton kernels for a test ahead on 2 threads" in caplog.text
+    assert "Compiled 0 Triton kernels for a test ahead in 0 processes" in caplog.text
 
 
 def test_the_dense_gemm_chooser_compiles_its_candidates_and_keeps_no_choice_in_the_pass(
@@ -99,7 +199,8 @@ engine.close()
 @pytest.mark.cuda
 @pytest.mark.parametrize("model", ["qwen3-0.6b", "qwen3_moe"])
 def test_an_engine_that_compiled_ahead_starts_and_serves(tmp_path: Path, model: str) -> None:
-    """The MoE case checks that no torch op reads what a skipped Triton launch left unwritten."""
+    """The MoE case checks that no torch op reads what a skipped Triton launch left unwritten; both,
+    that the warm-up after the pass compiles nothing the workers did not."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU (run scripts/gpu_check.sh on the device)")
     saved = {}
@@ -130,4 +231,8 @@ def test_an_engine_that_compiled_ahead_starts_and_serves(tmp_path: Path, model: 
     assert decode and not decode[0].startswith("Compiled 0 "), results["1"]["ahead"]
     assert results["1"]["choices"] > 0  # the warm-up after the pass still chose the small-batch GEMMs
     assert results["1"]["tokens"] == results["0"]["tokens"]  # the same random weights, greedy
+    # Each compiled kernel is a folder of Triton's cache: had a worker's compile not been the one the
+    # warm-up looked for (another cache key), the warm-up would have compiled it again, beside it.
+    compiled = {switch: len(list((tmp_path / f"triton-{switch}").iterdir())) for switch in ("0", "1")}
+    assert compiled["1"] == compiled["0"], compiled
     assert all(len(tokens) == 12 for tokens in results["1"]["tokens"])

@@ -1,36 +1,45 @@
-"""Triton kernels compiled side by side before a warm-up asks for them one at a time.
+"""Triton kernels compiled side by side, in processes of their own, before a warm-up asks for them.
 
 A cold start compiles every Triton kernel the first time a warm-up forward launches it, one after
-another: on the H100 at e86cb6c the 8B shape's start compiled 21 specializations that way, most of
-its 17 s of graph capture and sizing (docs/bench/startup.md). `run(work, what)` runs `work` (the
-same forwards the warm-up will run) once with every Triton launch on this thread turned into a
-compile and no launch: each compile goes to a pool of threads through Triton's own asynchronous
-compile mode (`triton.runtime._async_compile.AsyncCompileMode`, in Triton 3.6 and 3.9), and `run`
-returns when all are compiled, so the warm-up that follows finds them in Triton's cache.
+another: on the H100 at 85c78bd the 8B shape's start compiled 21 specializations that way, ~11 s of
+its 23.5 s to healthy (docs/bench/startup.md). `run(work, what)` runs `work` (the same forwards the
+warm-up will run) once with every Triton launch on this thread turned into a request to compile
+and no launch: Triton's `jit_cache_hook` hands over each specialization it would compile
+(serialized by Triton, as for its `preload`), and a pool of worker processes
+(`compile_worker`, started with the engine by `start_workers`, their imports done while the
+weights load) compiles them into Triton's file cache side by side. `run` returns when all are
+compiled, so the warm-up that follows loads each from the cache. Processes, not threads: Triton's
+front end runs in Python and holds the GIL (on 16 threads, 18 kernels took 5.9 s at 85c78bd).
 
 In that pass the tensors a Triton kernel would have written hold whatever was there: the torch ops
 between them compute on it and nothing reads it back, and code that chooses between kernels by
 timing or comparing outputs must not choose then (`active()`: the dense GEMM chooser compiles its
 candidates and keeps no choice; the FP8 one takes its default tiles).
 
-Off unless `SNUGKV_COMPILE_AHEAD=1` (read here and nowhere else) until it is measured on a GPU; any
-error in the pass is logged and the warm-up compiles what is left as before.
+Off unless `SNUGKV_COMPILE_AHEAD=1` (read here and nowhere else) until it is measured on a GPU; a
+specialization a worker could not compile, or any error in the pass, is compiled by the warm-up
+as before.
 """
 
 from __future__ import annotations
 
+import atexit
+import json
 import logging
 import os
+import queue
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 logger = logging.getLogger(__name__)
 
 _SWITCH_ENV = "SNUGKV_COMPILE_AHEAD"
-MAX_WORKERS = 16
+MAX_WORKERS = 8
+WAIT_S = 60.0  # for the workers after a pass; what is left then, the warm-up compiles
 _local = threading.local()
 
 
@@ -43,49 +52,175 @@ def active() -> bool:
     return bool(getattr(_local, "active", False))
 
 
-def run(work: Callable[[], object], what: str, workers: int | None = None) -> int | None:
-    """Run `work` as a compile-only pass (see the module's docstring); returns how many compiles it
-    started, None when it did not run (switched off, or no Triton with asynchronous compiles)."""
+class CompileWorkers:
+    """Worker processes (`python -m snugkv.kernels.compile_worker`) fed jobs from one queue, a
+    thread per worker writing a job and reading its answer; `wait` until all jobs are answered."""
+
+    def __init__(self, count: int) -> None:
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # they compile; a GPU they must not touch
+        self.processes = [
+            subprocess.Popen(
+                [sys.executable, "-m", "snugkv.kernels.compile_worker"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+                env=env,
+            )
+            for _ in range(count)
+        ]
+        self.jobs: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self.answers: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+        self._threads = [
+            threading.Thread(target=self._feed, args=(process,), name="snugkv-compile", daemon=True)
+            for process in self.processes
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def _feed(self, process: subprocess.Popen[str]) -> None:
+        assert process.stdin is not None and process.stdout is not None
+        gone = False
+        while (job := self.jobs.get()) is not None:
+            answer: dict[str, Any] = {"ok": False, "error": "its worker exited"}
+            if not gone:  # a worker that exited answers what it takes at once: the warm-up compiles it
+                try:
+                    process.stdin.write(json.dumps(job) + "\n")
+                    process.stdin.flush()
+                    line = process.stdout.readline()
+                    gone = not line
+                    answer = json.loads(line) if line else answer
+                except (OSError, ValueError) as exc:
+                    gone, answer = True, {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+            with self._lock:
+                self.answers.append({**answer, "kernel": job["name"]})
+            self.jobs.task_done()
+        self.jobs.task_done()
+
+    def submit(self, job: dict[str, Any]) -> None:
+        self.jobs.put(job)
+
+    def wait(self, timeout_s: float) -> bool:
+        """Whether every job was answered within `timeout_s`."""
+        done = threading.Event()
+
+        def join() -> None:
+            self.jobs.join()
+            done.set()
+
+        threading.Thread(target=join, daemon=True).start()
+        return done.wait(timeout_s)
+
+    def close(self) -> None:
+        for _ in self._threads:
+            self.jobs.put(None)
+        for process in self.processes:
+            try:
+                if process.stdin is not None:
+                    process.stdin.close()
+                process.wait(timeout=5)
+            except (OSError, subprocess.TimeoutExpired):
+                process.kill()
+
+
+_workers: CompileWorkers | None = None
+
+
+def start_workers(count: int | None = None) -> CompileWorkers | None:
+    """Start the worker processes (switched on only): the engine does as it starts on a GPU, so
+    that their imports run beside its own; `run` does at its first kernel if they are not running."""
+    global _workers
+    if not enabled():
+        return None
+    if _workers is None:
+        count = count or max(1, min(MAX_WORKERS, (os.cpu_count() or 2) - 1))
+        _workers = CompileWorkers(count)
+        atexit.register(stop_workers)
+    return _workers
+
+
+def stop_workers() -> None:
+    global _workers
+    if _workers is not None:
+        _workers.close()
+        _workers = None
+
+
+def run(work: Callable[[], object], what: str, target: Any = None) -> int | None:
+    """Run `work` as a compile-only pass (see the module's docstring); returns how many
+    specializations it sent to the workers, None when it did not run (switched off, no GPU
+    target, or a Triton without the hook this needs). The workers start with the first one."""
     if not enabled():
         return None
     try:
-        from triton.runtime._async_compile import AsyncCompileMode
+        from triton import knobs
+        from triton.runtime.driver import driver
         from triton.runtime.jit import JITFunction
     except ImportError:
-        logger.debug("this Triton compiles no kernel asynchronously: %s is compiled by its warm-up", what)
+        logger.debug("this Triton has no compile hook: %s is compiled by its warm-up", what)
         return None
-    workers = workers or max(1, min(MAX_WORKERS, os.cpu_count() or 1))
+    try:
+        target = driver.active.get_current_target() if target is None else target
+    except Exception as exc:  # no GPU driver (a CPU machine)
+        logger.debug("no GPU target (%s): %s is compiled by its warm-up", exc, what)
+        return None
     started = time.perf_counter()
-    launch = JITFunction.run
+    launch, previous_hook = JITFunction.run, knobs.runtime.jit_cache_hook
+    sent: set[str] = set()
 
     def compile_only(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
         return launch(self, *args, grid=grid, warmup=warmup or active(), **kwargs)
 
-    submitted = 0
-    with ThreadPoolExecutor(workers, thread_name_prefix="snugkv-compile") as pool:
-        mode = AsyncCompileMode(pool, ignore_errors=True)  # a failed compile fails again in the warm-up
-        JITFunction.run = compile_only
-        _local.active = True
-        try:
-            with mode:
-                try:
-                    work()
-                except Exception as exc:
-                    logger.warning(
-                        "compiling %s ahead stopped (%s: %s); the warm-up compiles the rest one at a time",
-                        what,
-                        type(exc).__name__,
-                        str(exc).splitlines()[0] if str(exc) else "",
-                    )
-                submitted = len(mode.raw_futures)
-        finally:
-            _local.active = False
-            JITFunction.run = launch
+    def hand_over(*, fn: Any, compile: dict[str, Any], **kwargs: Any) -> bool | None:
+        if not active():
+            return previous_hook(fn=fn, compile=compile, **kwargs) if previous_hook else None
+        spec = compile["specialization_data"]
+        if spec not in sent:
+            sent.add(spec)
+            workers = start_workers()
+            assert workers is not None
+            module = fn.module if isinstance(fn.module, str) else fn.module.__name__
+            workers.submit(
+                {
+                    "module": module,
+                    "name": fn.name,
+                    "spec": spec,
+                    "target": [target.backend, target.arch, target.warp_size],
+                }
+            )
+        return True  # not compiled here: Triton's launch returns without a kernel
+
+    before = len(_workers.answers) if _workers is not None else 0
+    JITFunction.run = compile_only
+    knobs.runtime.jit_cache_hook = hand_over
+    _local.active = True
+    try:
+        work()
+    except Exception as exc:
+        logger.warning(
+            "compiling %s ahead stopped (%s: %s); the warm-up compiles the rest one at a time",
+            what,
+            type(exc).__name__,
+            str(exc).splitlines()[0] if str(exc) else "",
+        )
+    finally:
+        _local.active = False
+        JITFunction.run, knobs.runtime.jit_cache_hook = launch, previous_hook
+    workers = _workers
+    finished = workers is None or workers.wait(WAIT_S)  # None: nothing to compile
+    answers = [] if workers is None else workers.answers[before:]
+    failed = [answer for answer in answers if not answer.get("ok")]
     logger.info(
-        "Compiled %d Triton kernels for %s ahead on %d threads in %.1f s",
-        submitted,
+        "Compiled %d Triton kernels for %s ahead in %d processes in %.1f s%s",
+        len(answers) - len(failed),
         what,
-        workers,
+        0 if workers is None else len(workers.processes),
         time.perf_counter() - started,
+        "" if finished else f" ({len(sent) - len(answers)} not done after {WAIT_S:.0f} s)",
     )
-    return submitted
+    for answer in failed[:3]:
+        logger.info(
+            "  %s was not compiled ahead (%s); its warm-up compiles it", answer["kernel"], answer.get("error")
+        )
+    return len(sent)

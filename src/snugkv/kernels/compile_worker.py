@@ -1,0 +1,121 @@
+"""A process that compiles Triton kernels into Triton's file cache, one specialization at a time.
+
+`python -m snugkv.kernels.compile_worker` reads one job per line on stdin (JSON: the kernel's
+module and name, the specialization Triton serialized for it, the GPU target) and answers one
+line per job on stdout (`{"ok": bool, "seconds": float, "error": str}`). It compiles with
+`triton.compile`, as a launch would, into the same file cache (the same environment), and never
+touches a GPU: the engine that started it finds each kernel there when its warm-up launches it.
+
+Its own imports come first (torch, triton, snugkv's kernel modules), so that a job waits for none.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import sys
+import time
+from typing import Any
+
+# Modules that define Triton kernels, imported before the first job arrives.
+KERNEL_MODULES = (
+    "snugkv.attention.triton_common",
+    "snugkv.attention.triton_decode",
+    "snugkv.attention.triton_extend",
+    "snugkv.kernels.activation",
+    "snugkv.kernels.dense_gemv",
+    "snugkv.kernels.fp8_gemm",
+    "snugkv.kernels.fp8_quant",
+    "snugkv.kernels.fp8_small_gemm",
+    "snugkv.kernels.kv_store",
+    "snugkv.kernels.moe_align",
+    "snugkv.kernels.moe_direct",
+    "snugkv.kernels.moe_experts",
+    "snugkv.kernels.moe_routing",
+    "snugkv.kernels.norm",
+    "snugkv.kernels.rope_store",
+    "snugkv.memory.page_copy",
+)
+
+
+def jit_function(module: str, name: str) -> Any:
+    """The `triton.jit` function `name` of `module` (through any wrapper that keeps it as `.fn`)."""
+    from triton.runtime.jit import JITFunction
+
+    found: Any = importlib.import_module(module)
+    for part in name.split("."):
+        found = getattr(found, part)
+    while not isinstance(found, JITFunction):
+        found = found.fn
+    return found
+
+
+def _constant(value: Any) -> Any:
+    """A constant as Triton serialized it, back as the launch had it (as `JITFunction.preload` does)."""
+    import triton.language as tl
+
+    if isinstance(value, str) and tl.dtype.is_dtype(value):
+        return tl.dtype(value)
+    if isinstance(value, dict) and "constexpr" in value:
+        return tl.constexpr(_tuples(value["constexpr"]))
+    if isinstance(value, dict) and "jit_function" in value:  # Triton 3.9: a kernel passed as a constant
+        module, _, name = value["jit_function"].partition(":")
+        return jit_function(module, name)
+    return _tuples(value)
+
+
+def _tuples(value: Any) -> Any:
+    return tuple(_tuples(item) for item in value) if isinstance(value, list) else value
+
+
+def compile_job(job: dict[str, Any]) -> None:
+    """Compile one specialization for `job["target"]` (backend, arch, warp size) into the cache."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = jit_function(job["module"], job["name"])
+    spec = json.loads(job["spec"])
+    constexprs = {
+        tuple(key): _constant(value) for key, value in zip(spec["constant_keys"], spec["constant_vals"])
+    }
+    attrs = {tuple(key): value for key, value in zip(spec["attrs_keys"], spec["attrs_vals"])}
+    signature = {key: _tuples(value) for key, value in spec["signature"].items()}
+    options = {
+        key: tuple(value) if isinstance(value, list) else value for key, value in spec["options"].items()
+    }
+    backend, arch, warp_size = job["target"]
+    triton.compile(
+        ASTSource(fn, signature, constexprs, attrs),
+        target=GPUTarget(backend, arch, warp_size),
+        options=options,
+    )
+
+
+def main() -> None:
+    answers = os.fdopen(os.dup(sys.stdout.fileno()), "w")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # what a compile prints stays off the answers
+    for module in KERNEL_MODULES:
+        with contextlib.suppress(ImportError):  # a job for it says why
+            importlib.import_module(module)
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        started = time.perf_counter()
+        try:
+            compile_job(json.loads(line))
+            answer: dict[str, Any] = {"ok": True}
+        except Exception as exc:  # the engine's warm-up compiles this one itself
+            answer = {
+                "ok": False,
+                "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+            }
+        answer["seconds"] = round(time.perf_counter() - started, 3)
+        answers.write(json.dumps(answer) + "\n")
+        answers.flush()
+
+
+if __name__ == "__main__":
+    main()
