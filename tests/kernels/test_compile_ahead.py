@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from snugkv.kernels import compile_ahead
+from snugkv.kernels import compile_ahead, compile_workers
 from snugkv.layers import dense_gemm_choice
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,6 +37,7 @@ from triton.compiler import ASTSource
 from triton.compiler.compiler import make_backend
 from triton.runtime import jit
 from triton.runtime.jit import JITFunction, JitFunctionInfo
+from snugkv.kernels import compile_workers
 from snugkv.kernels import compile_ahead, norm
 
 # A specialization of the RMSNorm kernel as a launch on an sm_90 GPU would make it.
@@ -71,7 +72,7 @@ def work():  # a launch, played as JITFunction._do_compile calls the hook: twice
             compile={"key": "a key", "specialization_data": spec}, is_manual_warmup=False, already_compiled=False))
 
 sent = compile_ahead.run(work, "a test", target=target)
-compile_ahead.stop_workers()
+compile_workers.stop()
 cache = os.environ["TRITON_CACHE_DIR"]
 compiled = sorted(os.listdir(cache))
 # the warm-up's launch compiles the same specialization from the same source: a cache hit
@@ -113,7 +114,7 @@ def test_a_specialization_no_worker_can_compile_is_left_to_the_warm_up(
     pytest.importorskip("triton")
     monkeypatch.setenv("SNUGKV_COMPILE_AHEAD", "1")
     monkeypatch.setenv("PYTHONPATH", f"{REPO / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    workers = compile_ahead.start_workers(count=1)
+    workers = compile_workers.start(count=1)
     assert workers is not None
     try:
         workers.submit(
@@ -121,8 +122,23 @@ def test_a_specialization_no_worker_can_compile_is_left_to_the_warm_up(
         )
         assert workers.wait(60)
     finally:
-        compile_ahead.stop_workers()
+        compile_workers.stop()
     assert workers.answers[0]["ok"] is False and "AttributeError" in workers.answers[0]["error"]
+
+
+def test_an_engine_process_can_start_the_workers_before_its_own_imports() -> None:
+    """The engine process starts them first thing (commands/engine_spawn.py): the pool's module
+    imports neither torch nor triton nor the rest of snugkv."""
+    probe = "import sys, snugkv.kernels.compile_workers; print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton') or m.startswith('snugkv.')))"
+    result = subprocess.run(
+        [sys.executable, "-c", probe],
+        env={**os.environ, "PYTHONPATH": str(REPO / "src")},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "['snugkv.kernels', 'snugkv.kernels.compile_workers', 'snugkv.version']"
 
 
 def test_the_pass_is_bounded_and_its_errors_are_logged_not_raised(

@@ -13,6 +13,7 @@ import argparse
 from multiprocessing.connection import Connection
 
 from snugkv.driver.engine_start import LogSettings, StartedEngine, ignore_stop_signals, spawn
+from snugkv.kernels import compile_workers
 
 
 def start_from_flags(flags: argparse.Namespace) -> StartedEngine:
@@ -24,6 +25,8 @@ def start_from_flags(flags: argparse.Namespace) -> StartedEngine:
 def _engine_main_from_flags(conn: Connection, flags: argparse.Namespace, log: LogSettings) -> None:
     ignore_stop_signals()  # before the imports: a Ctrl-C during them is the server's to handle
     log.configure()
+    if getattr(flags, "device", None) != "cpu":  # SNUGKV_COMPILE_AHEAD=1: the Triton compile workers,
+        compile_workers.start()  # their imports beside this process's (kernels/compile_ahead.py)
     from snugkv.commands.engine_args import checked_engine_args
     from snugkv.driver.engine_process import EngineSpec, engine_main, send_start_failure
 

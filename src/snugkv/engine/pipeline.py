@@ -48,7 +48,7 @@ from snugkv.engine.memory_backend import memory_backend, weights_memory
 from snugkv.engine.post_capture_start import start_post_capture
 from snugkv.engine.sleep import EngineSleep
 from snugkv.engine.static_start import start_static
-from snugkv.kernels import compile_ahead
+from snugkv.kernels import compile_workers
 from snugkv.memory.host_tier import HostKvTier
 from snugkv.memory.kv_pool import KVPool
 from snugkv.memory.moves import KvMoves
@@ -106,7 +106,7 @@ class Engine:
         self.args = args
         self.group = group
         if self.device.type == "cuda":
-            compile_ahead.start_workers()  # with SNUGKV_COMPILE_AHEAD=1: their imports beside this start
+            compile_workers.start()  # SNUGKV_COMPILE_AHEAD=1: Triton's compiles in processes (kernels/compile_ahead.py)
             torch.cuda.set_device(self.device)
             torch.zeros(1, device=self.device)  # CUDA context first, so the baseline includes it
         loading = time.perf_counter()
@@ -182,7 +182,7 @@ class Engine:
         try:
             self.kv, sized = start(self._blocks, self._timings)
         finally:
-            compile_ahead.stop_workers()  # the start's kernels are compiled (or it failed)
+            compile_workers.stop()  # the start's kernels are compiled (or it failed)
         self.runner = self.kv.runner
         # The prefix cache's second tier, in (pinned) host memory beside the device's KV cache.
         self.host_tier = open_host_tier(

@@ -15,11 +15,39 @@ bit-identical to the layers. This package imports only torch and triton, never t
 it sits at the bottom of the import graph, and layers, attention and models build on it.
 """
 
-from snugkv.kernels.activation import gated_act_and_mul
-from snugkv.kernels.device import fused_kernels, fused_kernels_enabled
-from snugkv.kernels.kv_store import store_kv
-from snugkv.kernels.norm import fused_add_rms_norm, rms_norm
-from snugkv.kernels.rope_store import rope_and_store_kv
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from snugkv.kernels.activation import gated_act_and_mul
+    from snugkv.kernels.device import fused_kernels, fused_kernels_enabled
+    from snugkv.kernels.kv_store import store_kv
+    from snugkv.kernels.norm import fused_add_rms_norm, rms_norm
+    from snugkv.kernels.rope_store import rope_and_store_kv
+
+# Imported at first use, so that `snugkv.kernels.compile_workers` (standard library only) is light
+# for an engine process to import before torch.
+_HOMES = {
+    "gated_act_and_mul": "activation",
+    "fused_kernels": "device",
+    "fused_kernels_enabled": "device",
+    "store_kv": "kv_store",
+    "fused_add_rms_norm": "norm",
+    "rms_norm": "norm",
+    "rope_and_store_kv": "rope_store",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "fused_add_rms_norm",

@@ -6,8 +6,8 @@ its 23.5 s to healthy (docs/bench/startup.md). `run(work, what)` runs `work` (th
 warm-up will run) once with every Triton launch on this thread turned into a request to compile
 and no launch: Triton's `jit_cache_hook` hands over each specialization it would compile
 (serialized by Triton, as for its `preload`), and a pool of worker processes
-(`compile_worker`, started with the engine by `start_workers`, their imports done while the
-weights load) compiles them into Triton's file cache side by side. `run` returns when all are
+(`compile_worker`, started by `kernels.compile_workers` as the engine process starts, their imports
+done beside the engine's) compiles them into Triton's file cache side by side. `run` returns when all are
 compiled, so the warm-up that follows loads each from the cache. Processes, not threads: Triton's
 front end runs in Python and holds the GIL (on 16 threads, 18 kernels took 5.9 s at 85c78bd).
 
@@ -16,135 +16,36 @@ between them compute on it and nothing reads it back, and code that chooses betw
 timing or comparing outputs must not choose then (`active()`: the dense GEMM chooser compiles its
 candidates and keeps no choice; the FP8 one takes its default tiles).
 
-Off unless `SNUGKV_COMPILE_AHEAD=1` (read here and nowhere else) until it is measured on a GPU; a
+Off unless `SNUGKV_COMPILE_AHEAD=1` (read in `compile_workers`) until it is measured on a GPU; a
 specialization a worker could not compile, or any error in the pass, is compiled by the warm-up
-as before.
+as before. On the H100 at 3a4ac76, with the workers started only as the engine started, the pass
+took 5.9 s for 18 kernels (their imports first) and the warm-up still 4.7 s: Triton 3.6 builds a
+C launcher per kernel signature at its first launch, which the workers now build too.
 """
 
 from __future__ import annotations
 
-import atexit
-import json
 import logging
-import os
-import queue
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+from snugkv.kernels import compile_workers
+
 logger = logging.getLogger(__name__)
 
-_SWITCH_ENV = "SNUGKV_COMPILE_AHEAD"
-MAX_WORKERS = 8
 WAIT_S = 60.0  # for the workers after a pass; what is left then, the warm-up compiles
 _local = threading.local()
 
 
 def enabled() -> bool:
-    return os.environ.get(_SWITCH_ENV, "0") == "1"
+    return compile_workers.enabled()
 
 
 def active() -> bool:
     """Whether this thread is in a compile-only pass (a Triton launch compiles and runs nothing)."""
     return bool(getattr(_local, "active", False))
-
-
-class CompileWorkers:
-    """Worker processes (`python -m snugkv.kernels.compile_worker`) fed jobs from one queue, a
-    thread per worker writing a job and reading its answer; `wait` until all jobs are answered."""
-
-    def __init__(self, count: int) -> None:
-        env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # they compile; a GPU they must not touch
-        self.processes = [
-            subprocess.Popen(
-                [sys.executable, "-m", "snugkv.kernels.compile_worker"],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.DEVNULL,
-                text=True,
-                env=env,
-            )
-            for _ in range(count)
-        ]
-        self.jobs: queue.Queue[dict[str, Any] | None] = queue.Queue()
-        self.answers: list[dict[str, Any]] = []
-        self._lock = threading.Lock()
-        self._threads = [
-            threading.Thread(target=self._feed, args=(process,), name="snugkv-compile", daemon=True)
-            for process in self.processes
-        ]
-        for thread in self._threads:
-            thread.start()
-
-    def _feed(self, process: subprocess.Popen[str]) -> None:
-        assert process.stdin is not None and process.stdout is not None
-        gone = False
-        while (job := self.jobs.get()) is not None:
-            answer: dict[str, Any] = {"ok": False, "error": "its worker exited"}
-            if not gone:  # a worker that exited answers what it takes at once: the warm-up compiles it
-                try:
-                    process.stdin.write(json.dumps(job) + "\n")
-                    process.stdin.flush()
-                    line = process.stdout.readline()
-                    gone = not line
-                    answer = json.loads(line) if line else answer
-                except (OSError, ValueError) as exc:
-                    gone, answer = True, {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-            with self._lock:
-                self.answers.append({**answer, "kernel": job["name"]})
-            self.jobs.task_done()
-        self.jobs.task_done()
-
-    def submit(self, job: dict[str, Any]) -> None:
-        self.jobs.put(job)
-
-    def wait(self, timeout_s: float) -> bool:
-        """Whether every job was answered within `timeout_s`."""
-        done = threading.Event()
-
-        def join() -> None:
-            self.jobs.join()
-            done.set()
-
-        threading.Thread(target=join, daemon=True).start()
-        return done.wait(timeout_s)
-
-    def close(self) -> None:
-        for _ in self._threads:
-            self.jobs.put(None)
-        for process in self.processes:
-            try:
-                if process.stdin is not None:
-                    process.stdin.close()
-                process.wait(timeout=5)
-            except (OSError, subprocess.TimeoutExpired):
-                process.kill()
-
-
-_workers: CompileWorkers | None = None
-
-
-def start_workers(count: int | None = None) -> CompileWorkers | None:
-    """Start the worker processes (switched on only): the engine does as it starts on a GPU, so
-    that their imports run beside its own; `run` does at its first kernel if they are not running."""
-    global _workers
-    if not enabled():
-        return None
-    if _workers is None:
-        count = count or max(1, min(MAX_WORKERS, (os.cpu_count() or 2) - 1))
-        _workers = CompileWorkers(count)
-        atexit.register(stop_workers)
-    return _workers
-
-
-def stop_workers() -> None:
-    global _workers
-    if _workers is not None:
-        _workers.close()
-        _workers = None
 
 
 def run(work: Callable[[], object], what: str, target: Any = None) -> int | None:
@@ -178,7 +79,7 @@ def run(work: Callable[[], object], what: str, target: Any = None) -> int | None
         spec = compile["specialization_data"]
         if spec not in sent:
             sent.add(spec)
-            workers = start_workers()
+            workers = compile_workers.start()
             assert workers is not None
             module = fn.module if isinstance(fn.module, str) else fn.module.__name__
             workers.submit(
@@ -191,7 +92,8 @@ def run(work: Callable[[], object], what: str, target: Any = None) -> int | None
             )
         return True  # not compiled here: Triton's launch returns without a kernel
 
-    before = len(_workers.answers) if _workers is not None else 0
+    running = compile_workers.running()
+    before = 0 if running is None else len(running.answers)
     JITFunction.run = compile_only
     knobs.runtime.jit_cache_hook = hand_over
     _local.active = True
@@ -207,7 +109,7 @@ def run(work: Callable[[], object], what: str, target: Any = None) -> int | None
     finally:
         _local.active = False
         JITFunction.run, knobs.runtime.jit_cache_hook = launch, previous_hook
-    workers = _workers
+    workers = compile_workers.running()
     finished = workers is None or workers.wait(WAIT_S)  # None: nothing to compile
     answers = [] if workers is None else workers.answers[before:]
     failed = [answer for answer in answers if not answer.get("ok")]

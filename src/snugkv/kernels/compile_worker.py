@@ -3,8 +3,9 @@
 `python -m snugkv.kernels.compile_worker` reads one job per line on stdin (JSON: the kernel's
 module and name, the specialization Triton serialized for it, the GPU target) and answers one
 line per job on stdout (`{"ok": bool, "seconds": float, "error": str}`). It compiles with
-`triton.compile`, as a launch would, into the same file cache (the same environment), and never
-touches a GPU: the engine that started it finds each kernel there when its warm-up launches it.
+`triton.compile`, as a launch would, into the same file cache (the same environment), then the
+kernel's launcher where Triton builds one per signature, and never touches a GPU: the engine that
+started it finds both there when its warm-up launches the kernel.
 
 Its own imports come first (torch, triton, snugkv's kernel modules), so that a job waits for none.
 """
@@ -87,11 +88,33 @@ def compile_job(job: dict[str, Any]) -> None:
         key: tuple(value) if isinstance(value, list) else value for key, value in spec["options"].items()
     }
     backend, arch, warp_size = job["target"]
-    triton.compile(
+    kernel = triton.compile(
         ASTSource(fn, signature, constexprs, attrs),
         target=GPUTarget(backend, arch, warp_size),
         options=options,
     )
+    with contextlib.suppress(Exception):  # the engine's first launch builds it then
+        build_launcher(kernel)
+
+
+def build_launcher(kernel: Any) -> None:
+    """The kernel's host-side launcher too, where Triton builds one per signature with the C
+    compiler (Triton 3.6 on NVIDIA: `make_launcher`, a module in the same cache), which the engine's
+    first launch would otherwise build; Triton 3.9 launches every kernel through one launcher and
+    builds none. A launcher that cannot be built here (no libcuda to link) is built at that launch."""
+    from triton.backends.nvidia import driver
+
+    if hasattr(driver, "make_launcher") and hasattr(driver, "compile_module_from_src"):
+        driver.CudaLauncher(kernel.src, kernel.metadata)
+
+
+def build_driver_utils() -> None:
+    """Triton 3.6's NVIDIA driver module (`cuda_utils`, built once per machine with the C compiler),
+    which the engine's first use of Triton's driver would otherwise build."""
+    from triton.backends.nvidia import driver
+
+    if hasattr(driver, "make_launcher") and hasattr(driver, "CudaUtils"):
+        driver.CudaUtils()
 
 
 def main() -> None:
@@ -100,6 +123,8 @@ def main() -> None:
     for module in KERNEL_MODULES:
         with contextlib.suppress(ImportError):  # a job for it says why
             importlib.import_module(module)
+    with contextlib.suppress(Exception):  # else the engine builds it
+        build_driver_utils()
     for line in sys.stdin:
         if not line.strip():
             continue
