@@ -20,6 +20,7 @@ from snugkv.core.forward import BatchRow
 from snugkv.core.sampling import MAX_LOGPROBS, PROMPT_LOGITS_PER_STEP, SamplingParams
 from snugkv.core.structured_output import TokenBitmask
 from snugkv.engine.blocks import EngineBlocks
+from snugkv.kernels import compile_ahead
 from snugkv.layers.logprobs import score_tokens
 from snugkv.runner.draft_steps import DraftRow
 from snugkv.runner.kv_resize import load_shrink_kernels
@@ -53,6 +54,8 @@ def capture_graphs(blocks: EngineBlocks, runner: ModelRunner) -> dict[str, float
         return timings
 
     def capture() -> None:
+        # SNUGKV_COMPILE_AHEAD=1: the sizing step's prefix-hit kernel compiles beside the decode graphs'
+        compile_ahead.run(lambda: warm_prefix_extend(blocks, runner), "a prefix hit's step", wait=False)
         decode = time.perf_counter()
         if sizes:
             runner.capture_cuda_graphs(sizes)

@@ -48,10 +48,11 @@ def active() -> bool:
     return bool(getattr(_local, "active", False))
 
 
-def run(work: Callable[[], object], what: str, target: Any = None) -> int | None:
+def run(work: Callable[[], object], what: str, target: Any = None, wait: bool = True) -> int | None:
     """Run `work` as a compile-only pass (see the module's docstring); returns how many
     specializations it sent to the workers, None when it did not run (switched off, no GPU
-    target, or a Triton without the hook this needs). The workers start with the first one."""
+    target, or a Triton without the hook this needs). The workers start with the first one.
+    `wait=False` returns once they are handed over: the next pass's wait covers them."""
     if not enabled():
         return None
     try:
@@ -110,6 +111,9 @@ def run(work: Callable[[], object], what: str, target: Any = None) -> int | None
         _local.active = False
         JITFunction.run, knobs.runtime.jit_cache_hook = launch, previous_hook
     workers = compile_workers.running()
+    if not wait:
+        logger.info("Handed %d Triton kernels for %s to the compile workers", len(sent), what)
+        return len(sent)
     finished = workers is None or workers.wait(WAIT_S)  # None: nothing to compile
     answers = [] if workers is None else workers.answers[before:]
     failed = [answer for answer in answers if not answer.get("ok")]
