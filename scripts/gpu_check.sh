@@ -180,11 +180,12 @@ for s in $STEPS; do
       [ "$(cat "$SOAK_DIR/rc" 2>/dev/null)" = 0 ] || { echo "soak rc: $(cat "$SOAK_DIR/rc" 2>/dev/null || echo 'not finished')"; status=1; }
       ;;
     startup)  # snugkv serve of both shipped shapes timed to healthy, with the breakdown (scripts/startup_check.py); needs the server wheels (.whl)
-      # every server starts with empty compile caches; SNUGKV_COMPILE_AHEAD=1 compiles the graphs' Triton kernels side by side
-      # (its results then go to $OUT/startup-ahead: both ways fit one call)
+      # every server starts with empty compile caches, so its Triton kernels compile ahead in worker processes
+      # (kernels/compile_ahead.py); SNUGKV_COMPILE_AHEAD=0 compiles them one at a time, results in $OUT/startup-serial
       step "startup"
-      timeout "${STARTUP_TIMEOUT:-600}" python3 scripts/startup_check.py --out "$OUT/startup${SNUGKV_COMPILE_AHEAD:+-ahead}" ${ARGS_startup:-} \
-        2>&1 | tee "$OUT/startup${SNUGKV_COMPILE_AHEAD:+-ahead}.log" || status=1
+      suffix=$([ "${SNUGKV_COMPILE_AHEAD:-}" = 0 ] && echo -serial)
+      timeout "${STARTUP_TIMEOUT:-600}" python3 scripts/startup_check.py --out "$OUT/startup$suffix" ${ARGS_startup:-} \
+        2>&1 | tee "$OUT/startup$suffix.log" || status=1
       ;;
     retest)  # named CUDA tests again (RETEST="file::test ..."; only those marked cuda unless RETEST_MARK says otherwise:
       # a file's CPU tests need the embedded GGUF, which the networkless device cannot fetch), e.g. after a fix

@@ -11,6 +11,7 @@ import logging
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,10 +23,60 @@ from snugkv.layers import dense_gemm_choice
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.fixture(autouse=True)
+def _decide_afresh() -> Iterator[None]:
+    """Each test's switch is read anew (a process decides once)."""
+    compile_workers.forget_decision()
+    yield
+    compile_workers.forget_decision()
+
+
 def test_switched_off_the_pass_does_not_run(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("SNUGKV_COMPILE_AHEAD", raising=False)
+    monkeypatch.setenv("SNUGKV_COMPILE_AHEAD", "0")
     ran = []
     assert compile_ahead.run(lambda: ran.append(1), "nothing") is None and ran == []
+
+
+@pytest.mark.parametrize(
+    ("switch", "gpu", "cached", "on"),
+    [
+        (None, True, False, True),  # a fresh machine with a GPU: its start compiles everything
+        (None, True, True, False),  # kernels in the cache already: the workers' imports would cost
+        (None, False, False, False),  # no NVIDIA GPU (a CPU machine, CI)
+        ("1", False, True, True),
+        ("0", True, False, False),
+    ],
+)
+def test_unset_it_is_on_for_a_gpu_start_with_an_empty_triton_cache(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, switch: str | None, gpu: bool, cached: bool, on: bool
+) -> None:
+    if switch is None:
+        monkeypatch.delenv("SNUGKV_COMPILE_AHEAD", raising=False)
+    else:
+        monkeypatch.setenv("SNUGKV_COMPILE_AHEAD", switch)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    if cached:
+        (tmp_path / "cache" / "SOMEKERNELHASH").mkdir(parents=True)
+    monkeypatch.setattr(compile_workers, "has_nvidia_gpu", lambda: gpu)
+    assert compile_workers.enabled() is on
+    (tmp_path / "cache" / "ANOTHER").mkdir(parents=True, exist_ok=True)  # the start's first compile
+    assert compile_workers.enabled() is on  # decided once
+    compile_workers.stop()  # the start is done: a later one in this process compiles as before
+    assert compile_workers.enabled() is (switch == "1")
+
+
+def test_triton_s_cache_folder_is_found_as_triton_finds_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    pytest.importorskip("triton")
+    from triton import knobs
+
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    monkeypatch.setenv("TRITON_HOME", str(tmp_path))
+    assert compile_workers.triton_cache_dir() == knobs.cache.dir
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "elsewhere"))
+    assert compile_workers.triton_cache_dir() == knobs.cache.dir == str(tmp_path / "elsewhere")
 
 
 HAND_OVER = r"""

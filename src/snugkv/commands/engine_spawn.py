@@ -25,7 +25,7 @@ def start_from_flags(flags: argparse.Namespace) -> StartedEngine:
 def _engine_main_from_flags(conn: Connection, flags: argparse.Namespace, log: LogSettings) -> None:
     ignore_stop_signals()  # before the imports: a Ctrl-C during them is the server's to handle
     log.configure()
-    if getattr(flags, "device", None) != "cpu":  # SNUGKV_COMPILE_AHEAD=1: the Triton compile workers,
+    if getattr(flags, "device", None) != "cpu":  # a cold start's Triton compile workers
         compile_workers.start()  # their imports beside this process's (kernels/compile_ahead.py)
     from snugkv.commands.engine_args import checked_engine_args
     from snugkv.driver.engine_process import EngineSpec, engine_main, send_start_failure

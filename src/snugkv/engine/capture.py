@@ -54,7 +54,7 @@ def capture_graphs(blocks: EngineBlocks, runner: ModelRunner) -> dict[str, float
         return timings
 
     def capture() -> None:
-        # SNUGKV_COMPILE_AHEAD=1: the sizing step's prefix-hit kernel compiles beside the decode graphs'
+        # compile-ahead: the sizing step's prefix-hit kernels compile beside the decode graphs'
         compile_ahead.run(lambda: warm_prefix_extend(blocks, runner), "a prefix hit's step", wait=False)
         decode = time.perf_counter()
         if sizes:

@@ -106,7 +106,9 @@ class Engine:
         self.args = args
         self.group = group
         if self.device.type == "cuda":
-            compile_workers.start()  # SNUGKV_COMPILE_AHEAD=1: Triton's compiles in processes (kernels/compile_ahead.py)
+            compile_workers.start(
+                ranks=tp.world_size
+            )  # Triton's compiles in processes (kernels/compile_ahead.py)
             torch.cuda.set_device(self.device)
             torch.zeros(1, device=self.device)  # CUDA context first, so the baseline includes it
         loading = time.perf_counter()

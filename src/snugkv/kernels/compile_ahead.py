@@ -16,11 +16,13 @@ between them compute on it and nothing reads it back, and code that chooses betw
 timing or comparing outputs must not choose then (`active()`: the dense GEMM chooser compiles its
 candidates and keeps no choice; the FP8 one takes its default tiles).
 
-Off unless `SNUGKV_COMPILE_AHEAD=1` (read in `compile_workers`) until it is measured on a GPU; a
-specialization a worker could not compile, or any error in the pass, is compiled by the warm-up
-as before. On the H100 at 3a4ac76, with the workers started only as the engine started, the pass
-took 5.9 s for 18 kernels (their imports first) and the warm-up still 4.7 s: Triton 3.6 builds a
-C launcher per kernel signature at its first launch, which the workers now build too.
+On unless `SNUGKV_COMPILE_AHEAD=0` where a start will compile its kernels (`compile_workers.enabled`:
+a GPU machine whose Triton cache is empty); a specialization a worker could not compile, or any
+error in the pass, is compiled by the warm-up as before. On the H100 at 23be52e the 8B shape's
+cold start took 22.2 s with it against 26.9 s without, in one call (docs/bench/startup.md): 25
+kernels compiled in 4.4 s on 15 processes, the warm-up forwards 2.6 s (12.9 s with the compiles).
+At 3a4ac76, with the workers started late, it had gained nothing: Triton 3.6 also builds a C
+launcher per kernel signature at its first launch, which the workers now build too.
 """
 
 from __future__ import annotations

@@ -3,7 +3,12 @@ for the compile-only pass of `snugkv.kernels.compile_ahead`. Standard library on
 process can start them first thing, before its own imports (torch, triton, the model): the workers'
 imports then run beside the engine's, and they are ready when its graph capture hands them kernels.
 
-Off unless `SNUGKV_COMPILE_AHEAD=1` (read here and nowhere else).
+`SNUGKV_COMPILE_AHEAD` (read here and nowhere else): `1` on, `0` off; unset (`auto`), on for a
+start that will compile its kernels, one on a machine with an NVIDIA GPU whose Triton cache is
+empty or missing (a fresh machine: the 8B shape's cold start 26.9 -> 22.2 s on the H100 at
+23be52e, docs/bench/startup.md), and off where the cache holds kernels already: there the workers'
+own imports would slow a start whose kernels load from the cache. Decided once per process, for its
+first engine start only.
 """
 
 from __future__ import annotations
@@ -22,8 +27,47 @@ SWITCH_ENV = "SNUGKV_COMPILE_AHEAD"
 MAX_WORKERS = 16
 
 
+_decided: bool | None = None
+
+
 def enabled() -> bool:
-    return os.environ.get(SWITCH_ENV, "0") == "1"
+    """Whether this process compiles its Triton kernels ahead (see the module's docstring)."""
+    global _decided
+    if _decided is None:
+        switch = os.environ.get(SWITCH_ENV, "auto").strip().lower()
+        if switch in {"1", "on", "true", "yes"}:
+            _decided = True
+        elif switch in {"0", "off", "false", "no"} or os.environ.get("TRITON_INTERPRET") == "1":
+            _decided = False
+        else:  # auto: this process's first start only (`stop` turns it off for the rest)
+            _decided = has_nvidia_gpu() and not any_entries(triton_cache_dir())
+    return _decided
+
+
+def has_nvidia_gpu() -> bool:
+    """An NVIDIA driver's device node, without importing torch (an engine process asks first thing)."""
+    return os.path.exists("/dev/nvidiactl")
+
+
+def triton_cache_dir() -> str:
+    """Where Triton keeps compiled kernels: `TRITON_CACHE_DIR`, else `$TRITON_HOME/.triton/cache`
+    (home: the user's)."""
+    home = os.environ.get("TRITON_HOME") or os.path.expanduser("~")
+    return os.environ.get("TRITON_CACHE_DIR") or os.path.join(home, ".triton", "cache")
+
+
+def any_entries(path: str) -> bool:
+    try:
+        with os.scandir(path) as entries:
+            return any(True for _ in entries)
+    except OSError:  # missing
+        return False
+
+
+def forget_decision() -> None:
+    """For tests: decide again at the next `enabled()`."""
+    global _decided
+    _decided = None
 
 
 class CompileWorkers:
@@ -102,14 +146,15 @@ class CompileWorkers:
 _workers: CompileWorkers | None = None
 
 
-def start(count: int | None = None) -> CompileWorkers | None:
+def start(count: int | None = None, ranks: int = 1) -> CompileWorkers | None:
     """Start the worker processes (switched on only; once): an engine process first thing, the
-    engine as it starts on a GPU, the compile-only pass at its first kernel if none of those did."""
+    engine as it starts on a GPU, the compile-only pass at its first kernel if none of those did.
+    `ranks`: engines of one tensor-parallel group on this machine, which share its CPUs."""
     global _workers
     if not enabled():
         return None
     if _workers is None:
-        count = count or max(1, min(MAX_WORKERS, (os.cpu_count() or 2) - 1))  # one CPU for the engine
+        count = count or max(1, min(MAX_WORKERS, ((os.cpu_count() or 2) - ranks) // ranks))  # a CPU a rank
         _workers = CompileWorkers(count)
         atexit.register(stop)
     return _workers
@@ -120,7 +165,11 @@ def running() -> CompileWorkers | None:
 
 
 def stop() -> None:
-    global _workers
+    """End the workers; unless switched on by name, later starts in this process compile as before
+    (their kernels are mostly in this process's memory already)."""
+    global _workers, _decided
     if _workers is not None:
         _workers.close()
         _workers = None
+    if os.environ.get(SWITCH_ENV, "auto").strip().lower() not in {"1", "on", "true", "yes"}:
+        _decided = False

@@ -156,7 +156,7 @@ class DecodeCudaGraphs:
         self.memory_pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         sizes = sorted(self.batch_sizes, reverse=True)
-        with torch.cuda.stream(stream):  # every size's kernels compiled at once (SNUGKV_COMPILE_AHEAD=1)
+        with torch.cuda.stream(stream):  # every size's kernels compiled at once (kernels/compile_ahead.py)
             compile_ahead.run(
                 lambda: [self.forward(self._batch(size)) for size in sizes], "the decode graphs"
             )

@@ -202,7 +202,7 @@ class PiecewiseGraphs:
         self.out_cache_loc.zero_()
         self.memory_pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
-        with torch.cuda.stream(stream):  # every bucket's kernels compiled at once (SNUGKV_COMPILE_AHEAD=1)
+        with torch.cuda.stream(stream):  # every bucket's kernels compiled at once (kernels/compile_ahead.py)
             compile_ahead.run(self._warm_up_all, "the piecewise graphs")
         for num_tokens in sorted(self.token_buckets, reverse=True):
             stream.wait_stream(torch.cuda.current_stream())
