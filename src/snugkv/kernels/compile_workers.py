@@ -156,6 +156,7 @@ def start(count: int | None = None, ranks: int = 1) -> CompileWorkers | None:
     if _workers is None:
         count = count or max(1, min(MAX_WORKERS, ((os.cpu_count() or 2) - ranks) // ranks))  # a CPU a rank
         _workers = CompileWorkers(count)
+        atexit.unregister(stop)  # once, however many starts
         atexit.register(stop)
     return _workers
 
