@@ -106,9 +106,8 @@ class Engine:
         self.args = args
         self.group = group
         if self.device.type == "cuda":
-            compile_workers.start(
-                ranks=tp.world_size
-            )  # Triton's compiles in processes (kernels/compile_ahead.py)
+            # A cold start's Triton compiles, in processes beside this start (kernels/compile_ahead.py)
+            compile_workers.start(ranks=tp.world_size)
             torch.cuda.set_device(self.device)
             torch.zeros(1, device=self.device)  # CUDA context first, so the baseline includes it
         loading = time.perf_counter()
