@@ -94,10 +94,12 @@ def test_replaying_the_models_own_trace_keeps_what_its_real_proposers_keep(tmp_p
     keys = ("proposer", "batch", "k", "acceptance", "mean_accepted_length", "verify_steps", "output_tokens")
     assert [{k: r[k] for k in keys} for r in replayed] == [{k: r[k] for k in keys} for r in real]
     assert all(r["same_tokens"] for r in replayed) and any(r["acceptance"] > 0 for r in replayed)
-    # the engine's steps over the trace's first text, replayed off the engine, are the real bench's
-    first = [item for item in read_trace(trace)[0] if item.workload == "code-edit"][:1]
+    # the engine's steps over the trace's texts one after another (batch 1), replayed off the
+    # engine, are the real bench's
+    texts = [item for item in read_trace(trace)[0] if item.workload == "code-edit"]
+    assert len(texts) > 1
     for row in real:
-        steps = policy_steps(first, SpeculativeConfig(row["proposer"], num_tokens=4, break_even=0.5))
+        steps = policy_steps(texts, SpeculativeConfig(row["proposer"], num_tokens=4, break_even=0.5))
         accepted = round((row["mean_accepted_length"] - 1) * row["verify_steps"])
         assert (steps.verify_steps, steps.accepted_tokens) == (row["verify_steps"], accepted)
         assert steps.reads_first == row["reads_first"] and steps.output_tokens == row["output_tokens"]
@@ -122,8 +124,9 @@ def test_a_forced_replay_emits_the_traces_text_in_the_steps_the_policy_predicts(
     common += ["--force-text", "--break-even", "0.5", "--out", str(tmp_path / "out")]
     assert bench(*common) == 0
     (row,) = json.loads((tmp_path / "out" / "speculative_replay.json").read_text())["rows"]
-    assert row["same_tokens"] and row["output_tokens"] == sum(len(i.output_ids) for i in items[:1])
-    steps = policy_steps(items[:1], SpeculativeConfig("ngram", num_tokens=4, break_even=0.5))
+    # batch 1: the workload's items one after another
+    assert row["same_tokens"] and row["output_tokens"] == sum(len(i.output_ids) for i in items)
+    steps = policy_steps(items, SpeculativeConfig("ngram", num_tokens=4, break_even=0.5))
     assert steps.verify_steps == row["verify_steps"] > 0
     assert steps.accepted_tokens == round((row["mean_accepted_length"] - 1) * row["verify_steps"]) > 0
 

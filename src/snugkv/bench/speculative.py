@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from snugkv.bench.speculative_workloads import WORKLOADS, Conversation, batch_of
+from snugkv.bench.speculative_workloads import WORKLOADS, Conversation, batch_of, waves_of
 
 PROPOSERS = ("ngram", "suffix")  # the default; "draft:SPEC" (SPEC: layers:N or self) is taken too
 DRAFT_PREFIX = "draft:"
@@ -223,15 +223,15 @@ def run(args: argparse.Namespace) -> int:
         speculative = llm.engine.args.speculative
         assert speculative is not None  # the engine starts with speculation on
         max_batch_size = speculative.max_batch_size
-        _measure(llm, encoder, batch_of("open", 1), None, 4)  # warm: first calls, allocator
+        _measure(llm, encoder, [batch_of("open", 1)], None, 4)  # warm: first calls, allocator
         for workload in args.workloads:
             for batch in batches:
-                conversations = batch_of(workload, batch)
+                waves = waves_of(workload, batch)
                 best: dict[Setting, Pass] = {}
                 for _ in range(repeats):
                     for setting in settings:
                         done = _measure(
-                            llm, encoder, conversations, setting, max_tokens, max_batch_size, args.break_even
+                            llm, encoder, waves, setting, max_tokens, max_batch_size, args.break_even
                         )
                         if setting not in best or done.seconds < best[setting].seconds:
                             best[setting] = done
@@ -357,15 +357,15 @@ def _tokenizer(llm: Any, directory: str | None) -> Any:
 def _measure(
     llm: Any,
     encoder: Any,
-    conversations: list[Conversation],
+    waves: list[list[Conversation]],
     setting: Setting | None,
     max_tokens: int,
     max_batch_size: int = 1,
     break_even: float | None = None,
 ) -> Pass:
-    """One pass: every turn of `conversations` (all conversations' turn t in one batch), greedy,
-    from an empty prefix cache and a fresh speculation state of `setting` (None or no proposer:
-    plain decoding)."""
+    """One pass: each wave of conversations after the one before, every turn of a wave's
+    conversations (their turn t in one batch), greedy, from an empty prefix cache and a fresh
+    speculation state of `setting` (None or no proposer: plain decoding)."""
     from snugkv.core.sampling import SamplingParams
     from snugkv.scheduler.speculation import Speculation
 
@@ -378,21 +378,22 @@ def _measure(
     params = SamplingParams(max_tokens=max_tokens)
 
     def turns() -> tuple[list[list[int]], float]:
-        histories: list[list[dict[str, str]]] = [[] for _ in conversations]
         token_ids: list[list[int]] = []
         seconds = 0.0
-        for turn in range(max(len(c.turns) for c in conversations)):
-            active = [i for i, c in enumerate(conversations) if turn < len(c.turns)]
-            for i in active:
-                histories[i].append({"role": "user", "content": conversations[i].turns[turn]})
-            prompts = [encoder.encode_chat(histories[i], add_generation_prompt=True) for i in active]
-            started = time.perf_counter()
-            outputs = llm.generate(prompts, params, use_tqdm=False)
-            seconds += time.perf_counter() - started
-            for i, output in zip(active, outputs):
-                ids = list(output.outputs[0].token_ids)
-                token_ids.append(ids)
-                histories[i].append({"role": "assistant", "content": encoder.decode(ids)})
+        for conversations in waves:
+            histories: list[list[dict[str, str]]] = [[] for _ in conversations]
+            for turn in range(max(len(c.turns) for c in conversations)):
+                active = [i for i, c in enumerate(conversations) if turn < len(c.turns)]
+                for i in active:
+                    histories[i].append({"role": "user", "content": conversations[i].turns[turn]})
+                prompts = [encoder.encode_chat(histories[i], add_generation_prompt=True) for i in active]
+                started = time.perf_counter()
+                outputs = llm.generate(prompts, params, use_tqdm=False)
+                seconds += time.perf_counter() - started
+                for i, output in zip(active, outputs):
+                    ids = list(output.outputs[0].token_ids)
+                    token_ids.append(ids)
+                    histories[i].append({"role": "assistant", "content": encoder.decode(ids)})
         return token_ids, seconds
 
     return measure_pass(llm, speculation, turns)

@@ -435,14 +435,29 @@ def run_replay(llm: Any, args: Any, ks: Sequence[int], batches: Sequence[int], r
     for workload in [w for w in args.workloads if w in {i.workload for i in items}]:
         mine = [i for i in items if i.workload == workload]
         for batch in batches:
-            requests = [mine[j % len(mine)] for j in range(batch)]
+            # Batch 1: every item of the workload, one request after another (as `policy_steps`
+            # replays them); a larger batch: that many requests at once, the items in turn.
+            requests = list(mine) if batch == 1 else [mine[j % len(mine)] for j in range(batch)]
+            waves = [[i] for i in range(len(requests))] if batch == 1 else [list(range(batch))]
             params = [SamplingParams(max_tokens=len(i.output_ids), ignore_eos=True) for i in requests]
 
-            def generate(requests: list[TraceItem] = requests, params: list[Any] = params) -> Any:
-                started = time.perf_counter()
-                outputs = llm.generate([list(i.prompt_ids) for i in requests], params, use_tqdm=False)
-                seconds = time.perf_counter() - started
-                return [list(o.outputs[0].token_ids) for o in outputs], seconds
+            def generate(
+                requests: list[TraceItem] = requests,
+                params: list[Any] = params,
+                waves: list[list[int]] = waves,
+            ) -> Any:
+                token_ids: list[list[int]] = []
+                seconds = 0.0
+                for wave in waves:
+                    started = time.perf_counter()
+                    outputs = llm.generate(
+                        [list(requests[i].prompt_ids) for i in wave],
+                        [params[i] for i in wave],
+                        use_tqdm=False,
+                    )
+                    seconds += time.perf_counter() - started
+                    token_ids += [list(o.outputs[0].token_ids) for o in outputs]
+                return token_ids, seconds
 
             own = measure_pass(llm, None, generate).token_ids  # this model's greedy continuations
             settings = [Setting(None, 0)] + [Setting(m, k) for m in methods for k in ks]

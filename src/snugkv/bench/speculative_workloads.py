@@ -156,3 +156,11 @@ def batch_of(workload: str, batch: int) -> list[Conversation]:
     """`batch` conversations of `workload`, cycling through its texts."""
     conversations = WORKLOADS[workload]
     return [conversations[i % len(conversations)] for i in range(batch)]
+
+
+def waves_of(workload: str, batch: int) -> list[list[Conversation]]:
+    """What one pass of `workload` at `batch` runs, one wave after another: at batch 1 each of its
+    conversations alone, so a row covers all its texts; else `batch_of` at once."""
+    if batch == 1:
+        return [[conversation] for conversation in WORKLOADS[workload]]
+    return [batch_of(workload, batch)]
