@@ -66,6 +66,15 @@ def test_unset_it_is_on_for_a_gpu_start_with_an_empty_triton_cache(
     assert compile_workers.enabled() is (switch == "1")
 
 
+def test_a_switch_value_it_does_not_know_is_auto_with_a_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("SNUGKV_COMPILE_AHEAD", "maybe")
+    monkeypatch.setattr(compile_workers, "has_nvidia_gpu", lambda: False)
+    assert compile_workers.enabled() is False
+    assert "SNUGKV_COMPILE_AHEAD='maybe' is not 0, 1 or auto: taken as auto" in caplog.text
+
+
 def test_triton_s_cache_folder_is_found_as_triton_finds_it(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

@@ -56,6 +56,7 @@ def jit_function(module: str, name: str) -> Any:
 def _constant(value: Any) -> Any:
     """A constant as Triton serialized it, back as the launch had it (as `JITFunction.preload` does)."""
     import triton.language as tl
+    from triton.runtime.jit import convert_to_tuple_if_list as _tuples
 
     if isinstance(value, str) and tl.dtype.is_dtype(value):
         return tl.dtype(value)
@@ -67,15 +68,12 @@ def _constant(value: Any) -> Any:
     return _tuples(value)
 
 
-def _tuples(value: Any) -> Any:
-    return tuple(_tuples(item) for item in value) if isinstance(value, list) else value
-
-
 def compile_job(job: dict[str, Any]) -> None:
     """Compile one specialization for `job["target"]` (backend, arch, warp size) into the cache."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+    from triton.runtime.jit import convert_to_tuple_if_list as _tuples
 
     fn = jit_function(job["module"], job["name"])
     spec = json.loads(job["spec"])

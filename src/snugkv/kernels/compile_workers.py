@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import json
+import logging
 import os
 import queue
 import subprocess
@@ -28,19 +29,27 @@ MAX_WORKERS = 16
 
 
 _decided: bool | None = None
+_ON, _OFF = {"1", "on", "true", "yes"}, {"0", "off", "false", "no"}
+
+
+def _switch() -> str:
+    """`SNUGKV_COMPILE_AHEAD` as "on", "off" or "auto" (unset; any other value, with a warning)."""
+    value = os.environ.get(SWITCH_ENV, "auto").strip().lower()
+    if value in _ON or value in _OFF or value == "auto":
+        return "on" if value in _ON else "off" if value in _OFF else "auto"
+    logging.getLogger(__name__).warning("%s=%r is not 0, 1 or auto: taken as auto", SWITCH_ENV, value)
+    return "auto"
 
 
 def enabled() -> bool:
     """Whether this process compiles its Triton kernels ahead (see the module's docstring)."""
     global _decided
     if _decided is None:
-        switch = os.environ.get(SWITCH_ENV, "auto").strip().lower()
-        if switch in {"1", "on", "true", "yes"}:
-            _decided = True
-        elif switch in {"0", "off", "false", "no"} or os.environ.get("TRITON_INTERPRET") == "1":
-            _decided = False
-        else:  # auto: this process's first start only (`stop` turns it off for the rest)
-            _decided = has_nvidia_gpu() and not any_entries(triton_cache_dir())
+        switch = _switch()
+        if switch == "auto":  # this process's first start only (`stop` turns it off for the rest)
+            cold = has_nvidia_gpu() and not any_entries(triton_cache_dir())
+            switch = "on" if cold and os.environ.get("TRITON_INTERPRET") != "1" else "off"
+        _decided = switch == "on"
     return _decided
 
 
@@ -172,5 +181,5 @@ def stop() -> None:
     if _workers is not None:
         _workers.close()
         _workers = None
-    if os.environ.get(SWITCH_ENV, "auto").strip().lower() not in {"1", "on", "true", "yes"}:
+    if _switch() != "on":
         _decided = False
