@@ -182,10 +182,11 @@ for s in $STEPS; do
     startup)  # snugkv serve of both shipped shapes timed to healthy, with the breakdown (scripts/startup_check.py); needs the server wheels (.whl)
       # every server starts with empty compile caches, so its Triton kernels compile ahead in worker processes
       # (kernels/compile_ahead.py); SNUGKV_COMPILE_AHEAD=0 compiles them one at a time, results in $OUT/startup-serial
+      # (STARTUP_OUT names another folder: e.g. a run under py-spy, ARGS_startup="--py-spy .tools/py-spy")
       step "startup"
-      suffix=$([ "${SNUGKV_COMPILE_AHEAD:-}" = 0 ] && echo -serial)
-      timeout "${STARTUP_TIMEOUT:-600}" python3 scripts/startup_check.py --out "$OUT/startup$suffix" ${ARGS_startup:-} \
-        2>&1 | tee "$OUT/startup$suffix.log" || status=1
+      name=${STARTUP_OUT:-startup$([ "${SNUGKV_COMPILE_AHEAD:-}" = 0 ] && echo -serial)}
+      timeout "${STARTUP_TIMEOUT:-600}" python3 scripts/startup_check.py --out "$OUT/$name" ${ARGS_startup:-} \
+        2>&1 | tee "$OUT/$name.log" || status=1
       ;;
     retest)  # named CUDA tests again (RETEST="file::test ..."; only those marked cuda unless RETEST_MARK says otherwise:
       # a file's CPU tests need the embedded GGUF, which the networkless device cannot fetch), e.g. after a fix

@@ -25,6 +25,7 @@ serve or stop cleanly.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -187,17 +188,32 @@ class Server:
     log: ServerLog
     reader: threading.Thread
 
+    profiled: bool = False
+
     @classmethod
     def start(
-        cls, config: Path, extra_args: list[str], log_dir: Path, log_prefix: str, caches: Path | None = None
+        cls,
+        config: Path,
+        extra_args: list[str],
+        log_dir: Path,
+        log_prefix: str,
+        caches: Path | None = None,
+        py_spy: str | None = None,
     ) -> Server:
-        """`caches`: a fresh folder for the server's compile caches (None: the machine's own)."""
+        """`caches`: a fresh folder for the server's compile caches (None: the machine's own);
+        `py_spy`: a py-spy binary that records the server and every process below it (wall clock,
+        idle threads included) into LOG_DIR/py-spy-LABEL.txt, one line a stack."""
         label = config.stem if config.is_file() else config.name
         port = free_port()
         command = [
             sys.executable, "-m", "snugkv", "serve", "--model", str(config), "--load-format", "dummy",
             "--port", str(port), *extra_args,
         ]  # fmt: skip
+        if py_spy:
+            command = [
+                py_spy, "record", "--subprocesses", "--idle", "--threads", "--nonblocking", "--rate", "100",
+                "--format", "raw", "--output", str(log_dir / f"py-spy-{label}.txt"), "--", *command,
+            ]  # fmt: skip
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         if caches is not None:
             env.update(
@@ -210,10 +226,23 @@ class Server:
         )
         log = ServerLog(log_dir / f"{log_prefix}-{label}.log", spawned)
         return cls(
-            label, f"http://127.0.0.1:{port}", command, process, spawned, log, log.follow(process.stdout)
+            label,
+            f"http://127.0.0.1:{port}",
+            command,
+            process,
+            spawned,
+            log,
+            log.follow(process.stdout),
+            profiled=bool(py_spy),
         )
 
     def stop(self) -> dict[str, Any]:
+        if self.profiled:  # SIGTERM to the server below py-spy, which then writes its samples and exits
+            with contextlib.suppress(OSError, ValueError):
+                children = Path(f"/proc/{self.process.pid}/task/{self.process.pid}/children").read_text()
+                os.kill(int(children.split()[0]), signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(timeout=STOP_TIMEOUT_S)
         stopped = stop(self.process)
         self.reader.join(timeout=10)
         return stopped
@@ -231,12 +260,17 @@ def triton_compiled(cache: Path) -> dict[str, Any]:
 
 
 def check_shape(
-    name: str, out: Path, extra_args: list[str], timeout_s: float, cold: bool = True
+    name: str,
+    out: Path,
+    extra_args: list[str],
+    timeout_s: float,
+    cold: bool = True,
+    py_spy: str | None = None,
 ) -> dict[str, Any]:
     """Start, time, query, request and stop one server; the shape's entry of startup.json."""
     config = shape_dir(name)
     caches = Path(tempfile.mkdtemp(prefix="snugkv-startup-caches-")) if cold else None
-    server = Server.start(config, extra_args, out, "startup", caches)
+    server = Server.start(config, extra_args, out, "startup", caches, py_spy)
     url, process, spawned, log = server.url, server.process, server.spawned, server.log
     result: dict[str, Any] = {
         "shape": server.label,
@@ -339,7 +373,12 @@ def table(results: list[dict[str, Any]]) -> str:
 
 
 def run(
-    shapes: list[str], out: Path, extra_args: list[str], timeout_s: float, cold: bool = True
+    shapes: list[str],
+    out: Path,
+    extra_args: list[str],
+    timeout_s: float,
+    cold: bool = True,
+    py_spy: str | None = None,
 ) -> dict[str, Any]:
     """Every shape in turn; OUT/startup.json is rewritten after each."""
     out.mkdir(parents=True, exist_ok=True)
@@ -349,7 +388,7 @@ def run(
         "shapes": [],
     }
     for name in shapes:
-        report["shapes"].append(check_shape(name, out, extra_args, timeout_s, cold))
+        report["shapes"].append(check_shape(name, out, extra_args, timeout_s, cold, py_spy))
         (out / "startup.json").write_text(json.dumps(report, indent=2) + "\n")
     report["ok"] = all(result["ok"] for result in report["shapes"])
     (out / "startup.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -376,8 +415,20 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="keep the machine's Triton and torch compile caches (default: empty ones)",
     )
+    parser.add_argument(
+        "--py-spy",
+        metavar="BIN",
+        help="record each server under this py-spy binary (OUT/py-spy-SHAPE.txt; the timings then carry its cost)",
+    )
     args = parser.parse_args(argv)
-    report = run(args.shapes, args.out, shlex.split(args.extra_args), args.timeout, cold=not args.warm)
+    report = run(
+        args.shapes,
+        args.out,
+        shlex.split(args.extra_args),
+        args.timeout,
+        cold=not args.warm,
+        py_spy=args.py_spy,
+    )
     print(table(report["shapes"]))
     return 0 if report["ok"] else 1
 

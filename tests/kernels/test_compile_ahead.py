@@ -132,12 +132,13 @@ def work():  # a launch, played as JITFunction._do_compile calls the hook: twice
             compile={"key": "a key", "specialization_data": spec}, is_manual_warmup=False, already_compiled=False))
 
 sent = compile_ahead.run(work, "a test", target=target)
+worker_answers = compile_workers.running().answers
 compile_workers.stop()
 cache = os.environ["TRITON_CACHE_DIR"]
 compiled = sorted(os.listdir(cache))
 # the warm-up's launch compiles the same specialization from the same source: a cache hit
 kernel = triton.compile(ASTSource(fn, signature, constants, attrs), target=target, options=options.__dict__)
-print(json.dumps({"sent": sent, "answers": answers, "lines": lines, "compiled": compiled,
+print(json.dumps({"sent": sent, "answers": answers, "worker_answers": worker_answers, "lines": lines, "compiled": compiled,
                   "after": sorted(os.listdir(cache)), "name": kernel.name,
                   "restored": [JITFunction.run is original_run, knobs.runtime.jit_cache_hook is original_hook,
                                compile_ahead.active()]}))
@@ -166,6 +167,8 @@ def test_a_pass_hands_each_kernel_to_the_workers_and_the_warm_up_finds_it_compil
     )
     assert seen["compiled"] and seen["name"] == "_rms_norm_kernel"
     assert seen["after"] == seen["compiled"]  # the warm-up's compile added nothing to the cache
+    # the worker imported every kernel module and compiled without loading torch
+    assert [answer["torch"] for answer in seen["worker_answers"]] == [False]
 
 
 def test_a_specialization_no_worker_can_compile_is_left_to_the_warm_up(

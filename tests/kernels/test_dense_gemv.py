@@ -51,10 +51,17 @@ def test_the_chooser_keeps_the_fastest_candidate_that_agrees_and_cublas_when_non
     speeds = {"cublas": 2e-6, fast.label: 1e-6, "wrong": 1e-9}
     timed: list[str] = []
 
-    def seconds(fns):
-        (fn,) = fns
-        fn()
-        return [speeds[timed[-1]]]
+    calls: list[int] = []
+
+    def seconds(fns):  # one call for every candidate that agreed with F.linear
+        calls.append(len(fns))
+        if len(fns) > 1 and fail_together:
+            raise RuntimeError("a launch failed in the round")
+        times = []
+        for fn in fns:
+            fn()
+            times.append(speeds[timed[-1]])
+        return times
 
     def labelled(candidate):
         def run(x, weight, bias):
@@ -69,7 +76,9 @@ def test_the_chooser_keeps_the_fastest_candidate_that_agrees_and_cublas_when_non
     gen = generator(70)
     weight = randn(gen, 96, 64, dtype=torch.float16)
     x = randn(gen, 3, 64, dtype=torch.float16)
+    fail_together = False
     assert chooser.pick(x, weight, None).label == fast.label
+    assert calls == [2]  # cuBLAS and the fast tile, timed round-robin in one call
     (row,) = chooser.timings
     assert row["chosen"] == fast.label and row["wrong"] == "wrong" and row["broken"] == "unavailable"
     assert (row["n"], row["k"], row["rows"]) == (96, 64, 3)
@@ -78,6 +87,9 @@ def test_the_chooser_keeps_the_fastest_candidate_that_agrees_and_cublas_when_non
     speeds[fast.label] = 3e-6  # slower than cuBLAS for one row: cuBLAS stays
     assert chooser.pick(x[:1], weight, None) is choice.CANDIDATES[0]
     assert chooser.timings[-1]["chosen"] == "cublas"
+    fail_together, calls[:], speeds[fast.label] = True, [], 1e-6  # the round raised: each timed alone
+    assert choice.GemmChooser().pick(x, weight, None).label == fast.label
+    assert calls == [2, 1, 1]
 
 
 def test_dense_linear_is_f_linear_off_the_gpu_and_when_switched_off(monkeypatch):

@@ -17,8 +17,6 @@ import triton.language as tl
 # Stands in for "no sliding window": larger than any context, small enough that
 # `position - NO_WINDOW` cannot overflow int32.
 NO_WINDOW = 1 << 30
-_FP8_DTYPES = (torch.float8_e4m3fn,)
-_TL_DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
 def key_dim_blocks(head_dim: int) -> tuple[int, int]:
@@ -47,13 +45,13 @@ def dot_dtype(q_dtype: torch.dtype, kv_dtype: torch.dtype, device: torch.device)
     The Triton CPU interpreter (triton 3.9) computes bf16 products wrongly, so it gets fp32.
     """
     low_precision = q_dtype in (torch.float16, torch.bfloat16) and (
-        kv_dtype == q_dtype or kv_dtype in _FP8_DTYPES
+        kv_dtype == q_dtype or kv_dtype == torch.float8_e4m3fn
     )
     if not low_precision or (device.type == "cpu" and q_dtype == torch.bfloat16):
         return tl.float32
-    if kv_dtype in _FP8_DTYPES:
+    if kv_dtype == torch.float8_e4m3fn:
         return tl.float16
-    return _TL_DOT_DTYPES[q_dtype]
+    return tl.float16 if q_dtype == torch.float16 else tl.bfloat16
 
 
 def window_or_none(sliding_window: int | None) -> int:

@@ -20,7 +20,6 @@ from snugkv.core.forward import BatchRow
 from snugkv.core.sampling import MAX_LOGPROBS, PROMPT_LOGITS_PER_STEP, SamplingParams
 from snugkv.core.structured_output import TokenBitmask
 from snugkv.engine.blocks import EngineBlocks
-from snugkv.kernels import compile_ahead
 from snugkv.layers.logprobs import score_tokens
 from snugkv.runner.draft_steps import DraftRow
 from snugkv.runner.kv_resize import load_shrink_kernels
@@ -54,16 +53,9 @@ def capture_graphs(blocks: EngineBlocks, runner: ModelRunner) -> dict[str, float
         return timings
 
     def capture() -> None:
-        # compile-ahead: the sizing step's prefix-hit kernels compile beside the decode graphs'
-        compile_ahead.run(lambda: warm_prefix_extend(blocks, runner), "a prefix hit's step", wait=False)
-        decode = time.perf_counter()
-        if sizes:
-            runner.capture_cuda_graphs(sizes)
-        piecewise = time.perf_counter()
-        if buckets:
-            runner.capture_piecewise_graphs(buckets)
-        timings["capture_decode_s"] = piecewise - decode
-        timings["capture_piecewise_s"] = time.perf_counter() - piecewise
+        # compile-ahead: the sizing step's prefix-hit kernels compile beside the graphs' warm-ups
+        prefix_hit = (lambda: warm_prefix_extend(blocks, runner), "a prefix hit's step")
+        timings.update(runner.capture_graphs(sizes, buckets, ahead=[prefix_hit]))
 
     started = time.perf_counter()
     blocks.graph_driver_bytes = measure_capture(blocks.device, capture).driver_bytes

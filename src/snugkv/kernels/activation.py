@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -63,11 +62,11 @@ def gated_act_and_mul_reference(gate_up: torch.Tensor, act: str) -> torch.Tensor
     kind = _activation_id(act)
     gate, up = gate_up.chunk(2, dim=-1)
     if kind == 0:
-        activated = F.silu(gate)
+        activated = torch.nn.functional.silu(gate)
     elif kind == 1:
-        activated = F.gelu(gate)
+        activated = torch.nn.functional.gelu(gate)
     else:
-        activated = F.gelu(gate, approximate="tanh")
+        activated = torch.nn.functional.gelu(gate, approximate="tanh")
     return activated * up
 
 

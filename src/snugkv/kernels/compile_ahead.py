@@ -31,6 +31,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from snugkv.kernels import compile_workers
@@ -50,11 +51,43 @@ def active() -> bool:
     return bool(getattr(_local, "active", False))
 
 
-def run(work: Callable[[], object], what: str, target: Any = None, wait: bool = True) -> int | None:
-    """Run `work` as a compile-only pass (see the module's docstring); returns how many
-    specializations it sent to the workers, None when it did not run (switched off, no GPU
-    target, or a Triton without the hook this needs). The workers start with the first one.
-    `wait=False` returns once they are handed over: the next pass's wait covers them."""
+@dataclass
+class Handed:
+    """The specializations one pass handed to the workers (`ids`: their jobs; a kernel an earlier
+    pass handed keeps that pass's job), and when the pass began."""
+
+    what: str
+    ids: list[int]
+    started: float
+
+    def wait(self) -> None:
+        """Until the workers answered every job of this pass (at most `WAIT_S`), then a log line."""
+        workers = compile_workers.running()
+        finished = workers is None or workers.wait(WAIT_S, self.ids)  # None: nothing was handed
+        ids = set(self.ids)
+        answers = [] if workers is None else [answer for answer in workers.answers if answer["id"] in ids]
+        failed = [answer for answer in answers if not answer.get("ok")]
+        logger.info(
+            "Compiled %d Triton kernels for %s ahead in %d processes in %.1f s%s",
+            len(answers) - len(failed),
+            self.what,
+            0 if workers is None else len(workers.processes),
+            time.perf_counter() - self.started,
+            "" if finished else f" ({len(ids) - len(answers)} not done after {WAIT_S:.0f} s)",
+        )
+        for answer in failed[:3]:
+            logger.info(
+                "  %s was not compiled ahead (%s); its warm-up compiles it",
+                answer["kernel"],
+                answer.get("error"),
+            )
+
+
+def hand_over(work: Callable[[], object], what: str, target: Any = None) -> Handed | None:
+    """Run `work` as a compile-only pass (see the module's docstring) and hand what it would
+    compile to the workers, without waiting for them (`Handed.wait`); None when it did not run
+    (switched off, no GPU target, or a Triton without the hook this needs). The workers start with
+    the first kernel if nothing started them before."""
     if not enabled():
         return None
     try:
@@ -69,36 +102,32 @@ def run(work: Callable[[], object], what: str, target: Any = None, wait: bool = 
     except Exception as exc:  # no GPU driver (a CPU machine)
         logger.debug("no GPU target (%s): %s is compiled by its warm-up", exc, what)
         return None
-    started = time.perf_counter()
+    handed = Handed(what, [], time.perf_counter())
     launch, previous_hook = JITFunction.run, knobs.runtime.jit_cache_hook
-    sent: set[str] = set()
 
     def compile_only(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
         return launch(self, *args, grid=grid, warmup=warmup or active(), **kwargs)
 
-    def hand_over(*, fn: Any, compile: dict[str, Any], **kwargs: Any) -> bool | None:
+    def hand(*, fn: Any, compile: dict[str, Any], **kwargs: Any) -> bool | None:
         if not active():
             return previous_hook(fn=fn, compile=compile, **kwargs) if previous_hook else None
-        spec = compile["specialization_data"]
-        if spec not in sent:
-            sent.add(spec)
-            workers = compile_workers.start()
-            assert workers is not None
-            module = fn.module if isinstance(fn.module, str) else fn.module.__name__
-            workers.submit(
-                {
-                    "module": module,
-                    "name": fn.name,
-                    "spec": spec,
-                    "target": [target.backend, target.arch, target.warp_size],
-                }
-            )
+        workers = compile_workers.start()
+        assert workers is not None
+        module = fn.module if isinstance(fn.module, str) else fn.module.__name__
+        job_id = workers.submit(
+            {
+                "module": module,
+                "name": fn.name,
+                "spec": compile["specialization_data"],
+                "target": [target.backend, target.arch, target.warp_size],
+            }
+        )
+        if job_id not in handed.ids:
+            handed.ids.append(job_id)
         return True  # not compiled here: Triton's launch returns without a kernel
 
-    running = compile_workers.running()
-    before = 0 if running is None else len(running.answers)
     JITFunction.run = compile_only
-    knobs.runtime.jit_cache_hook = hand_over
+    knobs.runtime.jit_cache_hook = hand
     _local.active = True
     try:
         work()
@@ -112,23 +141,18 @@ def run(work: Callable[[], object], what: str, target: Any = None, wait: bool = 
     finally:
         _local.active = False
         JITFunction.run, knobs.runtime.jit_cache_hook = launch, previous_hook
-    workers = compile_workers.running()
-    if not wait:
-        logger.info("Handed %d Triton kernels for %s to the compile workers", len(sent), what)
-        return len(sent)
-    finished = workers is None or workers.wait(WAIT_S)  # None: nothing to compile
-    answers = [] if workers is None else workers.answers[before:]
-    failed = [answer for answer in answers if not answer.get("ok")]
-    logger.info(
-        "Compiled %d Triton kernels for %s ahead in %d processes in %.1f s%s",
-        len(answers) - len(failed),
-        what,
-        0 if workers is None else len(workers.processes),
-        time.perf_counter() - started,
-        "" if finished else f" ({len(sent) - len(answers)} not done after {WAIT_S:.0f} s)",
-    )
-    for answer in failed[:3]:
-        logger.info(
-            "  %s was not compiled ahead (%s); its warm-up compiles it", answer["kernel"], answer.get("error")
-        )
-    return len(sent)
+    return handed
+
+
+def run(work: Callable[[], object], what: str, target: Any = None, wait: bool = True) -> int | None:
+    """`hand_over`, then (`wait`) `Handed.wait`; how many specializations the pass handed over,
+    None when it did not run. `wait=False` returns once they are handed over, with a log line: a
+    later pass's wait, or the warm-up, covers them."""
+    handed = hand_over(work, what, target)
+    if handed is None:
+        return None
+    if wait:
+        handed.wait()
+    else:
+        logger.info("Handed %d Triton kernels for %s to the compile workers", len(handed.ids), what)
+    return len(handed.ids)

@@ -22,6 +22,7 @@ import queue
 import subprocess
 import sys
 import threading
+from collections.abc import Iterable
 from typing import Any
 
 SWITCH_ENV = "SNUGKV_COMPILE_AHEAD"
@@ -80,25 +81,33 @@ def forget_decision() -> None:
 
 
 class CompileWorkers:
-    """Worker processes (`python -m snugkv.kernels.compile_worker`) fed jobs from one queue, a
-    thread per worker writing a job and reading its answer; `wait` until all jobs are answered."""
+    """Worker processes (`python -m snugkv.kernels.compile_worker`) fed jobs from one queue, first
+    in first out, a thread per worker writing a job and reading its answer. A job submitted again
+    (the same kernel, specialization and target) is the first one; `wait` for some jobs or all."""
 
     def __init__(self, count: int) -> None:
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # they compile; a GPU they must not touch
         self.processes = [
             subprocess.Popen(
-                [sys.executable, "-m", "snugkv.kernels.compile_worker"],
+                [
+                    sys.executable,
+                    "-m",
+                    "snugkv.kernels.compile_worker",
+                    *(["--driver-utils"] if index == 0 else []),
+                ],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.DEVNULL,
                 text=True,
                 env=env,
             )
-            for _ in range(count)
+            for index in range(count)
         ]
-        self.jobs: queue.Queue[dict[str, Any] | None] = queue.Queue()
-        self.answers: list[dict[str, Any]] = []
-        self._lock = threading.Lock()
+        self.jobs: queue.Queue[tuple[int, dict[str, Any]] | None] = queue.Queue()
+        self.answers: list[dict[str, Any]] = []  # in the order they came, each with its job's `id`
+        self._ids: dict[str, int] = {}  # a job (as JSON) -> its id
+        self._answered: set[int] = set()
+        self._changed = threading.Condition()
         self._threads = [
             threading.Thread(target=self._feed, args=(process,), name="snugkv-compile", daemon=True)
             for process in self.processes
@@ -109,7 +118,8 @@ class CompileWorkers:
     def _feed(self, process: subprocess.Popen[str]) -> None:
         assert process.stdin is not None and process.stdout is not None
         gone = False
-        while (job := self.jobs.get()) is not None:
+        while (item := self.jobs.get()) is not None:
+            job_id, job = item
             answer: dict[str, Any] = {"ok": False, "error": "its worker exited"}
             if not gone:  # a worker that exited answers what it takes at once: the warm-up compiles it
                 try:
@@ -120,24 +130,26 @@ class CompileWorkers:
                     answer = json.loads(line) if line else answer
                 except (OSError, ValueError) as exc:
                     gone, answer = True, {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-            with self._lock:
-                self.answers.append({**answer, "kernel": job["name"]})
-            self.jobs.task_done()
-        self.jobs.task_done()
+            with self._changed:
+                self.answers.append({**answer, "kernel": job["name"], "id": job_id})
+                self._answered.add(job_id)
+                self._changed.notify_all()
 
-    def submit(self, job: dict[str, Any]) -> None:
-        self.jobs.put(job)
+    def submit(self, job: dict[str, Any]) -> int:
+        """Queue `job`; its id (an earlier job's, if it was submitted before)."""
+        key = json.dumps(job, sort_keys=True)
+        with self._changed:
+            if key in self._ids:
+                return self._ids[key]
+            job_id = self._ids[key] = len(self._ids)
+        self.jobs.put((job_id, job))
+        return job_id
 
-    def wait(self, timeout_s: float) -> bool:
-        """Whether every job was answered within `timeout_s`."""
-        done = threading.Event()
-
-        def join() -> None:
-            self.jobs.join()
-            done.set()
-
-        threading.Thread(target=join, daemon=True).start()
-        return done.wait(timeout_s)
+    def wait(self, timeout_s: float, ids: Iterable[int] | None = None) -> bool:
+        """Whether the jobs `ids` (None: every job submitted) were answered within `timeout_s`."""
+        with self._changed:
+            wanted = set(self._ids.values()) if ids is None else set(ids)
+            return self._changed.wait_for(lambda: wanted <= self._answered, timeout_s)
 
     def close(self) -> None:
         """End the workers at once: what they compiled is in Triton's cache, written whole (a

@@ -35,7 +35,6 @@ import triton
 import triton.language as tl
 
 from snugkv.kernels.fp8_quant import (
-    FP8_DTYPE,
     quantize_fp8_activation_reference,
     quantize_fp8_activation_triton,
 )
@@ -285,8 +284,8 @@ def _check_shapes(
 ) -> None:
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"fp8 linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not multiply")
-    if weight.dtype != FP8_DTYPE:
-        raise ValueError(f"fp8 linear: the weight is {weight.dtype}, not {FP8_DTYPE}")
+    if weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"fp8 linear: the weight is {weight.dtype}, not {torch.float8_e4m3fn}")
     rows, cols = weight.shape
     expected = (rows, 1) if block_n is None else (-(-rows // block_n), -(-cols // GROUP_K))
     if tuple(weight_scale.shape) != expected:

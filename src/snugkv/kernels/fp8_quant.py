@@ -21,7 +21,6 @@ import triton.language as tl
 
 from snugkv.kernels.device import runs_triton
 
-FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 SCALE_FLOOR = 1e-12
 MODES = ("token", "group", "static")
@@ -99,7 +98,7 @@ def quantize_fp8_activation_reference(
             rows, groups, group_size
         )
         scale = padded.abs().amax(dim=-1).clamp(min=SCALE_FLOOR) / FP8_MAX
-        q = (padded / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        q = (padded / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
         out_scale = _group_scales(rows, groups, x.device, column_major)
         out_scale.copy_(scale)
         return q.view(rows, groups * group_size)[:, :cols], out_scale
@@ -108,7 +107,7 @@ def quantize_fp8_activation_reference(
         scale = static_scale.float().reshape(1, 1).expand(rows, 1)
     else:
         scale = values.abs().amax(dim=-1, keepdim=True).clamp(min=SCALE_FLOOR) / FP8_MAX
-    q = (values / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    q = (values / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q, scale.contiguous()
 
 
@@ -122,7 +121,7 @@ def quantize_fp8_activation_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     _check(x, mode, static_scale)
     rows, cols = x.shape
-    q = torch.empty(rows, cols, dtype=FP8_DTYPE, device=x.device)
+    q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn, device=x.device)
     if mode == "group":
         groups = triton.cdiv(cols, group_size)
         scale = _group_scales(rows, groups, x.device, column_major)

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from snugkv.kernels.fp8_quant import FP8_DTYPE, quantize_fp8_activation_triton
+from snugkv.kernels.fp8_quant import quantize_fp8_activation_triton
 
 GROUP_K = 128  # activation groups and weight blocks along K
 # What the swap-AB kernel multiplies the weight by, and the wide GEMV's activations (constexpr
@@ -269,8 +269,8 @@ def _fp8_gemv_wide_kernel(
 def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block_n: int | None) -> None:
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"fp8 linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not multiply")
-    if weight.dtype != FP8_DTYPE:
-        raise ValueError(f"fp8 linear: the weight is {weight.dtype}, not {FP8_DTYPE}")
+    if weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"fp8 linear: the weight is {weight.dtype}, not {torch.float8_e4m3fn}")
     rows, cols = weight.shape
     expected = (rows, 1) if block_n is None else (-(-rows // block_n), -(-cols // GROUP_K))
     if tuple(weight_scale.shape) != expected:

@@ -25,7 +25,6 @@ from snugkv.kernels.device import runs_triton, stores_fp8
 
 LAYOUTS = ("nhd", "hnd")
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
-_FP8_DTYPES = (torch.float8_e4m3fn,)
 
 
 def pool_strides(buffer: torch.Tensor, layout: str, page_size: int) -> tuple[int, tuple[int, int, int, int]]:
@@ -53,7 +52,7 @@ def pool_strides(buffer: torch.Tensor, layout: str, page_size: int) -> tuple[int
 def triton_stores_to(buffer: torch.Tensor) -> bool:
     """False when the buffer is fp8 on a GPU whose Triton cannot convert to fp8 (before sm_89):
     the dispatchers then take the torch reference."""
-    return buffer.dtype not in _FP8_DTYPES or stores_fp8(buffer.device)
+    return buffer.dtype != torch.float8_e4m3fn or stores_fp8(buffer.device)
 
 
 @triton.jit
@@ -134,7 +133,7 @@ def _write_reference(
 ) -> None:
     pool_strides(buffer, layout, page_size)
     _check_values(buffer, values, "values")
-    if buffer.dtype in _FP8_DTYPES:
+    if buffer.dtype == torch.float8_e4m3fn:
         # Written through a byte view so the indexed copy never depends on fp8 support in index_put_.
         stored = values.clamp(-FP8_MAX, FP8_MAX).to(buffer.dtype).view(torch.uint8)
         target = buffer.view(torch.uint8)

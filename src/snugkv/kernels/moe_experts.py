@@ -34,7 +34,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -435,8 +434,11 @@ def fused_experts_reference(
     out = torch.zeros_like(x)
     for expert in torch.unique(ids).tolist():
         tokens, slots = torch.where(ids == expert)
-        gate, up = F.linear(x[tokens], w13[expert]).chunk(2, dim=-1)
-        routed = F.linear(F.silu(gate) * up, w2[expert]) * weights[tokens, slots, None]
+        gate, up = torch.nn.functional.linear(x[tokens], w13[expert]).chunk(2, dim=-1)
+        routed = (
+            torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, w2[expert])
+            * weights[tokens, slots, None]
+        )
         out.index_add_(0, tokens, routed.to(out.dtype))
     return out
 

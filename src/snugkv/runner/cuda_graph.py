@@ -30,6 +30,7 @@ import torch
 
 from snugkv.core.forward import AttentionBackend, ForwardBatch, ForwardMode, KVCache
 from snugkv.kernels import compile_ahead
+from snugkv.kernels.compile_ahead import Handed
 
 logger = logging.getLogger(__name__)
 
@@ -147,19 +148,29 @@ class DecodeCudaGraphs:
             buffer[start:end].fill_(fill)
 
     @torch.inference_mode()
-    def capture(self) -> None:
+    def hand_over_kernels(self) -> Handed | None:
+        """Hand every size's Triton kernels to the compile workers (kernels/compile_ahead.py), for
+        `capture` to wait for; None when compiling ahead is off."""
+        self._pad()
+        return compile_ahead.hand_over(
+            lambda: [self.forward(self._batch(size)) for size in sorted(self.batch_sizes, reverse=True)],
+            "the decode graphs",
+        )
+
+    @torch.inference_mode()
+    def capture(self, compiled: Handed | None = None) -> None:
+        """Warm up and capture each size, largest first; `compiled`: this object's `hand_over_kernels`,
+        when the caller handed its kernels over earlier (else it is done here)."""
         from tqdm import tqdm
 
-        self._pad()
         started = time.perf_counter()
+        compiled = compiled or self.hand_over_kernels()
+        if compiled is not None:
+            compiled.wait()
+        self._pad()
         free_before = torch.cuda.mem_get_info()[0]
         self.memory_pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
-        sizes = sorted(self.batch_sizes, reverse=True)
-        with torch.cuda.stream(stream):  # every size's kernels compiled at once (kernels/compile_ahead.py)
-            compile_ahead.run(
-                lambda: [self.forward(self._batch(size)) for size in sizes], "the decode graphs"
-            )
         warm_up_s = 0.0
         for index, batch_size in enumerate(
             tqdm(sorted(self.batch_sizes, reverse=True), desc="Capturing decode CUDA graphs", unit="graph")

@@ -32,7 +32,8 @@ backend. The engine (snugkv.engine) then captures the decode graphs and backs th
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import torch
@@ -43,6 +44,7 @@ from snugkv.core.sampling import SamplingParams
 from snugkv.core.structured_output import TokenBitmask
 from snugkv.core.transfer import to_device
 from snugkv.distributed.group import TensorParallel
+from snugkv.kernels import compile_ahead
 from snugkv.layers.sampler import Sampler
 from snugkv.memory.allocator import SMALL_EXTEND_TOKENS, SlotAllocator
 from snugkv.memory.kv_pool import DraftKv, KVPool, MHAKVPool
@@ -422,29 +424,60 @@ class ModelRunner:
             self._token_history(vocab_size)
 
     # -- graphs ---------------------------------------------------------------------------
+    def capture_graphs(
+        self,
+        batch_sizes: Sequence[int],
+        token_buckets: Sequence[int],
+        ahead: Sequence[tuple[Callable[[], object], str]] = (),
+    ) -> dict[str, float]:
+        """Capture the decode graphs of `batch_sizes` (whole forwards, largest first, one memory
+        pool) and the piecewise graphs of `token_buckets` (everything but attention per token-count
+        bucket, for prefill and decode batches the decode graphs do not cover); either may be
+        empty; needs a CUDA device. Their Triton kernels, then those of each `(work, what)` of
+        `ahead`, are handed to the compile workers before either capture begins, the decode graphs'
+        first, so that the piecewise graphs' compile beside the decode graphs' warm-up
+        (kernels/compile_ahead.py). Returns the seconds of each: `capture_decode_s` (the hand-over
+        included) and `capture_piecewise_s`."""
+        self.kv_pool.ensure_prefix()  # padded rows, padding tokens and warm-ups write the dummy slot
+        req_to_token, kv_pool, backend = self.req_to_token_pool.req_to_token, self.kv_pool, self.attn_backend
+        started = time.perf_counter()
+        decode = piecewise = None
+        if batch_sizes:
+            decode = DecodeCudaGraphs(
+                self.forward_eager,
+                req_to_token=req_to_token,
+                kv_pool=kv_pool,
+                attn_backend=backend,
+                batch_sizes=batch_sizes,
+            )
+        if token_buckets:
+            piecewise = PiecewiseGraphs(
+                self._hidden,
+                req_to_token=req_to_token,
+                kv_pool=kv_pool,
+                attn_backend=backend,
+                token_buckets=token_buckets,
+            )
+        decode_kernels = None if decode is None else decode.hand_over_kernels()
+        piecewise_kernels = None if piecewise is None else piecewise.hand_over_kernels()
+        for work, what in ahead:
+            compile_ahead.run(work, what, wait=False)
+        if decode is not None:
+            decode.capture(decode_kernels)
+            self.cuda_graphs = decode
+        decode_done = time.perf_counter()
+        if piecewise is not None:
+            piecewise.capture(piecewise_kernels)
+            self.piecewise_graphs = piecewise
+        return {
+            "capture_decode_s": decode_done - started,
+            "capture_piecewise_s": time.perf_counter() - decode_done,
+        }
+
     def capture_cuda_graphs(self, batch_sizes: Sequence[int]) -> None:
-        """Capture decode graphs (largest first, one memory pool); needs a CUDA device."""
-        self.kv_pool.ensure_prefix()  # padded rows and warm-up write the dummy slot
-        graphs = DecodeCudaGraphs(
-            self.forward_eager,
-            req_to_token=self.req_to_token_pool.req_to_token,
-            kv_pool=self.kv_pool,
-            attn_backend=self.attn_backend,
-            batch_sizes=batch_sizes,
-        )
-        graphs.capture()
-        self.cuda_graphs = graphs
+        """Capture the decode graphs alone (`capture_graphs`)."""
+        self.capture_graphs(batch_sizes, ())
 
     def capture_piecewise_graphs(self, token_buckets: Sequence[int]) -> None:
-        """Capture everything but attention per token-count bucket (prefill and decode batches the
-        decode graphs do not cover); needs a CUDA device."""
-        self.kv_pool.ensure_prefix()  # padding tokens write the dummy slot
-        graphs = PiecewiseGraphs(
-            self._hidden,
-            req_to_token=self.req_to_token_pool.req_to_token,
-            kv_pool=self.kv_pool,
-            attn_backend=self.attn_backend,
-            token_buckets=token_buckets,
-        )
-        graphs.capture()
-        self.piecewise_graphs = graphs
+        """Capture the piecewise graphs alone (`capture_graphs`)."""
+        self.capture_graphs((), token_buckets)

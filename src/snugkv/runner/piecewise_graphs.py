@@ -42,6 +42,7 @@ import torch
 
 from snugkv.core.forward import AttentionBackend, AttentionLayer, ForwardBatch, ForwardMode, KVCache
 from snugkv.kernels import compile_ahead
+from snugkv.kernels.compile_ahead import Handed
 from snugkv.runner.cuda_graph import borrowed_view, release_cublas_workspaces
 
 logger = logging.getLogger(__name__)
@@ -194,16 +195,25 @@ class PiecewiseGraphs:
         )
 
     @torch.inference_mode()
-    def capture(self) -> None:
+    def hand_over_kernels(self) -> Handed | None:
+        """Hand every bucket's Triton kernels to the compile workers (kernels/compile_ahead.py), for
+        `capture` to wait for; None when compiling ahead is off."""
+        return compile_ahead.hand_over(self._warm_up_all, "the piecewise graphs")
+
+    @torch.inference_mode()
+    def capture(self, compiled: Handed | None = None) -> None:
+        """Warm up and capture each bucket, largest first; `compiled`: this object's `hand_over_kernels`,
+        when the caller handed its kernels over earlier (else it is done here)."""
         started = time.perf_counter()
+        compiled = compiled or self.hand_over_kernels()
+        if compiled is not None:
+            compiled.wait()
         free_before = torch.cuda.mem_get_info()[0]
         self.input_ids.zero_()
         self.positions.zero_()
         self.out_cache_loc.zero_()
         self.memory_pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
-        with torch.cuda.stream(stream):  # every bucket's kernels compiled at once (kernels/compile_ahead.py)
-            compile_ahead.run(self._warm_up_all, "the piecewise graphs")
         for num_tokens in sorted(self.token_buckets, reverse=True):
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
