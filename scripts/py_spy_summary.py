@@ -5,9 +5,10 @@
         [--match snugkv]
 
 Each line of the recording is a stack (`process ...;thread (...): NAME;frame;...;frame COUNT`), the
-outermost frame first. For every thread with at least 1% of the samples this prints its seconds
+outermost frame first. For every thread this prints its seconds
 (samples / rate: wall clock, idle included) and the frames most of them were under (inclusive
-seconds, each frame counted once a stack), those whose text contains `--match` when given.
+seconds, each frame counted once a stack), those whose text contains `--match` when given; threads
+under `--min-seconds` (0.5) are left out.
 """
 
 from __future__ import annotations
@@ -53,12 +54,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=float, default=100.0, help="samples a second it was recorded at")
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--match", default="", help="only frames whose text contains this")
+    parser.add_argument("--min-seconds", type=float, default=0.5, help="leave out threads with fewer")
     args = parser.parse_args(argv)
     threads = parse(args.recording)
-    total = sum(count for stacks in threads.values() for _, count in stacks)
     for (process, thread), stacks in sorted(threads.items(), key=lambda item: -sum(c for _, c in item[1])):
         samples = sum(count for _, count in stacks)
-        if samples < 0.01 * total:
+        if samples < args.min_seconds * args.rate:
             continue
         print(f"\n== {process} | {thread}: {samples / args.rate:.2f} s")
         inclusive: Counter[str] = Counter()

@@ -172,8 +172,9 @@ class PiecewiseGraphs:
         """One padding row of `num_tokens` new tokens on the dummy slot: what capture runs."""
         device = self.input_ids.device
 
-        def one(value: int) -> torch.Tensor:
-            return torch.tensor([value], dtype=torch.int64, device=device)
+        def one(value: int) -> torch.Tensor:  # a fill, not a copy from the host: the compile-only
+            # pass (kernels/compile_ahead.py) then never waits for the GPU's queue
+            return torch.full((1,), value, dtype=torch.int64, device=device)
 
         return ForwardBatch(
             mode=ForwardMode.EXTEND,
