@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from snugkv.core.forward import BatchRow
 from snugkv.attention.triton_decode import decode_splits
+from snugkv.core.forward import BatchRow
 from snugkv.layers.dense_gemm_choice import rows_bucket
 from snugkv.runner.cuda_graph import compile_pass_sizes, default_cuda_graph_batch_sizes
 from tests.runner.tiny_runner import tiny_runner
