@@ -60,12 +60,6 @@ class Handed:
     ids: list[int]
     started: float
 
-    def add(self, other: Handed | None) -> int:
-        """Take `other`'s jobs into this one (its pass came later); how many were not here yet."""
-        new = [] if other is None else [job for job in other.ids if job not in self.ids]
-        self.ids.extend(new)
-        return len(new)
-
     def wait(self) -> None:
         """Until the workers answered every job of this pass (at most `WAIT_S`), then a log line."""
         workers = compile_workers.running()

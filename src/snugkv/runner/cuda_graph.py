@@ -44,16 +44,16 @@ def default_cuda_graph_batch_sizes(max_batch_size: int = 256) -> list[int]:
     return sorted(set(sizes))
 
 
-def compile_pass_sizes(batch_sizes: Sequence[int]) -> tuple[list[int], list[int]]:
-    """The batch sizes of the decode graphs' compile-only pass (kernels/compile_ahead.py) in two
-    parts. The first reaches every specialization the decode step is known to take by batch size,
-    so that their compiles begin first: the powers of two (every value of `decode_splits` when the
-    KV heads are a power of two; the dense rows buckets 1, 2 and 4; Triton's integer
-    specializations, 1 and multiples of 16) and the largest. The rest, largest first, only confirms
-    that no other size takes another."""
+def compile_pass_sizes(batch_sizes: Sequence[int]) -> list[int]:
+    """The batch sizes of the decode graphs' compile-only pass (kernels/compile_ahead.py): those that
+    reach every specialization the decode step is known to take by batch size, the powers of two
+    (every value of `decode_splits` when the KV heads are a power of two; the dense rows buckets 1, 2
+    and 4; Triton's integer specializations, 1 and multiples of 16) and the largest. On the H100 at
+    d9f90b2 the 8B shape's other 26 sizes took no kernel these 9 did not, while their pass (~2 s of
+    Python) was what the capture waited for; a kernel that another size would take is compiled by
+    its warm-up, as without the workers."""
     sizes = sorted(set(batch_sizes))
-    first = [size for size in sizes if size & (size - 1) == 0 or size == sizes[-1]]
-    return first, [size for size in reversed(sizes) if size not in first]
+    return [size for size in sizes if size & (size - 1) == 0 or size == sizes[-1]]
 
 
 def release_cublas_workspaces() -> None:
@@ -159,19 +159,14 @@ class DecodeCudaGraphs:
         ):
             buffer[start:end].fill_(fill)
 
-    def pass_sizes(self) -> tuple[list[int], list[int]]:
-        return compile_pass_sizes(self.batch_sizes)
-
     @torch.inference_mode()
-    def hand_over_kernels(self, sizes: Sequence[int] | None = None) -> Handed | None:
-        """Hand the Triton kernels of `sizes` (None: every size, `pass_sizes`' order) to the
-        compile workers (kernels/compile_ahead.py), for `capture` to wait for; None when compiling
-        ahead is off."""
+    def hand_over_kernels(self) -> Handed | None:
+        """Hand the Triton kernels of the sizes `compile_pass_sizes` picks to the compile workers
+        (kernels/compile_ahead.py), for `capture` to wait for; None when compiling ahead is off."""
         self._pad()
-        first, rest = self.pass_sizes()
-        order = first + rest if sizes is None else list(sizes)
+        sizes = compile_pass_sizes(self.batch_sizes)
         return compile_ahead.hand_over(
-            lambda: [self.forward(self._batch(size)) for size in order], "the decode graphs"
+            lambda: [self.forward(self._batch(size)) for size in sizes], "the decode graphs"
         )
 
     @torch.inference_mode()

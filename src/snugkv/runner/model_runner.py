@@ -458,20 +458,10 @@ class ModelRunner:
                 attn_backend=backend,
                 token_buckets=token_buckets,
             )
-        first, rest = ([], []) if decode is None else decode.pass_sizes()
-        decode_kernels = None if decode is None else decode.hand_over_kernels(first)
+        decode_kernels = None if decode is None else decode.hand_over_kernels()
         piecewise_kernels = None if piecewise is None else piecewise.hand_over_kernels()
         for work, what in ahead:
             compile_ahead.run(work, what, wait=False)
-        if decode is not None and decode_kernels is not None and rest:
-            # the decode graphs' other sizes, last: their kernels are mostly the first sizes'
-            found = decode_kernels.add(decode.hand_over_kernels(rest))
-            logger.info(
-                "The decode graphs' %d other batch sizes took %d Triton kernels their first %d did not",
-                len(rest),
-                found,
-                len(first),
-            )
         if decode is not None:
             decode.capture(decode_kernels)
             self.cuda_graphs = decode
