@@ -2,14 +2,15 @@
 
 A cold start compiles every Triton kernel the first time a warm-up forward launches it, one after
 another: on the H100 at 85c78bd the 8B shape's start compiled 21 specializations that way, ~11 s of
-its 23.5 s to healthy (docs/bench/startup.md). `run(work, what)` runs `work` (the same forwards the
+its 23.5 s to healthy (docs/bench/startup.md). `hand_over(work, what)` runs `work` (the forwards the
 warm-up will run) once with every Triton launch on this thread turned into a request to compile
 and no launch: Triton's `jit_cache_hook` hands over each specialization it would compile
 (serialized by Triton, as for its `preload`), and a pool of worker processes
 (`compile_worker`, started by `kernels.compile_workers` as the engine process starts, their imports
-done beside the engine's) compiles them into Triton's file cache side by side. `run` returns when all are
-compiled, so the warm-up that follows loads each from the cache. Processes, not threads: Triton's
-front end runs in Python and holds the GIL (on 16 threads, 18 kernels took 5.9 s at 85c78bd).
+done beside the engine's) compiles them into Triton's file cache side by side, first come first
+served. `Handed.wait` returns when that pass's kernels are compiled, so the warm-up that follows
+loads each from the cache; `run` is both. Processes, not threads: Triton's front end runs in
+Python and holds the GIL (on 16 threads, 18 kernels took 5.9 s at 85c78bd).
 
 In that pass the tensors a Triton kernel would have written hold whatever was there: the torch ops
 between them compute on it and nothing reads it back, and code that chooses between kernels by
@@ -18,11 +19,11 @@ candidates and keeps no choice; the FP8 one takes its default tiles).
 
 On unless `SNUGKV_COMPILE_AHEAD=0` where a start will compile its kernels (`compile_workers.enabled`:
 a GPU machine whose Triton cache is empty); a specialization a worker could not compile, or any
-error in the pass, is compiled by the warm-up as before. On the H100 at 23be52e the 8B shape's
-cold start took 22.2 s with it against 26.9 s without, in one call (docs/bench/startup.md): 25
-kernels compiled in 4.4 s on 15 processes, the warm-up forwards 2.6 s (12.9 s with the compiles).
-At 3a4ac76, with the workers started late, it had gained nothing: Triton 3.6 also builds a C
-launcher per kernel signature at its first launch, which the workers now build too.
+error in the pass, is compiled by the warm-up as before. On the H100 at 8d210d0 the 8B shape's
+cold start took 12.2 s with it against 21.6 s without, in one call (docs/bench/startup.md: 18
+kernels for the decode graphs compiled 3.5 s after their pass began, while the piecewise and
+prefix-hit passes ran). At 3a4ac76, with the workers started late, it had gained nothing: Triton
+3.6 also builds a C launcher per kernel signature at its first launch, which the workers build too.
 """
 
 from __future__ import annotations

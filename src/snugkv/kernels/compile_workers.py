@@ -5,8 +5,8 @@ imports then run beside the engine's, and they are ready when its graph capture 
 
 `SNUGKV_COMPILE_AHEAD` (read here and nowhere else): `1` on, `0` off; unset (`auto`), on for a
 start that will compile its kernels, one on a machine with an NVIDIA GPU whose Triton cache is
-empty or missing (a fresh machine: the 8B shape's cold start 26.9 -> 22.2 s on the H100 at
-23be52e, docs/bench/startup.md), and off where the cache holds kernels already: there the workers'
+empty or missing (a fresh machine: the 8B shape's cold start 21.6 -> 12.2 s on the H100 at
+8d210d0, docs/bench/startup.md), and off where the cache holds kernels already: there the workers'
 own imports would slow a start whose kernels load from the cache. Decided once per process, for its
 first engine start only.
 """

@@ -180,6 +180,9 @@ class DecodeCudaGraphs:
         if compiled is not None:
             compiled.wait()
         self._pad()
+        # what the compile-only passes left in torch's cache goes back first (the capture's graph
+        # context empties the cache anyway), so the log's GiB are the graphs' own
+        torch.cuda.empty_cache()
         free_before = torch.cuda.mem_get_info()[0]
         self.memory_pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
