@@ -189,6 +189,33 @@ def test_a_specialization_no_worker_can_compile_is_left_to_the_warm_up(
     assert workers.answers[0]["ok"] is False and "AttributeError" in workers.answers[0]["error"]
 
 
+def test_a_job_submitted_again_is_the_first_and_a_wait_covers_the_jobs_it_names(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two passes that meet the same specialization share its job (one compile); a capture waits
+    for its own pass's jobs, first come first served, not for the jobs handed over after them."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("SNUGKV_COMPILE_AHEAD", "1")
+    monkeypatch.setenv("PYTHONPATH", f"{REPO / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    workers = compile_workers.start(count=1)
+    assert workers is not None
+
+    def job(name: str) -> dict[str, object]:
+        return {"module": "snugkv.kernels.norm", "name": name, "spec": "{}", "target": []}
+
+    try:
+        first = workers.submit(job("no_such_kernel"))
+        assert workers.submit(job("no_such_kernel")) == first  # the same job: compiled once
+        assert workers.wait(60, [first])
+        later = workers.submit(job("another_missing_kernel"))
+        assert later != first
+        assert workers.wait(60)  # every job
+    finally:
+        compile_workers.stop()
+    assert [answer["id"] for answer in workers.answers] == [first, later]
+    assert all(answer["ok"] is False for answer in workers.answers)
+
+
 def test_an_engine_process_can_start_the_workers_before_its_own_imports() -> None:
     """The engine process starts them first thing (commands/engine_spawn.py): the pool's module
     imports neither torch nor triton nor the rest of snugkv."""
