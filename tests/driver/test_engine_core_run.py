@@ -119,3 +119,25 @@ def test_a_failed_step_raises_from_run(core):
         core.run()
     core.scheduler.step = real_step  # type: ignore[method-assign]
     core.run()  # the request the failed step never touched still finishes
+
+
+def test_the_engine_s_tokenizer_loads_with_a_short_switch_interval_then_gives_it_back(monkeypatch, tmp_path):
+    """While the tokenizer loads beside the start, a torch call that lets the GIL go gets it back
+    within half a millisecond, not Python's 5 ms; the interval is the caller's again afterwards."""
+    import sys
+
+    from snugkv.driver import engine_core
+
+    seen: list[float] = []
+
+    def load(source, eos_token_ids=(), **kwargs):
+        seen.append(sys.getswitchinterval())
+        return None, "no tokenizer here"
+
+    monkeypatch.setattr(engine_core, "load_tokenizer_or_none", load)
+    before = sys.getswitchinterval()
+    save_tiny_hf_model("llama", tmp_path)
+    early = engine_core._load_tokenizer_early(EngineArgs.of(model=str(tmp_path)), None, None)
+    assert early is not None and early.result(timeout=30) == (None, "no tokenizer here")
+    assert seen == [min(before, engine_core.START_SWITCH_INTERVAL_S)]
+    assert sys.getswitchinterval() == before

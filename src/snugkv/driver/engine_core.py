@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import sys
 import time
 from collections.abc import Callable, Iterable
 
@@ -130,9 +131,26 @@ def _load_tokenizer_early(
     warn = tp is None or tp.is_first_rank
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="snugkv-tokenizer")
     try:
-        return pool.submit(load_tokenizer_or_none, source, warn=warn, whose="the engine's")
+        return pool.submit(_load_beside_the_start, source, warn)
     finally:
         pool.shutdown(wait=False)  # the thread ends with its load
+
+
+# The interpreter's switch interval while the engine's tokenizer loads beside the start (Python's
+# default: 5 ms). The load is pure Python for seconds (transformers' import), and each torch call of
+# the start that lets the GIL go (a CUDA launch or copy) waited up to a whole interval to get it
+# back: on the H100 at 994bded the 8B shape's random weights took 1.1-1.6 s to load beside it and
+# 0.1 s without a tokenizer, and the whole start 12.9 s against 10.8 s (docs/bench/startup.md).
+START_SWITCH_INTERVAL_S = 0.0005
+
+
+def _load_beside_the_start(source: ModelSource, warn: bool) -> tuple[Tokenizer | None, str | None]:
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(min(previous, START_SWITCH_INTERVAL_S))
+    try:
+        return load_tokenizer_or_none(source, warn=warn, whose="the engine's")
+    finally:
+        sys.setswitchinterval(previous)
 
 
 class EngineCore:
