@@ -137,10 +137,12 @@ def _load_tokenizer_early(
 
 
 # The interpreter's switch interval while the engine's tokenizer loads beside the start (Python's
-# default: 5 ms). The load is pure Python for seconds (transformers' import), and each torch call of
-# the start that lets the GIL go (a CUDA launch or copy) waited up to a whole interval to get it
-# back: on the H100 at 994bded the 8B shape's random weights took 1.1-1.6 s to load beside it and
-# 0.1 s without a tokenizer, and the whole start 12.9 s against 10.8 s (docs/bench/startup.md).
+# default: 5 ms). The load is pure Python for seconds (transformers' import), and a thread that lets
+# the GIL go for a moment (a system call: a CUDA launch or copy) waits up to a whole interval to get
+# it back from a busy one: 200 `time.sleep(0)` took 0.7-1.5 s beside a busy thread at 5 ms and
+# 0.05-0.25 s at 0.5 ms on a CI CPU. On the H100 at 994bded the 8B shape's random weights took
+# 1.1-1.6 s to load beside the tokenizer and 0.1 s without one, the whole start 12.9 s against
+# 10.8 s (docs/bench/startup.md); what this interval changes there is not measured yet.
 START_SWITCH_INTERVAL_S = 0.0005
 
 
