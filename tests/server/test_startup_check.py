@@ -121,3 +121,31 @@ def test_the_kernels_triton_compiled_are_counted_by_name(startup_check, tmp_path
     compiled = startup_check.triton_compiled(tmp_path)
     assert compiled == {"kernels": 3, "by_name": {"_decode_kernel": 2, "_rmsnorm": 1}}
     assert startup_check.triton_compiled(tmp_path / "none") == {"kernels": 0, "by_name": {}}
+
+
+def test_the_py_spy_summary_splits_stacks_by_process_and_thread(tmp_path: Path, capsys) -> None:
+    """A spawned child's command line holds ';' (its `-c` code): the stack still splits after it."""
+    spec = importlib.util.spec_from_file_location("py_spy_summary", ROOT / "scripts" / "py_spy_summary.py")
+    assert spec is not None and spec.loader is not None
+    summary = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(summary)
+    server = 'process 10:"python -m snugkv serve --model m"'
+    engine = 'process 11:"python -B -c from multiprocessing.spawn import spawn_main; spawn_main(fd=5)"'
+    recording = tmp_path / "rec.txt"
+    recording.write_text(
+        f"{server};thread (10): MainThread;main (snugkv/cli.py:120) 30\n"
+        f"{server};{engine};thread (12): snugkv-scheduler;build (snugkv/driver/engine_core.py:193);"
+        "capture (snugkv/engine/capture.py:58) 70\n"
+        f"{server};{engine};thread (12): snugkv-scheduler;build (snugkv/driver/engine_core.py:193) 20\n"
+    )
+    threads = summary.parse(recording)
+    assert set(threads) == {
+        ("10 -m snugkv serve", "thread (10): MainThread"),
+        ("11 multiprocessing.spawn", "thread (12): snugkv-scheduler"),
+    }
+    assert summary.main([str(recording), "--match", "snugkv", "--min-seconds", "0.25"]) == 0
+    out = capsys.readouterr().out
+    assert "== 11 multiprocessing.spawn | thread (12): snugkv-scheduler: 0.90 s" in out
+    assert "0.90 s  build (snugkv/driver/engine_core.py:193)" in out
+    assert "0.70 s  capture (snugkv/engine/capture.py:58)" in out
+    assert "0.30 s" in out and "main (snugkv/cli.py:120)" in out
