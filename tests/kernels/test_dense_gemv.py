@@ -71,7 +71,7 @@ def test_the_chooser_keeps_the_fastest_candidate_that_agrees_and_cublas_when_non
         return choice.Candidate(candidate.label, run)
 
     monkeypatch.setattr(choice, "CANDIDATES", tuple(labelled(c) for c in fake))
-    monkeypatch.setattr(choice, "interleaved_seconds", seconds)
+    monkeypatch.setattr(choice.gemm_timing, "interleaved_seconds", seconds)
     chooser = choice.GemmChooser()
     gen = generator(70)
     weight = randn(gen, 96, 64, dtype=torch.float16)

@@ -2,7 +2,8 @@
 
 `python -m snugkv.kernels.compile_worker` reads one job per line on stdin (JSON: the kernel's
 module and name, the specialization Triton serialized for it, the GPU target) and answers one
-line per job on stdout (`{"ok": bool, "seconds": float, "error": str}`). It compiles with
+line per job on stdout (`{"ok": bool, "seconds": float, "error": str, "torch": bool}`: whether
+the real torch got loaded in the worker). It compiles with
 `triton.compile`, as a launch would, into the same file cache (the same environment), then the
 kernel's launcher where Triton builds one per signature, and never touches a GPU: the engine that
 started it finds both there when its warm-up launches the kernel.

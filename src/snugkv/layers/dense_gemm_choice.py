@@ -21,6 +21,7 @@ differ between ranks.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable
@@ -33,7 +34,7 @@ import torch.nn.functional as F
 from snugkv.kernels import compile_ahead
 from snugkv.kernels.dense_gemv import MAX_ROWS, linear_rows_triton
 from snugkv.kernels.device import runs_triton
-from snugkv.layers.gemm_timing import interleaved_seconds
+from snugkv.layers import gemm_timing
 
 logger = logging.getLogger(__name__)
 _SWITCH_ENV = "SNUGKV_DENSE_GEMV"
@@ -136,45 +137,21 @@ class GemmChooser:
                 row[candidate.label] = "wrong"
                 continue
             passed.append(candidate)
+        # one GPU spin (~10 ms) and clock warm-up (~6 ms) a key, not one a candidate as up to bd2368a
+        # (the 8B shape's start times 3 candidates for each of its 15 keys), all at the same clocks
+        runs = {c.label: functools.partial(c.run, x, weight, bias) for c in passed}
+        seconds = gemm_timing.labelled_seconds(runs, row, "GEMM")
         best: tuple[float, Candidate] | None = None
-        for candidate, seconds in self._timed(passed, x, weight, bias, row):
-            row[candidate.label] = round(seconds * 1e6, 2)  # microseconds
-            if best is None or seconds < best[0]:
-                best = (seconds, candidate)
+        for candidate in passed:
+            if candidate.label in seconds:
+                row[candidate.label] = round(seconds[candidate.label] * 1e6, 2)  # microseconds
+                if best is None or seconds[candidate.label] < best[0]:
+                    best = (seconds[candidate.label], candidate)
         chosen = best[1] if best is not None else CUBLAS
         row["chosen"] = chosen.label
         self.timings.append(row)
         logger.debug("GEMM for %s: %s", key, row)
         return chosen
-
-    @staticmethod
-    def _timed(
-        passed: list[Candidate],
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        row: dict[str, Any],
-    ) -> list[tuple[Candidate, float]]:
-        """Each candidate of `passed` with its median seconds, timed round-robin in one
-        `interleaved_seconds`: one GPU spin (~10 ms) and clock warm-up (~6 ms) a key, not one a
-        candidate, as up to bd2368a (the 8B shape's start times 3 candidates for each of its 15
-        keys), and every candidate at the same clocks. If that raises, one at a time; one that
-        raises alone is marked unavailable."""
-        runs = [lambda c=candidate: c.run(x, weight, bias) for candidate in passed]
-        try:
-            return list(zip(passed, interleaved_seconds(runs)))  # type: ignore[arg-type]
-        except Exception as exc:
-            logger.info("GEMM timing failed (%s); timing each candidate alone", str(exc).splitlines()[0])
-        timed: list[tuple[Candidate, float]] = []
-        for candidate, run in zip(passed, runs):
-            try:
-                (seconds,) = interleaved_seconds([run])
-            except Exception as exc:
-                logger.info("GEMM %s is unavailable: %s", candidate.label, str(exc).splitlines()[0])
-                row[candidate.label] = "unavailable"
-                continue
-            timed.append((candidate, seconds))
-        return timed
 
 
 CHOOSER = GemmChooser()

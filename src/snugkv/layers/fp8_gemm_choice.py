@@ -222,26 +222,10 @@ def one_rounding(passed: list[Candidate]) -> list[Candidate]:
 def _timed(
     passed: list[Candidate], call: Callable[[Candidate], object], row: dict[str, Any]
 ) -> dict[str, float]:
-    """Median seconds per candidate label (interleaved); a candidate that raises while timed is
-    marked unavailable in `row` and left out."""
-    try:
-        return dict(
-            zip(
-                (c.label for c in passed),
-                gemm_timing.interleaved_seconds([functools.partial(call, c) for c in passed]),
-            )
-        )
-    except Exception as exc:  # one raised when run on the full batch: time them one by one
-        logger.info("FP8 GEMM timing failed (%s); timing each candidate alone", str(exc).splitlines()[0])
-    seconds: dict[str, float] = {}
-    for candidate in passed:
-        try:
-            (seconds[candidate.label],) = gemm_timing.interleaved_seconds(
-                [functools.partial(call, candidate)]
-            )
-        except Exception as exc:
-            logger.info("FP8 GEMM %s is unavailable: %s", candidate.label, str(exc).splitlines()[0])
-            row[candidate.label] = "unavailable"
+    """Median seconds per candidate label (`gemm_timing.labelled_seconds`: interleaved, else one
+    at a time, a candidate that raises marked unavailable in `row`); raises if every one did."""
+    runs = {c.label: functools.partial(call, c) for c in passed}
+    seconds = gemm_timing.labelled_seconds(runs, row, "FP8 GEMM")
     if not seconds:
         raise RuntimeError(f"every FP8 GEMM candidate failed when timed: {row}")
     return seconds

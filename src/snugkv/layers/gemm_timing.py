@@ -6,7 +6,8 @@ inside a timed run."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -47,6 +48,26 @@ def interleaved_seconds(fns: list[Callable[[], object]]) -> list[float]:
     logger.info(
         "GEMM timing: the host enqueued slower than a %d-cycle spin; times may count launches", cycles // 4
     )
+    return seconds
+
+
+def labelled_seconds(
+    runs: Mapping[str, Callable[[], object]], row: dict[str, Any], what: str
+) -> dict[str, float]:
+    """Median seconds of each labelled run, all timed round-robin in one `interleaved_seconds`; if
+    that raises (a candidate that fails on the full batch), each alone, and a run that raises alone
+    is left out and marked `"unavailable"` in `row` (`what` names the chooser in the log)."""
+    try:
+        return dict(zip(runs, interleaved_seconds(list(runs.values()))))
+    except Exception as exc:
+        logger.info("%s timing failed (%s); timing each candidate alone", what, str(exc).splitlines()[0])
+    seconds: dict[str, float] = {}
+    for label, run in runs.items():
+        try:
+            (seconds[label],) = interleaved_seconds([run])
+        except Exception as exc:
+            logger.info("%s %s is unavailable: %s", what, label, str(exc).splitlines()[0])
+            row[label] = "unavailable"
     return seconds
 
 
