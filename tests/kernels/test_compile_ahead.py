@@ -165,6 +165,7 @@ def test_a_pass_hands_each_kernel_to_the_workers_and_the_warm_up_finds_it_compil
     assert any(line.startswith("Compiled 1 Triton kernels for a test ahead in ") for line in seen["lines"]), (
         seen
     )
+    assert any("(slowest: _rms_norm_kernel " in line for line in seen["lines"]), seen["lines"]
     assert seen["compiled"] and seen["name"] == "_rms_norm_kernel"
     assert seen["after"] == seen["compiled"]  # the warm-up's compile added nothing to the cache
     # the worker imported every kernel module and compiled without loading torch

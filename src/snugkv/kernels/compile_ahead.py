@@ -68,13 +68,17 @@ class Handed:
         ids = set(self.ids)
         answers = [] if workers is None else [answer for answer in workers.answers if answer["id"] in ids]
         failed = [answer for answer in answers if not answer.get("ok")]
+        slowest = sorted((a for a in answers if a.get("ok")), key=lambda a: -float(a.get("seconds", 0.0)))[:3]
         logger.info(
-            "Compiled %d Triton kernels for %s ahead in %d processes in %.1f s%s",
+            "Compiled %d Triton kernels for %s ahead in %d processes in %.1f s%s%s",
             len(answers) - len(failed),
             self.what,
             0 if workers is None else len(workers.processes),
             time.perf_counter() - self.started,
             "" if finished else f" ({len(ids) - len(answers)} not done after {WAIT_S:.0f} s)",
+            ""
+            if not slowest
+            else " (slowest: " + ", ".join(f"{a['kernel']} {a['seconds']:.1f} s" for a in slowest) + ")",
         )
         for answer in failed[:3]:
             logger.info(
