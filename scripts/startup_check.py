@@ -4,6 +4,11 @@
     python3 scripts/startup_check.py --out $OUT/startup [--shapes qwen3-0.6b llama-3-8b]
         [--extra-args "--cuda-graph-max-bs 64"] [--timeout 300]
 
+`--py-spy BIN` records each server and every process below it (scripts/py_spy_summary.py reads the
+recording); the device has no py-spy: take the binary from its wheel here and carry it, e.g.
+`pip download --no-deps --only-binary=:all: --platform manylinux2014_x86_64 -d /tmp/w py-spy`, then
+`unzip -j /tmp/w/py_spy-*.whl '*/scripts/py-spy' -d .tools` (carry `.tools`).
+
 For each shape (a shipped config under src/snugkv/bench/configs, or a directory with a config.json)
 this starts a real `python3 -m snugkv serve --model DIR --load-format dummy --port P`, and takes:
 - the wall clock from the spawn to the first 200 of GET /health (polled every 20 ms);
