@@ -45,8 +45,12 @@ def test_a_half_minute_soak_exercises_every_kind_and_leaks_nothing(tmp_path, cap
     assert report["server_rss_bytes"]["start"] > 0 and report["server_rss_bytes"]["end"] > 0
     assert len(report["latency"]) == 3  # per 10 s under two minutes
     for window in report["latency"]:
-        assert window["requests"] > 0 and window["p50_ms"] <= window["p99_ms"], window
         assert window["server_rss_mib"] > 0 and window["engine_rss_mib"] > 0, window
+        # a request belongs to the window it started in: on a loaded machine (CI at 7274258: each
+        # request took 7-10 s) every client can be mid-request through a whole window
+        if window["answered"]:
+            assert window["p50_ms"] <= window["p99_ms"], window
+    assert sum(window["answered"] for window in report["latency"]) > 0
 
 
 def test_a_slot_the_idle_check_or_get_kv_finds_held_is_a_leak():

@@ -60,7 +60,9 @@ def test_a_bad_query_value_gets_a_400_naming_it(client: httpx.Client) -> None:
 
 
 def test_metrics_expose_kv_queue_cache_throughput_and_latency(client: httpx.Client) -> None:
-    client.post("/v1/completions", json={"prompt": "count me", "max_tokens": 4})
+    # all 4 tokens (a sampled end of text would finish it by "stop" and leave the "length" count out)
+    body = {"prompt": "count me", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    assert client.post("/v1/completions", json=body).json()["choices"][0]["finish_reason"] == "length"
     response = client.get("/metrics")
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/plain")
