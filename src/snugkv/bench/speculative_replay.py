@@ -423,6 +423,7 @@ def run_replay(llm: Any, args: Any, ks: Sequence[int], batches: Sequence[int], r
     mapped onto those outputs; rows as the bench's, with `replay_of` naming the trace's model."""
     from snugkv.bench.harness import emit
     from snugkv.bench.speculative import PROPOSERS, Pass, Setting, _row, measure_pass, speculative_config
+    from snugkv.bench.speculative_workloads import waves
     from snugkv.core.sampling import SamplingParams
 
     items, trace_env = read_trace(args.replay)
@@ -437,24 +438,17 @@ def run_replay(llm: Any, args: Any, ks: Sequence[int], batches: Sequence[int], r
         for batch in batches:
             # Batch 1: every item of the workload, one request after another (as `policy_steps`
             # replays them); a larger batch: that many requests at once, the items in turn.
-            requests = list(mine) if batch == 1 else [mine[j % len(mine)] for j in range(batch)]
-            waves = [[i] for i in range(len(requests))] if batch == 1 else [list(range(batch))]
-            params = [SamplingParams(max_tokens=len(i.output_ids), ignore_eos=True) for i in requests]
+            item_waves = waves(mine, batch)
+            requests = [item for wave in item_waves for item in wave]
 
-            def generate(
-                requests: list[TraceItem] = requests,
-                params: list[Any] = params,
-                waves: list[list[int]] = waves,
-            ) -> Any:
+            def generate(item_waves: list[list[TraceItem]] = item_waves) -> Any:
                 token_ids: list[list[int]] = []
                 seconds = 0.0
-                for wave in waves:
+                for wave in item_waves:
+                    prompts = [list(i.prompt_ids) for i in wave]
+                    params = [SamplingParams(max_tokens=len(i.output_ids), ignore_eos=True) for i in wave]
                     started = time.perf_counter()
-                    outputs = llm.generate(
-                        [list(requests[i].prompt_ids) for i in wave],
-                        [params[i] for i in wave],
-                        use_tqdm=False,
-                    )
+                    outputs = llm.generate(prompts, params, use_tqdm=False)
                     seconds += time.perf_counter() - started
                     token_ids += [list(o.outputs[0].token_ids) for o in outputs]
                 return token_ids, seconds

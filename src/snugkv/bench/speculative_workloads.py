@@ -12,7 +12,11 @@ This module holds text only: no engine, no tokenizer.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,9 +162,14 @@ def batch_of(workload: str, batch: int) -> list[Conversation]:
     return [conversations[i % len(conversations)] for i in range(batch)]
 
 
-def waves_of(workload: str, batch: int) -> list[list[Conversation]]:
-    """What one pass of `workload` at `batch` runs, one wave after another: at batch 1 each of its
-    conversations alone, so a row covers all its texts; else `batch_of` at once."""
+def waves(items: Sequence[T], batch: int) -> list[list[T]]:
+    """What one pass at `batch` runs, one wave after another: at batch 1 each item alone, so a row
+    covers all of a workload's texts; else `batch` items at once, cycling through them."""
     if batch == 1:
-        return [[conversation] for conversation in WORKLOADS[workload]]
-    return [batch_of(workload, batch)]
+        return [[item] for item in items]
+    return [[items[i % len(items)] for i in range(batch)]]
+
+
+def waves_of(workload: str, batch: int) -> list[list[Conversation]]:
+    """`waves` of `workload`'s conversations."""
+    return waves(WORKLOADS[workload], batch)
