@@ -46,10 +46,10 @@ def _stream(server: Any, body: dict[str, Any], chunks: list[dict[str, Any]], fir
 
 
 def test_sigterm_lets_a_short_request_finish_and_cuts_a_long_one_as_abort(tmp_path: Path) -> None:
-    # 12 s: requests are cut 8 s after the signal (launch.py keeps 3 s for the release and 1 s of
-    # margin). With 8 s (cut after 4 s) a 2-core machine at load 7 cut the 4-token request; 8 s
-    # holds twice the steps that machine made in 4 s. The long request (the model's whole 2,048-token
-    # context) cannot end in 8 s on a CPU: ~250 tokens/s from one row of SmolLM2.
+    # 12 s: requests are cut 7 s after the signal (launch.py keeps 4 s for the release and 1 s of
+    # margin). With 8 s (cut after 4 s) a 2-core machine at load 7 cut the 4-token request; 7 s
+    # holds nearly twice the steps that machine made in 4 s. The long request (the model's whole 2,048-token
+    # context) cannot end in 7 s on a CPU: ~250 tokens/s from one row of SmolLM2.
     server = start_server(
         tmp_path, "--graceful-shutdown-s", "12", "--max-context-tokens", "2048", "--max-total-tokens", "2400"
     )

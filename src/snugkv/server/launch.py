@@ -31,8 +31,9 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 GRACEFUL_SHUTDOWN_S = 10  # from the stop signal to the end of `serve`, the engine's release included
 # Kept at the end of the graceful time for `on_shutdown` (the engine releasing its memory, about
-# 0.7 s on a CPU) and the process's exit; requests are cut before it.
-RELEASE_RESERVE_S = 3.0
+# 0.7 s on a CPU) and the process's exit; requests are cut before it. 3 s was too little for a
+# `--dp 2` fleet on a loaded 2-core CI machine (10.4 s from the signal to the fleet's exit).
+RELEASE_RESERVE_S = 4.0
 # Requests are cut this long before uvicorn's own deadline, so that their last output ("abort")
 # reaches the client before uvicorn cancels what is left.
 CUT_MARGIN_S = 1.0
