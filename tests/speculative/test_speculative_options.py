@@ -1,5 +1,5 @@
-"""`--speculative` and its flags on the command line and the Python API: what is not built is
-refused in one line saying so, a draft length without a method is refused, and `LLM(speculative=...)`
+"""`--speculative` and its flags on the command line and the Python API: what does not go together
+is refused in one line saying so, a draft length without a method is refused, and `LLM(speculative=...)`
 runs n > 1 greedy completions that agree and carry their draft counts."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ REFUSED = [
     (
         ["--speculative", "eagle"],
         {"speculative": "eagle"},
-        "--speculative eagle is not built yet (issue 34); use --speculative ngram, suffix or draft",
+        "--speculative eagle needs --draft-model PATH, the directory of an EAGLE-3 head (config.json + "
+        "*.safetensors)",
     ),
     (
         ["--speculative", "draft"],
@@ -24,12 +25,12 @@ REFUSED = [
     (
         ["--draft-model", "self"],
         {"draft_model": "self"},
-        "--draft-model needs --speculative draft",
+        "--draft-model needs --speculative draft or eagle",
     ),
     (
         ["--speculative", "ngram", "--draft-model", "layers:4"],
         {"speculative": "ngram", "draft_model": "layers:4"},
-        "--draft-model needs --speculative draft, not --speculative ngram",
+        "--draft-model needs --speculative draft or eagle, not --speculative ngram",
     ),
     (
         ["--speculative", "draft", "--draft-model", "layers:0"],
@@ -47,11 +48,11 @@ REFUSED = [
         "--draft-model /models/SmolLM2-135M: no such file or directory; pass a .gguf file or a model "
         "directory (config.json + *.safetensors), or layers:N or self",
     ),
-    (["--speculative", "lookahead"], {"speculative": "lookahead"}, "--speculative must be one of ngram, suffix, draft, got 'lookahead'"),
+    (["--speculative", "lookahead"], {"speculative": "lookahead"}, "--speculative must be one of ngram, suffix, draft, eagle, got 'lookahead'"),
     (
         ["--num-speculative-tokens", "3"],
         {"num_speculative_tokens": 3},
-        "--num-speculative-tokens needs --speculative ngram, suffix or draft",
+        "--num-speculative-tokens needs --speculative ngram, suffix, draft or eagle",
     ),
     (
         ["--speculative", "ngram", "--num-speculative-tokens", "0"],

@@ -255,8 +255,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="METHOD",
         help="speculative decoding: ngram (prompt lookup in the request's own tokens), suffix (the "
-        "request's tokens and recent outputs) or draft (a draft model's forwards, --draft-model); greedy "
-        "output is unchanged (default: off; eagle is not built yet)",
+        "request's tokens and recent outputs), draft (a draft model's forwards, --draft-model) or eagle (an "
+        "EAGLE-3 head, --draft-model PATH, drafting from the model's hidden states); greedy output is "
+        "unchanged (default: off)",
     )
     group.add_argument(
         "--draft-model",
@@ -265,7 +266,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --speculative draft: layers:N (the model's first N layers, its final norm and LM head: "
         "no weights or KV of its own), self (the whole model; every greedy draft is accepted) or PATH (a "
         "separate draft model, a .gguf file or a model directory of the same vocabulary: its own weights, "
-        "its KV beside the model's in the same slots; it runs beside every step)",
+        "its KV beside the model's in the same slots; it runs beside every step); with --speculative eagle: "
+        "the directory of an EAGLE-3 head (config.json + *.safetensors)",
     )
     group.add_argument(
         "--num-speculative-tokens",

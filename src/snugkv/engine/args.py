@@ -196,9 +196,11 @@ def _speculative(given: dict[str, Any]) -> SpeculativeConfig | None:
     method = given.get("speculative")
     if method is None:
         if "draft_model" in given:
-            raise InvalidEngineArgs("--draft-model needs --speculative draft")
+            raise InvalidEngineArgs("--draft-model needs --speculative draft or eagle")
         if "num_speculative_tokens" in given:
-            raise InvalidEngineArgs("--num-speculative-tokens needs --speculative ngram, suffix or draft")
+            raise InvalidEngineArgs(
+                "--num-speculative-tokens needs --speculative ngram, suffix, draft or eagle"
+            )
         return None
     try:
         return SpeculativeConfig(

@@ -1,5 +1,6 @@
-"""A separate draft model (`--speculative draft --draft-model PATH`): found, checked against the
-model and loaded beside it, and the shape of its KV per token.
+"""A separate draft model (`--speculative draft --draft-model PATH`) or an EAGLE-3 head
+(`--speculative eagle --draft-model PATH`): found, checked against the model and loaded beside it,
+and the shape of its KV per token.
 
 The draft is a second `CausalLM` of its own weights, in the model's dtype on the model's device,
 loaded as the model is (a GGUF file or a model directory; `--load-format dummy` gives it random
@@ -21,7 +22,9 @@ from snugkv.distributed.group import TensorParallel, use_tensor_parallel
 from snugkv.engine.args import EngineArgs, InvalidEngineArgs
 from snugkv.memory.kv_pool import DraftKvShape
 from snugkv.memory.vmm import VirtualMemory
-from snugkv.models.config import ModelConfig
+from snugkv.models.causal_lm import DecoderModel
+from snugkv.models.config import ConfigError, ModelConfig
+from snugkv.models.eagle3 import aux_layer_ids, is_eagle3
 from snugkv.models.loader import (
     LoadedModel,
     ModelLoadError,
@@ -84,6 +87,7 @@ def load_draft_model(
     except ModelLoadError as exc:
         raise InvalidEngineArgs(f"--draft-model {name}: {exc}") from None
     check_vocabulary(name, config, source, target)
+    check_kind(args, name, config, target)
     if config.hf.get("kv_lora_rank"):
         raise InvalidEngineArgs(
             f"--draft-model {name}: a draft with latent (MLA) attention is not "
@@ -99,6 +103,36 @@ def load_draft_model(
             max_position=context_length,
             weights_memory=weights_memory,
         )
+
+
+def check_kind(args: EngineArgs, name: str, draft: ModelConfig, target: LoadedModel) -> None:
+    """`InvalidEngineArgs` (one line naming the flag) when an EAGLE-3 head goes with anything but
+    `--speculative eagle`, or anything else with it, or the head does not fit the model."""
+    eagle = args.speculative is not None and args.speculative.method == "eagle"
+    if is_eagle3(draft) != eagle:
+        raise InvalidEngineArgs(
+            f"--draft-model {name}: it is an EAGLE-3 head ({draft.architecture}); use --speculative eagle"
+            if not eagle
+            else f"--draft-model {name}: {draft.architecture} is not an EAGLE-3 head (LlamaForCausalLMEagle3); "
+            "use --speculative draft for a draft model"
+        )
+    if not eagle:
+        return
+    target_hidden = int(draft.hf.get("target_hidden_size") or draft.hidden_size)
+    try:
+        if target.model.model.__class__.forward is not DecoderModel.forward:
+            raise ConfigError(
+                f"{target.config.architecture} runs a decoder forward of its own, whose hidden states the "
+                "head cannot read yet (Llama, Mistral, Qwen2 and Qwen3 models can)"
+            )
+        if target_hidden != target.config.hidden_size or draft.hidden_size != target.config.hidden_size:
+            raise ConfigError(
+                f"the head reads hidden states of width {target_hidden} and embeds tokens in "
+                f"{draft.hidden_size}; the model's hidden size is {target.config.hidden_size}"
+            )
+        aux_layer_ids(draft, target.config.num_layers)
+    except ConfigError as exc:
+        raise InvalidEngineArgs(f"--draft-model {name}: {exc}") from None
 
 
 def check_vocabulary(name: str, draft: ModelConfig, source: ModelSource, target: LoadedModel) -> None:

@@ -52,6 +52,7 @@ from snugkv.kernels import compile_workers
 from snugkv.memory.host_tier import HostKvTier
 from snugkv.memory.kv_pool import KVPool
 from snugkv.memory.moves import KvMoves
+from snugkv.models.eagle3 import is_eagle3
 from snugkv.models.loader import LoadedModel, load_model, resolve_device
 from snugkv.runner.cuda_graph import release_cublas_workspaces
 from snugkv.runner.model_runner import ModelRunner
@@ -137,6 +138,11 @@ class Engine:
                 f"{self.loaded.config.architecture} does not support --tp yet; run it with --tp 1"
             )
         self.config = self.loaded.config
+        if is_eagle3(self.config):
+            raise InvalidEngineArgs(
+                f"{args.load.model} is an EAGLE-3 head, which drafts for a model and cannot serve alone; pass "
+                "the model it was trained for as --model and this one as --speculative eagle --draft-model"
+            )
         if args.speculative is not None and args.speculative.drafts_with_model:
             try:  # the layers a `--draft-model layers:N` may take are known once the model is
                 args.speculative.draft_layers(self.config.num_layers)

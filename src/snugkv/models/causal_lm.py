@@ -55,12 +55,42 @@ class DecoderModel(nn.Module):
     Each layer is called as `layer(positions, hidden, residual, forward_batch)` and returns
     `(hidden, residual)`: the residual add of a layer's last sublayer is deferred to the next norm,
     which does it in the same kernel (`RMSNorm.add_and_norm`); the first layer gets `residual=None`.
+
+    `capture_aux_states(layer_ids, rows)` makes every forward also write the residual stream after
+    each of those layers into `aux_states` (`[rows, len(layer_ids) * hidden]`, one static buffer, so
+    a CUDA graph's replay writes it too; an EAGLE-3 head drafts from it): row t holds token t's.
+    A forward of more tokens than `rows` writes a buffer of its own instead (`aux_output`).
     """
 
     embed_tokens: VocabParallelEmbedding
     layers: nn.ModuleList
     norm: RMSNorm
     embed_scale: float = 1.0
+    aux_columns: dict[int, tuple[int, ...]] | None = None  # captured layer -> its column blocks in aux_states
+    aux_states: torch.Tensor | None = None
+    aux_overflow: torch.Tensor | None = None  # the last forward's states when it outgrew aux_states
+
+    def capture_aux_states(self, layer_ids: Sequence[int], rows: int) -> None:
+        """Capture the residual stream after `layer_ids` (0-based) from the next forward on, into a
+        buffer of `rows` tokens (made once: graphs captured after it keep writing it)."""
+        self.aux_columns = {
+            layer: tuple(column for column, other in enumerate(layer_ids) if other == layer)
+            for layer in layer_ids
+        }
+        weight = self.norm.weight
+        self.aux_states = torch.zeros(
+            rows, len(layer_ids) * weight.shape[0], dtype=weight.dtype, device=weight.device
+        )
+
+    def aux_output(self, num_tokens: int) -> torch.Tensor:
+        """The captured states of the last forward's `num_tokens` tokens."""
+        if self.aux_states is None:
+            raise RuntimeError("this model captures no hidden states (capture_aux_states)")
+        if num_tokens <= self.aux_states.shape[0]:
+            return self.aux_states[:num_tokens]
+        if self.aux_overflow is None or self.aux_overflow.shape[0] != num_tokens:
+            raise RuntimeError(f"the last forward did not capture {num_tokens} tokens' states")
+        return self.aux_overflow
 
     def forward(
         self,
@@ -76,11 +106,26 @@ class DecoderModel(nn.Module):
             x = x * self.embed_scale
         residual: torch.Tensor | None = None
         layers = self.layers if num_layers is None else self.layers[:num_layers]
-        for layer in layers:
+        columns = self.aux_columns if num_layers is None else None
+        aux = None if columns is None else self._aux_buffer(x.shape[0])
+        for index, layer in enumerate(layers):
             x, residual = layer(positions, x, residual, forward_batch)
+            if aux is not None and columns is not None and index in columns:
+                width = x.shape[-1]
+                stream = x if residual is None else x + residual
+                for column in columns[index]:
+                    aux[:, column * width : (column + 1) * width].copy_(stream)
         if residual is None:
             return self.norm(x)
         return self.norm.add_and_norm(x, residual)[0]
+
+    def _aux_buffer(self, num_tokens: int) -> torch.Tensor:
+        assert self.aux_states is not None
+        if num_tokens <= self.aux_states.shape[0]:
+            self.aux_overflow = None
+            return self.aux_states[:num_tokens]
+        self.aux_overflow = self.aux_states.new_empty(num_tokens, self.aux_states.shape[1])
+        return self.aux_overflow
 
 
 class CausalLM(nn.Module):

@@ -22,6 +22,8 @@ _ARCHITECTURES: dict[str, str] = {
     "DeepseekV2ForCausalLM": "snugkv.models.deepseek_v2:DeepseekV2ForCausalLM",
     "Qwen3MoeForCausalLM": "snugkv.models.qwen3_moe:Qwen3MoeForCausalLM",
     "MixtralForCausalLM": "snugkv.models.mixtral:MixtralForCausalLM",
+    # a draft head, not a model to serve: only as `--speculative eagle --draft-model PATH`
+    "LlamaForCausalLMEagle3": "snugkv.models.eagle3:Eagle3ForCausalLM",
 }
 
 

@@ -48,6 +48,7 @@ from snugkv.layers.sampler import Sampler, exponential_race
 from snugkv.memory.kv_pool import DraftKv
 from snugkv.memory.req_to_token import ReqToTokenPool
 from snugkv.models.causal_lm import CausalLM
+from snugkv.runner.eagle3 import Eagle3Drafting
 from snugkv.speculative.verify import target_probabilities
 
 
@@ -57,6 +58,7 @@ class DraftRunner(Protocol):
     model: CausalLM
     draft_model: CausalLM | None  # a separate draft model; None: the model drafts for itself
     draft_kv: DraftKv | None  # the separate draft's KV layers (same slots as the model's)
+    eagle: Eagle3Drafting | None  # the draft model is an EAGLE-3 head (snugkv.runner.eagle3)
     attn_backend: AttentionBackend
     sampler: Sampler
     tp: TensorParallel
@@ -103,13 +105,16 @@ def run_draft_steps(
     separate: bool = False,
 ) -> ModelDrafts:
     """Draft `rows[i].draft_len` tokens for each row through the model's first `num_layers`
-    layers, or (`separate`) through the runner's separate draft model, all its layers;
-    `params[i]` and `generators[i]` choose row i's tokens. The host waits once, at the end."""
+    layers, or (`separate`) through the runner's separate draft model, all its layers (an EAGLE-3
+    head: its steps start a position earlier, snugkv.runner.eagle3); `params[i]` and
+    `generators[i]` choose row i's tokens. The host waits once, at the end."""
     if not rows:
         return ModelDrafts([], None)
     if any(row.draft_len < 1 for row in rows):
         raise ValueError("every draft row needs draft_len >= 1")
     device = runner.device
+    eagle = runner.eagle if separate else None
+    shift = 0 if eagle is None else 1  # an EAGLE-3 head's step j computes position L - 1 + j
     table = runner.req_to_token_pool.req_to_token_host
     keeps_probs = not all(p.greedy for p in params)
     step_tokens: list[torch.Tensor] = []
@@ -121,7 +126,8 @@ def run_draft_steps(
         previous = {row: index for index, row in enumerate(active)}
         active = [index for index, row in enumerate(rows) if row.draft_len > step]
         batch_rows = [
-            BatchRow(rows[i].req_pool_idx, rows[i].prefix_len + step, [rows[i].last_token]) for i in active
+            BatchRow(rows[i].req_pool_idx, rows[i].prefix_len + step - shift, [rows[i].last_token])
+            for i in active
         ]
         positions = torch.tensor([row.prefix_len for row in batch_rows], dtype=torch.int64)
         table_rows = torch.tensor([row.req_pool_idx for row in batch_rows], dtype=torch.int64)
@@ -129,10 +135,15 @@ def run_draft_steps(
         # int32 rows would make the host wait for the step before at every draft step
         slots = to_device(table[table_rows, positions], torch.int64, device)
         forward_batch = runner.build_batch(batch_rows, slots)
+        fed = None
         if tokens is not None:  # this step reads the tokens the step before drafted
             fed = to_device([previous[i] for i in active], torch.int64, device)
             forward_batch.input_ids = tokens.index_select(0, fed)
-        logits = draft_logits(runner, forward_batch, num_layers, separate=separate)
+        if eagle is not None:
+            feed = to_device(table_rows, torch.int64, device) if fed is None else fed
+            logits = eagle.step_logits(forward_batch, step, feed)
+        else:
+            logits = draft_logits(runner, forward_batch, num_layers, separate=separate)
         step_params = [params[i] for i in active]
         if keeps_probs:
             probs = target_probabilities(logits, step_params, runner.sampler)

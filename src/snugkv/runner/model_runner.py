@@ -50,8 +50,10 @@ from snugkv.memory.allocator import SMALL_EXTEND_TOKENS, SlotAllocator
 from snugkv.memory.kv_pool import DraftKv, KVPool, MHAKVPool
 from snugkv.memory.req_to_token import ReqToTokenPool
 from snugkv.models.causal_lm import CausalLM
+from snugkv.models.eagle3 import Eagle3ForCausalLM
 from snugkv.runner.cuda_graph import DecodeCudaGraphs, release_cublas_workspaces
 from snugkv.runner.draft_steps import DraftRow, ModelDrafts, run_draft_steps
+from snugkv.runner.eagle3 import Eagle3Drafting
 from snugkv.runner.future_tokens import FutureTokens
 from snugkv.runner.kv_cache import make_slot_allocator
 from snugkv.runner.piecewise_graphs import PiecewiseGraphs
@@ -76,10 +78,19 @@ class ModelRunner:
         self.model = model
         self.draft_model = draft_model  # a separate draft model (--draft-model PATH), None otherwise
         self.draft_kv: DraftKv | None = None
+        self.eagle: Eagle3Drafting | None = None  # the draft model is an EAGLE-3 head
         if draft_model is not None:
             self.draft_kv = kv_pool.draft_kv() if isinstance(kv_pool, MHAKVPool) else None
             if self.draft_kv is None:
                 raise ValueError("a separate draft model needs a KV pool built with its layers (draft=)")
+            if isinstance(draft_model, Eagle3ForCausalLM):
+                self.eagle = Eagle3Drafting(
+                    draft_model,
+                    model,
+                    self.draft_kv,
+                    attn_backend,
+                    max_requests=req_to_token_pool.max_requests,
+                )
         self.tp = tp or TensorParallel()
         self.kv_pool = kv_pool
         self.req_to_token_pool = req_to_token_pool
@@ -260,7 +271,9 @@ class ModelRunner:
                 forward_batch.input_ids, forward_batch.req_pool_indices[:decode_rows]
             )
         logits = self.forward_batch(forward_batch)
-        if self.draft_model is not None:
+        if self.eagle is not None:
+            self.eagle.after_forward(rows, forward_batch, self.req_to_token_pool.req_to_token)
+        elif self.draft_model is not None:
             self.forward_draft_kv(forward_batch)
         return logits
 
@@ -404,6 +417,8 @@ class ModelRunner:
             )
         last_tokens = verification.token_ids.gather(1, verification.accepted_lens[:, None]).squeeze(1)
         self.future_tokens.store(table_rows, last_tokens)
+        if self.eagle is not None:
+            self.eagle.after_verify(verification.accepted_lens)
         return verification
 
     def _token_history(self, vocab_size: int) -> TokenHistory:
@@ -439,6 +454,8 @@ class ModelRunner:
         (kernels/compile_ahead.py). Returns the seconds of each: `capture_decode_s` (the hand-over
         included) and `capture_piecewise_s`."""
         self.kv_pool.ensure_prefix()  # padded rows, padding tokens and warm-ups write the dummy slot
+        if self.eagle is not None and self.cuda_graphs is None and self.piecewise_graphs is None:
+            self.eagle.ensure_rows(max([*batch_sizes, *token_buckets], default=0))  # graphs keep one buffer
         req_to_token, kv_pool, backend = self.req_to_token_pool.req_to_token, self.kv_pool, self.attn_backend
         started = time.perf_counter()
         decode = piecewise = None

@@ -12,6 +12,10 @@ its own), `self`, the whole model as its own draft (every greedy draft is accept
 the machinery), or a path: a separate draft model (a GGUF file or a model directory) with weights
 and KV of its own, loaded beside the model by the engine (snugkv.engine.draft_model). `N` is checked
 against the model once it is loaded (`draft_layers`), a path when the engine loads it.
+
+`--speculative eagle` takes an EAGLE-3 head's directory as `--draft-model PATH` (snugkv.models.eagle3):
+one decoder layer that drafts from the model's hidden states, loaded and sized as a separate draft
+model is, its KV beside the model's (snugkv.runner.eagle3).
 """
 
 from __future__ import annotations
@@ -19,9 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # What `--speculative` takes and runs.
-SPECULATIVE_METHODS = ("ngram", "suffix", "draft")
-# Named by issue 34, not built yet: refused with their own sentence rather than "not a choice".
-NOT_BUILT_METHODS = ("eagle",)
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft", "eagle")
 SELF_DRAFT = "self"  # --draft-model self: the whole model drafts for itself
 LAYERS_PREFIX = "layers:"  # --draft-model layers:N: its first N decoder layers draft
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4
@@ -38,8 +40,8 @@ DEFAULT_BREAK_EVEN = 0.5
 
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
-    """`method`: ngram, suffix or draft; `draft_model`: with draft, `layers:N`, `self` or a path (a
-    separate draft model); `num_tokens`: the most draft tokens per row and step (k);
+    """`method`: ngram, suffix, draft or eagle; `draft_model`: with draft, `layers:N`, `self` or a path
+    (a separate draft model), with eagle the path of an EAGLE-3 head; `num_tokens`: the most draft tokens per row and step (k);
     `max_batch_size`: a decode step of more running requests does not speculate;
     `pause_tokens`: a row whose recent verify steps accepted fewer tokens than pays for them
     (snugkv.speculative.drafter's back-off) drafts nothing for this many more tokens, then retries;
@@ -74,8 +76,8 @@ class SpeculativeConfig:
 
     @property
     def drafts_with_model(self) -> bool:
-        """Whether the drafts come from model forwards on the device (`--speculative draft`)."""
-        return self.method == "draft"
+        """Whether the drafts come from model forwards on the device (`--speculative draft|eagle`)."""
+        return self.method in ("draft", "eagle")
 
     @property
     def separate_draft(self) -> bool:
@@ -99,19 +101,22 @@ class SpeculativeConfig:
 
 def check_method(method: str) -> None:
     """Refuse a `--speculative` value this engine cannot run (`ValueError`, one line)."""
-    if method in NOT_BUILT_METHODS:
-        raise ValueError(
-            f"--speculative {method} is not built yet (issue 34); use --speculative ngram, suffix or draft"
-        )
     if method not in SPECULATIVE_METHODS:
         raise ValueError(f"--speculative must be one of {', '.join(SPECULATIVE_METHODS)}, got {method!r}")
 
 
 def check_draft_model(method: str, draft_model: str | None) -> None:
     """Refuse a `--draft-model` that does not go with `--speculative method`, or one not built here."""
+    if method == "eagle":
+        if draft_model is None or not draft_model.strip() or not is_draft_path(draft_model):
+            raise ValueError(
+                "--speculative eagle needs --draft-model PATH, the directory of an EAGLE-3 head "
+                "(config.json + *.safetensors)"
+            )
+        return
     if method != "draft":
         if draft_model is not None:
-            raise ValueError(f"--draft-model needs --speculative draft, not --speculative {method}")
+            raise ValueError(f"--draft-model needs --speculative draft or eagle, not --speculative {method}")
         return
     if draft_model is None:
         raise ValueError(

@@ -1,0 +1,194 @@
+"""EAGLE-3 drafting (`--speculative eagle`): the head's KV kept beside the model's, and its draft steps.
+
+The head (snugkv.models.eagle3) computes position `t` from token `t + 1` and the model's hidden
+states at `t` (the residual stream after three of its layers, which every model forward writes into
+`DecoderModel.aux_states`, graphs included). So its KV lags the model's by one position, and is
+kept so by one pass after every model forward (`after_forward`), over the forward's positions
+shifted back by one: a row that adds tokens `x_p .. x_{p+n-1}` at positions `p .. p+n-1` has the
+head compute positions `p-1 .. p+n-2` from the same tokens, the states of position `p-1` coming
+from the row's store (`states`, the states of each table row's last position, kept from its forward
+before) and the others from this forward. The row's last position's states go into the store for
+the next one. After a verify step the store takes the states of the last accepted position instead
+(`after_verify`): of the verified positions only the accepted ones are right, and the slots after
+them go back as rejected.
+
+A position `p-1` whose states the store does not hold (a request's first forward: position -1, or a
+prefix-cache hit, whose states were another request's) is written to the dummy slot 0; the head's
+KV there is then what an earlier request left (a prefix hit: the same tokens up to `p-1`, but the
+token after may differ), which only costs acceptance: drafts are verified.
+
+Draft steps (`step_logits`, driven by snugkv.runner.draft_steps) for a row whose KV holds `L`
+positions and whose last token `x_L` is not fed yet: step 0 computes position `L-1` from `x_L` and the
+stored states (the position the pass could not do, its token unknown then), step `j` position
+`L-1+j` from draft token `j` and the head's own pre-norm output of step `j-1`; their KV goes to
+the slots the verify step allocated, and the verify step's pass writes it again from the model's
+states.
+
+This module never allocates or frees slots, never verifies and never decides which rows draft.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from snugkv.core.forward import AttentionBackend, BatchRow, ForwardBatch
+from snugkv.core.transfer import to_device
+from snugkv.memory.kv_pool import DraftKv
+from snugkv.models.causal_lm import CausalLM, DecoderModel
+from snugkv.models.eagle3 import Eagle3ForCausalLM, aux_layer_ids
+
+DEFAULT_AUX_ROWS = 512  # tokens of a forward whose states the static buffer holds before graphs size it
+DUMMY_SLOT = 0  # the pool's padding slot: what a position without states writes to
+
+
+@dataclass(slots=True)
+class _LastForward:
+    """What `after_verify` needs of the forward before it: the states it captured, each row's first
+    token's index in them, its table row and prefix (device tensors)."""
+
+    aux: torch.Tensor
+    row_starts: torch.Tensor
+    table_rows: torch.Tensor
+    prefixes: torch.Tensor
+
+
+class Eagle3Drafting:
+    """The head, the model's captured states, the per-table-row store, and the head's KV upkeep."""
+
+    def __init__(
+        self,
+        head: Eagle3ForCausalLM,
+        model: CausalLM,
+        draft_kv: DraftKv,
+        attn_backend: AttentionBackend,
+        *,
+        max_requests: int,
+        rows: int = DEFAULT_AUX_ROWS,
+    ) -> None:
+        self.head, self.model, self.draft_kv, self.attn_backend = head, model, draft_kv, attn_backend
+        if type(model.model).forward is not DecoderModel.forward:
+            raise ValueError(
+                f"{model.config.architecture} runs a decoder forward of its own; an EAGLE-3 head reads the "
+                "hidden states of the shared one (Llama, Mistral, Qwen2/3 and their likes)"
+            )
+        if model.config.hidden_size != head.target_hidden_size:
+            raise ValueError(
+                f"the head's fc reads 3 x {head.target_hidden_size} hidden states; the model's hidden size is "
+                f"{model.config.hidden_size}"
+            )
+        self.layer_ids = aux_layer_ids(head.config, model.config.num_layers)
+        head.use_model_embedding(model)
+        model.model.capture_aux_states(self.layer_ids, rows)
+        aux = model.model.aux_states
+        assert aux is not None
+        self.states = torch.zeros(max_requests + 1, aux.shape[1], dtype=aux.dtype, device=aux.device)
+        self.state_positions = torch.full((max_requests + 1,), -1, dtype=torch.int64, device=aux.device)
+        self._last: _LastForward | None = None
+        self._prenorm: torch.Tensor | None = None  # the head's pre-norm rows of the last draft step
+
+    @property
+    def aux_rows(self) -> int:
+        aux = self.model.model.aux_states
+        return 0 if aux is None else int(aux.shape[0])
+
+    def ensure_rows(self, rows: int) -> None:
+        """Hold `rows` tokens' states in the static buffer (before graphs are captured: they keep
+        the buffer they were captured with)."""
+        if rows > self.aux_rows:
+            self.model.model.capture_aux_states(self.layer_ids, rows)
+
+    # -- after every model forward ------------------------------------------------------------
+    def after_forward(
+        self, rows: Sequence[BatchRow], forward_batch: ForwardBatch, req_to_token: torch.Tensor
+    ) -> None:
+        """The head's KV at the forward's positions shifted back by one (module docstring), then
+        each row's last position's states into the store."""
+        num_tokens = sum(len(row.token_ids) for row in rows)
+        aux = self.model.model.aux_output(num_tokens)
+        device = aux.device
+        token_index: list[int] = []  # into the forward's tokens
+        hidden_index: list[int] = []  # into [aux ; store]
+        slot_index: list[int] = []  # into [forward's slots ; each row's first-position slot]
+        draft_rows: list[BatchRow] = []
+        firsts: list[int] = []  # rows (of `rows`) with a position p-1
+        starts: list[int] = []
+        offset = 0
+        for index, row in enumerate(rows):
+            count, prefix = len(row.token_ids), row.prefix_len
+            starts.append(offset)
+            if prefix > 0:
+                token_index.extend(range(offset, offset + count))
+                hidden_index.append(num_tokens + row.req_pool_idx)
+                hidden_index.extend(range(offset, offset + count - 1))
+                slot_index.append(num_tokens + len(firsts))
+                slot_index.extend(range(offset, offset + count - 1))
+                firsts.append(index)
+                draft_rows.append(BatchRow(row.req_pool_idx, prefix - 1, row.token_ids))
+            elif count > 1:
+                token_index.extend(range(offset + 1, offset + count))
+                hidden_index.extend(range(offset, offset + count - 1))
+                slot_index.extend(range(offset, offset + count - 1))
+                draft_rows.append(BatchRow(row.req_pool_idx, 0, row.token_ids[1:]))
+            offset += count
+        table_rows = to_device([row.req_pool_idx for row in rows], torch.int64, device)
+        prefixes = to_device([row.prefix_len for row in rows], torch.int64, device)
+        row_starts = to_device(starts, torch.int64, device)
+        if draft_rows:
+            first_slots = torch.empty(0, dtype=torch.int64, device=device)
+            if firsts:
+                first = to_device(firsts, torch.int64, device)
+                first_tables, first_positions = table_rows[first], prefixes[first] - 1
+                held = self.state_positions[first_tables] == first_positions
+                first_slots = torch.where(
+                    held, req_to_token[first_tables, first_positions].long(), DUMMY_SLOT
+                )
+            slots = torch.cat([forward_batch.out_cache_loc.long(), first_slots])
+            slots = slots.index_select(0, to_device(slot_index, torch.int64, device))
+            hidden = torch.cat([aux, self.states]).index_select(
+                0, to_device(hidden_index, torch.int64, device)
+            )
+            input_ids = forward_batch.input_ids.index_select(0, to_device(token_index, torch.int64, device))
+            batch = ForwardBatch.build(
+                draft_rows,
+                slots,
+                req_to_token=req_to_token,
+                kv_pool=self.draft_kv,
+                attn_backend=self.attn_backend,
+            )
+            batch.input_ids = input_ids
+            self.attn_backend.init_forward_metadata(batch)
+            self.head.draft(input_ids, batch.positions, hidden, batch, from_model=True)
+        lasts = row_starts + to_device([len(row.token_ids) - 1 for row in rows], torch.int64, device)
+        self.states[table_rows] = aux.index_select(0, lasts)
+        self.state_positions[table_rows] = prefixes + (lasts - row_starts)
+        self._last = _LastForward(aux, row_starts, table_rows, prefixes)
+
+    def after_verify(self, accepted_lens: torch.Tensor) -> None:
+        """The verify step just judged the last forward's rows: each row's store takes the states of
+        its last accepted position (`accepted_lens[i]` drafts kept after the row's first token)."""
+        last, self._last = self._last, None
+        if last is None or last.table_rows.shape[0] != accepted_lens.shape[0]:
+            return  # a verification alone (the CPU start-up's measurement): no forward wrote states
+        accepted = accepted_lens.to(torch.int64)
+        self.states[last.table_rows] = last.aux.index_select(0, last.row_starts + accepted)
+        self.state_positions[last.table_rows] = last.prefixes + accepted
+
+    # -- draft steps --------------------------------------------------------------------------
+    def step_logits(self, forward_batch: ForwardBatch, step: int, feed: torch.Tensor) -> torch.Tensor:
+        """Float32 logits over the model's vocabulary of draft step `step` (its rows at positions
+        `L-1+step`, module docstring): `feed` is, at step 0, the rows' table rows (their stored
+        states), after it each row's index among the step before's rows."""
+        forward_batch.kv_pool = self.draft_kv
+        self.attn_backend.init_forward_metadata(forward_batch)
+        if step == 0:
+            hidden, from_model = self.states.index_select(0, feed), True
+        else:
+            assert self._prenorm is not None
+            hidden, from_model = self._prenorm.index_select(0, feed), False
+        normed, self._prenorm = self.head.draft(
+            forward_batch.input_ids, forward_batch.positions, hidden, forward_batch, from_model=from_model
+        )
+        return self.head.compute_logits(normed)
