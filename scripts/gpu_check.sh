@@ -14,6 +14,8 @@
 #   (bf16 needs ARGS_spec_replay="--force-text": random weights' near ties; spec-replay-fp32 needs none)
 #   the most the proposers could give on SmolLM2's text, GPU step costs (needs the GGUF parts): STEPS="spec-bound"
 #   KV tokens with speculation on against the ledger, and a load of 2x the KV cache: STEPS="env spec-sizing"
+#   the speculative CUDA tests (EAGLE-3 beside the graphs, drafts beside the graphs, verify sizing):
+#   STEPS="env tests" PYTEST_ARGS=tests/speculative
 #   MoE only: STEPS="env moe" (MOE_MODEL=mixtral-8x7b for another shape; the tuned table lands in $OUT/work/moe)
 #   parts of a step: MOE_PARTS="decode" (of "tests tune decode prefill"), FP8_TESTS=0, FP8_SHAPES=llama-3-8b
 #   the engine core's CUDA tests alone (drivers, elastic engine, LLM, graphs, VMM): STEPS="env core"

@@ -24,8 +24,11 @@ import torch
 from safetensors.torch import save_file
 
 from snugkv.core.sampling import SamplingParams
+from snugkv.driver.engine_core import EngineCore
 from snugkv.engine import Engine, EngineArgs, InvalidEngineArgs
+from snugkv.memory.kv_pool import MHAKVPool
 from snugkv.models.eagle3 import Eagle3ForCausalLM
+from snugkv.scheduler import elastic
 from snugkv.scheduler import speculation as speculation_module
 from snugkv.scheduler.scheduler import Scheduler
 from snugkv.speculative.config import SpeculativeConfig
@@ -34,9 +37,11 @@ from tests.models.hf_tiny import VOCAB_SIZE, tiny_hf_config, tiny_hf_model
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 64, 4, 2, 16, 128
 DRAFT_VOCAB = 160
 ROPE_THETA = 10000.0
+# Greedy margins of the tiny model over 24 tokens: at least 0.016 (a prompt whose top two logits
+# came within 2e-7 of each other flipped with the batch's shape, with or without a head).
 PROMPTS = {
     "a": [5, 17, 33, 9, 101, 7, 64, 250, 3, 18, 44],
-    "b": [12, 12, 40, 41, 42, 300, 299, 8],
+    "b": [200, 12, 40, 7, 42, 300, 99, 8, 61],
     "c": list(range(20, 60, 3)),
 }
 
@@ -259,13 +264,10 @@ def test_the_head_loads_from_the_published_layout_and_uses_the_models_embedding(
     assert eagle_engine.runner.eagle is not None and eagle_engine.runner.eagle.layer_ids == (2, 2, 1)
 
 
-def test_drafts_equal_the_references_at_every_acceptance_length_and_tokens_equal_plain_decoding(
-    dirs, eagle_engine, plain, monkeypatch
-):
-    """The head drafts; the verify step then judges the model's own continuation spoiled at draft
-    index `spoil` (0 .. k, k: not spoiled), cycling, so every acceptance length is verified."""
-    _, model, tensors = dirs
-    k = 4
+def judge_spoiled_continuations(monkeypatch, plain: dict[str, list[int]]) -> tuple[list, set[int]]:
+    """Record every draft the head makes (with the request's tokens then), then hand the verify step
+    the model's own continuation spoiled at draft index 0 .. k in turn (k: not spoiled), so that
+    every acceptance length is verified. Returns the (tokens, draft) records and the lengths."""
     seen: list[tuple[list[int], list[int]]] = []
     accepted_lengths: set[int] = set()
     spoil = iter(range(10_000))
@@ -291,6 +293,15 @@ def test_drafts_equal_the_references_at_every_acceptance_length_and_tokens_equal
         return probs
 
     monkeypatch.setattr(speculation_module.Speculation, "draft_on_device", draft_on_device)
+    return seen, accepted_lengths
+
+
+def test_drafts_equal_the_references_at_every_acceptance_length_and_tokens_equal_plain_decoding(
+    dirs, eagle_engine, plain, monkeypatch
+):
+    _, model, tensors = dirs
+    k = 4
+    seen, accepted_lengths = judge_spoiled_continuations(monkeypatch, plain)
     config = SpeculativeConfig("eagle", draft_model="head", num_tokens=k, break_even=0.0, pause_tokens=0)
     outputs = run(eagle_engine, PROMPTS, 24, speculative=config)
     assert outputs == plain
@@ -334,3 +345,120 @@ def test_the_wrong_pairings_are_refused_in_one_line(dirs):
     save_head(root / "wide", target_hidden_size=2 * HIDDEN)
     with pytest.raises(InvalidEngineArgs, match="the head reads hidden states of width 128"):
         engine_of(root / "model", root / "wide")
+
+
+def test_start_up_sizes_the_heads_one_layer_of_kv_beside_the_models_and_counts_its_weights(
+    dirs, eagle_engine
+):
+    """The head's KV (one layer) joins the model's bytes per token; the same 0.05 GiB KV budget holds
+    budget / (both bytes per token) tokens, within 1%; its weights are its own (the embedding is the
+    model's and is not counted twice)."""
+    _, _, tensors = dirs
+    pool = eagle_engine.pool
+    assert isinstance(pool, MHAKVPool)
+    config = eagle_engine.config
+    target_bytes = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4  # float32 K and V
+    head_bytes = 2 * 1 * KV_HEADS * HEAD_DIM * 4
+    assert (pool.draft_bytes_per_token, pool.bytes_per_token) == (head_bytes, target_bytes + head_bytes)
+    tokens = eagle_engine.report.max_total_num_tokens
+    assert abs(tokens - round(0.05 * 2**30) / (target_bytes + head_bytes)) <= 0.01 * tokens
+    ledger = eagle_engine.report.ledger
+    weights = sum(t.numel() * 4 for name, t in tensors.items() if name not in ("d2t", "t2d"))
+    assert ledger.draft_weights_bytes == weights and ledger.draft_kv_bytes_per_token == head_bytes
+    assert (
+        f"draft model KV per token ({ledger.draft_model}; in KV committed): {head_bytes} bytes"
+        in ledger.table()
+    )
+
+
+def test_sampled_rows_draft_from_the_heads_distribution_and_every_slot_comes_back(dirs, eagle_engine):
+    """Sampled rows draw their drafts from the head's distribution over the model's vocabulary (zero
+    outside the draft vocabulary) and pass it to verification; every emitted token is one the model
+    could sample, and the slots balance after every step."""
+    config = SpeculativeConfig("eagle", draft_model="head", num_tokens=4, break_even=0.0, pause_tokens=0)
+    outputs: dict[str, list[int]] = {}
+    scheduler = Scheduler(
+        eagle_engine.runner,
+        max_running_requests=8,
+        chunked_prefill_size=6,
+        on_output=lambda request, output: outputs.setdefault(output.rid, []).extend(output.token_ids),
+        speculative=config,
+    )
+    for index, (rid, ids) in enumerate(PROMPTS.items()):
+        scheduler.add_request(
+            rid, ids, SamplingParams(temperature=0.9, max_new_tokens=20, ignore_eos=True, seed=index)
+        )
+    while scheduler.has_work:
+        scheduler.step()
+        scheduler.check_slot_accounting()
+    assert {rid: len(tokens) for rid, tokens in outputs.items()} == dict.fromkeys(PROMPTS, 20)
+    assert scheduler.stats().spec_draft_tokens > 0
+    scheduler.cache.reset()
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_and_wake_keep_the_head_and_the_tokens(dirs, plain, level):
+    root, _, _ = dirs
+    engine = engine_of(root / "model", root / "head")
+    try:
+        outputs: dict[str, list[int]] = {}
+        scheduler = EngineCore.around(
+            engine, on_output=lambda r, o: outputs.setdefault(o.rid, []).extend(o.token_ids)
+        ).scheduler
+        elastic.sleep(scheduler, engine, level=level)
+        assert engine.pool.committed_bytes == 0
+        elastic.wake_up(scheduler, engine)
+        sampling = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
+        for rid, ids in PROMPTS.items():
+            scheduler.add_request(rid, ids, sampling)
+        while scheduler.has_work:
+            scheduler.step()
+            scheduler.check_slot_accounting()
+        assert outputs == plain
+        assert scheduler.stats().spec_draft_tokens > 0
+        head = engine.runner.draft_model
+        assert isinstance(head, Eagle3ForCausalLM)
+        assert torch.equal(head.model_token_ids.cpu(), torch.arange(DRAFT_VOCAB) + dirs[2]["d2t"])
+        scheduler.cache.reset()
+    finally:
+        engine.close()
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_the_states_come_out_of_the_graphs_and_the_drafts_equal_the_references(dirs, monkeypatch):
+    """Decode and verify steps replay the decode graphs, prefills the piecewise graphs: the states the
+    head drafts from are what those replays wrote into the static buffer (float32: token-identical)."""
+    root, model, tensors = dirs
+    options = dict(
+        device="cuda",
+        max_total_tokens=4096,
+        cuda_graph_max_bs=16,
+        chunked_prefill_size=64,
+        prefill_graph_max_tokens=64,
+    )
+    plain_engine = engine_of(root / "model", None, **options)
+    try:
+        expected = run(plain_engine, PROMPTS, 24)
+    finally:
+        plain_engine.close()
+    engine = engine_of(root / "model", root / "head", **options)
+    try:
+        runner = engine.runner
+        assert runner.cuda_graphs is not None and runner.piecewise_graphs is not None
+        replays: list[int] = []
+        replay = runner.cuda_graphs.replay
+
+        def counted(forward_batch):
+            replays.append(forward_batch.batch_size)
+            return replay(forward_batch)
+
+        runner.cuda_graphs.replay = counted  # type: ignore[method-assign]
+        seen, accepted_lengths = judge_spoiled_continuations(monkeypatch, expected)
+        config = SpeculativeConfig("eagle", draft_model="head", num_tokens=4, break_even=0.0, pause_tokens=0)
+        assert run(engine, PROMPTS, 24, speculative=config) == expected
+        assert replays and max(replays) > len(PROMPTS)  # verify steps replayed graphs of a row per position
+        assert accepted_lengths == set(range(5))
+        for sequence, draft in seen:
+            assert draft == reference_drafts(model, tensors, sequence, len(draft)), sequence
+    finally:
+        engine.close()
