@@ -332,6 +332,23 @@ def test_prefix_cache_hits_keep_the_tokens_of_plain_decoding(dirs, eagle_engine)
     assert run(eagle_engine, prompts, 12, speculative=config, rounds=2) == expected
 
 
+def test_a_head_without_rotary_settings_takes_the_models(dirs, eagle_engine):
+    """Some published heads leave `rope_theta` null: theirs is then the model's (here llama3-scaled),
+    where a head that names its own keeps it."""
+    root, _, _ = dirs
+    save_head(root / "no-rope", rope_theta=None)
+    engine = engine_of(root / "model", root / "no-rope")
+    try:
+        model_rotary = engine.runner.model.model.layers[0].self_attn.rotary_emb
+        head_rotary = engine.runner.draft_model.model.layer.self_attn.rotary_emb
+        assert head_rotary.rope_parameters == model_rotary.rope_parameters
+        assert torch.equal(head_rotary.cos_cache, model_rotary.cos_cache)
+    finally:
+        engine.close()
+    own = eagle_engine.runner.draft_model.model.layer.self_attn.rotary_emb
+    assert own.rope_parameters["rope_theta"] == ROPE_THETA and own.rope_parameters["rope_type"] == "default"
+
+
 def test_the_wrong_pairings_are_refused_in_one_line(dirs):
     root, _, _ = dirs
     with pytest.raises(InvalidEngineArgs, match=r"it is an EAGLE-3 head .*; use --speculative eagle"):

@@ -54,7 +54,8 @@ def normalize_rope_parameters(hf: Mapping[str, Any]) -> dict[str, Any]:
     rope_type = merged.pop("rope_type", None) or merged.pop("type", None) or "default"
     merged.pop("type", None)
     merged["rope_type"] = rope_type
-    merged.setdefault("rope_theta", float(hf.get("rope_theta", 10000.0)))
+    theta = hf.get("rope_theta")  # null in some configs (an EAGLE-3 head's: it takes the model's)
+    merged.setdefault("rope_theta", float(10000.0 if theta is None else theta))
     if "partial_rotary_factor" in hf:
         merged.setdefault("partial_rotary_factor", hf["partial_rotary_factor"])
     return merged

@@ -12,7 +12,8 @@ arXiv:2503.01840). Its checkpoint (`config.json` with `"architectures": ["LlamaF
   `h` (or `hidden_norm(h)` where the config says `norm_before_residual`);
 - `norm.weight`, `lm_head.weight` `[draft vocab, hidden]` and `d2t` `[draft vocab]`: draft token `i`
   is the model's token `i + d2t[i]` (`t2d`, the inverse as a mask, is not needed).
-The token embedding is the model's (`use_model_embedding`): an `embed_tokens.weight` in the head's
+The token embedding is the model's (`attach_to_model`; so are the rotary settings where the
+head's config leaves them out): an `embed_tokens.weight` in the head's
 checkpoint is skipped (heads are trained with the model's embedding frozen).
 
 `draft(input_ids, positions, hidden, forward_batch, from_model=...)` runs the layer at the rows'
@@ -104,7 +105,7 @@ class Eagle3Layer(nn.Module):
 
 class Eagle3Model(DecoderModel):
     """`fc`, the one layer (`layers[0]`, the checkpoint's `midlayer`), the final norm; the embedding
-    is the model's (`Eagle3ForCausalLM.use_model_embedding`), held outside the module tree so the
+    is the model's (`Eagle3ForCausalLM.attach_to_model`), held outside the module tree so the
     head's parameters, bytes and reloads are its own."""
 
     def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding, target_hidden: int) -> None:
@@ -128,7 +129,7 @@ class Eagle3Model(DecoderModel):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self._embedding is None:
-            raise RuntimeError("the EAGLE-3 head has no embedding yet (use_model_embedding)")
+            raise RuntimeError("the EAGLE-3 head has no embedding yet (attach_to_model)")
         embedding, scale = self._embedding
         x = embedding(input_ids)
         return x * scale if scale != 1.0 else x
@@ -171,13 +172,26 @@ class Eagle3ForCausalLM(CausalLM):
     def tie_weights(self) -> None:
         pass  # the embedding is the model's, the LM head the head's own
 
-    def use_model_embedding(self, model: CausalLM) -> None:
-        """Draft with `model`'s token embedding (and its scale), which stays the model's."""
+    def attach_to_model(self, model: CausalLM) -> None:
+        """Draft with `model`'s token embedding (and its scale), which stays the model's; a head whose
+        config names no rotary settings (no `rope_theta`, `rope_parameters` or `rope_scaling`: some
+        published heads leave them null) takes the model's."""
         if model.config.hidden_size != self.config.hidden_size:
             raise ConfigError(
                 f"the head's hidden size is {self.config.hidden_size}, the model's {model.config.hidden_size}"
             )
         self.model._embedding = (model.model.embed_tokens, model.model.embed_scale)
+        hf = self.config.hf
+        if all(hf.get(key) is None for key in ("rope_theta", "rope_parameters", "rope_scaling")):
+            attention = self.model.layer.self_attn
+            device = attention.rotary_emb.cos_cache.device
+            with torch.device(device):
+                attention.rotary_emb = RotaryEmbedding(
+                    self.config.head_dim,
+                    model.config.rope_parameters,
+                    self.max_position,
+                    max_position_embeddings=model.config.max_position_embeddings,
+                )
 
     def forward(self, *args: object, **kwargs: object) -> torch.Tensor:
         raise TypeError("an EAGLE-3 head drafts from the model's hidden states: call draft()")

@@ -80,7 +80,7 @@ class Eagle3Drafting:
                 f"{model.config.hidden_size}"
             )
         self.layer_ids = aux_layer_ids(head.config, model.config.num_layers)
-        head.use_model_embedding(model)
+        head.attach_to_model(model)
         model.model.capture_aux_states(self.layer_ids, rows)
         aux = model.model.aux_states
         assert aux is not None
