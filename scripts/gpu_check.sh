@@ -16,6 +16,7 @@
 #   KV tokens with speculation on against the ledger, and a load of 2x the KV cache: STEPS="env spec-sizing"
 #   the speculative CUDA tests (EAGLE-3 beside the graphs, drafts beside the graphs, verify sizing):
 #   STEPS="env tests" PYTEST_ARGS=tests/speculative
+#   the 8B shape's step costs without and with an 8B-shaped EAGLE-3 head (draft steps, the pass): STEPS="env spec-eagle"
 #   MoE only: STEPS="env moe" (MOE_MODEL=mixtral-8x7b for another shape; the tuned table lands in $OUT/work/moe)
 #   parts of a step: MOE_PARTS="decode" (of "tests tune decode prefill"), FP8_TESTS=0, FP8_SHAPES=llama-3-8b
 #   the engine core's CUDA tests alone (drivers, elastic engine, LLM, graphs, VMM): STEPS="env core"
@@ -277,6 +278,16 @@ for s in $STEPS; do
       else
         echo "spec-bound needs .gguf-parts (SmolLM2's real weights): skipped"
       fi
+      ;;
+    spec-eagle)  # step costs of the 8B shape without and with the 8B-shaped EAGLE-3 head (random weights):
+      # the head's k draft steps, and its pass after every forward (decode_step_ms with the head against without)
+      step "bench speculative --step-costs, plain and with an EAGLE-3 head"
+      for head in "" llama-3-8b-eagle3; do
+        timeout "${BENCH_TIMEOUT:-300}" python3 -m snugkv --log-level WARNING bench speculative \
+          --model src/snugkv/bench/configs/llama-3-8b --load-format dummy --step-costs --batch 1 8 32 --k 2 4 \
+          --cuda-graph-max-bs 160 ${head:+--eagle $head} --out "$OUT/spec-eagle${head:+-head}" ${ARGS_spec_eagle:-} \
+          2>&1 | tee -a "$OUT/bench_spec_eagle.log" | grep -v "^Capturing" || status=1
+      done
       ;;
     spec-replay)  # bench speculative --replay: a tracked SmolLM2 trace's acceptance on the 8B shape's steps
       step "bench speculative --replay"

@@ -92,3 +92,27 @@ def test_step_costs_time_a_decode_and_a_verify_step_per_batch_and_k(tmp_path):
     for row in report["rows"]:
         assert row["decode_step_ms"] > 0 and row["verify_step_ms"] > 0
         assert row["verify_over_decode"] == pytest.approx(row["verify_step_ms"] / row["decode_step_ms"])
+
+
+def test_step_costs_with_an_eagle3_head_time_its_draft_steps_too(tmp_path):
+    from snugkv.cli import main
+    from tests.models.hf_tiny import tiny_hf_config, tiny_hf_model
+    from tests.speculative.test_eagle3 import save_head
+
+    tiny_hf_model("llama", config=tiny_hf_config("llama", num_hidden_layers=4)).save_pretrained(
+        tmp_path / "model"
+    )
+    save_head(tmp_path / "head")
+    code = main(
+        ["bench", "speculative", "--model", str(tmp_path / "model"), "--load-format", "dummy", "--step-costs",
+         "--eagle", str(tmp_path / "head"), "--batch", "2", "--k", "3", "--context", "40", "--out", str(tmp_path)]
+    )  # fmt: skip
+    report = json.loads((tmp_path / "speculative_steps.json").read_text())
+    assert code == 0 and report["eagle"] == str(tmp_path / "head")
+    (row,) = report["rows"]
+    assert row["draft_steps_ms"] > 0
+    assert row["speculating_over_decode"] == pytest.approx(
+        (row["draft_steps_ms"] + row["verify_step_ms"]) / row["decode_step_ms"]
+    )
+    with pytest.raises(SystemExit, match="--eagle goes with --step-costs"):
+        main(["bench", "speculative", "--eagle", str(tmp_path / "head"), "--out", str(tmp_path)])

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from snugkv.bench.model_configs import benchmark_model
 from snugkv.bench.speculative_workloads import WORKLOADS, Conversation, batch_of, waves_of
 
 PROPOSERS = ("ngram", "suffix")  # the default; "draft:SPEC" (SPEC: layers:N or self) is taken too
@@ -113,6 +114,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--context tokens a row (no proposer, no text: any weights do)",
     )
     parser.add_argument("--context", type=int, default=1024, help="--step-costs: tokens cached per row")
+    parser.add_argument(
+        "--eagle",
+        type=benchmark_model,
+        default=None,
+        metavar="HEAD",
+        help="--step-costs with an EAGLE-3 head (a directory, or llama-3-8b-eagle3: the shipped 8B-shaped "
+        "head, random weights under --load-format dummy): its k draft steps timed too, and every step "
+        "with the head's pass after the forward",
+    )
     parser.add_argument(
         "--force-text",
         action="store_true",
@@ -206,10 +216,15 @@ def run(args: argparse.Namespace) -> int:
     settings = [Setting(None, 0)] + [Setting(p, k) for p in args.proposers for k in ks]
     rows: list[dict[str, Any]] = []
     mismatches = 0
+    if args.eagle is not None and not args.step_costs:
+        raise SystemExit("--eagle goes with --step-costs (this bench runs no EAGLE-3 head over text yet)")
     if args.step_costs:
+        if args.eagle is not None:
+            options.update(speculative="eagle", draft_model=args.eagle)
         with LLM(args.model, **options) as llm:
             rows = [_step_cost(llm, batch, k, args.context) for batch in batches for k in ks]
-        emit("speculative_steps", rows, args.out, {"model": args.model, "load_format": args.load_format})
+        extra = {"model": args.model, "load_format": args.load_format, "eagle": args.eagle}
+        emit("speculative_steps", rows, args.out, extra)
         return 0
     if args.bound or args.replay is not None:
         from snugkv.bench import speculative_replay
@@ -268,6 +283,7 @@ def _step_cost(llm: Any, batch: int, k: int, context: int) -> dict[str, Any]:
     `context` cached tokens each, as the scheduler launches them (graphs where they hold the batch)."""
     from snugkv.core.forward import BatchRow
     from snugkv.core.sampling import SamplingParams
+    from snugkv.runner.draft_steps import DraftRow
 
     runner = llm.engine.runner
     table = runner.req_to_token_pool
@@ -304,6 +320,10 @@ def _step_cost(llm: Any, batch: int, k: int, context: int) -> dict[str, Any]:
             runner.verify_on_device(logits, [row.token_ids[1:] for row in verify], greedy, None, rows)
 
         decode_ms, verify_ms = _device_ms(plain), _device_ms(verified)
+        draft_ms = None
+        if runner.eagle is not None:  # the head's k draft steps into the verify step's slots
+            drafts = [DraftRow(row, context, 11, k) for row in rows]
+            draft_ms = _device_ms(lambda: runner.draft_on_device(drafts, greedy, None, 1, separate=True))
     finally:
         for row in rows:
             runner.free_request_slots(row, held[row])
@@ -315,6 +335,8 @@ def _step_cost(llm: Any, batch: int, k: int, context: int) -> dict[str, Any]:
         "decode_step_ms": decode_ms,
         "verify_step_ms": verify_ms,
         "verify_over_decode": verify_ms / decode_ms,
+        "draft_steps_ms": draft_ms,  # EAGLE-3: k draft steps (None without a head)
+        "speculating_over_decode": None if draft_ms is None else (draft_ms + verify_ms) / decode_ms,
         "decode_graph": runner.cuda_graphs is not None
         and runner.cuda_graphs.can_run(runner.build_batch(decode, decode_slots)),
         "verify_graph": runner.cuda_graphs is not None
