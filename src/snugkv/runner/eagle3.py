@@ -105,52 +105,61 @@ class Eagle3Drafting:
         self, rows: Sequence[BatchRow], forward_batch: ForwardBatch, req_to_token: torch.Tensor
     ) -> None:
         """The head's KV at the forward's positions shifted back by one (module docstring), then
-        each row's last position's states into the store."""
+        each row's last position's states into the store. The host's indices go up in one copy."""
         num_tokens = sum(len(row.token_ids) for row in rows)
         aux = self.model.model.aux_output(num_tokens)
         device = aux.device
-        token_index: list[int] = []  # into the forward's tokens
-        hidden_index: list[int] = []  # into [aux ; store]
-        slot_index: list[int] = []  # into [forward's slots ; each row's first-position slot]
+        pass_tokens: list[int] = []  # each pass position's token: its index among the forward's
+        pass_states: list[int] = []  # its states' (and slot's) index among the forward's (0 for a first)
+        first_at: list[int] = []  # pass positions p-1 (their states from the store)
+        firsts: list[int] = []  # ... and the rows (of `rows`) they belong to
         draft_rows: list[BatchRow] = []
-        firsts: list[int] = []  # rows (of `rows`) with a position p-1
         starts: list[int] = []
         offset = 0
         for index, row in enumerate(rows):
             count, prefix = len(row.token_ids), row.prefix_len
             starts.append(offset)
             if prefix > 0:
-                token_index.extend(range(offset, offset + count))
-                hidden_index.append(num_tokens + row.req_pool_idx)
-                hidden_index.extend(range(offset, offset + count - 1))
-                slot_index.append(num_tokens + len(firsts))
-                slot_index.extend(range(offset, offset + count - 1))
+                first_at.append(len(pass_tokens))
                 firsts.append(index)
+                pass_tokens.extend(range(offset, offset + count))
+                pass_states.append(0)
+                pass_states.extend(range(offset, offset + count - 1))
                 draft_rows.append(BatchRow(row.req_pool_idx, prefix - 1, row.token_ids))
             elif count > 1:
-                token_index.extend(range(offset + 1, offset + count))
-                hidden_index.extend(range(offset, offset + count - 1))
-                slot_index.extend(range(offset, offset + count - 1))
+                pass_tokens.extend(range(offset + 1, offset + count))
+                pass_states.extend(range(offset, offset + count - 1))
                 draft_rows.append(BatchRow(row.req_pool_idx, 0, row.token_ids[1:]))
             offset += count
-        table_rows = to_device([row.req_pool_idx for row in rows], torch.int64, device)
-        prefixes = to_device([row.prefix_len for row in rows], torch.int64, device)
-        row_starts = to_device(starts, torch.int64, device)
+        batch_size, pass_size, num_firsts = len(rows), len(pass_tokens), len(firsts)
+        packed = to_device(
+            [
+                *(row.req_pool_idx for row in rows),
+                *(row.prefix_len for row in rows),
+                *starts,
+                *(len(row.token_ids) - 1 for row in rows),
+                *pass_tokens,
+                *pass_states,
+                *first_at,
+                *firsts,
+            ],
+            torch.int64,
+            device,
+        )
+        table_rows, prefixes, row_starts, last_offsets, tokens_at, states_at, first_at_t, first_rows = (
+            packed.split([batch_size] * 4 + [pass_size] * 2 + [num_firsts] * 2)
+        )
         if draft_rows:
-            first_slots = torch.empty(0, dtype=torch.int64, device=device)
-            if firsts:
-                first = to_device(firsts, torch.int64, device)
-                first_tables, first_positions = table_rows[first], prefixes[first] - 1
+            hidden = aux.index_select(0, states_at)
+            slots = forward_batch.out_cache_loc.long().index_select(0, states_at)
+            if num_firsts:
+                first_tables, first_positions = table_rows[first_rows], prefixes[first_rows] - 1
                 held = self.state_positions[first_tables] == first_positions
-                first_slots = torch.where(
+                hidden[first_at_t] = self.states.index_select(0, first_tables)
+                slots[first_at_t] = torch.where(
                     held, req_to_token[first_tables, first_positions].long(), DUMMY_SLOT
                 )
-            slots = torch.cat([forward_batch.out_cache_loc.long(), first_slots])
-            slots = slots.index_select(0, to_device(slot_index, torch.int64, device))
-            hidden = torch.cat([aux, self.states]).index_select(
-                0, to_device(hidden_index, torch.int64, device)
-            )
-            input_ids = forward_batch.input_ids.index_select(0, to_device(token_index, torch.int64, device))
+            input_ids = forward_batch.input_ids.index_select(0, tokens_at)
             batch = ForwardBatch.build(
                 draft_rows,
                 slots,
@@ -161,9 +170,9 @@ class Eagle3Drafting:
             batch.input_ids = input_ids
             self.attn_backend.init_forward_metadata(batch)
             self.head.draft(input_ids, batch.positions, hidden, batch, from_model=True)
-        lasts = row_starts + to_device([len(row.token_ids) - 1 for row in rows], torch.int64, device)
+        lasts = row_starts + last_offsets
         self.states[table_rows] = aux.index_select(0, lasts)
-        self.state_positions[table_rows] = prefixes + (lasts - row_starts)
+        self.state_positions[table_rows] = prefixes + last_offsets
         self._last = _LastForward(aux, row_starts, table_rows, prefixes)
 
     def after_verify(self, accepted_lens: torch.Tensor) -> None:
