@@ -443,8 +443,9 @@ def test_sleep_and_wake_keep_the_head_and_the_tokens(dirs, plain, level):
 
 @pytest.mark.cuda
 def test_on_a_gpu_the_states_come_out_of_the_graphs_and_the_drafts_equal_the_references(dirs, monkeypatch):
-    """Decode and verify steps replay the decode graphs, prefills the piecewise graphs: the states the
-    head drafts from are what those replays wrote into the static buffer (float32: token-identical)."""
+    """Decode and verify steps replay the decode graphs, prefills the piecewise graphs, draft steps the
+    head's own graphs: the states the head drafts from are what those replays wrote into the static
+    buffer, and its drafts equal the reference's (float32: token-identical)."""
     root, model, tensors = dirs
     options = dict(
         device="cuda",
@@ -470,10 +471,21 @@ def test_on_a_gpu_the_states_come_out_of_the_graphs_and_the_drafts_equal_the_ref
             return replay(forward_batch)
 
         runner.cuda_graphs.replay = counted  # type: ignore[method-assign]
+        assert runner.eagle is not None and runner.eagle.graphs is not None  # the draft steps' graphs
+        draft_replays: list[int] = []
+        for step_graphs in runner.eagle.graphs:
+            step_replay = step_graphs.replay
+
+            def counted_draft(forward_batch, step_replay=step_replay):
+                draft_replays.append(forward_batch.batch_size)
+                return step_replay(forward_batch)
+
+            step_graphs.replay = counted_draft  # type: ignore[method-assign]
         seen, accepted_lengths = judge_spoiled_continuations(monkeypatch, expected)
         config = SpeculativeConfig("eagle", draft_model="head", num_tokens=4, break_even=0.0, pause_tokens=0)
         assert run(engine, PROMPTS, 24, speculative=config) == expected
         assert replays and max(replays) > len(PROMPTS)  # verify steps replayed graphs of a row per position
+        assert draft_replays and max(draft_replays) <= len(PROMPTS)  # draft steps replayed the head's graphs
         assert accepted_lengths == set(range(5))
         for sequence, draft in seen:
             assert draft == reference_drafts(model, tensors, sequence, len(draft)), sequence

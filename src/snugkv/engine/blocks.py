@@ -111,6 +111,16 @@ class EngineBlocks:
             rows = max(rows, min(rows, speculative.max_batch_size) * (speculative.num_tokens + 1))
         return default_cuda_graph_batch_sizes(min(largest, rows))
 
+    def draft_graph_batch_sizes(self) -> list[int]:
+        """An EAGLE-3 head's draft-step graphs: up to the rows a speculating step drafts for (a
+        speculating step has at most `--speculative-max-batch-size` requests), at most the flag's."""
+        largest, speculative = self.args.runner.decode_graph_max_bs, self.args.speculative
+        if not largest or speculative is None or speculative.method != "eagle":
+            return []
+        return default_cuda_graph_batch_sizes(
+            min(largest, self.max_running_requests, speculative.max_batch_size)
+        )
+
     def prefill_graph_buckets(self) -> list[int]:
         largest = self.args.runner.prefill_graph_tokens
         return default_token_buckets(min(largest, self.context_length)) if largest else []

@@ -55,7 +55,11 @@ def capture_graphs(blocks: EngineBlocks, runner: ModelRunner) -> dict[str, float
     def capture() -> None:
         # compile-ahead: the sizing step's prefix-hit kernels compile beside the graphs' warm-ups
         prefix_hit = (lambda: warm_prefix_extend(blocks, runner), "a prefix hit's step")
-        timings.update(runner.capture_graphs(sizes, buckets, ahead=[prefix_hit]))
+        timings.update(
+            runner.capture_graphs(
+                sizes, buckets, ahead=[prefix_hit], draft_batch_sizes=blocks.draft_graph_batch_sizes()
+            )
+        )
 
     started = time.perf_counter()
     blocks.graph_driver_bytes = measure_capture(blocks.device, capture).driver_bytes

@@ -29,6 +29,7 @@ This module never allocates or frees slots, never verifies and never decides whi
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -39,6 +40,7 @@ from snugkv.core.transfer import to_device
 from snugkv.memory.kv_pool import DraftKv
 from snugkv.models.causal_lm import CausalLM, DecoderModel
 from snugkv.models.eagle3 import Eagle3ForCausalLM, aux_layer_ids
+from snugkv.runner.cuda_graph import DecodeCudaGraphs
 
 DEFAULT_AUX_ROWS = 512  # tokens of a forward whose states the static buffer holds before graphs size it
 DUMMY_SLOT = 0  # the pool's padding slot: what a position without states writes to
@@ -88,6 +90,11 @@ class Eagle3Drafting:
         self.state_positions = torch.full((max_requests + 1,), -1, dtype=torch.int64, device=aux.device)
         self._last: _LastForward | None = None
         self._prenorm: torch.Tensor | None = None  # the head's pre-norm rows of the last draft step
+        # Draft steps' CUDA graphs (`capture_graphs`): step 0 (from the model's states, through fc)
+        # and the later steps (from the head's own rows), each reading its static input rows.
+        self.graphs: tuple[DecodeCudaGraphs, DecodeCudaGraphs] | None = None
+        self._graph_inputs: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._graph_prenorm: torch.Tensor | None = None
 
     @property
     def aux_rows(self) -> int:
@@ -189,15 +196,67 @@ class Eagle3Drafting:
     def step_logits(self, forward_batch: ForwardBatch, step: int, feed: torch.Tensor) -> torch.Tensor:
         """Float32 logits over the model's vocabulary of draft step `step` (its rows at positions
         `L-1+step`, module docstring): `feed` is, at step 0, the rows' table rows (their stored
-        states), after it each row's index among the step before's rows."""
+        states), after it each row's index among the step before's rows. Replays the step's CUDA
+        graph where one holds the rows (the logits are then a view valid until the next replay)."""
         forward_batch.kv_pool = self.draft_kv
-        self.attn_backend.init_forward_metadata(forward_batch)
-        if step == 0:
-            hidden, from_model = self.states.index_select(0, feed), True
+        from_model = step == 0
+        if from_model:
+            hidden = self.states.index_select(0, feed)
         else:
             assert self._prenorm is not None
-            hidden, from_model = self._prenorm.index_select(0, feed), False
+            hidden = self._prenorm.index_select(0, feed)
+        graphs = None if self.graphs is None else self.graphs[0 if from_model else 1]
+        if graphs is not None and graphs.can_run(forward_batch):
+            assert self._graph_inputs is not None and self._graph_prenorm is not None
+            rows = forward_batch.batch_size
+            self._graph_inputs[0 if from_model else 1][:rows].copy_(hidden)
+            logits = graphs.replay(forward_batch)
+            self._prenorm = self._graph_prenorm[:rows]
+            return logits
+        self.attn_backend.init_forward_metadata(forward_batch)
         normed, self._prenorm = self.head.draft(
             forward_batch.input_ids, forward_batch.positions, hidden, forward_batch, from_model=from_model
         )
+        return self.head.compute_logits(normed)
+
+    # -- graphs -------------------------------------------------------------------------------
+    def capture_graphs(self, batch_sizes: Sequence[int], req_to_token: torch.Tensor) -> None:
+        """Capture the draft steps as decode CUDA graphs of `batch_sizes` rows (step 0 and the later
+        steps, whose inputs differ), over the head's KV layer; needs a CUDA device."""
+        if not batch_sizes:
+            return
+        largest, device = max(batch_sizes), req_to_token.device
+        hidden, dtype = self.head.config.hidden_size, self.states.dtype
+        self._graph_inputs = (
+            torch.zeros(largest, self.states.shape[1], dtype=dtype, device=device),
+            torch.zeros(largest, hidden, dtype=dtype, device=device),
+        )
+        self._graph_prenorm = torch.zeros(largest, hidden, dtype=dtype, device=device)
+        graphs = []
+        for from_model in (True, False):
+            step = DecodeCudaGraphs(
+                functools.partial(self._graph_step, from_model=from_model),
+                req_to_token=req_to_token,
+                kv_pool=self.draft_kv,
+                attn_backend=self.attn_backend,
+                batch_sizes=batch_sizes,
+            )
+            step.capture()
+            graphs.append(step)
+        self.graphs = (graphs[0], graphs[1])
+
+    def release_graphs(self) -> None:
+        self.graphs = None
+        self._graph_inputs = self._graph_prenorm = None
+
+    def _graph_step(self, forward_batch: ForwardBatch, *, from_model: bool) -> torch.Tensor:
+        """A draft step over the static input rows (what the graphs capture)."""
+        assert self._graph_inputs is not None and self._graph_prenorm is not None
+        rows = forward_batch.batch_size
+        self.attn_backend.init_forward_metadata(forward_batch)
+        hidden = self._graph_inputs[0 if from_model else 1][:rows]
+        normed, prenorm = self.head.draft(
+            forward_batch.input_ids, forward_batch.positions, hidden, forward_batch, from_model=from_model
+        )
+        self._graph_prenorm[:rows].copy_(prenorm)
         return self.head.compute_logits(normed)

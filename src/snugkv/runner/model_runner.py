@@ -165,6 +165,8 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)  # a launched step may still replay one
         self.cuda_graphs = None
         self.piecewise_graphs = None
+        if self.eagle is not None:
+            self.eagle.release_graphs()
         if self.device.type == "cuda":
             release_cublas_workspaces()
 
@@ -444,6 +446,7 @@ class ModelRunner:
         batch_sizes: Sequence[int],
         token_buckets: Sequence[int],
         ahead: Sequence[tuple[Callable[[], object], str]] = (),
+        draft_batch_sizes: Sequence[int] = (),
     ) -> dict[str, float]:
         """Capture the decode graphs of `batch_sizes` (whole forwards, largest first, one memory
         pool) and the piecewise graphs of `token_buckets` (everything but attention per token-count
@@ -451,8 +454,9 @@ class ModelRunner:
         empty; needs a CUDA device. Their Triton kernels, then those of each `(work, what)` of
         `ahead`, are handed to the compile workers before either capture begins, the decode graphs'
         first, so that the piecewise graphs' compile beside the decode graphs' warm-up
-        (kernels/compile_ahead.py). Returns the seconds of each: `capture_decode_s` (the hand-over
-        included) and `capture_piecewise_s`."""
+        (kernels/compile_ahead.py). With an EAGLE-3 head its draft steps are captured too, as decode
+        graphs of `draft_batch_sizes` rows (after the decode graphs, in the decode seconds). Returns the
+        seconds of each: `capture_decode_s` (the hand-over included) and `capture_piecewise_s`."""
         self.kv_pool.ensure_prefix()  # padded rows, padding tokens and warm-ups write the dummy slot
         if self.eagle is not None and self.cuda_graphs is None and self.piecewise_graphs is None:
             self.eagle.ensure_rows(max([*batch_sizes, *token_buckets], default=0))  # graphs keep one buffer
@@ -482,6 +486,8 @@ class ModelRunner:
         if decode is not None:
             decode.capture(decode_kernels)
             self.cuda_graphs = decode
+        if self.eagle is not None and draft_batch_sizes:
+            self.eagle.capture_graphs(draft_batch_sizes, req_to_token)
         decode_done = time.perf_counter()
         if piecewise is not None:
             piecewise.capture(piecewise_kernels)
