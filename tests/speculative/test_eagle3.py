@@ -8,7 +8,9 @@ drafts at every speculating step equal what that reference drafts from the reque
 the verify steps judge drafts that keep 0 to k tokens (the model's own continuation, spoiled at a
 chosen place), so the store of the last accepted position's states and the rollback are used at
 every acceptance length; greedy tokens equal plain decoding's; `check_slot_accounting` after every
-step. A head with a draft vocabulary smaller than the model's maps its tokens through `d2t`;
+step; the same for a head that names its layers and norms before the residual. A head with a draft
+vocabulary smaller than the model's maps its tokens through `d2t`; one without rotary settings takes
+the model's;
 a head named with the wrong method, a head served as the model, and a head of another hidden
 size are refused in one line naming the flag.
 """
@@ -129,19 +131,18 @@ def rotate(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 
 
 def reference_head(
-    tensors: dict[str, torch.Tensor], embedding: torch.Tensor, tokens: list[int], hidden: torch.Tensor
+    tensors: dict[str, torch.Tensor],
+    embedding: torch.Tensor,
+    tokens: list[int],
+    hidden: torch.Tensor,
+    norm_before_residual: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(normed, pre-norm) of the head over positions 0 .. n-1, token i and hidden row i (after fc)
     at position i, causal attention over all of them."""
     n = len(tokens)
     w = {name: t.float() for name, t in tensors.items()}
-    x = torch.cat(
-        [
-            rms(embedding[tokens], w["midlayer.input_layernorm.weight"]),
-            rms(hidden, w["midlayer.hidden_norm.weight"]),
-        ],
-        -1,
-    )
+    normed_hidden = rms(hidden, w["midlayer.hidden_norm.weight"])
+    x = torch.cat([rms(embedding[tokens], w["midlayer.input_layernorm.weight"]), normed_hidden], -1)
     positions = torch.arange(n)
     q = rotate((x @ w["midlayer.self_attn.q_proj.weight"].T).view(n, HEADS, HEAD_DIM), positions)
     k = rotate((x @ w["midlayer.self_attn.k_proj.weight"].T).view(n, KV_HEADS, HEAD_DIM), positions)
@@ -150,7 +151,9 @@ def reference_head(
     scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(HEAD_DIM)
     scores = scores.masked_fill(torch.triu(torch.ones(n, n, dtype=torch.bool), 1), float("-inf"))
     attn = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(n, HEADS * HEAD_DIM)
-    stream = attn @ w["midlayer.self_attn.o_proj.weight"].T + hidden
+    stream = attn @ w["midlayer.self_attn.o_proj.weight"].T + (
+        normed_hidden if norm_before_residual else hidden
+    )
     y = rms(stream, w["midlayer.post_attention_layernorm.weight"])
     mlp = (
         torch.nn.functional.silu(y @ w["midlayer.mlp.gate_proj.weight"].T)
@@ -161,12 +164,22 @@ def reference_head(
 
 
 @torch.no_grad()
-def reference_drafts(model, tensors: dict[str, torch.Tensor], sequence: list[int], k: int) -> list[int]:
-    """EAGLE-3's k greedy drafts after `sequence` (its last token not fed to the model yet)."""
+def reference_drafts(
+    model,
+    tensors: dict[str, torch.Tensor],
+    sequence: list[int],
+    k: int,
+    layers: tuple[int, ...] | None = None,
+    norm_before_residual: bool = False,
+) -> list[int]:
+    """EAGLE-3's k greedy drafts after `sequence` (its last token not fed to the model yet); the
+    states after `layers` (default 2, L // 2, L - 3; each below the last layer, whose output
+    transformers gives normed)."""
     fed = sequence[:-1]
     states = model(torch.tensor([fed]), output_hidden_states=True).hidden_states
     num_layers = model.config.num_hidden_layers
-    layers = (2, num_layers // 2, num_layers - 3)
+    layers = layers or (2, num_layers // 2, num_layers - 3)
+    assert max(layers) < num_layers - 1
     aux = torch.cat([states[layer + 1][0] for layer in layers], -1)  # the stream after each layer
     hidden = aux @ tensors["fc.weight"].float().T
     tokens = list(sequence[1:])  # position t takes token t + 1
@@ -174,7 +187,7 @@ def reference_drafts(model, tensors: dict[str, torch.Tensor], sequence: list[int
     hot = torch.arange(DRAFT_VOCAB) + tensors["d2t"]
     drafts: list[int] = []
     for _ in range(k):
-        normed, pre = reference_head(tensors, embedding, tokens, hidden)
+        normed, pre = reference_head(tensors, embedding, tokens, hidden, norm_before_residual)
         token = int(hot[int(torch.argmax(normed[-1] @ tensors["lm_head.weight"].float().T))])
         drafts.append(token)
         tokens.append(token)
@@ -310,6 +323,34 @@ def test_drafts_equal_the_references_at_every_acceptance_length_and_tokens_equal
         assert draft == reference_drafts(model, tensors, sequence, len(draft)), sequence
 
 
+def test_a_head_naming_its_layers_and_norming_before_the_residual_drafts_the_references(
+    dirs, plain, monkeypatch
+):
+    """`eagle_config.eagle_aux_hidden_state_layer_ids` picks the layers (their order is fc's column
+    order) and `norm_before_residual` takes the normed states as the layer's residual."""
+    root, model, _ = dirs
+    tensors = save_head(
+        root / "named",
+        seed=3,
+        norm_before_residual=True,
+        eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 0, 2]},
+    )
+    engine = engine_of(root / "model", root / "named")
+    try:
+        assert engine.runner.eagle is not None and engine.runner.eagle.layer_ids == (1, 0, 2)
+        seen, accepted_lengths = judge_spoiled_continuations(monkeypatch, plain)
+        config = SpeculativeConfig("eagle", draft_model="named", num_tokens=3, break_even=0.0, pause_tokens=0)
+        assert run(engine, PROMPTS, 24, speculative=config) == plain
+        assert accepted_lengths == set(range(4))
+        for sequence, draft in seen:
+            expected = reference_drafts(
+                model, tensors, sequence, len(draft), (1, 0, 2), norm_before_residual=True
+            )
+            assert draft == expected, sequence
+    finally:
+        engine.close()
+
+
 def test_greedy_tokens_equal_plain_decoding_with_the_heads_own_drafts(dirs, eagle_engine, plain):
     config = SpeculativeConfig("eagle", draft_model="head", num_tokens=3, break_even=0.0, pause_tokens=0)
     assert run(eagle_engine, PROMPTS, 24, speculative=config) == plain
@@ -359,6 +400,9 @@ def test_the_wrong_pairings_are_refused_in_one_line(dirs):
         InvalidEngineArgs, match="is an EAGLE-3 head, which drafts for a model and cannot serve alone"
     ):
         engine_of(root / "head", None)
+    save_head(root / "deep", eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 9]})
+    with pytest.raises(InvalidEngineArgs, match=r"\[0, 1, 9\] are not three layers of a 4-layer model"):
+        engine_of(root / "model", root / "deep")
     save_head(root / "wide", target_hidden_size=2 * HIDDEN)
     with pytest.raises(InvalidEngineArgs, match="the head reads hidden states of width 128"):
         engine_of(root / "model", root / "wide")

@@ -55,7 +55,7 @@ def is_eagle3(config: ModelConfig) -> bool:
 def aux_layer_ids(head: ModelConfig, num_layers: int) -> tuple[int, ...]:
     """The model layers (0-based) after which the head reads the residual stream: the head config's
     `eagle_config.eagle_aux_hidden_state_layer_ids`, else (2, L // 2, L - 3). `ConfigError` when
-    they are not three layers of an `num_layers`-layer model."""
+    they are not three layers of a `num_layers`-layer model."""
     eagle_config = head.hf.get("eagle_config") or {}
     ids = eagle_config.get("eagle_aux_hidden_state_layer_ids")
     if ids is None:
