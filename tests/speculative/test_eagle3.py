@@ -10,10 +10,9 @@ chosen place), so the store of the last accepted position's states and the rollb
 every acceptance length; greedy tokens equal plain decoding's; `check_slot_accounting` after every
 step; the same for a head that names its layers and norms before the residual. A head with a draft
 vocabulary smaller than the model's maps its tokens through `d2t`; one without rotary settings takes
-the model's;
-a head named with the wrong method, a head served as the model, and a head of another hidden
-size are refused in one line naming the flag.
-"""
+the model's; the ledger, sampled rows, sleep and wake, prefix-cache hits. A head named with the wrong
+method, a head served as the model, a head of another hidden size and layer ids beyond the model are
+refused in one line naming the flag."""
 
 from __future__ import annotations
 
