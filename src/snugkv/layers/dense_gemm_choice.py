@@ -12,7 +12,8 @@ with other lines), and keeps the fastest for every later call of that key, in th
 cuBLAS is always a candidate, so a shape where no kernel of ours is faster keeps it.
 
 Everything else (CPU, float32, more than four rows, a call during a capture before its key was
-measured, SNUGKV_FUSED_KERNELS=0's op-by-op baseline) is `F.linear`, as is everything when
+measured, SNUGKV_FUSED_KERNELS=0's op-by-op baseline) is `F.linear` (on a CPU, 16-bit rows through
+layers/cpu_gemm.py), as is everything when
 SNUGKV_DENSE_GEMV=0 (read here and nowhere else). The MoE router stays on `F.linear`: every
 tensor-parallel rank must compute the same logits to route alike, and a choice by timing could
 differ between ranks.
@@ -34,7 +35,7 @@ import torch.nn.functional as F
 from snugkv.kernels import compile_ahead
 from snugkv.kernels.dense_gemv import MAX_ROWS, linear_rows_triton
 from snugkv.kernels.device import runs_triton
-from snugkv.layers import gemm_timing
+from snugkv.layers import cpu_gemm, gemm_timing
 
 logger = logging.getLogger(__name__)
 _SWITCH_ENV = "SNUGKV_DENSE_GEMV"
@@ -170,7 +171,7 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         and enabled()
     ):
         return CHOOSER.pick(x, weight, bias).run(x, weight, bias)
-    return F.linear(x, weight, bias)
+    return cpu_gemm.linear(x, weight, bias)
 
 
 def measurements() -> list[dict[str, Any]]:

@@ -22,7 +22,8 @@ random weights) is quantized whole first, then sliced, so tp=1 and tp=N hold the
 
 Forward: on CUDA (compute capability >= 8.9) the FP8 GEMM that measured fastest for this shape and
 batch size (layers/fp8_gemm_choice.py). On CPU there is no FP8 GEMM: `finish_loading` dequantizes
-the weight into `weight_dequantized` (the compute dtype) and forward is a plain `F.linear` on it, so
+the weight into `weight_dequantized` (the compute dtype) and forward is a plain GEMM on it
+(layers/cpu_gemm.py: float32 arithmetic on a CPU without 16-bit matrix instructions), so
 every CPU test runs the same loader. `emulate_fp8_activations()` also rounds the CPU's activations
 as the GPU kernels do (what the agreement measurement uses to report the W8A8 numbers on CPU).
 Must never import parallel_linear (which refers to this module's types).
@@ -36,10 +37,10 @@ from dataclasses import replace
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from snugkv.kernels.fp8_quant import quantize_fp8_activation_reference
+from snugkv.layers import cpu_gemm
 from snugkv.layers.fp8_gemm_choice import run_fp8_gemm
 from snugkv.layers.quantization import (
     FP8_DTYPE,
@@ -304,7 +305,7 @@ class Fp8Linear:
         if self.dequantize:
             if _emulate_activations:
                 rows = self._round_activations(layer, rows)
-            out = F.linear(rows, layer.weight_dequantized, bias)  # type: ignore[arg-type]
+            out = cpu_gemm.linear(rows, layer.weight_dequantized, bias)  # type: ignore[arg-type]
         else:
             out = run_fp8_gemm(self, layer, rows, bias)  # type: ignore[arg-type]
         return out.reshape(*lead, out.shape[-1])
