@@ -33,7 +33,8 @@ def test_shipped_configs_are_found_from_any_directory(tmp_path, monkeypatch, nam
 def test_an_unknown_model_lists_the_shipped_configs(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(
-        argparse.ArgumentTypeError, match=r"llama-3-8b, mixtral-8x7b, qwen3-0\.6b, qwen3-30b-a3b"
+        argparse.ArgumentTypeError,
+        match=r"llama-3-8b, llama-3-8b-eagle3, mixtral-8x7b, qwen3-0\.6b, qwen3-30b-a3b",
     ):
         benchmark_model("no-such-model")
 
