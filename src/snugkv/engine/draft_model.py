@@ -22,9 +22,8 @@ from snugkv.distributed.group import TensorParallel, use_tensor_parallel
 from snugkv.engine.args import EngineArgs, InvalidEngineArgs
 from snugkv.memory.kv_pool import DraftKvShape
 from snugkv.memory.vmm import VirtualMemory
-from snugkv.models.causal_lm import DecoderModel
 from snugkv.models.config import ConfigError, ModelConfig
-from snugkv.models.eagle3 import aux_layer_ids, is_eagle3
+from snugkv.models.eagle3 import fitting_layer_ids, is_eagle3
 from snugkv.models.loader import (
     LoadedModel,
     ModelLoadError,
@@ -118,19 +117,8 @@ def check_kind(args: EngineArgs, name: str, draft: ModelConfig, target: LoadedMo
         )
     if not eagle:
         return
-    target_hidden = int(draft.hf.get("target_hidden_size") or draft.hidden_size)
     try:
-        if target.model.model.__class__.forward is not DecoderModel.forward:
-            raise ConfigError(
-                f"{target.config.architecture} runs a decoder forward of its own, whose hidden states the "
-                "head cannot read yet (Llama, Mistral, Qwen2 and Qwen3 models can)"
-            )
-        if target_hidden != target.config.hidden_size or draft.hidden_size != target.config.hidden_size:
-            raise ConfigError(
-                f"the head reads hidden states of width {target_hidden} and embeds tokens in "
-                f"{draft.hidden_size}; the model's hidden size is {target.config.hidden_size}"
-            )
-        aux_layer_ids(draft, target.config.num_layers)
+        fitting_layer_ids(draft, target.model)
     except ConfigError as exc:
         raise InvalidEngineArgs(f"--draft-model {name}: {exc}") from None
 

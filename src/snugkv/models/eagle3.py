@@ -73,6 +73,24 @@ def aux_layer_ids(head: ModelConfig, num_layers: int) -> tuple[int, ...]:
     return layers
 
 
+def fitting_layer_ids(head: ModelConfig, model: CausalLM) -> tuple[int, ...]:
+    """`aux_layer_ids` of `head` for `model`, once the head is known to fit it: `ConfigError` when
+    the model's decoder runs a forward of its own (which captures no states) or its hidden size is
+    not the width the head reads and embeds in."""
+    if type(model.model).forward is not DecoderModel.forward:
+        raise ConfigError(
+            f"{model.config.architecture} runs a decoder forward of its own, whose hidden states the "
+            "head cannot read yet (Llama, Mistral, Qwen2 and Qwen3 models can)"
+        )
+    target_hidden = int(head.hf.get("target_hidden_size") or head.hidden_size)
+    if target_hidden != model.config.hidden_size or head.hidden_size != model.config.hidden_size:
+        raise ConfigError(
+            f"the head reads hidden states of width {target_hidden} and embeds tokens in "
+            f"{head.hidden_size}; the model's hidden size is {model.config.hidden_size}"
+        )
+    return aux_layer_ids(head, model.config.num_layers)
+
+
 class Eagle3Layer(nn.Module):
     """The head's decoder layer: its attention reads the normed embedding and hidden row side by side."""
 
@@ -175,11 +193,7 @@ class Eagle3ForCausalLM(CausalLM):
     def attach_to_model(self, model: CausalLM) -> None:
         """Draft with `model`'s token embedding (and its scale), which stays the model's; a head whose
         config names no rotary settings (no `rope_theta`, `rope_parameters` or `rope_scaling`: some
-        published heads leave them null) takes the model's."""
-        if model.config.hidden_size != self.config.hidden_size:
-            raise ConfigError(
-                f"the head's hidden size is {self.config.hidden_size}, the model's {model.config.hidden_size}"
-            )
+        published heads leave them null) takes the model's. The head must fit it (`fitting_layer_ids`)."""
         self.model._embedding = (model.model.embed_tokens, model.model.embed_scale)
         hf = self.config.hf
         if all(hf.get(key) is None for key in ("rope_theta", "rope_parameters", "rope_scaling")):

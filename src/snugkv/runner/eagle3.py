@@ -38,8 +38,8 @@ import torch
 from snugkv.core.forward import AttentionBackend, BatchRow, ForwardBatch
 from snugkv.core.transfer import to_device
 from snugkv.memory.kv_pool import DraftKv
-from snugkv.models.causal_lm import CausalLM, DecoderModel
-from snugkv.models.eagle3 import Eagle3ForCausalLM, aux_layer_ids
+from snugkv.models.causal_lm import CausalLM
+from snugkv.models.eagle3 import Eagle3ForCausalLM, fitting_layer_ids
 from snugkv.runner.cuda_graph import DecodeCudaGraphs
 
 DEFAULT_AUX_ROWS = 512  # tokens of a forward whose states the static buffer holds before graphs size it
@@ -71,17 +71,7 @@ class Eagle3Drafting:
         rows: int = DEFAULT_AUX_ROWS,
     ) -> None:
         self.head, self.model, self.draft_kv, self.attn_backend = head, model, draft_kv, attn_backend
-        if type(model.model).forward is not DecoderModel.forward:
-            raise ValueError(
-                f"{model.config.architecture} runs a decoder forward of its own; an EAGLE-3 head reads the "
-                "hidden states of the shared one (Llama, Mistral, Qwen2/3 and their likes)"
-            )
-        if model.config.hidden_size != head.target_hidden_size:
-            raise ValueError(
-                f"the head's fc reads 3 x {head.target_hidden_size} hidden states; the model's hidden size is "
-                f"{model.config.hidden_size}"
-            )
-        self.layer_ids = aux_layer_ids(head.config, model.config.num_layers)
+        self.layer_ids = fitting_layer_ids(head.config, model)
         head.attach_to_model(model)
         model.model.capture_aux_states(self.layer_ids, rows)
         aux = model.model.aux_states
