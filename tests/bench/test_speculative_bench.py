@@ -34,6 +34,22 @@ def test_a_row_reads_acceptance_speedup_and_step_times_against_the_plain_pass():
     assert row["same_tokens"] and row["verify_steps"] == 2
 
 
+def test_plain_twice_runs_the_plain_pass_again_second_and_its_row_is_the_noise_of_the_same_work():
+    from snugkv.bench.speculative import PLAIN_AGAIN, settings_of
+
+    assert settings_of(["ngram"], [2, 4], False) == [
+        Setting(None, 0),
+        Setting("ngram", 2),
+        Setting("ngram", 4),
+    ]
+    settings = settings_of(["ngram"], [2], True)
+    assert settings == [Setting(None, 0), PLAIN_AGAIN, Setting("ngram", 2)] and len(set(settings)) == 3
+    plain = passed([[1, 2, 3, 4]], seconds=2.0)
+    row = _row("open", 64, PLAIN_AGAIN, passed([[1, 2, 3, 4]], seconds=2.5), plain)
+    assert row["proposer"] == "plain" and row["k"] == 0 and row["speedup"] == pytest.approx(0.8)
+    assert row["verify_steps"] == 0 and row["same_tokens"]
+
+
 def test_a_differing_output_is_not_the_same_tokens_and_says_where():
     plain = passed([[1, 2], [5, 6, 7, 8]], seconds=1.0)
     done = passed([[1, 2], [5, 6, 9, 8]], seconds=1.0)

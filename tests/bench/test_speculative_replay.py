@@ -121,9 +121,12 @@ def test_a_forced_replay_emits_the_traces_text_in_the_steps_the_policy_predicts(
     model = write_tiny_llama_config(tmp_path, 512, 64)
     common = ["--model", model, "--load-format", "dummy", "--dtype", "bfloat16", "--replay", str(trace)]
     common += ["--k", "4", "--batch", "1", "--proposers", "ngram", "--workloads", "code-edit"]
-    common += ["--force-text", "--break-even", "0.5", "--out", str(tmp_path / "out")]
+    common += ["--force-text", "--break-even", "0.5", "--plain-twice", "--out", str(tmp_path / "out")]
     assert bench(*common) == 0
-    (row,) = json.loads((tmp_path / "out" / "speculative_replay.json").read_text())["rows"]
+    again, row = json.loads((tmp_path / "out" / "speculative_replay.json").read_text())["rows"]
+    # --plain-twice: the plain pass again, its row the same work timed twice
+    assert again["proposer"] == "plain" and again["verify_steps"] == 0 and again["same_tokens"]
+    assert again["speedup"] > 0 and row["proposer"] == "ngram"
     # batch 1: the workload's items one after another
     assert row["same_tokens"] and row["output_tokens"] == sum(len(i.output_ids) for i in items)
     steps = policy_steps(items, SpeculativeConfig("ngram", num_tokens=4, break_even=0.5))

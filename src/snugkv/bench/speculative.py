@@ -104,6 +104,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--speculative-max-batch-size", type=int, default=None, help="(default: the engine's)"
     )
+    parser.add_argument(
+        "--plain-twice",
+        action="store_true",
+        help="run the plain pass twice in each round: a row with proposer `plain` whose speedup is "
+        "the second plain pass over the first, the spread of the same work timed twice (where "
+        "speculation backs off, its rows are that same work)",
+    )
     parser.add_argument("--max-total-tokens", type=int, default=None, help="(default: CPU 16384, GPU sized)")
     parser.add_argument("--cuda-graph-max-bs", type=int, default=None, help="GPU: fewer graphs start faster")
     parser.add_argument("--prefill-graph-max-tokens", type=int, default=None)
@@ -161,10 +168,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 @dataclass(frozen=True, slots=True)
 class Setting:
-    """One configuration of a pass: no speculation (`proposer` None) or a proposer and its `k`."""
+    """One configuration of a pass: no speculation (`proposer` None) or a proposer and its `k`;
+    `again`: the plain pass a second time (`--plain-twice`), whose row is the run's A/A noise."""
 
     proposer: str | None
     k: int
+    again: bool = False
+
+
+PLAIN_AGAIN = Setting(None, 0, again=True)
+
+
+def settings_of(proposers: list[str], ks: list[int], plain_twice: bool) -> list[Setting]:
+    """The passes of a workload and batch, in the order they run: plain first (the baseline), the
+    plain pass again with `--plain-twice`, then every proposer and k."""
+    again = [PLAIN_AGAIN] if plain_twice else []
+    return [Setting(None, 0), *again, *(Setting(p, k) for p in proposers for k in ks)]
 
 
 @dataclass(slots=True)
@@ -213,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
     max_total_tokens = args.max_total_tokens or (None if gpu else 16384)
     if max_total_tokens is not None:
         options["max_total_tokens"] = max_total_tokens
-    settings = [Setting(None, 0)] + [Setting(p, k) for p in args.proposers for k in ks]
+    settings = settings_of(args.proposers, ks, args.plain_twice)
     rows: list[dict[str, Any]] = []
     mismatches = 0
     if args.eagle is not None and not args.step_costs:
@@ -454,7 +473,7 @@ def _row(workload: str, batch: int, setting: Setting, done: Pass, plain: Pass) -
     plain_tok_per_s = plain.output_tokens / plain.seconds
     decode_ms, verify_ms = _median_ms(plain.decode_step_s), _median_ms(done.verify_step_s)
     return {
-        "proposer": setting.proposer,
+        "proposer": "plain" if setting.again else setting.proposer,
         "workload": workload,
         "batch": batch,
         "k": setting.k,

@@ -422,7 +422,15 @@ def run_replay(llm: Any, args: Any, ks: Sequence[int], batches: Sequence[int], r
     outputs, to the trace's lengths), then each host proposer and `k` with the trace's acceptance
     mapped onto those outputs; rows as the bench's, with `replay_of` naming the trace's model."""
     from snugkv.bench.harness import emit
-    from snugkv.bench.speculative import PROPOSERS, Pass, Setting, _row, measure_pass, speculative_config
+    from snugkv.bench.speculative import (
+        PROPOSERS,
+        Pass,
+        Setting,
+        _row,
+        measure_pass,
+        settings_of,
+        speculative_config,
+    )
     from snugkv.bench.speculative_workloads import waves
     from snugkv.core.sampling import SamplingParams
 
@@ -454,7 +462,7 @@ def run_replay(llm: Any, args: Any, ks: Sequence[int], batches: Sequence[int], r
                 return token_ids, seconds
 
             own = measure_pass(llm, None, generate).token_ids  # this model's greedy continuations
-            settings = [Setting(None, 0)] + [Setting(m, k) for m in methods for k in ks]
+            settings = settings_of(methods, list(ks), args.plain_twice)
             best: dict[Setting, Pass] = {}
             for _ in range(repeats):
                 for setting in settings:
