@@ -11,8 +11,17 @@ from snugkv.bench.speculative import Pass, Setting, _first_difference, _row
 from snugkv.bench.speculative_workloads import WORKLOADS, batch_of
 
 
-def passed(token_ids, seconds, drafted=0, accepted=0, drafted_rows=0, verify=()):
-    return Pass(token_ids, seconds, drafted, accepted, drafted_rows, [0.010, 0.012, 0.014], list(verify))
+def passed(token_ids, seconds, drafted=0, accepted=0, drafted_rows=0, verify=(), device_s=0.0):
+    return Pass(
+        token_ids,
+        seconds,
+        drafted,
+        accepted,
+        drafted_rows,
+        [0.010, 0.012, 0.014],
+        list(verify),
+        device_s=device_s,
+    )
 
 
 def test_the_four_workloads_are_there_and_a_batch_cycles_through_each():
@@ -47,7 +56,16 @@ def test_plain_twice_runs_the_plain_pass_again_second_and_its_row_is_the_noise_o
     plain = passed([[1, 2, 3, 4]], seconds=2.0)
     row = _row("open", 64, PLAIN_AGAIN, passed([[1, 2, 3, 4]], seconds=2.5), plain)
     assert row["proposer"] == "plain" and row["k"] == 0 and row["speedup"] == pytest.approx(0.8)
-    assert row["verify_steps"] == 0 and row["same_tokens"]
+    assert row["verify_steps"] == 0 and row["same_tokens"] and row["device_speedup"] is None
+    # device time per output token: plain 1.0 s for 4 tokens, the pass 1.5 s for 6 (same per token)
+    row = _row(
+        "open",
+        64,
+        PLAIN_AGAIN,
+        passed([[1, 2, 3, 4, 5, 6]], 2.0, device_s=1.5),
+        passed([[1, 2, 3, 4]], 2.0, device_s=1.0),
+    )
+    assert row["device_speedup"] == pytest.approx(1.0)
 
 
 def test_a_differing_output_is_not_the_same_tokens_and_says_where():

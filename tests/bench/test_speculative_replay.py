@@ -126,7 +126,7 @@ def test_a_forced_replay_emits_the_traces_text_in_the_steps_the_policy_predicts(
     again, row = json.loads((tmp_path / "out" / "speculative_replay.json").read_text())["rows"]
     # --plain-twice: the plain pass again, its row the same work timed twice
     assert again["proposer"] == "plain" and again["verify_steps"] == 0 and again["same_tokens"]
-    assert again["speedup"] > 0 and row["proposer"] == "ngram"
+    assert again["speedup"] > 0 and again["device_speedup"] > 0 and row["proposer"] == "ngram"
     # batch 1: the workload's items one after another
     assert row["same_tokens"] and row["output_tokens"] == sum(len(i.output_ids) for i in items)
     steps = policy_steps(items, SpeculativeConfig("ngram", num_tokens=4, break_even=0.5))

@@ -14,7 +14,8 @@ would.
 
 A row: `acceptance` (accepted / drafted tokens), `mean_accepted_length` (tokens a drafted row emits
 per verify step), `tok_per_s` (output tokens over the pass's wall time, prefill included),
-`speedup` over the plain pass, the median device time of the plain pass's decode steps and of the
+`speedup` over the plain pass (`device_speedup`: the same over the device time of the passes' steps,
+free of the host's and the clock's noise), the median device time of the plain pass's decode steps and of the
 speculating pass's verify steps (`Scheduler.times`) and their ratio (`verify_over_decode`), and `same_tokens`: whether every output equals
 the plain pass's token for token (greedy speculation must; each mismatch is printed). A batch above
 `--speculative-max-batch-size` does not speculate (the engine's back-off): its rows show 0 verify
@@ -200,6 +201,7 @@ class Pass:
     guesses: int = 0  # drafts made behind a step in flight whose guess was read
     guesses_held: int = 0
     reads_first: int = 0  # steps that read the step in flight first (poor guesses)
+    device_s: float = 0.0  # the device time of every step of the pass (CUDA events around each)
 
     @property
     def output_tokens(self) -> int:
@@ -465,7 +467,15 @@ def measure_pass(llm: Any, speculation: Any, generate: Callable[[], tuple[list[l
         guesses=counts.guesses if counts else 0,
         guesses_held=counts.guesses_held if counts else 0,
         reads_first=counts.reads_first if counts else 0,
+        device_s=sum(r.busy_s for r in records),
     )
+
+
+def _device_speedup(done: Pass, plain: Pass) -> float | None:
+    """Device seconds per output token of the plain pass over the pass's (None without step times)."""
+    if not (done.device_s and plain.device_s and done.output_tokens and plain.output_tokens):
+        return None
+    return (plain.device_s / plain.output_tokens) / (done.device_s / done.output_tokens)
 
 
 def _row(workload: str, batch: int, setting: Setting, done: Pass, plain: Pass) -> dict[str, Any]:
@@ -482,6 +492,8 @@ def _row(workload: str, batch: int, setting: Setting, done: Pass, plain: Pass) -
         "tok_per_s": tok_per_s,
         "plain_tok_per_s": plain_tok_per_s,
         "speedup": tok_per_s / plain_tok_per_s,
+        # the same over the device time of the passes' steps alone (no host, no wall-clock noise)
+        "device_speedup": _device_speedup(done, plain),
         "decode_step_ms": decode_ms,
         "verify_step_ms": verify_ms,
         # issue 34's step target: a verify step of k drafts against a plain decode step, same batch
