@@ -82,11 +82,12 @@ def test_both_cases_send_the_issue_s_load_through_the_client() -> None:
     workload = Workload()
     offline = workload.client_args("offline")
     assert offline == [
-        "--requests", "256", "--workloads", "offline", "--prompts", "ids,text", "--low", "100", "--high", "1024",
+        "--requests", "256", "--workloads", "offline", "--warm-up-requests", "16", "--prompts", "ids,text",
+        "--low", "100", "--high", "1024",
     ]  # fmt: skip
     stress = workload.client_args("stress")
     assert stress == [
-        "--requests", "256", "--workloads", "stress", "--prompts", "ids",
+        "--requests", "256", "--workloads", "stress", "--warm-up-requests", "16", "--prompts", "ids",
         "--stress-input-tokens", "3500", "--stress-output-tokens", "400",
     ]  # fmt: skip
 
@@ -333,7 +334,18 @@ def test_a_peer_then_snugkv_serve_both_cases_through_the_same_client(
         "--models-dir",
         str(tmp_path / "models"),
     ]
-    args += ["--serve-sh", str(serve_sh), "--requests", "4", "--low", "8", "--high", "16"]
+    args += [
+        "--serve-sh",
+        str(serve_sh),
+        "--requests",
+        "4",
+        "--low",
+        "8",
+        "--high",
+        "16",
+        "--warm-up-requests",
+        "2",
+    ]
     args += ["--stress-input-tokens", "32", "--stress-output-tokens", "4", "--out", str(out)]
     code = main(args)
     payload = json.loads((out / "peers-vllm-qwen3-0.6b.json").read_text())

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 def test_the_tier_on_serves_chat_and_pressure_rows_from_the_host_and_nothing_fails(tmp_path: Path) -> None:
     args = ["bench", "host-tier", "--device", "cpu", "--sessions", "6", "--turns", "3"]
     args += ["--output-tokens", "4", "--concurrency", "3", "--device-kv-tokens", "512"]
-    args += ["--host-tier-gib", "0.05", "--out", str(tmp_path), "--sample-scheduler"]
+    args += ["--working-set", "1.5", "--host-tier-gib", "0.05", "--out", str(tmp_path), "--sample-scheduler"]
     assert main(args) == 0
     report = json.loads((tmp_path / "host_tier.json").read_text())
     assert report["benchmark"] == "host_tier" and {"date", "commit", "device"} <= set(report["environment"])

@@ -82,13 +82,13 @@ def test_replaying_the_models_own_trace_keeps_what_its_real_proposers_keep(tmp_p
     # the back-off fixed: measured step times would make the two runs' pauses differ
     common = ["--k", "4", "--batch", "1", "--workloads", "code-edit", "--proposers", "ngram", "suffix"]
     common += ["--break-even", "0.5"]
-    assert bench("--bound", "--max-tokens", "24", *common, "--out", str(tmp_path / "trace")) == 0
+    assert bench("--bound", "--max-tokens", "16", *common, "--out", str(tmp_path / "trace")) == 0
     bound = json.loads((tmp_path / "trace" / "speculative_bound.json").read_text())["rows"]
     assert {r["proposer"] for r in bound} == {"ngram", "suffix"}
     assert all(r["bound_speedup"] > 0 for r in bound)
     trace = tmp_path / "trace" / "speculative-trace.json"
     assert bench("--replay", str(trace), *common, "--out", str(tmp_path / "replay")) == 0
-    assert bench("--max-tokens", "24", *common, "--out", str(tmp_path / "real")) == 0
+    assert bench("--max-tokens", "16", *common, "--out", str(tmp_path / "real")) == 0
     replayed = json.loads((tmp_path / "replay" / "speculative_replay.json").read_text())["rows"]
     real = json.loads((tmp_path / "real" / "speculative.json").read_text())["rows"]
     keys = ("proposer", "batch", "k", "acceptance", "mean_accepted_length", "verify_steps", "output_tokens")

@@ -255,7 +255,7 @@ def test_dp_2_starts_without_a_key_and_with_one_on_the_command_line(
 
 
 # -- cache-aware routing against round robin --------------------------------------------------------
-def document_sessions(seed: int, users: int = 48) -> list[tuple[str, str, str]]:
+def document_sessions(seed: int, users: int = 24) -> list[tuple[str, str, str]]:
     """(system prompt, pasted document, follow-up) per user; 8 system prompts shared."""
     from snugkv.bench.openai_load import PromptText
     from snugkv.models.loader import resolve_model_source

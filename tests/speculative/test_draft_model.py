@@ -81,13 +81,13 @@ def test_paged_kv_and_a_long_draft_roll_back_and_give_the_same_tokens(tokenizer)
     try:
         requests = dict.fromkeys(PROMPTS, GREEDY)
         expected, _ = run(engine, tokenizer, requests, overlap=False)
-        for spec in ("self", "layers:12"):
-            for overlap in (False, True):
-                results, scheduler = run(
-                    engine, tokenizer, requests, speculative=draft(spec, num_tokens=5), overlap=overlap
-                )
-                assert tokens_of(results) == tokens_of(expected), (spec, overlap)
-                assert scheduler.stats().spec_draft_tokens > 0
+        # each draft kind once and each scheduling once (the four pairings took a minute of CI)
+        for spec, overlap in (("self", False), ("layers:12", True)):
+            results, scheduler = run(
+                engine, tokenizer, requests, speculative=draft(spec, num_tokens=5), overlap=overlap
+            )
+            assert tokens_of(results) == tokens_of(expected), (spec, overlap)
+            assert scheduler.stats().spec_draft_tokens > 0
     finally:
         engine.close()
 

@@ -403,7 +403,7 @@ def run_against_url(args: argparse.Namespace) -> int:
     # Fresh text on every run (unless --prompt-seed): a server's prefix cache holds nothing of it.
     rng = random.Random(args.prompt_seed)
     if "offline" in args.workloads:
-        warm_up = [(text.prompt(args.prompts[0], 60, rng), 64) for _ in range(WARM_UP_REQUESTS)]
+        warm_up = [(text.prompt(args.prompts[0], 60, rng), 64) for _ in range(args.warm_up_requests)]
         asyncio.run(run_completions(target, warm_up))
         case = f"offline {args.requests} req, in/out U[{args.low},{args.high}]"
         passes = [("first pass, not compared", args.prompts[0])]
@@ -454,7 +454,7 @@ def _stress_rows(
 ) -> list[dict[str, Any]]:
     """The stress load once per prompt kind, after a warm-up whose prefills are as long as its own."""
     inputs, outputs = args.stress_input_tokens, args.stress_output_tokens
-    warm_up = [(text.prompt(args.prompts[0], inputs, rng), 16) for _ in range(WARM_UP_REQUESTS)]
+    warm_up = [(text.prompt(args.prompts[0], inputs, rng), 16) for _ in range(args.warm_up_requests)]
     asyncio.run(run_completions(target, warm_up))
     case = f"stress {args.requests} x ({inputs} in + {outputs} out)"
     rows = []
@@ -495,6 +495,12 @@ def add_url_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--prompt-seed", type=int, default=None, help="--url: seed of the prompts' text (default: a new one)"
+    )
+    group.add_argument(
+        "--warm-up-requests",
+        type=int,
+        default=WARM_UP_REQUESTS,
+        help=f"--url offline and stress: requests of the warm-up before the passes (default: {WARM_UP_REQUESTS})",
     )
     group.add_argument("--online-requests", type=int, default=128, help="--url rate: requests per rate")
     group.add_argument(

@@ -88,6 +88,7 @@ class Workload:
     stress_output_tokens: int = 400
     stress_demand: float = 2.0
     stress_prompts: tuple[str, ...] = ("ids",)
+    warm_up_requests: int = 16  # before each case's passes (the client's --warm-up-requests)
 
     @property
     def stress_demand_tokens(self) -> int:
@@ -104,6 +105,7 @@ class Workload:
     def client_args(self, case: str) -> list[str]:
         """`snugkv bench http --url` flags of `case`."""
         args = ["--requests", str(self.requests), "--workloads", case]
+        args += ["--warm-up-requests", str(self.warm_up_requests)]
         args += ["--prompts", ",".join(self.prompt_kinds(case))]
         if case == "stress":
             args += ["--stress-input-tokens", str(self.stress_input_tokens)]
@@ -119,8 +121,13 @@ class Workload:
         }
 
 
-DRY_RUN_WORKLOAD = Workload(
-    requests=4, low_tokens=8, high_tokens=16, stress_input_tokens=32, stress_output_tokens=4
+DRY_RUN_WORKLOAD = Workload(  # a CPU's run of the orchestration: the figures measure nothing
+    requests=4,
+    low_tokens=8,
+    high_tokens=16,
+    stress_input_tokens=32,
+    stress_output_tokens=4,
+    warm_up_requests=2,
 )
 
 
@@ -331,6 +338,7 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
             stress_output_tokens=args.stress_output_tokens,
             stress_demand=args.stress_demand,
             stress_prompts=tuple(args.stress_prompts),
+            warm_up_requests=args.warm_up_requests,
         )
     return Plan(
         peer=peer,
@@ -420,6 +428,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stress-prompts", type=kinds, default=["ids"], help="stress: default ids")
     parser.add_argument("--stress-input-tokens", type=int, default=3500)
     parser.add_argument("--stress-output-tokens", type=int, default=400)
+    parser.add_argument(
+        "--warm-up-requests", type=int, default=16, help="each case's warm-up before its passes (default: 16)"
+    )
     parser.add_argument(
         "--stress-demand",
         type=float,
