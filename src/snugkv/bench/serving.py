@@ -63,6 +63,40 @@ def floor_tokens_per_s(
     return sum(output for _, output in requests) / seconds
 
 
+def offline_bound(
+    requests: list[tuple[list[int], int]],
+    *,
+    params: float,
+    weight_bytes: float,
+    kv_bytes_per_token: float,
+    attention_width: int,
+    layers: int,
+    bandwidth: float,
+    flops: float,
+) -> dict[str, float]:
+    """The least time any engine can take over `requests` (prompt, output length) all sent at once,
+    on a device of `bandwidth` bytes/s and `flops` dense FLOP/s: every prompt prefilled at `flops`
+    (2 x params a token, and causal attention's 2 x 2 x `attention_width` x n^2 / 2 a layer), then
+    decode steps with every unfinished request in one batch, each the longer of reading the weights
+    once and its GEMMs' 2 x params FLOPs a row, plus reading each row's KV. Nothing else counts (norms,
+    sampling, the host, launches): an engine reaches it only at both peaks at once."""
+    prompts = [len(prompt) for prompt, _ in requests]
+    outputs = [output for _, output in requests]
+    prefill_s = sum(2 * params * n + 2 * attention_width * layers * n * n for n in prompts) / flops
+    decode_s = 0.0
+    for step in range(max(outputs, default=0)):
+        live = [prompt for prompt, output in zip(prompts, outputs) if output > step]
+        gemm_s = max(weight_bytes / bandwidth, 2 * params * len(live) / flops)
+        decode_s += gemm_s + sum(prompt + step for prompt in live) * kv_bytes_per_token / bandwidth
+    total_s = prefill_s + decode_s
+    return {
+        "prefill_s": prefill_s,
+        "decode_s": decode_s,
+        "total_s": total_s,
+        "output_tok_per_s": sum(outputs) / total_s if total_s else 0.0,
+    }
+
+
 def run_scheduler(
     engine: Any,
     requests: list[tuple[list[int], int]],
