@@ -153,3 +153,12 @@ def test_a_model_name_that_names_no_tokenizer_here_is_one_whole_line_saying_what
         "pass --tokenizer with a model directory, a .gguf file or a Hub id ('default' for the embedded "
         "SmolLM2's)"
     )
+
+
+def test_a_load_of_many_streams_is_spread_over_pools_of_at_most_sixteen_connections():
+    from snugkv.bench.openai_load import POOL_SIZE, _pool_sizes
+
+    assert POOL_SIZE == 16 and _pool_sizes(4) == [4] and _pool_sizes(16) == [16]
+    for connections in (17, 100, 256, 257):
+        sizes = _pool_sizes(connections)
+        assert sum(sizes) >= connections and max(sizes) <= POOL_SIZE and len(sizes) == -(-connections // 16)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -245,6 +246,9 @@ def chat_body(messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]
     }
 
 
+POOL_SIZE = 16  # connections of one client pool (`_pool_sizes`)
+
+
 def _client(connections: int) -> httpx.AsyncClient:
     limits = client_limits(connections + 8)
     return httpx.AsyncClient(timeout=CLIENT_TIMEOUT_S, limits=limits)
@@ -255,20 +259,39 @@ async def run_completions(
     target: Target, prompts: list[tuple[Prompt, int]], arrivals: list[float] | None = None
 ) -> tuple[list[RequestRecord], float, float]:
     """Every prompt at once (or each at its arrival time, seconds after the start)."""
-    async with _client(len(prompts)) as client:
-        client.base_url = httpx.URL(target.url)
-        # A load generator's pool is warm: connections open before the clock starts.
-        await asyncio.gather(*(client.get("/v1/models", headers=target.headers) for _ in prompts))
-        bodies = [encoded(target, completion_body(prompt, max_tokens)) for prompt, max_tokens in prompts]
+    # The bodies first: encoding 256 long prompts can outlast the pool's keep-alive (CLIENT_KEEPALIVE_S),
+    # and a pool warmed before them would open every connection again inside the timed window.
+    bodies = [encoded(target, completion_body(prompt, max_tokens)) for prompt, max_tokens in prompts]
+    async with contextlib.AsyncExitStack() as stack:
+        sizes = _pool_sizes(len(prompts))
+        clients = [await stack.enter_async_context(_client(size)) for size in sizes]
+        for client in clients:
+            client.base_url = httpx.URL(target.url)
+        # A load generator's pools are warm: connections open before the clock starts.
+        await asyncio.gather(
+            *(
+                client.get("/v1/models", headers=target.headers)
+                for client, size in zip(clients, sizes)
+                for _ in range(size)
+            )
+        )
         started = time.monotonic()
 
         async def one(index: int, body: bytes) -> RequestRecord:
             if arrivals is not None:
                 await asyncio.sleep(max(0.0, started + arrivals[index] - time.monotonic()))
-            return await send(client, target, "/v1/completions", body)
+            return await send(clients[index % len(clients)], target, "/v1/completions", body)
 
         records = await asyncio.gather(*(one(index, body) for index, body in enumerate(bodies)))
         return list(records), started, time.monotonic()
+
+
+def _pool_sizes(connections: int) -> list[int]:
+    """Connections split over pools of at most POOL_SIZE: an httpx pool's bookkeeping for each
+    request walks all its connections and queued requests, so 256 streams in one pool took ~1.9 s
+    (on a 2-core CPU and on the H100 machines alike) before the first request left the client."""
+    pools = max(1, -(-connections // POOL_SIZE))
+    return [-(-connections // pools)] * pools
 
 
 @dataclass(frozen=True, slots=True)
