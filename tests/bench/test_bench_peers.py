@@ -334,18 +334,8 @@ def test_a_peer_then_snugkv_serve_both_cases_through_the_same_client(
         "--models-dir",
         str(tmp_path / "models"),
     ]
-    args += [
-        "--serve-sh",
-        str(serve_sh),
-        "--requests",
-        "4",
-        "--low",
-        "8",
-        "--high",
-        "16",
-        "--warm-up-requests",
-        "2",
-    ]
+    args += ["--serve-sh", str(serve_sh), "--requests", "4", "--low", "8", "--high", "16"]
+    args += ["--warm-up-requests", "2"]
     args += ["--stress-input-tokens", "32", "--stress-output-tokens", "4", "--out", str(out)]
     code = main(args)
     payload = json.loads((out / "peers-vllm-qwen3-0.6b.json").read_text())
