@@ -78,6 +78,12 @@ def test_the_stress_cap_is_whole_vllm_blocks_and_max_total_tokens_elsewhere() ->
         assert peer_servers.kv_cap_flags(engine, 499_200) == ["--max-total-tokens", "499200"]
 
 
+def test_the_warm_up_is_the_clients_own_default() -> None:
+    from snugkv.bench import openai_load, peers
+
+    assert peers.WARM_UP_REQUESTS == openai_load.WARM_UP_REQUESTS == Workload().warm_up_requests
+
+
 def test_both_cases_send_the_issue_s_load_through_the_client() -> None:
     workload = Workload()
     offline = workload.client_args("offline")

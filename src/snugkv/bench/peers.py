@@ -76,6 +76,10 @@ SHAPES = {
 DRY_RUN_SHAPE = Shape("smollm2-135m", "")  # the embedded default model: no directory, real weights
 
 
+# the client's own default (bench/openai_load.py, not imported here: it needs httpx)
+WARM_UP_REQUESTS = 16
+
+
 @dataclass(frozen=True, slots=True)
 class Workload:
     """The load of both cases, the same for every engine."""
@@ -88,7 +92,7 @@ class Workload:
     stress_output_tokens: int = 400
     stress_demand: float = 2.0
     stress_prompts: tuple[str, ...] = ("ids",)
-    warm_up_requests: int = 16  # before each case's passes (the client's --warm-up-requests)
+    warm_up_requests: int = WARM_UP_REQUESTS  # before each case's passes (the client's --warm-up-requests)
 
     @property
     def stress_demand_tokens(self) -> int:
@@ -429,7 +433,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stress-input-tokens", type=int, default=3500)
     parser.add_argument("--stress-output-tokens", type=int, default=400)
     parser.add_argument(
-        "--warm-up-requests", type=int, default=16, help="each case's warm-up before its passes (default: 16)"
+        "--warm-up-requests",
+        type=int,
+        default=WARM_UP_REQUESTS,
+        help=f"each case's warm-up before its passes (default: {WARM_UP_REQUESTS})",
     )
     parser.add_argument(
         "--stress-demand",
