@@ -44,6 +44,18 @@ def shape_figures(shape: str) -> dict[str, float]:
     }
 
 
+def dense_shapes() -> list[str]:
+    """The shipped shapes this bound's arithmetic covers: dense GEMMs and plain KV heads (no experts, no
+    latent attention, no draft heads)."""
+    shapes = []
+    for path in sorted(CONFIGS.glob("*/config.json")):
+        config = json.loads(path.read_text())
+        moe = any(k in config for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+        if not moe and "kv_lora_rank" not in config and "draft_vocab_size" not in config:
+            shapes.append(path.parent.name)
+    return shapes
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -54,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--measured", type=float, nargs="*", default=[], help="output tok/s to set beside it")
     args = parser.parse_args(argv)
+    dense = dense_shapes()
+    if args.shape not in dense:
+        parser.error(f"--shape {args.shape!r} is not a shipped dense shape; one of: {', '.join(dense)}")
     requests = workload(args.requests, seed=0, vocab=500)  # the lengths the HTTP client draws
     figures = shape_figures(args.shape)
     bound = offline_bound(requests, **figures, bandwidth=args.bandwidth_tb_s * 1e12, flops=args.tflops * 1e12)

@@ -47,3 +47,17 @@ def test_the_script_counts_the_8b_shapes_weights_and_kv_and_the_clients_token_co
     assert result["measured"][0]["fraction_of_bound"] == pytest.approx(
         5000 / result["output_tok_per_s"], abs=1e-3
     )
+
+
+def test_the_script_names_the_dense_shapes_when_given_one_it_cannot_count():
+    for shape in ("nope", "qwen3-30b-a3b"):  # not shipped; an MoE shape the dense arithmetic would miscount
+        done = subprocess.run(
+            [sys.executable, str(REPO / "scripts" / "offline_bound.py"), "--shape", shape,
+             "--bandwidth-tb-s", "3.35", "--tflops", "989"],
+            capture_output=True, text=True,
+        )  # fmt: skip
+        assert done.returncode == 2
+        assert (
+            f"--shape '{shape}' is not a shipped dense shape; one of: llama-3-8b, qwen3-0.6b" in done.stderr
+        )
+        assert "Traceback" not in done.stderr
