@@ -68,6 +68,48 @@ def test_plain_twice_runs_the_plain_pass_again_second_and_its_row_is_the_noise_o
     assert row["device_speedup"] == pytest.approx(1.0)
 
 
+def test_each_repeat_rotates_the_settings_so_each_runs_first_in_some_round():
+    from snugkv.bench.speculative import PLAIN_AGAIN, measure_rounds, rotated, settings_of
+
+    settings = settings_of(["ngram", "suffix"], [2], True)
+    orders = [rotated(settings, r) for r in range(len(settings))]
+    assert orders[0] == settings and rotated(settings, len(settings)) == settings
+    assert [order[0] for order in orders] == settings  # each setting first once
+    assert all(sorted(order, key=settings.index) == settings for order in orders)  # none dropped
+    assert rotated(settings, 1) == [PLAIN_AGAIN, Setting("ngram", 2), Setting("suffix", 2), Setting(None, 0)]
+    assert rotated([], 3) == []
+
+    calls: list[Setting] = []
+
+    def measure(setting):
+        calls.append(setting)
+        return passed([[1]], seconds=float(len(calls)))
+
+    passes = measure_rounds(settings[:3], 2, measure)
+    assert calls == [*settings[:3], *settings[1:3], settings[0]]
+    # a setting's passes in round order: index r of every list is round r
+    assert [p.seconds for p in passes[settings[0]]] == [1.0, 6.0]
+    assert [p.seconds for p in passes[settings[1]]] == [2.0, 4.0]
+
+
+def test_speedup_median_pairs_each_round_s_pass_with_that_round_s_plain_pass():
+    from snugkv.bench.harness import format_table
+    from snugkv.bench.speculative import fastest, repeat_columns, speedup_median
+
+    plain = [passed([[1, 2]], seconds) for seconds in (2.0, 1.0, 3.0)]
+    done = [passed([[1, 2]], seconds) for seconds in (1.0, 2.0, 2.0)]
+    # per round 2.0, 0.5, 1.5: median 1.5; best of each, 1.0 / 1.0, and medians apart, 2.0 / 2.0, read 1.0
+    assert speedup_median(done, plain) == pytest.approx(1.5)
+    assert fastest(plain).seconds == 1.0 and fastest(done) is done[0]
+    assert speedup_median(done[:1], plain[:1]) == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="rounds must pair"):
+        speedup_median(done[:2], plain)
+    columns = repeat_columns(done, plain)
+    assert columns == {"speedup_median": pytest.approx(1.5), "repeats": 3}
+    row = {**_row("open", 64, Setting("ngram", 4), fastest(done), fastest(plain)), **columns}
+    assert row["speedup"] == 1.0 and "speedup_median" in format_table([row]).splitlines()[0]
+
+
 def test_a_differing_output_is_not_the_same_tokens_and_says_where():
     plain = passed([[1, 2], [5, 6, 7, 8]], seconds=1.0)
     done = passed([[1, 2], [5, 6, 9, 8]], seconds=1.0)
@@ -90,6 +132,7 @@ def test_a_small_run_on_smollm2_writes_rows_with_no_mismatch(tmp_path):
     for row in report["rows"]:
         assert row["same_tokens"] and row["output_tokens"] > 0
         assert {"proposer", "workload", "batch", "k", "acceptance", "tok_per_s", "speedup"} <= set(row)
+        assert row["repeats"] == 1 and row["speedup_median"] == pytest.approx(row["speedup"])
 
 
 def test_a_draft_model_proposer_is_taken_and_a_bad_one_refused_in_one_line():

@@ -127,6 +127,9 @@ def test_a_forced_replay_emits_the_traces_text_in_the_steps_the_policy_predicts(
     # --plain-twice: the plain pass again, its row the same work timed twice
     assert again["proposer"] == "plain" and again["verify_steps"] == 0 and again["same_tokens"]
     assert again["speedup"] > 0 and again["device_speedup"] > 0 and row["proposer"] == "ngram"
+    # one round (the CPU's default): the paired median is that round's, the best-of speedup
+    assert again["repeats"] == row["repeats"] == 1
+    assert row["speedup_median"] == pytest.approx(row["speedup"])
     # batch 1: the workload's items one after another
     assert row["same_tokens"] and row["output_tokens"] == sum(len(i.output_ids) for i in items)
     steps = policy_steps(items, SpeculativeConfig("ngram", num_tokens=4, break_even=0.5))

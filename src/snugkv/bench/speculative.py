@@ -5,17 +5,18 @@
 One engine (the embedded SmolLM2-135M by default, its real tokenizer) serves every configuration:
 for each workload (snugkv.bench.speculative_workloads: code edit, summarization, multi-turn chat,
 open generation) and batch, the same greedy requests run once without speculation and once per
-proposer and draft length `k`, `--repeats` times in turn (the fastest pass of each counts: a shared
-CPU is noisy). Before each pass the prefix cache is emptied and the scheduler gets a fresh
-`Speculation` of that configuration (or none): no pass inherits another's suffix store or cache.
-The engine starts with speculation on at the largest `k` (with the first draft model asked for, if
-any), so its start-up sizing counts the verify step (and the draft steps) as a speculating server's
-would.
+proposer and draft length `k`, `--repeats` times in turn, each round in a rotated order (`rotated`:
+no configuration always runs first; the fastest pass of each counts: a shared CPU is noisy). Before
+each pass the prefix cache is emptied and the scheduler gets a fresh `Speculation` of that
+configuration (or none): no pass inherits another's suffix store or cache. The engine starts with
+speculation on at the largest `k` (with the first draft model asked for, if any), so its start-up
+sizing counts the verify step (and the draft steps) as a speculating server's would.
 
 A row: `acceptance` (accepted / drafted tokens), `mean_accepted_length` (tokens a drafted row emits
 per verify step), `tok_per_s` (output tokens over the pass's wall time, prefill included),
 `speedup` over the plain pass (`device_speedup`: the same over the device time of the passes' steps,
-free of the host's and the clock's noise), the median device time of the plain pass's decode steps and of the
+free of the host's and the clock's noise; `speedup_median`: the median over the `repeats` rounds of
+the pass's speedup over the same round's plain pass), the median device time of the plain pass's decode steps and of the
 speculating pass's verify steps (`Scheduler.times`) and their ratio (`verify_over_decode`), and `same_tokens`: whether every output equals
 the plain pass's token for token (greedy speculation must; each mismatch is printed). A batch above
 `--speculative-max-batch-size` does not speculate (the engine's back-off): its rows show 0 verify
@@ -29,7 +30,7 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -208,6 +209,49 @@ class Pass:
         return sum(len(ids) for ids in self.token_ids)
 
 
+def rotated(settings: Sequence[Setting], repeat: int) -> list[Setting]:
+    """The order repeat `repeat` runs `settings` in: turned left by `repeat` places, so that each
+    setting runs first in some repeat (the ratios still take `settings[0]`, plain, as the baseline)."""
+    if not settings:
+        return []
+    at = repeat % len(settings)
+    return [*settings[at:], *settings[:at]]
+
+
+def measure_rounds(
+    settings: Sequence[Setting], repeats: int, measure: Callable[[Setting], Pass]
+) -> dict[Setting, list[Pass]]:
+    """Each setting's passes from `repeats` rounds of `measure` over every setting, each round in its
+    `rotated` order; a setting's list is in round order, so that index r of two lists is one round."""
+    passes: dict[Setting, list[Pass]] = {setting: [] for setting in settings}
+    for repeat in range(repeats):
+        for setting in rotated(settings, repeat):
+            passes[setting].append(measure(setting))
+    return passes
+
+
+def fastest(passes: Sequence[Pass]) -> Pass:
+    """The pass that took the fewest seconds (the first of equals)."""
+    return min(passes, key=lambda done: done.seconds)
+
+
+def speedup_median(passes: Sequence[Pass], plain: Sequence[Pass]) -> float:
+    """The median over rounds of a pass's tokens/s over the plain pass's of the same round (plain
+    seconds over the pass's where both emit as many tokens): paired, so a round that is slow for
+    both cancels out."""
+    if len(passes) != len(plain) or not passes:
+        raise ValueError(f"{len(passes)} passes against {len(plain)} plain passes: rounds must pair")
+    return statistics.median(
+        (done.output_tokens / done.seconds) / (base.output_tokens / base.seconds)
+        for done, base in zip(passes, plain)
+    )
+
+
+def repeat_columns(passes: Sequence[Pass], plain: Sequence[Pass]) -> dict[str, Any]:
+    """A row's columns over all of its rounds (the rest of `_row` reads the fastest passes)."""
+    return {"speedup_median": speedup_median(passes, plain), "repeats": len(passes)}
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -263,23 +307,21 @@ def run(args: argparse.Namespace) -> int:
         for workload in args.workloads:
             for batch in batches:
                 waves = waves_of(workload, batch)
-                best: dict[Setting, Pass] = {}
-                for _ in range(repeats):
-                    for setting in settings:
-                        done = _measure(
-                            llm, encoder, waves, setting, max_tokens, max_batch_size, args.break_even
-                        )
-                        if setting not in best or done.seconds < best[setting].seconds:
-                            best[setting] = done
-                plain = best[settings[0]]
+
+                def measure(setting: Setting, waves: list[list[Conversation]] = waves) -> Pass:
+                    return _measure(llm, encoder, waves, setting, max_tokens, max_batch_size, args.break_even)
+
+                passes = measure_rounds(settings, repeats, measure)
+                plain = fastest(passes[settings[0]])
                 for setting in settings[1:]:
-                    row = _row(workload, batch, setting, best[setting], plain)
+                    done = fastest(passes[setting])
+                    row = {
+                        **_row(workload, batch, setting, done, plain),
+                        **repeat_columns(passes[setting], passes[settings[0]]),
+                    }
                     if not row["same_tokens"]:
                         mismatches += 1
-                        print(
-                            f"MISMATCH: {_where(row)}: {_first_difference(plain, best[setting])}",
-                            file=sys.stderr,
-                        )
+                        print(f"MISMATCH: {_where(row)}: {_first_difference(plain, done)}", file=sys.stderr)
                     rows.append(row)
                     print(json.dumps(row), flush=True)  # a run cut short keeps its finished rows
     print(f"greedy outputs differing from plain decoding: {mismatches} of {len(rows)} rows")

@@ -419,15 +419,19 @@ def run_bound(llm: Any, args: Any, ks: Sequence[int], max_tokens: int) -> int:
 
 def run_replay(llm: Any, args: Any, ks: Sequence[int], batches: Sequence[int], repeats: int) -> int:
     """`--replay TRACE`: per workload and batch, the trace's prompts plainly (this model's own greedy
-    outputs, to the trace's lengths), then each host proposer and `k` with the trace's acceptance
-    mapped onto those outputs; rows as the bench's, with `replay_of` naming the trace's model."""
+    outputs, to the trace's lengths), then `repeats` rounds (`measure_rounds`) of the plain pass and
+    each host proposer and `k` with the trace's acceptance mapped onto those outputs; rows as the
+    bench's, with `replay_of` naming the trace's model."""
     from snugkv.bench.harness import emit
     from snugkv.bench.speculative import (
         PROPOSERS,
         Pass,
         Setting,
         _row,
+        fastest,
         measure_pass,
+        measure_rounds,
+        repeat_columns,
         settings_of,
         speculative_config,
     )
@@ -463,24 +467,30 @@ def run_replay(llm: Any, args: Any, ks: Sequence[int], batches: Sequence[int], r
 
             own = measure_pass(llm, None, generate).token_ids  # this model's greedy continuations
             settings = settings_of(methods, list(ks), args.plain_twice)
-            best: dict[Setting, Pass] = {}
-            for _ in range(repeats):
-                for setting in settings:
-                    speculation = None
-                    if setting.proposer is not None:
-                        config = speculative_config(
-                            setting.proposer,
-                            num_tokens=setting.k,
-                            max_batch_size=max_batch_size,
-                            break_even=args.break_even,
-                        )
-                        speculation = replay_speculation(config, requests, own)
-                    done = measure_pass(llm, speculation, generate)
-                    if setting not in best or done.seconds < best[setting].seconds:
-                        best[setting] = done
+
+            def measure(
+                setting: Setting,
+                requests: list[TraceItem] = requests,
+                own: list[list[int]] = own,
+                generate: Any = generate,
+            ) -> Pass:
+                speculation = None
+                if setting.proposer is not None:
+                    config = speculative_config(
+                        setting.proposer,
+                        num_tokens=setting.k,
+                        max_batch_size=max_batch_size,
+                        break_even=args.break_even,
+                    )
+                    speculation = replay_speculation(config, requests, own)
+                return measure_pass(llm, speculation, generate)
+
+            passes = measure_rounds(settings, repeats, measure)
+            plain = fastest(passes[settings[0]])
             for setting in settings[1:]:
                 row = {
-                    **_row(workload, batch, setting, best[setting], best[settings[0]]),
+                    **_row(workload, batch, setting, fastest(passes[setting]), plain),
+                    **repeat_columns(passes[setting], passes[settings[0]]),
                     "replay_of": trace_env.get("model"),
                 }
                 rows.append(row)
