@@ -134,11 +134,12 @@ def fleet(fleet_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     running.stop()
 
 
-def prompt_counters(urls: list[str]) -> list[tuple[float, float]]:
+def prompt_counters(urls: list[str], key: str | None = API_KEY) -> list[tuple[float, float]]:
     """(cached prompt tokens, prompt tokens) so far on each replica, from its /metrics."""
     counters = []
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
     for url in urls:
-        text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10).text
+        text = httpx.get(f"{url}/metrics", headers=headers, timeout=10).text
         cached = re.search(r"^snugkv_cached_prompt_tokens_total (\S+)$", text, re.M)
         prompt = re.search(r"^snugkv_prompt_tokens_total (\S+)$", text, re.M)
         assert cached and prompt, text
@@ -234,26 +235,6 @@ def test_a_client_that_leaves_a_token_id_stream_ends_the_request_on_its_replica(
         time.sleep(0.1)
 
 
-@pytest.mark.parametrize("key_flags", [[], ["--api-key", "flag-key"]], ids=["no-key", "api-key-flag"])
-def test_dp_2_starts_without_a_key_and_with_one_on_the_command_line(
-    fleet_model: Path, tmp_path: Path, key_flags: list[str]
-) -> None:
-    running = start_fleet(fleet_model, tmp_path / "fleet.log", "round_robin", *key_flags, key_env=None)
-    try:
-        body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
-        keyless = httpx.post(f"{running.url}/v1/completions", json=body, timeout=60)
-        if running.api_key is None:  # open, as one `snugkv serve` without a key is
-            assert keyless.status_code == 200, keyless.text
-            assert httpx.get(f"{running.replica_urls[0]}/v1/models", timeout=10).status_code == 200
-        else:
-            assert keyless.status_code == 401, keyless.text
-            reply = running.client(timeout=60).completions.create(**body)  # type: ignore[call-overload]
-            assert reply.choices[0].finish_reason == "length"
-            assert httpx.get(f"{running.replica_urls[0]}/v1/models", timeout=10).status_code == 401
-    finally:
-        assert running.stop() == 0, running.log()[-3000:]
-
-
 # -- cache-aware routing against round robin --------------------------------------------------------
 def document_sessions(seed: int, users: int = 24) -> list[tuple[str, str, str]]:
     """(system prompt, pasted document, follow-up) per user; 8 system prompts shared."""
@@ -283,22 +264,49 @@ def hit_rate(fleet: Fleet, sessions: list[tuple[str, str, str]], concurrency: in
             if turn == 0:
                 messages.append({"role": "user", "content": follow_up})
 
-    before = prompt_counters(fleet.replica_urls)
+    before = prompt_counters(fleet.replica_urls, fleet.api_key)
     with ThreadPoolExecutor(concurrency) as pool:
         list(pool.map(talk, sessions))
-    after = prompt_counters(fleet.replica_urls)
+    after = prompt_counters(fleet.replica_urls, fleet.api_key)
     cached = sum(a[0] - b[0] for a, b in zip(after, before, strict=True))
     prompt = sum(a[1] - b[1] for a, b in zip(after, before, strict=True))
     return cached / prompt
 
 
-def test_cache_aware_routing_doubles_the_hit_rate_of_round_robin_when_the_fleet_cache_is_the_limit(
+def assert_keyed_as_started(running: Fleet) -> None:
+    """A fleet started without a key is open, as one `snugkv serve` without a key is; one given
+    `--api-key` on the command line answers 401 without it, on the router and on each replica."""
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    keyless = httpx.post(f"{running.url}/v1/completions", json=body, timeout=60)
+    if running.api_key is None:
+        assert keyless.status_code == 200, keyless.text
+        assert httpx.get(f"{running.replica_urls[0]}/v1/models", timeout=10).status_code == 200
+    else:
+        assert keyless.status_code == 401, keyless.text
+        reply = running.client(timeout=60).completions.create(**body)  # type: ignore[call-overload]
+        assert reply.choices[0].finish_reason == "length"
+        assert httpx.get(f"{running.replica_urls[0]}/v1/models", timeout=10).status_code == 401
+
+
+def test_dp_2_starts_without_a_key_and_with_one_on_the_command_line_and_cache_aware_routing_doubles_the_hit_rate(
     fleet_model: Path, tmp_path: Path
 ) -> None:
+    # Two fleets with $SNUGKV_API_KEY unset: the cache-aware one keyed by `--api-key` on the command
+    # line, the round-robin one open (a new user's `serve --dp 2`); the routing comparison needs both
+    # fleets anyway, so the key checks ride on them instead of two more fleet starts.
     rates: dict[str, dict[int, float]] = {}
-    for policy in ("cache_aware", "round_robin"):
-        running = start_fleet(fleet_model, tmp_path / f"{policy}.log", policy, "--max-total-tokens", "3000")
+    for policy, key_flags in (("cache_aware", ["--api-key", "flag-key"]), ("round_robin", [])):
+        running = start_fleet(
+            fleet_model,
+            tmp_path / f"{policy}.log",
+            policy,
+            "--max-total-tokens",
+            "3000",
+            *key_flags,
+            key_env=None,
+        )
         try:
+            assert_keyed_as_started(running)
             # fresh text for each run: nothing one left in the cache helps the next
             rates[policy] = {conc: hit_rate(running, document_sessions(seed=conc), conc) for conc in (1, 4)}
         finally:
