@@ -16,6 +16,7 @@
 #   KV tokens with speculation on against the ledger, and a load of 2x the KV cache: STEPS="env spec-sizing"
 #   the speculative CUDA tests (EAGLE-3 beside the graphs, drafts beside the graphs, verify sizing):
 #   STEPS="env tests" PYTEST_ARGS=tests/speculative
+#   the offline load through snugkv serve with bf16 then FP8 KV (carry .whl .peer/models/llama-3-8b): STEPS="env kv-fp8"
 #   the 8B shape's step costs without and with an 8B-shaped EAGLE-3 head (draft steps, the pass): STEPS="env spec-eagle"
 #   MoE only: STEPS="env moe" (MOE_MODEL=mixtral-8x7b for another shape; the tuned table lands in $OUT/work/moe)
 #   parts of a step: MOE_PARTS="decode" (of "tests tune decode prefill"), FP8_TESTS=0, FP8_SHAPES=llama-3-8b
@@ -287,6 +288,16 @@ for s in $STEPS; do
           --model src/snugkv/bench/configs/llama-3-8b --load-format dummy --step-costs --batch 1 8 32 --k 2 4 \
           --cuda-graph-max-bs 160 ${head:+--eagle $head} --out "$OUT/spec-eagle${head:+-head}" ${ARGS_spec_eagle:-} \
           2>&1 | tee -a "$OUT/bench_spec_eagle.log" | grep -v "^Capturing" || status=1
+      done
+      ;;
+    kv-fp8)  # the offline load (256 requests, token ids) over HTTP through `snugkv serve` alone, its KV cache
+      # in bf16 then in FP8 (--kv-dtype fp8_e4m3): the byte lever of issue 33 (carry .whl, .peer/models/llama-3-8b)
+      for kv in bfloat16 fp8_e4m3; do
+        step "kv $kv offline"
+        timeout "${KV_FP8_TIMEOUT:-200}" python3 -m snugkv bench peers --peer none --shape "${KV_FP8_SHAPE:-llama-3-8b}" \
+          --cases offline --prompts ids --models-dir .peer/models --snugkv-args "--kv-dtype $kv" --deadline-s 180 \
+          --out "$OUT/kv-$kv" ${ARGS_kv_fp8:-} 2>&1 | tee "$OUT/bench_kv_$kv.log" | tail -8 || status=1
+        pack
       done
       ;;
     spec-replay)  # bench speculative --replay: a tracked SmolLM2 trace's acceptance on the 8B shape's steps
