@@ -153,6 +153,21 @@ def test_ratios_are_snugkv_over_the_peer_and_text_over_ids_per_engine() -> None:
     assert len(found) == 2  # snugkv's text row has no figure: no ratio of it
 
 
+def test_a_ratio_names_both_engines_kv_tokens_so_one_at_unequal_kv_shows():
+    # the H100 stress case at b77435b: vLLM's blocks forced to the 499,200-token cap, snugkv's cap
+    # above the 481,264 tokens it sizes on that card
+    rows = [
+        {"engine": "vllm", "model": "m", "case": "stress", "prompts": "ids", "output_tok_per_s": 2319.0,
+         "kv_tokens": 499_200},
+        {"engine": "snugkv", "model": "m", "case": "stress", "prompts": "ids", "output_tok_per_s": 2171.0,
+         "kv_tokens": 481_264},
+    ]  # fmt: skip
+    (found,) = ratios(rows)
+    assert found["kv_tokens"] == {"snugkv": 481_264, "vllm": 499_200}
+    assert found["kv_ratio"] == pytest.approx(481_264 / 499_200)
+    assert found["ratio"] == pytest.approx(2171 / 2319)
+
+
 def _parse(*argv: str):
     return build_parser().parse_args(["bench", "peers", *argv])
 

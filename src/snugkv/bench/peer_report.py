@@ -92,25 +92,33 @@ def skipped_rows(
 
 
 def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """snugkv's output tok/s over each peer's of the same model, case and prompts; and each
-    engine's text over its token ids (what text costs), where both were measured."""
-    rate = {
-        (row["engine"], row["model"], row["case"], row["prompts"]): row["output_tok_per_s"]
-        for row in rows
-        if isinstance(row.get("output_tok_per_s"), int | float) and row["output_tok_per_s"] > 0
-    }
+    """snugkv's output tok/s over each peer's of the same model, case and prompts (with both
+    engines' KV tokens and their ratio where both rows have them: a ratio at unequal KV, e.g. a
+    stress cap one engine could not reach, says so); and each engine's text over its token ids
+    (what text costs), where both were measured."""
+    rate, kv = {}, {}
+    for row in rows:
+        key = (row["engine"], row["model"], row["case"], row["prompts"])
+        if isinstance(row.get("output_tok_per_s"), int | float) and row["output_tok_per_s"] > 0:
+            rate[key] = row["output_tok_per_s"]
+        if isinstance(row.get("kv_tokens"), int) and row["kv_tokens"] > 0:
+            kv[key] = row["kv_tokens"]
     found = []
     for (engine, model, case, prompts), value in rate.items():
-        if engine in PEERS and ("snugkv", model, case, prompts) in rate:
-            found.append(
-                {
-                    "model": model,
-                    "case": case,
-                    "prompts": prompts,
-                    "snugkv_over": engine,
-                    "ratio": rate[("snugkv", model, case, prompts)] / value,
-                }
-            )
+        mine = ("snugkv", model, case, prompts)
+        if engine in PEERS and mine in rate:
+            entry = {
+                "model": model,
+                "case": case,
+                "prompts": prompts,
+                "snugkv_over": engine,
+                "ratio": rate[mine] / value,
+            }
+            theirs = (engine, model, case, prompts)
+            if mine in kv and theirs in kv:
+                entry["kv_tokens"] = {"snugkv": kv[mine], engine: kv[theirs]}
+                entry["kv_ratio"] = kv[mine] / kv[theirs]
+            found.append(entry)
         if prompts == "text" and (engine, model, case, "ids") in rate:
             found.append(
                 {
