@@ -4,11 +4,13 @@ decoding, and (slow) one small run on the embedded SmolLM2 that writes the raw J
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
-from snugkv.bench.speculative import Pass, Setting, _first_difference, _row
+from snugkv.bench.speculative import Pass, Setting, _first_difference, _row, measure_pass
 from snugkv.bench.speculative_workloads import WORKLOADS, batch_of
+from snugkv.scheduler.launched import StepRecord
 
 
 def passed(token_ids, seconds, drafted=0, accepted=0, drafted_rows=0, verify=(), device_s=0.0):
@@ -108,6 +110,29 @@ def test_speedup_median_pairs_each_round_s_pass_with_that_round_s_plain_pass():
     assert columns == {"speedup_median": pytest.approx(1.5), "repeats": 3}
     row = {**_row("open", 64, Setting("ngram", 4), fastest(done), fastest(plain)), **columns}
     assert row["speedup"] == 1.0 and "speedup_median" in format_table([row]).splitlines()[0]
+
+
+def test_a_pass_counts_the_devices_idle_time_and_the_share_after_verify_steps():
+    def step(decode: bool, rows: int, tokens: int, gap_s: float | None) -> StepRecord:
+        return StepRecord(0.0, decode, rows, tokens, busy_s=0.01, gap_s=gap_s, waited_s=0.0)
+
+    # prefill, a plain decode step, a verify step (4 rows, 12 tokens), the decode step after it
+    records = [
+        step(False, 4, 400, None),
+        step(True, 4, 4, 0.001),
+        step(True, 4, 12, 0.002),
+        step(True, 4, 4, 0.005),
+    ]
+    times = SimpleNamespace(records=records, reset=lambda: None)
+    llm = SimpleNamespace(_runtime=SimpleNamespace(scheduler=SimpleNamespace(times=times, speculation=None)))
+    llm.reset_prefix_cache = lambda: None
+    done = measure_pass(llm, None, lambda: ([[1, 2]], 0.5))
+    assert done.idle_s == pytest.approx(0.008) and done.idle_after_verify_s == pytest.approx(0.005)
+    assert done.device_s == pytest.approx(0.04) and done.verify_step_s == [0.01]
+    plain = passed([[1, 2]], seconds=0.5)
+    row = _row("summarize", 4, Setting("ngram", 4), done, plain)
+    assert row["idle_ms"] == pytest.approx(8.0) and row["idle_after_verify_ms"] == pytest.approx(5.0)
+    assert row["plain_idle_ms"] == 0.0
 
 
 def test_a_differing_output_is_not_the_same_tokens_and_says_where():

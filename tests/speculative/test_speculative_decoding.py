@@ -322,6 +322,9 @@ def test_the_break_even_comes_from_the_measured_decode_verify_and_host_times():
         return request.drafter.break_even
 
     assert given(Speculation(SpeculativeConfig("ngram"))) == costs.break_even(1)
+    timed = Speculation(SpeculativeConfig("ngram"))
+    given(timed)  # the host's time drafting is counted (bench speculative's draft_host_ms)
+    assert 0.0 < timed.counts.draft_host_s < 1.0
     assert given(Speculation(SpeculativeConfig("ngram", break_even=2.0))) == 2.0
     assert given(Speculation(SpeculativeConfig("ngram"), measure_costs=False)) == DEFAULT_BREAK_EVEN
 

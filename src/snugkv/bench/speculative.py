@@ -26,6 +26,7 @@ steps. Multi-turn chat re-sends each conversation's history with the model's own
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -203,6 +204,9 @@ class Pass:
     guesses_held: int = 0
     reads_first: int = 0  # steps that read the step in flight first (poor guesses)
     device_s: float = 0.0  # the device time of every step of the pass (CUDA events around each)
+    idle_s: float = 0.0  # the device's idle time between the pass's steps (the host's share)
+    idle_after_verify_s: float = 0.0  # of which before a step that follows a verify step
+    draft_host_s: float = 0.0  # the host's time drafting (`Speculation.drafts`), all steps
 
     @property
     def output_tokens(self) -> int:
@@ -510,6 +514,13 @@ def measure_pass(llm: Any, speculation: Any, generate: Callable[[], tuple[list[l
         guesses_held=counts.guesses_held if counts else 0,
         reads_first=counts.reads_first if counts else 0,
         device_s=sum(r.busy_s for r in records),
+        draft_host_s=counts.draft_host_s if counts else 0.0,
+        idle_s=sum(r.gap_s or 0.0 for r in records),
+        idle_after_verify_s=sum(
+            after.gap_s or 0.0
+            for before, after in itertools.pairwise(records)
+            if before.decode and before.tokens > before.rows
+        ),
     )
 
 
@@ -545,6 +556,12 @@ def _row(workload: str, batch: int, setting: Setting, done: Pass, plain: Pass) -
         # drafts made behind a step in flight: how often the guess of its token held
         "guess_rate": done.guesses_held / done.guesses if done.guesses else None,
         "reads_first": done.reads_first,
+        # the device's idle time between steps, this pass's and the plain pass's: where a pass that
+        # saves device time loses wall time, the host's share shows here
+        "idle_ms": done.idle_s * 1e3,
+        "plain_idle_ms": plain.idle_s * 1e3,
+        "idle_after_verify_ms": done.idle_after_verify_s * 1e3,
+        "draft_host_ms": done.draft_host_s * 1e3,
         "output_tokens": done.output_tokens,
         "same_tokens": done.token_ids == plain.token_ids,
     }

@@ -28,6 +28,7 @@ This module never allocates or frees slots and never touches the queues.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -100,6 +101,7 @@ class SpeculationCounts:
     guesses: int = 0  # drafts made behind a step in flight whose guess of its token was read
     guesses_held: int = 0  # of those, the ones whose guess was that token
     reads_first: int = 0  # steps that read the step in flight before drafting (poor guesses)
+    draft_host_s: float = 0.0  # the host's time in `drafts` (drafters built, proposals), all steps
 
     @property
     def mean_accepted_length(self) -> float:
@@ -135,6 +137,7 @@ class Speculation:
         token a step in flight is still computing (`in_flight`) drafts from the tokens before it
         with a host proposer (`RowDrafter.propose`'s `unread`: the proposer's guess of that token
         is dropped, the draft follows it), and not at all with a draft model."""
+        started = time.perf_counter()
         drafts: list[list[int]] = []
         counts = self.counts
         break_even = self.break_even(len(requests))
@@ -155,6 +158,7 @@ class Speculation:
                     counts.guesses += 1
                     counts.guesses_held += held
                 drafts.append(drafter.propose(token_ids, room, unread))
+        counts.draft_host_s += time.perf_counter() - started
         return drafts
 
     def break_even(self, rows: int) -> float:
