@@ -218,3 +218,13 @@ def test_step_costs_with_an_eagle3_head_time_its_draft_steps_too(tmp_path):
     )
     with pytest.raises(SystemExit, match="--eagle goes with --step-costs"):
         main(["bench", "speculative", "--eagle", str(tmp_path / "head"), "--out", str(tmp_path)])
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "x"])
+def test_repeats_below_one_or_not_a_number_is_refused_before_the_engine_loads(value, capsys):
+    from snugkv.cli import build_parser
+
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["bench", "speculative", "--repeats", value])
+    assert exit_info.value.code == 2
+    assert f"--repeats: {value!r} rounds: pass a whole number, 1 or more" in capsys.readouterr().err

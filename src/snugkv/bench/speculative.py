@@ -76,6 +76,17 @@ def speculative_config(
     )
 
 
+def _rounds(value: str) -> int:
+    """`--repeats`: a whole number of rounds, 1 or more (each configuration's passes)."""
+    try:
+        rounds = int(value)
+    except ValueError:
+        rounds = 0
+    if rounds < 1:
+        raise argparse.ArgumentTypeError(f"{value!r} rounds: pass a whole number, 1 or more")
+    return rounds
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M (real weights)")
     parser.add_argument("--load-format", default="auto", help="dummy: random weights (step costs only)")
@@ -102,7 +113,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="output tokens per request and turn (default: GPU 256, CPU 96)",
     )
     parser.add_argument(
-        "--repeats", type=int, default=None, help="passes of each configuration (default: GPU 3, CPU 1)"
+        "--repeats", type=_rounds, default=None, help="passes of each configuration (default: GPU 3, CPU 1)"
     )
     parser.add_argument(
         "--speculative-max-batch-size", type=int, default=None, help="(default: the engine's)"
