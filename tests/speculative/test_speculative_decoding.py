@@ -245,6 +245,8 @@ def test_large_batches_do_not_speculate_and_rows_that_keep_failing_pause(engine,
     assert tokens_of(results) == tokens_of(plain)
     assert scheduler.stats().spec_draft_tokens == 0
     assert all(result.draft_tokens == 0 for result in results.values())
+    # the batch is over the cap by less than as much again: drafters were built behind steps in flight
+    assert scheduler.speculation is not None and scheduler.speculation.counts.ahead_host_s > 0
 
     # a row pauses once its recent verify steps average fewer accepted tokens than pay for them
     drafter = RowDrafter(SpeculativeConfig("ngram", num_tokens=3, pause_tokens=5), [1, 2, 1, 2], None)
@@ -327,6 +329,32 @@ def test_the_break_even_comes_from_the_measured_decode_verify_and_host_times():
     assert 0.0 < timed.counts.draft_host_s < 1.0
     assert given(Speculation(SpeculativeConfig("ngram", break_even=2.0))) == 2.0
     assert given(Speculation(SpeculativeConfig("ngram"), measure_costs=False)) == DEFAULT_BREAK_EVEN
+
+
+def test_drafters_are_built_a_few_a_step_ahead_while_the_batch_nears_the_cap():
+    from types import SimpleNamespace
+
+    from snugkv.scheduler.speculation import AHEAD_PER_STEP, Speculation
+
+    def requests(n: int, grammar: object = None) -> list[SimpleNamespace]:
+        return [SimpleNamespace(drafter=None, grammar=grammar, all_ids=[1, 2, 3, 1, 2]) for _ in range(n)]
+
+    speculation = Speculation(SpeculativeConfig("suffix", max_batch_size=AHEAD_PER_STEP))
+    at_cap, far_over = requests(AHEAD_PER_STEP), requests(2 * AHEAD_PER_STEP + 1)
+    speculation.build_ahead(at_cap)  # at the cap: built at the first step that speculates
+    speculation.build_ahead(far_over)  # far over it: the batch may never come down
+    assert all(r.drafter is None for r in at_cap + far_over)
+    near = requests(2 * AHEAD_PER_STEP - 1) + requests(1, grammar=object())
+    speculation.build_ahead(near)
+    assert [r.drafter is not None for r in near] == [True] * AHEAD_PER_STEP + [False] * AHEAD_PER_STEP
+    first = near[0].drafter
+    speculation.build_ahead(near)  # the next step: the rest, never a grammar's row, none twice
+    assert [r.drafter is not None for r in near] == [True] * (2 * AHEAD_PER_STEP - 1) + [False]
+    assert near[0].drafter is first and first.proposer.store is speculation.store
+    assert speculation.counts.ahead_host_s > 0 and speculation.counts.draft_host_s == 0
+    model = Speculation(SpeculativeConfig("draft", max_batch_size=AHEAD_PER_STEP, draft_model="layers:1"))
+    model.build_ahead(near := requests(AHEAD_PER_STEP + 1))
+    assert all(r.drafter is None for r in near)  # a draft model's rows have no proposer to build
 
 
 def test_a_constrained_row_runs_beside_speculating_rows(engine, tokenizer):

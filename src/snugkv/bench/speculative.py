@@ -218,6 +218,7 @@ class Pass:
     idle_s: float = 0.0  # the device's idle time between the pass's steps (the host's share)
     idle_after_verify_s: float = 0.0  # of which before a step that follows a verify step
     draft_host_s: float = 0.0  # the host's time drafting (`Speculation.drafts`), all steps
+    ahead_host_s: float = 0.0  # the host's time building drafters behind steps in flight (`build_ahead`)
 
     @property
     def output_tokens(self) -> int:
@@ -526,6 +527,7 @@ def measure_pass(llm: Any, speculation: Any, generate: Callable[[], tuple[list[l
         reads_first=counts.reads_first if counts else 0,
         device_s=sum(r.busy_s for r in records),
         draft_host_s=counts.draft_host_s if counts else 0.0,
+        ahead_host_s=counts.ahead_host_s if counts else 0.0,
         idle_s=sum(r.gap_s or 0.0 for r in records),
         idle_after_verify_s=sum(
             after.gap_s or 0.0
@@ -573,6 +575,7 @@ def _row(workload: str, batch: int, setting: Setting, done: Pass, plain: Pass) -
         "plain_idle_ms": plain.idle_s * 1e3,
         "idle_after_verify_ms": done.idle_after_verify_s * 1e3,
         "draft_host_ms": done.draft_host_s * 1e3,
+        "ahead_host_ms": done.ahead_host_s * 1e3,
         "output_tokens": done.output_tokens,
         "same_tokens": done.token_ids == plain.token_ids,
     }

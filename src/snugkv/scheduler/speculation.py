@@ -14,9 +14,12 @@ verify step is launched before the step in flight is read (docs/SPECULATIVE.md, 
 the rows drafting so guess that token poorly of late (`reads_first`): then the step in flight is
 read and the rows draft again from the token itself.
 
-Each request gets a `RowDrafter` at its first decode step that may speculate; with the suffix
-method every drafter reads one `SuffixStore` of this scheduler, which a request's output joins
-when it ends by a stop or its length.
+Each request gets a `RowDrafter` at its first decode step that may speculate, or before it: while
+a batch is over `max_batch_size` by at most as much again, a few rows a step get theirs behind the
+steps in flight (`build_ahead`), so that the step where the batch falls to the cap does not build
+them all at once on the host with the device waiting; with the suffix method every drafter reads
+one `SuffixStore` of this scheduler, which a request's output joins when it ends by a stop or its
+length.
 
 With `--speculative draft` no host proposer drafts: a row's draft is `room` placeholders
 (`DRAFT_PENDING`) when the step is scheduled, so that the slots of every position are allocated
@@ -46,6 +49,7 @@ if TYPE_CHECKING:
     from snugkv.runner.model_runner import ModelRunner
 
 DRAFT_PENDING = -2  # a draft model's token until its forwards run at launch (never fed to a forward)
+AHEAD_PER_STEP = 4  # drafters `build_ahead` builds behind one step in flight (~0.1-0.5 ms each)
 COST_WEIGHT = 0.1  # weight of a new step's time in the running averages
 
 
@@ -102,6 +106,7 @@ class SpeculationCounts:
     guesses_held: int = 0  # of those, the ones whose guess was that token
     reads_first: int = 0  # steps that read the step in flight before drafting (poor guesses)
     draft_host_s: float = 0.0  # the host's time in `drafts` (drafters built, proposals), all steps
+    ahead_host_s: float = 0.0  # the host's time in `build_ahead` (behind steps in flight)
 
     @property
     def mean_accepted_length(self) -> float:
@@ -160,6 +165,24 @@ class Speculation:
                 drafts.append(drafter.propose(token_ids, room, unread))
         counts.draft_host_s += time.perf_counter() - started
         return drafts
+
+    def build_ahead(self, requests: Sequence[Request]) -> None:
+        """Behind a step in flight that does not speculate because its batch of `requests` is over
+        `max_batch_size` (by at most as much again): build the drafters of up to `AHEAD_PER_STEP`
+        rows that have none and may draft (no grammar), for the steps once the batch is at the cap.
+        Nothing with a draft model (its rows' drafters hold no proposer)."""
+        cap = self.config.max_batch_size
+        if self.config.drafts_with_model or not cap < len(requests) <= 2 * cap:
+            return
+        started = time.perf_counter()
+        built = 0
+        for request in requests:
+            if request.drafter is None and request.grammar is None:
+                self._drafter(request)
+                built += 1
+                if built == AHEAD_PER_STEP:
+                    break
+        self.counts.ahead_host_s += time.perf_counter() - started
 
     def break_even(self, rows: int) -> float:
         """The accepted tokens a verify step of `rows` rows must average to pay (the drafters'
