@@ -17,6 +17,7 @@
 #   the speculative CUDA tests (EAGLE-3 beside the graphs, drafts beside the graphs, verify sizing):
 #   STEPS="env tests" PYTEST_ARGS=tests/speculative
 #   the offline load through snugkv serve with bf16 then FP8 KV (carry .whl .peer/models/llama-3-8b): STEPS="env kv-fp8"
+#   (KV_FP8_RUNS="llama-3-8b:bfloat16 llama-3-8b-fp8:bfloat16 llama-3-8b-fp8:fp8_e4m3": FP8 weights, then with FP8 KV)
 #   the 8B shape's step costs without and with an 8B-shaped EAGLE-3 head (draft steps, the pass): STEPS="env spec-eagle"
 #   MoE only: STEPS="env moe" (MOE_MODEL=mixtral-8x7b for another shape; the tuned table lands in $OUT/work/moe)
 #   parts of a step: MOE_PARTS="decode" (of "tests tune decode prefill"), FP8_TESTS=0, FP8_SHAPES=llama-3-8b
@@ -292,11 +293,14 @@ for s in $STEPS; do
       ;;
     kv-fp8)  # the offline load (256 requests, token ids) over HTTP through `snugkv serve` alone, its KV cache
       # in bf16 then in FP8 (--kv-dtype fp8_e4m3): the byte lever of issue 33 (carry .whl, .peer/models/llama-3-8b)
-      for kv in bfloat16 fp8_e4m3; do
-        step "kv $kv offline"
-        timeout "${KV_FP8_TIMEOUT:-200}" python3 -m snugkv bench peers --peer none --shape "${KV_FP8_SHAPE:-llama-3-8b}" \
+      # KV_FP8_RUNS: SHAPE:KV pairs in order, e.g. "llama-3-8b:bfloat16 llama-3-8b-fp8:bfloat16 llama-3-8b-fp8:fp8_e4m3"
+      # (FP8 weights, then FP8 weights and KV, against the bf16 engine in the same call)
+      for run in ${KV_FP8_RUNS:-llama-3-8b:bfloat16 llama-3-8b:fp8_e4m3}; do
+        shape=${run%%:*} kv=${run#*:}
+        step "$shape kv $kv offline"
+        timeout "${KV_FP8_TIMEOUT:-200}" python3 -m snugkv bench peers --peer none --shape "$shape" \
           --cases offline --prompts ids --models-dir .peer/models --snugkv-args "--kv-dtype $kv" --deadline-s 180 \
-          --out "$OUT/kv-$kv" ${ARGS_kv_fp8:-} 2>&1 | tee "$OUT/bench_kv_$kv.log" | tail -8 || status=1
+          --out "$OUT/kv-$shape-$kv" ${ARGS_kv_fp8:-} 2>&1 | tee "$OUT/bench_kv_$shape-$kv.log" | tail -8 || status=1
         pack
       done
       ;;
