@@ -73,6 +73,25 @@ def test_extending_in_chunks_is_extending_at_once():
     whole = NgramProposer(token_ids=tokens)
     assert chunked.num_tokens == whole.num_tokens == 500
     assert chunked.find() == whole.find() and chunked.propose(8) == whole.propose(8)
+    # chunks of any size (none, shorter and longer than the n-grams) index exactly what one token
+    # at a time does, and draft what a rescan finds after each
+    for seed, (min_n, max_n) in enumerate(((1, 1), (2, 4), (3, 6))):
+        rng = random.Random(seed)
+        tokens = [rng.randrange(4) for _ in range(400)]
+        one_by_one, in_chunks = (
+            NgramProposer(NgramConfig(min_n, max_n)),
+            NgramProposer(NgramConfig(min_n, max_n)),
+        )
+        end = 0
+        while end < len(tokens):
+            size = rng.choice((0, 1, 2, 3, 5, 8, 40))
+            chunk = tokens[end : end + size]
+            for token in chunk:
+                one_by_one.extend([token])
+            in_chunks.extend(chunk)
+            end += len(chunk)
+            assert in_chunks._latest_start == one_by_one._latest_start, (seed, end)
+            assert in_chunks.propose(5) == _rescan(tokens[:end], 5, min_n, max_n), (seed, end)
 
 
 def test_a_long_context_finds_a_far_match_without_rescanning():

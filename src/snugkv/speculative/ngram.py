@@ -14,7 +14,8 @@ period, so `a b a b a b` proposes `a b a b ...` rather than stopping at the end.
 The index keeps, for each `n`, a dict from an n-gram to the start of its most recent occurrence
 that has a following token. `extend` costs one dict write per `n` for each new token (the n-gram
 that just gained a follower); `propose` at most one lookup per `n` plus `k` copies, whatever the
-context's length (6 us a proposal, 6 us a token indexed, in CPython 3.11). Memory: at most one
+context's length (6 us a proposal in CPython 3.11; a token indexed ~4 us one at a time, ~0.4 us in
+a prompt, which `extend` indexes in bulk: 0.4 ms for 1,000 tokens against 2.7 ms token by token). Memory: at most one
 entry per token per `n`: 100k tokens of distinct n-grams took 45 MB with the default three sizes.
 """
 
@@ -22,6 +23,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+
+BULK_TOKENS = 16  # `extend` indexes more tokens than this at once with C loops (zip, dict.update)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,16 +71,26 @@ class NgramProposer:
         return len(self._tokens)
 
     def extend(self, token_ids: Iterable[int]) -> None:
-        """Append tokens (the prompt, then accepted output tokens) to the index."""
+        """Append tokens (the prompt, then accepted output tokens) to the index: for each `n`, the
+        n-grams that gained a follower, starts `old - n` to `len - 1 - n`, in order, so that a
+        gram's latest start wins (a prompt is indexed in a few passes of C loops: zip, dict)."""
         tokens = self._tokens
-        for token in token_ids:
-            end = len(tokens)  # the n-grams ending at `end - 1` now have a follower: `token`
-            for n, latest_start in zip(self.config.sizes, self._latest_start):
-                start = end - n
-                if start < 0:
-                    break
-                latest_start[tuple(tokens[start:end])] = start
-            tokens.append(token)
+        old = len(tokens)
+        tokens.extend(token_ids)
+        if len(tokens) - old <= BULK_TOKENS:  # a step's few accepted tokens: one dict write per gram
+            for end in range(old, len(tokens)):
+                for n, latest_start in zip(self.config.sizes, self._latest_start):
+                    start = end - n
+                    if start < 0:
+                        break
+                    latest_start[tuple(tokens[start:end])] = start
+            return
+        for n, latest_start in zip(self.config.sizes, self._latest_start):
+            first, stop = max(0, old - n), len(tokens) - n  # starts [first, stop)
+            if stop <= first:
+                break
+            grams = zip(*(tokens[first + j : stop + j] for j in range(n)))
+            latest_start.update(zip(grams, range(first, stop)))
 
     def find(self) -> NgramMatch | None:
         """The match of the longest looked-up suffix, or None where no suffix occurred before."""
