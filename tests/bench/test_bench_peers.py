@@ -201,6 +201,24 @@ def test_the_arguments_plan_each_engine_s_flags_and_environment(
     assert ours.command[-4:] == ["--quantization", "fp8", "--max-total-tokens", "499200"]
     assert ours.env["PYTHONPATH"] == "src:/tmp/snugkv-site"  # snugkv's wheels, never the peer's site
     assert ours.log_path == tmp_path / "server-snugkv-stress.log"
+    # --profile-steps: vLLM gets its profiler at launch (a flag: 0.26 ignores the old environment
+    # variable and answers /start_profile with a 404 without it), snugkv its folder in the environment
+    profiled = plan_from_args(
+        _parse("--peer", "vllm", "--cases", "offline", "--profile-steps", "5", "--out", str(tmp_path))
+    )
+    peer = profiled.server_spec("vllm", "offline")
+    folder = tmp_path.resolve() / "profile-vllm-offline"
+    at = peer.command.index("--profiler-config")
+    assert json.loads(peer.command[at + 1]) == {
+        "profiler": "torch", "torch_profiler_dir": str(folder), "torch_profiler_with_stack": False,
+    }  # fmt: skip
+    assert not any(key.startswith("VLLM_TORCH_PROFILER") for key in peer.env)
+    assert "--profiler-config" not in plan.server_spec("vllm", "stress").command  # only the profiled case
+    ours = profiled.server_spec("snugkv", "offline")
+    assert (
+        "--profiler-config" not in ours.command
+        and str(tmp_path.resolve() / "profile-snugkv-offline") in ours.env.values()
+    )
 
 
 def test_the_dry_run_is_snugkv_alone_on_the_default_model_with_a_tiny_load() -> None:

@@ -3,7 +3,7 @@
 
 After an engine's measured passes of the offline case, while its server still runs: `POST
 /start_profile` (snugkv and SGLang take `{"output_dir", "num_steps"}`; vLLM writes where its
-server was started to, `VLLM_TORCH_PROFILER_DIR`, which `profile_env` sets), the same load of
+server was started to, `--profiler-config`, which `profile_flags` gives), the same load of
 `PROFILE_REQUESTS` requests (random token ids, `PROFILE_INPUT` in and `PROFILE_OUTPUT` out,
 `ignore_eos`, all at once), `POST /stop_profile` (an engine that stopped at its step count may
 refuse it: the trace is written either way), then the newest trace under the folder is summed by
@@ -15,6 +15,7 @@ outlasts it); vLLM's count is unknown (its sums only). The engines' steps differ
 
 from __future__ import annotations
 
+import json
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -36,13 +37,21 @@ def profile_dir(out: Path, engine: str, case: str) -> Path:
 
 
 def profile_env(engine: str, env: dict[str, str], folder: Path) -> dict[str, str]:
-    """The server's environment for a profile later: vLLM reads its trace folder at start-up, and
-    snugkv's routes write under theirs only."""
-    if engine == "vllm":
-        return {**env, "VLLM_TORCH_PROFILER_DIR": str(folder)}
+    """The server's environment for a profile later: snugkv's routes write under its folder only."""
     if engine == "snugkv":
         return {**env, PROFILE_DIR_ENV: str(folder)}
     return env
+
+
+def profile_flags(engine: str, folder: Path) -> list[str]:
+    """The peer server's flags for a profile later: vLLM (0.13 and on) takes its profiler and trace
+    folder at start-up, `--profiler-config` (without it `/start_profile` is a 404, and 0.26 ignores
+    the older `VLLM_TORCH_PROFILER_DIR`: both seen on the device at fbda64c); stacks off, as the
+    other engines' traces have none."""
+    if engine != "vllm":
+        return []
+    config = {"profiler": "torch", "torch_profiler_dir": str(folder), "torch_profiler_with_stack": False}
+    return ["--profiler-config", json.dumps(config)]
 
 
 def _load(url: str, model: str | None, shape: tuple[int, int, int], seed: int) -> int:

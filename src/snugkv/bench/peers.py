@@ -181,6 +181,8 @@ class Plan:
             if self.model_dir is None:
                 raise ServerError(f"--dry-run serves snugkv alone; drop --peer {engine}")
             flags += self.peer_flags
+            if self.profile_steps and case == "offline":
+                flags += peer_profile.profile_flags(engine, peer_profile.profile_dir(self.out, engine, case))
             command = peer_servers.peer_command(engine, self.serve_sh, self.model_dir, port, flags)
             pythonpath = None if self.peer_site is None else str(self.peer_site)
             env = peer_servers.engine_env(dict(os.environ), pythonpath)
