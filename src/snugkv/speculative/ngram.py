@@ -15,8 +15,9 @@ The index keeps, for each `n`, a dict from an n-gram to the start of its most re
 that has a following token. `extend` costs one dict write per `n` for each new token (the n-gram
 that just gained a follower); `propose` at most one lookup per `n` plus `k` copies, whatever the
 context's length (6 us a proposal in CPython 3.11; a token indexed ~4 us one at a time, ~0.4 us in
-a prompt, which `extend` indexes in bulk: 0.4 ms for 1,000 tokens against 2.7 ms token by token). Memory: at most one
-entry per token per `n`: 100k tokens of distinct n-grams took 45 MB with the default three sizes.
+a prompt, which `extend` indexes in bulk: 0.4 ms for 1,000 tokens against 2.7 ms token by token).
+Memory: at most one entry per token per `n`: 100k tokens of distinct n-grams took 45 MB with the
+default three sizes.
 """
 
 from __future__ import annotations
