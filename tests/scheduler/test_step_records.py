@@ -1,6 +1,10 @@
-"""`summarize_steps`: where a run's device time went, from the steps' records."""
+"""`summarize_steps`: where a run's device time went, from the steps' records; whether a launched
+step still holds the device."""
 
-from snugkv.scheduler.launched import StepRecord, summarize_steps
+import pytest
+import torch
+
+from snugkv.scheduler.launched import LaunchedStep, StepRecord, clock, summarize_steps
 
 
 def record(at: float, decode: bool, rows: int, gap: float | None) -> StepRecord:
@@ -32,3 +36,30 @@ def test_records_read_back_from_json_lists_and_an_empty_span():
     records = [list(record(1.0, True, 1, None)), list(record(1.1, True, 1, 0.01))]
     assert summarize_steps(records, 0.0, 2.0)["steps"] == 2
     assert summarize_steps(records, 5.0, 6.0) == {"steps": 0}
+
+
+@pytest.mark.cuda
+def test_a_launched_step_is_running_until_the_device_reaches_its_end():
+    """`LaunchedStep.running` (speculation builds drafters ahead only while it holds): a CUDA event
+    recorded behind a long kernel is not reached at once, and is once the stream is done."""
+    device = torch.device("cuda")
+    a = torch.randn(4096, 4096, device=device)
+    torch.cuda.synchronize()
+    for _ in range(20):  # milliseconds of float32 products queued
+        a = a @ a / 64
+    step = launched(started=clock(device))
+    step.finish_launch(device)
+    assert step.running()
+    torch.cuda.synchronize()
+    assert not step.running()
+
+
+def launched(**fields: object) -> LaunchedStep:
+    return LaunchedStep(batch=None, sampled_rows=[], tokens=None, log_probs=None, **fields)  # type: ignore[arg-type]
+
+
+def test_a_cpu_step_is_never_running_once_launched():
+    cpu = torch.device("cpu")
+    step = launched(started=clock(cpu))
+    step.finish_launch(cpu)
+    assert not step.running()

@@ -76,6 +76,11 @@ class LaunchedStep:
         """Mark the end of what this step queued (after the copies to the host)."""
         self.done = clock(device)
 
+    def running(self) -> bool:
+        """Whether the device is still working on this step (host work now hides behind it); never
+        on a CPU, whose steps are done when launched."""
+        return isinstance(self.done, torch.cuda.Event) and not self.done.query()
+
     def results(self) -> tuple[list[int], torch.Tensor | None]:
         """The sampled tokens (in `sampled_rows` order) and the log-probability rows, once on the host."""
         if self.host_tokens is None:

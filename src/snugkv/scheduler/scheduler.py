@@ -317,8 +317,8 @@ class Scheduler:
             self.slots.launched(id(launched), batch.requests)
             self.oom.launched(self.max_running_requests, self.chunked_prefill_size)
             if previous is not None:
-                if self.speculation is not None and batch.drafts is None:  # the device is busy
-                    self.speculation.build_ahead(self.running)
+                if self.speculation is not None and batch.drafts is None and previous.running():
+                    self.speculation.build_ahead(self.running)  # while the device is still busy
                 self._complete(previous)
             if not self.overlap or batch.drafts is not None:  # a verify step is read at once
                 self.finish_in_flight()

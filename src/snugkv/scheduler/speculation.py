@@ -16,7 +16,8 @@ read and the rows draft again from the token itself.
 
 Each request gets a `RowDrafter` at its first decode step that may speculate, or before it: while
 a batch is over `max_batch_size` by at most as much again, a few rows a step get theirs behind the
-steps in flight (`build_ahead`), so that the step where the batch falls to the cap does not build
+steps in flight (`build_ahead`, only while the device is still busy with the step before: host
+work then costs no device time), so that the step where the batch falls to the cap does not build
 them all at once on the host with the device waiting; with the suffix method every drafter reads
 one `SuffixStore` of this scheduler, which a request's output joins when it ends by a stop or its
 length.
