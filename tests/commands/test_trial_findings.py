@@ -211,6 +211,7 @@ def _every_flag() -> set[str]:
 
 OTHER_PROGRAMS_FLAGS = {"--no-deps"}  # pip's, in a docstring
 OTHER_PROGRAMS_FLAGS |= {"--worker-urls"}  # smg's, in the --dp refusal that points to it
+OTHER_PROGRAMS_FLAGS |= {"--profiler-config"}  # vLLM's, which bench peers starts it with to profile it
 OTHER_PROGRAMS_FILES = {"server/router.py"}  # builds and documents smg's command line, not snugkv's
 
 

@@ -339,7 +339,7 @@ def test_drafters_are_built_a_few_a_step_ahead_while_the_batch_nears_the_cap():
     from snugkv.scheduler.speculation import AHEAD_PER_STEP, Speculation
 
     def requests(n: int, grammar: object = None) -> list[SimpleNamespace]:
-        return [SimpleNamespace(drafter=None, grammar=grammar, all_ids=[1, 2, 3, 1, 2]) for _ in range(n)]
+        return [SimpleNamespace(drafter=None, grammar=grammar, prompt_ids=[1, 2, 3, 1, 2]) for _ in range(n)]
 
     speculation = Speculation(SpeculativeConfig("suffix", max_batch_size=AHEAD_PER_STEP))
     at_cap, far_over = requests(AHEAD_PER_STEP), requests(2 * AHEAD_PER_STEP + 1)
@@ -357,6 +357,32 @@ def test_drafters_are_built_a_few_a_step_ahead_while_the_batch_nears_the_cap():
     model = Speculation(SpeculativeConfig("draft", max_batch_size=AHEAD_PER_STEP, draft_model="layers:1"))
     model.build_ahead(near := requests(AHEAD_PER_STEP + 1))
     assert all(r.drafter is None for r in near)  # a draft model's rows have no proposer to build
+
+
+@pytest.mark.parametrize("built_after", [0, 3, 6])
+def test_a_finished_request_s_whole_output_joins_the_store_whenever_its_drafter_was_built(built_after):
+    """The suffix store gets a request's output from its prompt's end to its last token, whether its
+    drafter was built at admission, ahead of the cap (`build_ahead`) or at a late first proposal,
+    and whether it proposed after its last tokens or not: what ranks under --tp store never depends
+    on when each built it."""
+    from snugkv.scheduler.speculation import Speculation
+
+    prompt, output = [1, 2, 3, 4], [5, 6, 7, 8, 9, 10]
+    speculation = Speculation(SpeculativeConfig("suffix", max_batch_size=1))
+    request = SimpleNamespace(
+        drafter=None, grammar=None, prompt_ids=prompt, all_ids=prompt + output[:built_after], in_flight=0
+    )
+    speculation.build_ahead([request, SimpleNamespace(drafter=None, grammar=None, prompt_ids=[1])])
+    assert request.drafter is not None and request.drafter.proposer.num_tokens == len(prompt)
+    request.drafter.propose(request.all_ids, 2)  # catches up on the output so far
+    request.all_ids = prompt + output
+    speculation.finish(request, "length")
+    store = speculation.store
+    assert store is not None and (store.num_sequences, store.num_tokens) == (1, len(output))
+    stored = store.occurrences((8, 9), 4)  # the last gram with a token after it
+    assert [sequence[start:] for sequence, start in stored] == [[8, 9, 10]]
+    speculation.finish(request, "length")  # once only
+    assert store.num_sequences == 1
 
 
 def test_a_constrained_row_runs_beside_speculating_rows(engine, tokenizer):

@@ -171,7 +171,7 @@ def policy_steps(items: Iterable[TraceItem], config: SpeculativeConfig) -> Polic
             if room > 0:
                 unread = int(in_flight)
                 if drafter is None:
-                    drafter = RowDrafter(config, text[: known - unread], store)
+                    drafter = RowDrafter(config, item.prompt_ids, store)  # as the engine's
                     drafter.break_even = break_even
                 draft = drafter.propose(text[: known - unread], room, unread)
                 if draft and unread and not drafter.guesses_well:
@@ -192,7 +192,7 @@ def policy_steps(items: Iterable[TraceItem], config: SpeculativeConfig) -> Polic
             drafter.read_guess(text)
             guesses += drafter.guesses
             held += drafter.guesses_held
-            drafter.finish()
+            drafter.finish(text)
         total += len(item.output_ids)
     return PolicySteps(plain, verify, accepted, total, reads, guesses, held)
 

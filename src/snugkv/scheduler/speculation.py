@@ -250,9 +250,10 @@ class Speculation:
         self.counts.drafted_rows += 1
 
     def finish(self, request: Request, reason: str) -> None:
-        """`request` ended: its output joins the suffix store if it ended as the model meant it to."""
+        """`request` ended: its whole output joins the suffix store if it ended as the model meant
+        it to (a stop or its length), also the tokens after its last proposal."""
         if request.drafter is not None and reason in ("stop", "length"):
-            request.drafter.finish()
+            request.drafter.finish(request.all_ids)
 
     def _draft_room(self, request: Request, context_length: int) -> int:
         """The longest draft worth verifying for `request` now: every emitted token (the draft's and
@@ -270,7 +271,9 @@ class Speculation:
 
     def _drafter(self, request: Request) -> RowDrafter:
         if request.drafter is None:
-            request.drafter = RowDrafter(self.config, request.all_ids, self.store)
+            # from the prompt alone (a proposal catches up on the output): a suffix proposer's
+            # output starts at the prompt's end, whichever step built it (`build_ahead` or not)
+            request.drafter = RowDrafter(self.config, request.prompt_ids, self.store)
         return request.drafter
 
 

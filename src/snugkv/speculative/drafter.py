@@ -135,7 +135,11 @@ class RowDrafter:
             self.resume_at_tokens = num_tokens + self.config.pause_tokens
             self.recent_accepted = self.break_even
 
-    def finish(self) -> None:
-        """The request ended: a suffix proposer hands its output to the shared store."""
+    def finish(self, token_ids: Sequence[int] = ()) -> None:
+        """The request ended holding `token_ids` (all its tokens): a suffix proposer takes those it
+        has not seen and hands its whole output to the shared store, whenever the drafter was built
+        and however long ago it last proposed."""
         if isinstance(self.proposer, SuffixProposer):
+            if len(token_ids) > self.proposer.num_tokens:
+                self.proposer.extend(token_ids[self.proposer.num_tokens :])
             self.proposer.finish()
