@@ -88,8 +88,7 @@ class RowDrafter:
         if proposer is None:
             raise RuntimeError("this row's drafts come from a draft model, not a host proposer")
         self.read_guess(token_ids)
-        if len(token_ids) > proposer.num_tokens:
-            proposer.extend(token_ids[proposer.num_tokens :])
+        _catch_up(proposer, token_ids)
         num_tokens = len(token_ids) + unread
         if k <= 0 or not self.may_draft(num_tokens):
             return []
@@ -135,11 +134,16 @@ class RowDrafter:
             self.resume_at_tokens = num_tokens + self.config.pause_tokens
             self.recent_accepted = self.break_even
 
-    def finish(self, token_ids: Sequence[int] = ()) -> None:
+    def finish(self, token_ids: Sequence[int]) -> None:
         """The request ended holding `token_ids` (all its tokens): a suffix proposer takes those it
         has not seen and hands its whole output to the shared store, whenever the drafter was built
         and however long ago it last proposed."""
         if isinstance(self.proposer, SuffixProposer):
-            if len(token_ids) > self.proposer.num_tokens:
-                self.proposer.extend(token_ids[self.proposer.num_tokens :])
+            _catch_up(self.proposer, token_ids)
             self.proposer.finish()
+
+
+def _catch_up(proposer: NgramProposer | SuffixProposer, token_ids: Sequence[int]) -> None:
+    """Feed `proposer` the tokens of `token_ids` (a request's tokens so far) it has not seen."""
+    if len(token_ids) > proposer.num_tokens:
+        proposer.extend(token_ids[proposer.num_tokens :])
